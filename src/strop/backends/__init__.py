@@ -1,0 +1,35 @@
+"""Backends: ``jax`` (Flax NNX, Qwix, optax, Orbax) and ``torch`` (transformers, PEFT, FSDP2).
+
+Each backend is a subpackage imported only when asked for, so the core and the CLI work
+with either framework missing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from strop.errors import BackendUnavailableError
+
+BACKENDS = ("jax", "torch")
+_PACKAGES = {
+    "jax": "jax, flax, optax, orbax-checkpoint, qwix",
+    "torch": "torch, transformers, peft",
+}
+
+
+def get_backend(name: str) -> ModuleType:
+    """Import and return the backend package ``strop.backends.<name>``."""
+    if name not in BACKENDS:
+        raise BackendUnavailableError(f"unknown backend {name!r}; choose one of {list(BACKENDS)}")
+    try:
+        return importlib.import_module(f"strop.backends.{name}")
+    except ModuleNotFoundError as err:
+        if err.name and err.name.startswith("strop.backends"):
+            raise BackendUnavailableError(
+                f"backend {name!r} is not implemented in this version of strop yet"
+            ) from None
+        raise BackendUnavailableError(
+            f"backend {name!r} needs {_PACKAGES[name]} (missing: {err.name}); "
+            f"install with: pip install 'strop[{name}]'"
+        ) from None

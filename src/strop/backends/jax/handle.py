@@ -1,0 +1,88 @@
+"""The JAX backend's :class:`~strop.backends.base.ModelHandle`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from strop.backends.jax.model import CausalLM
+from strop.backends.jax.sharding import batch_sharding, make_mesh
+from strop.backends.jax.weights import load_hf_model, save_hf_model
+from strop.errors import StropError
+from strop.io.hf import ModelSpec
+
+
+@nnx.jit
+def _logits(model: CausalLM, input_ids, attention_mask, positions) -> jax.Array:
+    return model(input_ids, attention_mask, positions).logits
+
+
+class JaxModelHandle:
+    """A :class:`CausalLM` on a mesh, with numpy in and out."""
+
+    backend = "jax"
+
+    def __init__(self, model: CausalLM, mesh: Mesh, source_dir: Path | None = None):
+        self.model = model
+        self.mesh = mesh
+        self.source_dir = source_dir
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.model.spec
+
+    def _put(self, array: np.ndarray) -> jax.Array:
+        return jax.device_put(array, batch_sharding(array.shape, self.mesh))
+
+    def logits(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray | None = None,
+        positions: np.ndarray | None = None,
+    ) -> np.ndarray:
+        ids = np.asarray(input_ids, dtype=np.int32)
+        if ids.ndim != 2:
+            raise StropError(f"input_ids must be [batch, length], got shape {ids.shape}")
+        mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask)
+        if mask.shape != ids.shape:
+            raise StropError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+        if positions is None:
+            positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)
+        out = _logits(
+            self.model,
+            self._put(ids),
+            self._put(mask.astype(np.int32)),
+            self._put(np.asarray(positions, dtype=np.int32)),
+        )
+        return np.asarray(out, dtype=np.float32)
+
+    def save(
+        self, path: str | os.PathLike, *, overwrite: bool = False, max_shard_bytes: int = 4 << 30
+    ) -> Path:
+        return save_hf_model(
+            self.model,
+            path,
+            source_dir=self.source_dir,
+            max_shard_bytes=max_shard_bytes,
+            overwrite=overwrite,
+        )
+
+
+def load_model(
+    path: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    param_dtype: str = "float32",
+    mesh: Mesh | Mapping[str, int] | None = None,
+) -> JaxModelHandle:
+    """Load a HF checkpoint directory onto ``mesh`` (a ``Mesh`` or axis sizes)."""
+    if not isinstance(mesh, Mesh):
+        mesh = make_mesh(mesh)
+    model = load_hf_model(path, mesh, dtype=dtype, param_dtype=param_dtype)
+    return JaxModelHandle(model, mesh, source_dir=Path(path))

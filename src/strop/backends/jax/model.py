@@ -1,0 +1,256 @@
+"""A Qwen2/Llama decoder in Flax NNX, numerically equal to ``transformers``.
+
+Module and attribute names mirror the Hugging Face ones (``model.layers.3.self_attn.q_proj``),
+so module paths read the same as in PEFT and weight names map one to one. Each weight
+carries logical axis names in its ``out_sharding`` metadata; ``sharding.py`` maps them to
+the mesh. Projections are ``jnp.einsum`` over multi-dimensional kernels (``[embed, heads,
+head_dim]`` for q), the form Qwix intercepts for LoRA.
+
+Shapes: B batch, L sequence, E hidden, H heads, K kv heads, D head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from strop.io.hf import ModelSpec
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtype, init):
+    """A parameter with logical axes; placement on devices happens when weights load."""
+    return nnx.Param(
+        init(rngs.params(), tuple(shape), dtype), out_sharding=tuple(axes), eager_sharding=False
+    )
+
+
+class Dense(nnx.Module):
+    """``y = einsum(x, kernel) + bias`` with a kernel of shape ``in_shape + out_shape``.
+
+    The HF equivalent is ``nn.Linear(prod(in_shape), prod(out_shape))`` whose ``weight``
+    is the kernel flattened and transposed.
+    """
+
+    def __init__(
+        self,
+        in_shape: tuple[int, ...],
+        out_shape: tuple[int, ...],
+        in_axes: tuple[str, ...],
+        out_axes: tuple[str, ...],
+        *,
+        use_bias: bool,
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+    ):
+        self.in_shape, self.out_shape = in_shape, out_shape
+        self.dtype = dtype
+        init = nnx.initializers.normal(0.02)
+        self.kernel = _param(rngs, in_shape + out_shape, in_axes + out_axes, param_dtype, init)
+        self.bias = (
+            _param(rngs, out_shape, out_axes, param_dtype, nnx.initializers.zeros)
+            if use_bias
+            else None
+        )
+        letters = "abcdefgh"
+        ins, outs = letters[: len(in_shape)], letters[len(in_shape) : len(in_shape + out_shape)]
+        self.equation = f"...{ins},{ins}{outs}->...{outs}"
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum(self.equation, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Embedding(nnx.Module):
+    """Token embedding table ``[V, E]``; also the output projection when tied."""
+
+    def __init__(self, vocab: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.dtype = dtype
+        init = nnx.initializers.normal(0.02)
+        self.embedding = _param(rngs, (vocab, hidden), ("vocab", "embed"), param_dtype, init)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Logits ``x @ embedding.T`` for a tied LM head."""
+        return jnp.einsum("...e,ve->...v", x, self.embedding[...].astype(self.dtype))
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm as in HF: normalise in float32, cast back, then scale."""
+
+    def __init__(self, hidden: int, eps: float, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.eps, self.dtype = eps, dtype
+        self.weight = _param(rngs, (hidden,), ("norm",), param_dtype, nnx.initializers.ones)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(self.dtype) * normed.astype(self.dtype)
+
+
+def rope_inv_freq(spec: ModelSpec) -> np.ndarray:
+    """RoPE inverse frequencies ``[D/2]`` (float32), with linear or llama3 scaling."""
+    dim = spec.head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (1.0 / (np.float32(spec.rope_theta) ** exponents)).astype(np.float32)
+    scaling = spec.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate ``x [B, L, N, D]`` by ``positions [B, L]`` (HF's rotate-half convention)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, L, D/2]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nnx.Module):
+    """Grouped-query causal self-attention (plain dot-product, softmax in float32)."""
+
+    def __init__(self, spec: ModelSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
+        e, h, k, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
+        qkv = {"use_bias": spec.qkv_bias, **common}
+        self.q_proj = Dense((e,), (h, d), ("embed",), ("heads", "head_dim"), **qkv)
+        self.k_proj = Dense((e,), (k, d), ("embed",), ("kv_heads", "head_dim"), **qkv)
+        self.v_proj = Dense((e,), (k, d), ("embed",), ("kv_heads", "head_dim"), **qkv)
+        self.o_proj = Dense(
+            (h, d), (e,), ("heads", "head_dim"), ("embed",), use_bias=spec.o_bias, **common
+        )
+        self.inv_freq = tuple(rope_inv_freq(spec).tolist())  # static data, not a weight
+        self.num_groups = h // k
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        inv_freq = np.asarray(self.inv_freq, dtype=np.float32)
+        q = apply_rope(self.q_proj(x), positions, inv_freq)  # [B, L, H, D]
+        k = apply_rope(self.k_proj(x), positions, inv_freq)  # [B, L, K, D]
+        v = self.v_proj(x)
+        b, length, heads, d = q.shape
+        q = q.reshape(b, length, heads // self.num_groups, self.num_groups, d)
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / np.sqrt(d)
+        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, length, heads, d)
+        return self.o_proj(out)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, spec: ModelSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
+        e, m = spec.hidden_size, spec.intermediate_size
+        common = {"use_bias": False, "dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
+        self.gate_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
+        self.up_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
+        self.down_proj = Dense((m,), (e,), ("mlp",), ("embed",), **common)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm transformer block: attention and MLP, each with a residual."""
+
+    def __init__(self, spec: ModelSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
+        common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **common)
+        self.self_attn = Attention(spec, **common)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **common)
+        self.mlp = MLP(spec, **common)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.self_attn(self.input_layernorm(x), positions, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nnx.Module):
+    """Embeddings, the stack of layers and the final norm (HF's ``model.*``)."""
+
+    def __init__(self, spec: ModelSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
+        common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, **common)
+        self.layers = nnx.List([DecoderLayer(spec, **common) for _ in range(spec.num_layers)])
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **common)
+
+    def __call__(self, ids: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x, positions, mask)
+        return self.norm(x)
+
+
+class CausalLMOutput(NamedTuple):
+    """``logits [B, L, V]`` (float32) and the final normed ``hidden [B, L, E]``."""
+
+    logits: jax.Array
+    hidden: jax.Array
+
+
+class CausalLM(nnx.Module):
+    """Decoder plus LM head (separate, or tied to the embeddings)."""
+
+    def __init__(self, spec: ModelSpec, *, dtype="float32", param_dtype="float32", rngs=None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        common = {"dtype": DTYPES[dtype], "param_dtype": DTYPES[param_dtype], "rngs": rngs}
+        self.spec = spec
+        self.model = Decoder(spec, **common)
+        self.lm_head = nnx.data(None)  # tied: logits come from the embedding table
+        if not spec.tie_word_embeddings:
+            self.lm_head = Dense((spec.hidden_size,), (spec.vocab_size,), ("embed",), ("vocab",),
+                                 use_bias=False, **common)  # fmt: skip
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> CausalLMOutput:
+        """Forward a ``[B, L]`` batch.
+
+        ``attention_mask`` (1 = real token) hides padding from attention; without
+        ``positions`` each row counts positions from its first real token, so left and
+        right padding give the same result on real tokens.
+        """
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        attention_mask = attention_mask.astype(jnp.bool_)
+        if positions is None:
+            positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
+        length = input_ids.shape[-1]
+        causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
+        mask = causal[None, :, :] & attention_mask[:, None, :]  # [B, Lq, Lk]
+        hidden = self.model(input_ids, positions, mask)
+        if self.lm_head is None:
+            logits = self.model.embed_tokens.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        return CausalLMOutput(logits.astype(jnp.float32), hidden)

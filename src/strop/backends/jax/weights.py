@@ -1,0 +1,186 @@
+"""Move weights between a Hugging Face checkpoint directory and the NNX model.
+
+Loading builds the model abstractly (``nnx.eval_shape``: shapes only, no memory), then
+reads one tensor at a time on the host and places it straight onto its sharding on the
+mesh with ``jax.make_array_from_callback``, so each device only ever receives its own
+shard. Saving gathers one weight at a time and writes a directory ``transformers`` loads.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+from rich.progress import track
+
+from strop.backends.jax.model import CausalLM, Dense, Embedding, RMSNorm
+from strop.backends.jax.sharding import logical_to_sharding
+from strop.errors import ModelError
+from strop.io.hf import SafetensorsReader, read_model_spec, write_checkpoint
+
+# Tensors some checkpoints carry that the model derives itself.
+_DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class WeightBinding:
+    """One model weight and its HF counterpart: name, and layout conversions both ways."""
+
+    hf_name: str
+    variable: nnx.Variable
+    hf_shape: tuple[int, ...]
+    to_model: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def weight_bindings(model: CausalLM) -> list[WeightBinding]:
+    """Every weight of ``model`` paired with its HF tensor name and layout conversions.
+
+    HF ``nn.Linear.weight`` is ``[out, in]``; a :class:`Dense` kernel is
+    ``in_shape + out_shape``, so the conversion is a transpose plus a reshape.
+    """
+    bindings = []
+    for path, module in nnx.iter_modules(model):
+        prefix = ".".join(str(p) for p in path)
+        if isinstance(module, Dense):
+            n_in, n_out = math.prod(module.in_shape), math.prod(module.out_shape)
+            kernel_shape = module.in_shape + module.out_shape
+            bindings.append(
+                WeightBinding(
+                    f"{prefix}.weight",
+                    module.kernel,
+                    (n_out, n_in),
+                    lambda w, s=kernel_shape: w.T.reshape(s),
+                    lambda k, i=n_in, o=n_out: k.reshape(i, o).T,
+                )
+            )
+            if module.bias is not None:
+                bindings.append(
+                    WeightBinding(
+                        f"{prefix}.bias",
+                        module.bias,
+                        (n_out,),
+                        lambda b, s=module.out_shape: b.reshape(s),
+                        lambda b: b.reshape(-1),
+                    )
+                )
+        elif isinstance(module, Embedding | RMSNorm):
+            variable = module.embedding if isinstance(module, Embedding) else module.weight
+            bindings.append(
+                WeightBinding(
+                    f"{prefix}.weight", variable, tuple(variable.shape), _identity, _identity
+                )
+            )
+    return bindings
+
+
+def _check_names(bindings: list[WeightBinding], reader: SafetensorsReader, tied: bool) -> None:
+    """Raise a :class:`ModelError` listing missing and unexpected tensor names."""
+    expected = {b.hf_name for b in bindings}
+    present = set(reader.names())
+    ignorable = {n for n in present if n.endswith(_DERIVED_SUFFIXES)}
+    if tied:
+        ignorable.add("lm_head.weight")  # some tied checkpoints store the copy anyway
+    missing = sorted(expected - present)
+    unexpected = sorted(present - expected - ignorable)
+    if missing or unexpected:
+
+        def listing(names: list[str]) -> str:
+            shown = ", ".join(names[:8])
+            return shown + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+
+        problems = []
+        if missing:
+            problems.append(f"missing tensors: {listing(missing)}")
+        if unexpected:
+            problems.append(f"unexpected tensors: {listing(unexpected)}")
+        raise ModelError(
+            f"{reader.directory}: weights do not match config.json; {'; '.join(problems)}"
+        )
+
+
+def load_hf_model(
+    path: str | os.PathLike, mesh: Mesh, *, dtype: str = "float32", param_dtype: str = "float32"
+) -> CausalLM:
+    """Load a HF checkpoint directory into a :class:`CausalLM` sharded over ``mesh``."""
+    spec = read_model_spec(path)
+    reader = SafetensorsReader(path)
+    model = nnx.eval_shape(
+        lambda: CausalLM(spec, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+    )
+    bindings = weight_bindings(model)
+    _check_names(bindings, reader, spec.tie_word_embeddings)
+    for binding in track(
+        bindings, description="loading weights", transient=True, disable=not sys.stderr.isatty()
+    ):
+        variable = binding.variable
+        abstract = variable.get_value()
+        stored = reader.shape(binding.hf_name)
+        if stored != binding.hf_shape:
+            raise ModelError(
+                f"{reader.directory}: tensor {binding.hf_name!r} has shape {list(stored)}, "
+                f"config.json implies {list(binding.hf_shape)}"
+            )
+        host = binding.to_model(reader.get(binding.hf_name)).astype(abstract.dtype)
+        sharding = logical_to_sharding(
+            variable.get_metadata()["out_sharding"], abstract.shape, mesh
+        )
+        variable.set_value(
+            jax.make_array_from_callback(abstract.shape, sharding, lambda index, h=host: h[index])
+        )
+    return model
+
+
+def _to_host(array: jax.Array) -> np.ndarray:
+    """The full value of a (possibly multi-host sharded) array on this host."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def save_hf_model(
+    model: CausalLM,
+    path: str | os.PathLike,
+    *,
+    source_dir: str | os.PathLike | None = None,
+    max_shard_bytes: int = 4 * 1024**3,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``model`` as a HF checkpoint directory (config.json + safetensors).
+
+    Weights keep their parameter dtype. Every process takes part in gathering sharded
+    weights; process 0 writes. Tokenizer files are copied from ``source_dir``.
+    """
+    bindings = weight_bindings(model)
+    dtype_name = np.dtype(bindings[0].variable.get_value().dtype).name
+
+    def tensors() -> Iterator[tuple[str, np.ndarray]]:
+        for binding in bindings:
+            yield binding.hf_name, binding.to_hf(_to_host(binding.variable.get_value()))
+
+    if jax.process_index() != 0:
+        for _ in tensors():
+            pass
+        return Path(path)
+    return write_checkpoint(
+        path,
+        model.spec.raw,
+        tensors(),
+        dtype_name=dtype_name,
+        source_dir=source_dir,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+    )

@@ -1,0 +1,129 @@
+"""The ``strop`` command line: one Typer app, one function per command.
+
+Commands import heavy modules (jax, torch) inside their bodies so that ``strop --help``
+and config errors stay fast. A :class:`~strop.errors.StropError` escaping a command is
+printed as one ``error: ...`` line on stderr and exits with its ``exit_code``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import platform
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+import strop
+from strop.config import dump_config, load_config
+from strop.errors import StropError
+
+app = typer.Typer(
+    name="strop",
+    help="Post-training for language models: LoRA fine-tuning and PPO on JAX or torch.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+config_app = typer.Typer(help="Inspect recipes and resolved configs.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+Recipe = Annotated[str, typer.Argument(help="Recipe: a YAML file or a built-in name (e.g. tiny).")]
+Overrides = Annotated[
+    list[str] | None,
+    typer.Argument(help="Dotted overrides applied on top, e.g. optim.lr=1e-5 lora.enabled=true."),
+]
+
+PACKAGES = (
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "qwix",
+    "torch",
+    "transformers",
+    "peft",
+    "safetensors",
+    "tokenizers",
+)
+
+
+@app.callback()
+def _setup() -> None:
+    """Post-training for language models: LoRA fine-tuning and PPO on JAX or torch."""
+    # strop's own INFO messages; other libraries (jax's backend probing) only from WARNING.
+    logging.basicConfig(
+        level=logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    logging.getLogger("strop").setLevel(logging.INFO)
+
+
+@config_app.command("show")
+def config_show(recipe: Recipe, overrides: Overrides = None) -> None:
+    """Print the resolved config of RECIPE with overrides applied, as YAML."""
+    typer.echo(dump_config(load_config(recipe, overrides or ())), nl=False)
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _probe(describe: Callable[[], str]) -> str:
+    """``describe()``, or a one-line reason why it failed (a missing or broken backend)."""
+    try:
+        return describe()
+    except Exception as e:  # any failure of a backend import is reported, not raised
+        text = f"{type(e).__name__}: {e}".splitlines()[0]
+        return f"unavailable ({text[:100]})"
+
+
+def _jax_devices() -> str:
+    jax = importlib.import_module("jax")
+    counts = Counter(d.platform for d in jax.devices())
+    return ", ".join(f"{platform} x{n}" for platform, n in counts.items())
+
+
+def _torch_devices() -> str:
+    torch = importlib.import_module("torch")
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return f"cpu, cuda x{cuda}" if cuda else "cpu"
+
+
+@app.command()
+def info() -> None:
+    """Show versions of strop and its dependencies, and which backends and devices work."""
+    table = Table(title="strop info", show_header=False)
+    table.add_column("item", style="bold")
+    table.add_column("value")
+    table.add_row("strop", strop.__version__)
+    table.add_row("python", f"{platform.python_version()} ({sys.executable})")
+    table.add_row("platform", platform.platform())
+    table.add_row("numpy", _version("numpy"))
+    table.add_section()
+    for package in PACKAGES:
+        table.add_row(package, _version(package))
+    table.add_section()
+    table.add_row("backend jax", _probe(_jax_devices))
+    table.add_row("backend torch", _probe(_torch_devices))
+    Console().print(table)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the CLI on ``argv`` (default: ``sys.argv[1:]``); always exits via SystemExit."""
+    try:
+        app(args=list(argv) if argv is not None else None, prog_name="strop")
+    except StropError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None

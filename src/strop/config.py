@@ -1,0 +1,355 @@
+"""Run configuration: pydantic schemas, YAML recipes with ``base:`` inheritance and dotted
+``key=value`` overrides, with error messages that name the key, the value and its source.
+
+``load_config`` is the one way a run gets its settings; ``dump_config`` prints them back.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from strop.config_sources import (
+    Provenance,
+    apply_override,
+    describe_validation_error,
+    merge_layer,
+    recipe_layers,
+)
+from strop.errors import ConfigError
+
+DEFAULT_TARGET_MODULES = [".*\\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"]
+
+
+class _Section(BaseModel):
+    """Base of every config model: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    """Which checkpoint to load and in which precision."""
+
+    path: str | None = Field(
+        None, description="Hugging Face checkpoint directory (config.json + *.safetensors)."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Compute dtype of activations and matmuls."
+    )
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Storage dtype of the weights."
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="Allow model code shipped with the checkpoint to run (off unless you trust it).",
+    )
+
+
+class LoraConfig(_Section):
+    """Low-rank adapters: which modules get them and how they are scaled."""
+
+    enabled: bool = Field(
+        False, description="Train LoRA adapters instead of all weights; base weights stay frozen."
+    )
+    rank: int = Field(8, ge=1, description="Rank r of each adapter (A: in x r, B: r x out).")
+    alpha: float = Field(
+        16.0,
+        gt=0,
+        description="Scaling numerator: the adapter output is multiplied by alpha / rank.",
+    )
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="Dropout probability on the adapter input during training."
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_TARGET_MODULES),
+        description="Regexes matched with re.fullmatch against module paths; matching modules get adapters.",
+    )
+    restore_path: str | None = Field(
+        None, description="Adapter (PEFT format) to start a fresh run from; ignored when resuming."
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _patterns_compile(cls, patterns: list[str]) -> list[str]:
+        if not patterns:
+            raise ValueError("must name at least one module pattern")
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"pattern {pattern!r} is not a valid regex ({e})") from None
+        return patterns
+
+
+class OptimConfig(_Section):
+    """Optimizer, learning-rate schedule and gradient clipping."""
+
+    name: Literal["adamw", "sgd"] = Field("adamw", description="Optimizer.")
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(
+        0.0, ge=0, description="Decoupled weight decay (AdamW) or L2 coefficient (SGD)."
+    )
+    b1: float = Field(0.9, ge=0, lt=1, description="Adam first-moment decay; SGD momentum.")
+    b2: float = Field(0.999, ge=0, lt=1, description="Adam second-moment decay.")
+    eps: float = Field(1e-8, gt=0, description="Adam denominator epsilon.")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Decay after warmup: constant, linear to 0, or cosine to 0."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup from 0 to lr.")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="Clip the global gradient norm to this value; null = no clipping."
+    )
+
+
+class DataConfig(_Section):
+    """Where examples come from and how they become token sequences."""
+
+    train_path: str | None = Field(None, description="Training data file (JSONL).")
+    eval_path: str | None = Field(None, description="Evaluation / validation data file (JSONL).")
+    format: Literal["auto", "prompt_completion", "messages", "gsm8k"] = Field(
+        "auto", description="Record layout; auto detects it from the first record."
+    )
+    max_length: int = Field(
+        512, gt=0, description="Maximum tokens per sequence (prompt + completion)."
+    )
+    truncation: Literal["right", "left", "error"] = Field(
+        "right", description="Which end to cut from a too-long sequence, or error."
+    )
+    shuffle: bool = Field(True, description="Shuffle the training data each epoch (seeded).")
+    skip_bad_lines: bool = Field(
+        False, description="Skip malformed records with a warning instead of failing."
+    )
+
+
+class SftConfig(_Section):
+    """Supervised fine-tuning loop."""
+
+    steps: int = Field(100, gt=0, description="Optimizer steps.")
+    batch_size: int = Field(
+        8, gt=0, description="Sequences per optimizer step (global, all devices)."
+    )
+    micro_batch_size: int = Field(
+        8,
+        gt=0,
+        description="Sequences per forward/backward pass; gradients accumulate over batch_size / micro_batch_size passes.",
+    )
+    log_every: int = Field(10, gt=0, description="Log training metrics every this many steps.")
+    eval_every: int = Field(
+        0, ge=0, description="Evaluate on data.eval_path every this many steps; 0 = never."
+    )
+
+    @model_validator(mode="after")
+    def _micro_batches_divide(self) -> Self:
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"sft.batch_size ({self.batch_size}) must be divisible by "
+                f"sft.micro_batch_size ({self.micro_batch_size})"
+            )
+        return self
+
+
+class PpoConfig(_Section):
+    """PPO with a learned critic: rollouts, advantages, clipping, KL and value losses."""
+
+    steps: int = Field(100, gt=0, description="PPO iterations (generate, score, update).")
+    prompts_per_step: int = Field(8, gt=0, description="Prompts sampled per iteration.")
+    num_generations_per_prompt: int = Field(4, gt=0, description="Responses sampled per prompt.")
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each iteration's rollouts.")
+    mini_batch_size: int = Field(
+        8,
+        gt=0,
+        description="Rollouts per optimizer step; must divide prompts_per_step * num_generations_per_prompt.",
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor per token.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda for the policy's advantages.")
+    lam_returns: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="GAE lambda for the critic's return targets; null = same as lam.",
+    )
+    clip_low: float = Field(
+        0.2, ge=0, lt=1, description="Lower ratio clip: ratios below 1 - clip_low are clipped."
+    )
+    clip_high: float = Field(
+        0.2, ge=0, description="Upper ratio clip: ratios above 1 + clip_high are clipped."
+    )
+    dual_clip: float | None = Field(
+        None,
+        gt=1,
+        description="Dual-clip constant c bounding the loss for negative advantages; null = off.",
+    )
+    loss_aggregation: Literal["token_mean", "sequence_mean"] = Field(
+        "token_mean",
+        description="Average the policy loss over all tokens, or per sequence then over sequences.",
+    )
+    kl_coef: float = Field(
+        0.05, ge=0, description="Weight of the KL penalty against the reference policy."
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k1", description="KL estimator (Schulman's k1, k2, k3)."
+    )
+    kl_in_reward: bool = Field(
+        True,
+        description="Subtract the KL penalty from per-token rewards (true) or add it to the loss (false).",
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
+    value_clip: float = Field(
+        0.2, ge=0, description="Clip new values to old values +- this; 0 = no value clipping."
+    )
+    value_loss_coef: float = Field(0.5, gt=0, description="Weight of the critic's value loss.")
+    critic_warmup_steps: int = Field(
+        0, ge=0, description="Iterations that train only the critic before the policy updates."
+    )
+    whiten_advantages: bool = Field(
+        True, description="Normalise advantages to zero mean, unit variance over response tokens."
+    )
+    reference_adapter: str | None = Field(
+        None,
+        description="SFT adapter that is the frozen reference policy (needs lora.enabled); null = base model.",
+    )
+    reward: str = Field("gsm8k", description="Name of the reward function in the reward registry.")
+    validate_every: int = Field(
+        0, ge=0, description="Run validation every this many iterations; 0 = never."
+    )
+
+    @model_validator(mode="after")
+    def _mini_batches_divide(self) -> Self:
+        rollouts = self.prompts_per_step * self.num_generations_per_prompt
+        if rollouts % self.mini_batch_size:
+            raise ValueError(
+                f"ppo.mini_batch_size ({self.mini_batch_size}) must divide ppo.prompts_per_step * "
+                f"ppo.num_generations_per_prompt ({self.prompts_per_step} * "
+                f"{self.num_generations_per_prompt} = {rollouts})"
+            )
+        return self
+
+
+class GenerationConfig(_Section):
+    """Sampling settings for rollouts and evaluation."""
+
+    max_new_tokens: int = Field(256, gt=0, description="Maximum tokens generated per response.")
+    temperature: float = Field(1.0, ge=0, description="Softmax temperature; 0 = greedy.")
+    top_k: int = Field(0, ge=0, description="Sample from the k most likely tokens; 0 = off.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass; 1 = off.")
+    stop_strings: list[str] = Field(
+        default_factory=list, description="Stop a response when it ends with one of these strings."
+    )
+
+
+class MeshConfig(_Section):
+    """Device mesh axis sizes; -1 means all devices left over by the other axes."""
+
+    data: int = Field(1, description="Data-parallel axis size (replicated weights), or -1.")
+    fsdp: int = Field(-1, description="Fully-sharded data-parallel axis size, or -1.")
+    tensor: int = Field(1, description="Tensor-parallel axis size, or -1.")
+
+    @field_validator("data", "fsdp", "tensor")
+    @classmethod
+    def _positive_or_fill(cls, size: int) -> int:
+        if size < 1 and size != -1:
+            raise ValueError("must be >= 1, or -1 for all remaining devices")
+        return size
+
+    @model_validator(mode="after")
+    def _one_fill(self) -> Self:
+        fills = [f"mesh.{k}" for k, v in self.model_dump().items() if v == -1]
+        if len(fills) > 1:
+            raise ValueError(f"at most one mesh axis may be -1, got {' and '.join(fills)}")
+        return self
+
+    def resolve(self, num_devices: int) -> dict[str, int]:
+        """Axis sizes ``{"data", "fsdp", "tensor"}`` for ``num_devices`` devices, -1 filled in."""
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        fixed = math.prod(size for size in sizes.values() if size != -1)
+        sizes = {axis: num_devices // fixed if size == -1 else size for axis, size in sizes.items()}
+        product = math.prod(sizes.values())
+        if product != num_devices or num_devices < 1:
+            shown = ", ".join(f"{axis}={size}" for axis, size in self.model_dump().items())
+            fill = " times the -1 axis" if -1 in self.model_dump().values() else ""
+            raise ConfigError(
+                f"mesh sizes {shown} (product {fixed}{fill}) do not fit {num_devices} device(s): "
+                "make the product equal the device count, or set one axis to -1"
+            )
+        return sizes
+
+
+class CheckpointConfig(_Section):
+    """When and where training state is saved."""
+
+    every_steps: int = Field(100, gt=0, description="Save a checkpoint every this many steps.")
+    keep: int = Field(3, ge=1, description="Number of most recent checkpoints kept on disk.")
+    dir: str | None = Field(None, description="Checkpoint directory; null = <run_dir>/checkpoints.")
+
+
+class LoggingConfig(_Section):
+    """Metric sinks and log verbosity."""
+
+    every_steps: int = Field(10, gt=0, description="Write metrics every this many steps.")
+    tensorboard: bool = Field(True, description="Also write TensorBoard event files under run_dir.")
+    wandb: bool = Field(False, description="Also log to Weights & Biases (needs wandb installed).")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Python logging level."
+    )
+
+
+class Config(_Section):
+    """Everything a run needs; one recipe runs on either backend."""
+
+    backend: Literal["jax", "torch"] = Field("jax", description="Training backend.")
+    seed: int = Field(0, description="Seed for every random choice (init, data order, sampling).")
+    run_dir: str = Field(
+        "runs/default", description="Directory for checkpoints, metrics and exports."
+    )
+    model: ModelConfig = Field(
+        default_factory=ModelConfig, description="Model checkpoint and precision."
+    )
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and schedule.")
+    data: DataConfig = Field(
+        default_factory=DataConfig, description="Training and evaluation data."
+    )
+    sft: SftConfig = Field(default_factory=SftConfig, description="Supervised fine-tuning loop.")
+    ppo: PpoConfig = Field(default_factory=PpoConfig, description="PPO loop.")
+    generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Sampling.")
+    mesh: MeshConfig = Field(default_factory=MeshConfig, description="Device mesh.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpointing."
+    )
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and logs.")
+
+    @model_validator(mode="after")
+    def _reference_adapter_needs_lora(self) -> Self:
+        if self.ppo.reference_adapter is not None and not self.lora.enabled:
+            raise ValueError(
+                f"ppo.reference_adapter ({self.ppo.reference_adapter!r}) is an adapter and "
+                "needs lora.enabled=true, or leave it unset to use the base model as the reference"
+            )
+        return self
+
+
+def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """The validated config of a recipe (a YAML path or a built-in name; None = defaults)
+    with dotted ``key=value`` overrides applied on top; raises ConfigError naming the source
+    of any bad value."""
+    values: dict[str, Any] = {}
+    provenance: Provenance = {}
+    for label, layer in recipe_layers(recipe) if recipe is not None else []:
+        merge_layer(values, provenance, layer, label)
+    for override in overrides:
+        apply_override(values, provenance, override, Config)
+    try:
+        return Config.model_validate(values)
+    except ValidationError as e:
+        raise ConfigError(describe_validation_error(e, provenance, Config)) from None
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML, in schema order (what ``strop config show`` prints)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

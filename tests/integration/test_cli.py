@@ -1,0 +1,49 @@
+"""The ``strop`` command as a user runs it: ``python -m strop`` in a fresh process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+
+def strop(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "strop", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["bad_key.yaml"], "unknown key 'optim.lrr'"),
+        (["bad_type.yaml"], "sft.steps"),
+        (["tiny", "optim.lr"], "bad override 'optim.lr'"),
+        (["missing.yaml"], "not found"),
+    ],
+)
+def test_config_errors_are_one_line_and_exit_2(tmp_path: Path, args, expected) -> None:
+    (tmp_path / "bad_key.yaml").write_text(yaml.safe_dump({"optim": {"lrr": 1e-3}}))
+    (tmp_path / "bad_type.yaml").write_text(yaml.safe_dump({"sft": {"steps": "many"}}))
+    result = strop("config", "show", *args, cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_config_show_prints_resolved_yaml(tmp_path: Path) -> None:
+    result = strop("config", "show", "tiny", "optim.lr=3e-5", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    shown = yaml.safe_load(result.stdout)
+    assert shown["optim"]["lr"] == 3e-5 and shown["run_dir"] == "runs/tiny"
+
+
+def test_info_reports_versions_and_backends(tmp_path: Path) -> None:
+    result = strop("info", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "jax" in result.stdout and "torch" in result.stdout and "safetensors" in result.stdout
+    assert "backend jax" in result.stdout

@@ -1,0 +1,223 @@
+"""Config schemas, recipe loading (bases, overrides) and the messages of config errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from strop.config import Config, MeshConfig, dump_config, load_config
+from strop.config_sources import builtin_recipes
+from strop.errors import ConfigError
+
+
+def write(path: Path, data: dict | str) -> Path:
+    """Write ``data`` (a mapping, dumped as YAML, or raw text) to ``path``; return the path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def config_error(recipe: str | Path | None = None, overrides: list[str] | tuple = ()) -> str:
+    """The message of the ConfigError that loading raises; asserts that it is one line."""
+    with pytest.raises(ConfigError) as info:
+        load_config(recipe, overrides)
+    message = str(info.value)
+    assert message and "\n" not in message
+    return message
+
+
+def undocumented(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Dotted names of fields without a description, and of models allowing unknown keys."""
+    missing = [] if model.model_config.get("extra") == "forbid" else [f"{prefix}<extra>"]
+    for name, field in model.model_fields.items():
+        if not (field.description or "").strip():
+            missing.append(prefix + name)
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            missing += undocumented(field.annotation, f"{prefix}{name}.")
+    return missing
+
+
+def test_defaults_load_and_dump_round_trips(tmp_path: Path) -> None:
+    cfg = load_config()
+    assert cfg == Config()
+    assert (cfg.backend, cfg.lora.enabled, cfg.optim.lr, cfg.mesh.fsdp) == ("jax", False, 1e-4, -1)
+    assert load_config(write(tmp_path / "dumped.yaml", dump_config(cfg))) == cfg
+
+
+def test_every_field_is_documented_and_unknown_keys_are_forbidden() -> None:
+    assert undocumented(Config) == []
+    assert len(Config.model_fields) > 10  # the walk saw the real schema
+
+    class Sloppy(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        good: int = Field(0, description="documented")
+        bad: int = 0
+
+    assert undocumented(Sloppy) == ["bad"]
+
+
+def test_builtin_recipes_load_and_inherit() -> None:
+    assert {"tiny", "tiny_lora_ppo"} <= set(builtin_recipes())
+    tiny = load_config("tiny")
+    ppo = load_config("tiny_lora_ppo.yaml")
+    assert tiny.lora.enabled and tiny.lora.rank == 4
+    assert (ppo.lora.rank, ppo.sft.micro_batch_size) == (4, tiny.sft.micro_batch_size)
+    assert ppo.ppo != tiny.ppo and ppo.run_dir != tiny.run_dir
+
+
+def test_base_chain_merges_nested_and_replaces_lists(tmp_path: Path) -> None:
+    write(tmp_path / "bases" / "root.yaml", {"seed": 1, "data": {"max_length": 64}})
+    write(
+        tmp_path / "bases" / "mid.yaml",
+        {
+            "base": "root.yaml",  # relative to bases/, not to the working directory
+            "optim": {"lr": 0.5, "b1": 0.5},
+            "lora": {"target_modules": ["a", "b"], "rank": 2},
+        },
+    )
+    child = write(
+        tmp_path / "child.yaml",
+        {"base": "bases/mid.yaml", "optim": {"lr": 0.25}, "lora": {"target_modules": ["c"]}},
+    )
+    cfg = load_config(child)
+    assert (cfg.seed, cfg.data.max_length) == (1, 64)
+    assert (cfg.optim.lr, cfg.optim.b1) == (0.25, 0.5)
+    assert cfg.lora.target_modules == ["c"] and cfg.lora.rank == 2
+
+
+def test_base_may_name_a_builtin_recipe(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path / "mine.yaml", {"base": "tiny", "seed": 5}))
+    assert cfg.seed == 5 and cfg.run_dir == load_config("tiny").run_dir
+
+
+def test_base_cycle_is_an_error_naming_the_chain(tmp_path: Path) -> None:
+    write(tmp_path / "a.yaml", {"base": "b.yaml"})
+    write(tmp_path / "b.yaml", {"base": "a.yaml"})
+    message = config_error(tmp_path / "a.yaml")
+    assert "cycle" in message and message.count("a.yaml") == 2 and "b.yaml" in message
+    assert "cycle" in config_error(write(tmp_path / "self.yaml", {"base": "self.yaml"}))
+
+
+@pytest.mark.parametrize(
+    ("override", "get", "expected"),
+    [
+        ("optim.lr=1e-5", lambda c: c.optim.lr, 1e-5),
+        ("lora.enabled=true", lambda c: c.lora.enabled, True),
+        ('lora.target_modules=[".*q_proj"]', lambda c: c.lora.target_modules, [".*q_proj"]),
+        ("optim.max_grad_norm=null", lambda c: c.optim.max_grad_norm, None),
+        ("optim.max_grad_norm=", lambda c: c.optim.max_grad_norm, None),
+        ("generation.stop_strings=[a, b]", lambda c: c.generation.stop_strings, ["a", "b"]),
+        ("sft.steps=3", lambda c: c.sft.steps, 3),
+        ("backend=torch", lambda c: c.backend, "torch"),
+    ],
+)
+def test_overrides_set_typed_values_over_the_recipe(override, get, expected) -> None:
+    assert get(load_config("tiny", [override])) == expected
+
+
+def test_later_overrides_win() -> None:
+    assert load_config(None, ["seed=1", "seed=2"]).seed == 2
+
+
+@pytest.mark.parametrize("override", ["optim.lr", "=1", "a..b=1", ".a=1", "a.=1", "lr: [1"])
+def test_bad_override_syntax(override: str) -> None:
+    message = config_error("tiny", ["seed=1", override])
+    assert f"bad override {override!r}" in message
+
+
+@pytest.mark.parametrize("override", ["backend.x=1", "optim.lr.x=1", "seed.x=1"])
+def test_override_cannot_set_keys_inside_a_value(override: str) -> None:
+    message = config_error("tiny", [override])
+    assert repr(override) in message and "not a section" in message
+
+
+def test_unknown_key_names_file_and_suggests(tmp_path: Path) -> None:
+    recipe = write(tmp_path / "x.yaml", {"optim": {"lrr": 1e-3}})
+    message = config_error(recipe)
+    assert f"unknown key 'optim.lrr' (in {recipe})" in message
+    assert "did you mean 'optim.lr'?" in message
+    assert "did you mean" not in config_error(None, ["optim.zzzzzz=1"])
+
+
+def test_wrong_type_names_key_value_and_most_derived_file(tmp_path: Path) -> None:
+    base = write(tmp_path / "base.yaml", {"sft": {"steps": "many"}})
+    child = write(tmp_path / "child.yaml", {"base": "base.yaml", "sft": {"log_every": 2}})
+    message = config_error(child)
+    assert message.startswith("sft.steps:") and "'many'" in message and str(base) in message
+    assert str(child) not in message
+    fixed_wrongly = write(tmp_path / "child2.yaml", {"base": "base.yaml", "sft": {"steps": -1}})
+    message = config_error(fixed_wrongly)
+    assert "-1" in message and str(fixed_wrongly) in message and str(base) not in message
+
+
+def test_override_provenance_in_message() -> None:
+    message = config_error("tiny", ["optim.lr=abc"])
+    assert "optim.lr" in message and "'abc'" in message and "override 'optim.lr=abc'" in message
+    message = config_error("tiny", ["generation.stop_strings=[x, 1]"])
+    assert "generation.stop_strings.1" in message and "override 'generation.stop_strings" in message
+
+
+def test_several_problems_stay_on_one_line() -> None:
+    message = config_error(None, ["seed=x", "optim.lr=-1"])
+    assert "seed" in message and "optim.lr" in message and "; " in message
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
+    recipe = write(tmp_path / "broken.yaml", "seed: 1\noptim: {lr: [1\n")
+    message = config_error(recipe)
+    assert str(recipe) in message and "line 3" in message
+
+
+def test_top_level_must_be_a_mapping(tmp_path: Path) -> None:
+    assert "mapping" in config_error(write(tmp_path / "list.yaml", "- 1\n- 2\n"))
+
+
+def test_missing_recipe_lists_builtins(tmp_path: Path) -> None:
+    message = config_error(tmp_path / "nope.yaml")
+    assert "nope.yaml" in message and "tiny_lora_ppo" in message
+    assert "'missing.yaml'" in config_error(write(tmp_path / "c.yaml", {"base": "missing.yaml"}))
+
+
+@pytest.mark.parametrize(
+    "overrides", [["mesh.data=-1"], ["mesh.tensor=0"], ["mesh.data=-2", "mesh.fsdp=1"]]
+)
+def test_mesh_sizes_are_positive_with_at_most_one_fill(overrides: list[str]) -> None:
+    assert "mesh." in config_error(None, overrides)
+
+
+def test_mesh_resolve() -> None:
+    assert list(MeshConfig().resolve(8).items()) == [("data", 1), ("fsdp", 8), ("tensor", 1)]
+    assert MeshConfig(data=2, fsdp=1, tensor=-1).resolve(8) == {"data": 2, "fsdp": 1, "tensor": 4}
+    assert MeshConfig(data=2, fsdp=2, tensor=2).resolve(8) == {"data": 2, "fsdp": 2, "tensor": 2}
+    with pytest.raises(ConfigError, match=r"product 8.*6 device"):
+        MeshConfig(data=2, fsdp=2, tensor=2).resolve(6)
+    with pytest.raises(ConfigError, match=r"data=3.*8 device"):
+        MeshConfig(data=3).resolve(8)
+    with pytest.raises(ConfigError, match="fsdp=-1"):
+        MeshConfig(data=4).resolve(2)
+
+
+def test_batch_must_split_into_micro_batches() -> None:
+    message = config_error("tiny", ["sft.micro_batch_size=3"])
+    assert "sft.batch_size (8)" in message and "sft.micro_batch_size (3)" in message
+    assert "override 'sft.micro_batch_size=3'" in message and "strop/recipes/tiny.yaml" in message
+    assert "sft.batch_size from default" in config_error(None, ["sft.micro_batch_size=3"])
+
+
+def test_ppo_mini_batches_divide_rollouts() -> None:
+    assert "ppo.mini_batch_size (5)" in config_error(None, ["ppo.mini_batch_size=5"])
+
+
+def test_reference_adapter_needs_lora() -> None:
+    message = config_error(None, ["ppo.reference_adapter=adapters/sft"])
+    assert "ppo.reference_adapter" in message and "lora.enabled" in message
+    cfg = load_config(None, ["ppo.reference_adapter=adapters/sft", "lora.enabled=true"])
+    assert cfg.ppo.reference_adapter == "adapters/sft"
+
+
+def test_target_modules_must_be_valid_regexes() -> None:
+    assert "at least one" in config_error(None, ["lora.target_modules=[]"])
+    assert "'(q_proj'" in config_error(None, ['lora.target_modules=["(q_proj"]'])
