@@ -1,0 +1,191 @@
+"""Model spec parsing and safetensors checkpoint reading/writing (no framework needed)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import strop
+from strop.errors import BackendUnavailableError, ModelError
+from strop.io.hf import ModelSpec, SafetensorsReader, read_model_spec, write_checkpoint
+
+QWEN25_CONFIG = {  # Qwen2.5-1.5B-Instruct's config.json (transformers 4 layout)
+    "architectures": ["Qwen2ForCausalLM"],
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 21,
+    "model_type": "qwen2",
+    "num_attention_heads": 12,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+LLAMA31_ROPE = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+
+
+def test_qwen25_config():
+    spec = ModelSpec.from_hf_config(QWEN25_CONFIG)
+    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (28, 12, 2, 128)
+    assert spec.qkv_bias and not spec.o_bias and spec.tie_word_embeddings
+    assert spec.rope_theta == 1e6 and spec.rope_scaling is None
+    assert spec.eos_token_ids == (151645,)
+    assert spec.architecture == "Qwen2ForCausalLM"
+
+
+def test_llama31_config_legacy_rope_scaling():
+    cfg = {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "rope_theta": 500000.0,
+        "rope_scaling": LLAMA31_ROPE,
+        "eos_token_id": [128001, 128008, 128009],
+    }
+    spec = ModelSpec.from_hf_config(cfg)
+    assert spec.rope_scaling is not None and spec.rope_scaling.kind == "llama3"
+    assert spec.rope_scaling.original_max_position_embeddings == 8192
+    assert spec.rope_theta == 500000.0 and not spec.qkv_bias and spec.head_dim == 128
+    assert spec.eos_token_ids == (128001, 128008, 128009)
+
+
+def test_llama3_rope_frequencies_match_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from strop.backends.jax.model import rope_inv_freq
+
+    hf_config = LlamaConfig(
+        hidden_size=512, num_attention_heads=4, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE
+    )
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    spec = ModelSpec.from_hf_config(hf_config.to_dict())
+    ours = rope_inv_freq(spec)
+    np.testing.assert_allclose(ours, expected.numpy(), rtol=1e-6)
+    assert not np.allclose(ours, rope_inv_freq(ModelSpec.from_hf_config(QWEN25_CONFIG))[:64])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+        ({"use_sliding_window": True}, "use_sliding_window"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"num_key_value_heads": 5}, "not a multiple"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ({"hidden_size": "big"}, "hidden_size must be a positive integer"),
+    ],
+)
+def test_unsupported_configs_are_clear_errors(change, message):
+    with pytest.raises(ModelError, match=message):
+        ModelSpec.from_hf_config({**QWEN25_CONFIG, **change})
+
+
+def test_read_model_spec_errors(tmp_path):
+    with pytest.raises(ModelError, match="not a directory"):
+        read_model_spec(tmp_path / "nope")
+    with pytest.raises(ModelError, match=r"needs config\.json"):
+        read_model_spec(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelError, match="not valid JSON"):
+        read_model_spec(tmp_path)
+
+
+def test_reader_requires_safetensors(tmp_path):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ModelError, match="only from safetensors"):
+        SafetensorsReader(tmp_path)
+
+
+def test_write_then_read_sharded_checkpoint(tmp_path):
+    tensors = {f"w{i}": np.full((64, 64), i, dtype=np.float32) for i in range(5)}
+    out = write_checkpoint(
+        tmp_path / "ckpt",
+        {"model_type": "qwen2", "torch_dtype": "float32"},
+        tensors.items(),
+        dtype_name="float32",
+        max_shard_bytes=2 * 64 * 64 * 4,
+    )
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 3
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    reader = SafetensorsReader(out)
+    assert sorted(reader.names()) == sorted(tensors)
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(reader.get(name), value)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no staging directory left
+
+
+def test_write_refuses_to_clobber_and_leaves_no_partial_output(tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep.txt").write_text("user data")
+    with pytest.raises(ModelError, match="already exists"):
+        write_checkpoint(target, {}, [], dtype_name="float32")
+
+    def failing():
+        yield "a", np.zeros(3, np.float32)
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_checkpoint(tmp_path / "new", {}, failing(), dtype_name="float32")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (target / "keep.txt").read_text() == "user data"
+
+
+def _tiny_checkpoint(tmp_path, tiny_model_dir, mutate):
+    """A copy of the tiny qwen2 checkpoint whose tensors went through ``mutate(dict)``."""
+    source = SafetensorsReader(tiny_model_dir("qwen2"))
+    tensors = {name: source.get(name) for name in source.names()}
+    mutate(tensors)
+    (tmp_path / "config.json").write_text((source.directory / "config.json").read_text())
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "missing tensors: model.layers.1"),
+        (lambda t: t.update(extra=np.zeros(2, np.float32)), "unexpected tensors: extra"),
+        (
+            lambda t: t.update({"model.norm.weight": np.zeros(3, np.float32)}),
+            r"'model.norm.weight' has shape \[3\], config.json implies \[64\]",
+        ),
+    ],
+    ids=["missing", "unexpected", "shape"],
+)
+def test_jax_loader_rejects_mismatched_weights(tmp_path, tiny_model_dir, mutate, message):
+    directory = _tiny_checkpoint(tmp_path, tiny_model_dir, mutate)
+    with pytest.raises(ModelError, match=message):
+        strop.load_model(directory, backend="jax")
+
+
+def test_load_model_unknown_or_missing_backend(tiny_model_dir):
+    with pytest.raises(BackendUnavailableError, match="unknown backend 'tpu'"):
+        strop.load_model(tiny_model_dir("qwen2"), backend="tpu")
+    with pytest.raises(BackendUnavailableError, match="'torch' is not implemented"):
+        strop.load_model(tiny_model_dir("qwen2"), backend="torch")

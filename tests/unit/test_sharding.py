@@ -1,0 +1,61 @@
+"""Mesh construction and logical-axis rules on 8 forced CPU devices."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from strop.backends.jax.sharding import batch_sharding, logical_to_partition_spec, make_mesh
+from strop.errors import ConfigError
+
+
+def test_default_mesh_is_fsdp_over_all_devices():
+    mesh = make_mesh()
+    assert dict(mesh.shape) == {"data": 1, "fsdp": jax.device_count(), "tensor": 1}
+
+
+@pytest.mark.parametrize(
+    ("sizes", "shape"),
+    [
+        ({"fsdp": 4, "tensor": 2}, (1, 4, 2)),
+        ({"data": 2, "fsdp": -1, "tensor": 2}, (2, 2, 2)),
+        ({"data": -1, "fsdp": 1}, (8, 1, 1)),
+    ],
+)
+def test_mesh_sizes(sizes, shape):
+    assert tuple(make_mesh(sizes).shape.values()) == shape
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        ({"fsdp": 3}, "do not fit 8 device"),
+        ({"fsdp": -1, "tensor": -1}, "at most one mesh axis may be -1"),
+        ({"pipeline": 2}, "mesh"),
+        ({"tensor": 0}, "must be >= 1"),
+    ],
+)
+def test_bad_mesh_sizes(sizes, message):
+    with pytest.raises(ConfigError, match=message):
+        make_mesh(sizes)
+
+
+def test_rules_split_only_dimensions_they_divide():
+    mesh = make_mesh({"fsdp": 2, "tensor": 4})
+    assert logical_to_partition_spec(("embed", "heads", "head_dim"), (64, 8, 16), mesh) == P(
+        "fsdp", "tensor", None
+    )
+    # 2 KV heads cannot be split 4 ways: that dimension stays replicated.
+    assert logical_to_partition_spec(("embed", "kv_heads", "head_dim"), (64, 2, 16), mesh) == P(
+        "fsdp", None, None
+    )
+    assert logical_to_partition_spec(("norm",), (64,), mesh) == P(None)
+    with pytest.raises(ValueError, match="no sharding rule"):
+        logical_to_partition_spec(("nonsense",), (4,), mesh)
+
+
+def test_batch_shards_over_data_and_fsdp():
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    assert batch_sharding((8, 16), mesh).spec == P(("data", "fsdp"), None)
+    assert batch_sharding((2, 16), mesh).spec == P("data", None)
