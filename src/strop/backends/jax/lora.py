@@ -1,0 +1,120 @@
+"""LoRA on the NNX model, injected by Qwix, and the one filter that says what trains.
+
+Targets are chosen with ``re.fullmatch`` against HF-style dotted module paths
+(``model.layers.0.self_attn.q_proj``), the same strings PEFT matches, and handed to Qwix
+as an exact alternation of its own ``/``-joined paths. Qwix intercepts each targeted
+``jnp.einsum`` and adds ``kernel_lora_a`` (``in_shape + (r,)``) and ``kernel_lora_b``
+(``(r,) + out_shape``) as ``nnx.LoRAParam`` next to the kernel, scaled by alpha / rank.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import qwix
+from flax import nnx
+
+from strop.backends.jax.model import CausalLM, Dense
+from strop.config import LoraConfig
+from strop.errors import ConfigError
+
+# nnx.LoRAParam subclasses nnx.Param: "base weights" must exclude it explicitly.
+BASE_WEIGHTS = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+
+
+def trainable_filter(lora_enabled: bool) -> nnx.filterlib.Filter:
+    """What trains: only LoRA params with LoRA on, every param with it off.
+
+    The single source for the optimizer's ``wrt``, the gradient ``DiffState``, the train
+    step's split, optimizer-state sharding and checkpoint content.
+    """
+    return nnx.LoRAParam if lora_enabled else nnx.Param
+
+
+def dense_modules(model: CausalLM) -> dict[str, Dense]:
+    """Every projection of the model by HF-style dotted path (LoRA candidates)."""
+    return {
+        ".".join(map(str, path)): module
+        for path, module in nnx.iter_modules(model)
+        if isinstance(module, Dense)
+    }
+
+
+def match_targets(patterns: list[str], paths: list[str]) -> list[str]:
+    """Paths matched (``re.fullmatch``) by any pattern; a pattern matching none is an error."""
+    matched = set()
+    for pattern in patterns:
+        hits = {path for path in paths if re.fullmatch(pattern, path)}
+        if not hits:
+            shown = ", ".join(paths[:12]) + (", ..." if len(paths) > 12 else "")
+            raise ConfigError(
+                f"lora.target_modules: pattern {pattern!r} matches no module "
+                f"(re.fullmatch against module paths such as: {shown})"
+            )
+        matched |= hits
+    return [path for path in paths if path in matched]
+
+
+def apply_lora(model: CausalLM, config: LoraConfig, seed: int) -> CausalLM:
+    """Return ``model`` with LoRA adapters on the modules ``config.target_modules`` selects.
+
+    Works on a model already sharded on a mesh: adapters are created next to their
+    kernels with shardings derived from the kernel's. Base weights are shared, not copied.
+    """
+    targets = match_targets(config.target_modules, list(dense_modules(model)))
+    qwix_paths = "|".join(re.escape(path.replace(".", "/")) for path in targets)
+    provider = qwix.LoraProvider(
+        module_path=qwix_paths, rank=config.rank, alpha=config.alpha, dropout=config.dropout
+    )
+    dummy_ids = jnp.zeros((1, 1), dtype=jnp.int32)
+    return qwix.apply_lora_to_model(model, provider, dummy_ids, rngs=nnx.Rngs(seed))
+
+
+def adapter_weights(model: CausalLM) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """LoRA weights per module path as PEFT lays them out: ``A [r, in]``, ``B [out, r]``.
+
+    ``in``/``out`` are the flattened kernel input/output sizes (HF ``nn.Linear`` view).
+    """
+    weights = {}
+    for path, module in dense_modules(model).items():
+        lora_a = getattr(module, "kernel_lora_a", None)
+        if lora_a is None:
+            continue
+        a = np.asarray(lora_a.get_value(), dtype=np.float32)
+        b = np.asarray(module.kernel_lora_b.get_value(), dtype=np.float32)
+        rank = a.shape[-1]
+        weights[path] = (
+            a.reshape(math.prod(module.in_shape), rank).T,
+            b.reshape(rank, math.prod(module.out_shape)).T,
+        )
+    return weights
+
+
+def set_adapter_weights(
+    model: CausalLM, weights: dict[str, tuple[np.ndarray, np.ndarray]], source: str
+) -> None:
+    """Overwrite the model's LoRA weights with PEFT-layout ``weights`` (see above)."""
+    modules = {p: m for p, m in dense_modules(model).items() if hasattr(m, "kernel_lora_a")}
+    if set(weights) != set(modules):
+        missing, extra = sorted(set(modules) - set(weights)), sorted(set(weights) - set(modules))
+        raise ConfigError(
+            f"{source}: adapter targets do not match lora.target_modules "
+            f"(missing: {missing[:6]}, unexpected: {extra[:6]})"
+        )
+    for path, (a, b) in weights.items():
+        module = modules[path]
+        for variable, value, shape in (
+            (module.kernel_lora_a, a.T, (*module.in_shape, -1)),
+            (module.kernel_lora_b, b.T, (-1, *module.out_shape)),
+        ):
+            current = variable.get_value()
+            new = value.reshape(shape)
+            if new.shape != current.shape:
+                raise ConfigError(
+                    f"{source}: adapter for {path} has shape {list(new.shape)}, the model "
+                    f"expects {list(current.shape)} (is lora.rank the adapter's rank?)"
+                )
+            variable.set_value(jnp.asarray(new, dtype=current.dtype, device=current.sharding))
