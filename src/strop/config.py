@@ -125,6 +125,23 @@ class DataConfig(_Section):
     skip_bad_lines: bool = Field(
         False, description="Skip malformed records with a warning instead of failing."
     )
+    pad_to_multiple: int = Field(
+        64,
+        ge=1,
+        le=65536,
+        description="Pad each batch's length up to a multiple of this (capped at max_length), so jitted steps compile once per length bucket.",
+    )
+    prompt_template: str = Field(
+        "Question: {question}\nAnswer:",
+        description="Prompt of a gsm8k record; {question} is replaced by the question, and the completion is a space followed by the answer.",
+    )
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_has_question(cls, template: str) -> str:
+        if "{question}" not in template:
+            raise ValueError("must contain the placeholder {question}")
+        return template
 
 
 class SftConfig(_Section):

@@ -99,7 +99,7 @@ def _train_step(model, optimizer, batch, trainable, counter):
     count = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / count, grads)
     optimizer.update(model, grads)
-    return {"loss": loss_sum / count, "tokens": count, "grad_norm": optax.global_norm(grads)}
+    return {"loss": loss_sum / count, "tokens": count, "grad_norm": optax.tree.norm(grads)}
 
 
 class Trainer:
