@@ -38,7 +38,7 @@ KINDS = {
 }
 
 
-def build_tiny_model(kind: str, seed: int = 0):
+def build_tiny_model(kind: str, seed: int = 0, **overrides):
     """A transformers causal LM of the given kind with random weights (eval mode, float32)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -49,7 +49,7 @@ def build_tiny_model(kind: str, seed: int = 0):
         "llama": (LlamaConfig, LlamaForCausalLM),
     }[arch]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**TINY, **extra)).eval()
+    model = model_cls(config_cls(**{**TINY, **extra, **overrides})).eval()
     with torch.no_grad():  # make biases and norms non-trivial so they are really tested
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -57,8 +57,8 @@ def build_tiny_model(kind: str, seed: int = 0):
     return model
 
 
-def save_tiny_model(kind: str, directory: Path) -> Path:
-    build_tiny_model(kind).save_pretrained(directory)
+def save_tiny_model(kind: str, directory: Path, **overrides) -> Path:
+    build_tiny_model(kind, **overrides).save_pretrained(directory)
     return directory
 
 

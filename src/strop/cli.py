@@ -120,6 +120,56 @@ def info() -> None:
     Console().print(table)
 
 
+@app.command()
+def sft(recipe: Recipe, overrides: Overrides = None) -> None:
+    """Fine-tune (LoRA or full) as RECIPE says; resumes from the run's latest checkpoint."""
+    from strop.sft.loop import run_sft
+
+    result = run_sft(load_config(recipe, overrides or ()))
+    table = Table(title="strop sft", show_header=False)
+    table.add_row("run directory", str(result.run_dir))
+    table.add_row("steps", str(result.final_step))
+    if result.resumed_from is not None:
+        table.add_row("resumed from step", str(result.resumed_from))
+    if result.losses:
+        table.add_row("loss first -> last", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+    table.add_row("exported", str(result.export_path or "-"))
+    Console().print(table)
+
+
+@app.command()
+def export(
+    recipe: Recipe,
+    overrides: Overrides = None,
+    out: Annotated[str, typer.Option("--out", help="Directory to write.")] = "",
+    adapter: Annotated[bool, typer.Option("--adapter", help="Write a PEFT LoRA adapter.")] = False,
+    merged: Annotated[
+        bool, typer.Option("--merged", help="Write a HF checkpoint with adapters merged in.")
+    ] = False,
+) -> None:
+    """Export the latest checkpoint of RECIPE's run as a PEFT adapter or a merged model."""
+    from pathlib import Path
+
+    from strop.backends import get_backend
+
+    if adapter == merged:
+        raise StropError("choose exactly one of --adapter or --merged")
+    if not out:
+        raise StropError("--out DIRECTORY is required")
+    config = load_config(recipe, overrides or ())
+    policy = get_backend(config.backend).build_policy(
+        config,
+        total_steps=config.sft.steps,
+        checkpoint_dir=config.checkpoint.dir or Path(config.run_dir) / "checkpoints",
+    )
+    step = policy.latest_checkpoint()
+    if step is None:
+        raise StropError(f"no checkpoint in run directory {config.run_dir}; train first")
+    policy.restore_checkpoint(step)
+    path = policy.export_adapter(out) if adapter else policy.export_merged(out)
+    typer.echo(f"exported step {step} to {path}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the CLI on ``argv`` (default: ``sys.argv[1:]``); always exits via SystemExit."""
     try:

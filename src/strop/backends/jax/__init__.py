@@ -1,5 +1,8 @@
 """The JAX backend: Flax NNX models sharded over a ``jax.sharding.Mesh``."""
 
 from strop.backends.jax.handle import JaxModelHandle, load_model
+from strop.backends.jax.policy import JaxPolicy
 
-__all__ = ["JaxModelHandle", "load_model"]
+build_policy = JaxPolicy
+
+__all__ = ["JaxModelHandle", "JaxPolicy", "build_policy", "load_model"]

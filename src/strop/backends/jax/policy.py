@@ -1,0 +1,139 @@
+"""The JAX backend's trainable policy: model + LoRA + optimizer + checkpoints, numpy in/out.
+
+This is what the backend-neutral loops drive (``strop.backends.base.Policy``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from strop.backends.jax.checkpoint import TrainCheckpoints, run_identity
+from strop.backends.jax.lora import (
+    adapter_weights,
+    apply_lora,
+    dense_modules,
+    set_adapter_weights,
+    trainable_filter,
+)
+from strop.backends.jax.sharding import batch_sharding, make_mesh
+from strop.backends.jax.train import Trainer, token_loss_sum
+from strop.backends.jax.weights import load_hf_model, save_hf_model
+from strop.config import Config
+from strop.errors import ConfigError
+from strop.io.peft import load_adapter, save_adapter
+
+logger = logging.getLogger(__name__)
+
+
+@nnx.jit
+def _loss_sum(model, input_ids, attention_mask, loss_mask):
+    logits = model(input_ids, attention_mask).logits
+    return token_loss_sum(logits, input_ids, loss_mask)
+
+
+class JaxPolicy:
+    """A causal LM being fine-tuned (LoRA or full) on a mesh."""
+
+    backend = "jax"
+
+    def __init__(self, config: Config, *, total_steps: int, checkpoint_dir: str | os.PathLike):
+        if config.model.path is None:
+            raise ConfigError("model.path: set it to a Hugging Face checkpoint directory")
+        if config.lora.dropout > 0:
+            raise ConfigError("lora.dropout: the jax backend supports only 0 for now")
+        self.config = config
+        self.mesh = make_mesh(config.mesh)
+        model = load_hf_model(
+            config.model.path,
+            self.mesh,
+            dtype=config.model.dtype,
+            param_dtype=config.model.param_dtype,
+        )
+        if config.lora.enabled:
+            model = apply_lora(model, config.lora, seed=config.seed)
+        self.model = model
+        self.trainable = trainable_filter(config.lora.enabled)
+        self.trainer = Trainer(
+            model, self.mesh, config.optim, total_steps=total_steps, trainable=self.trainable
+        )
+        self.checkpoints = TrainCheckpoints(
+            checkpoint_dir,
+            run_identity(config.model.path, config.lora) | {"backend": "jax"},
+            keep=config.checkpoint.keep,
+        )
+
+    def train_step(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
+        return self.trainer.step(batch, micro_batches)
+
+    def eval_loss(self, batch: dict[str, np.ndarray]) -> tuple[float, float]:
+        """(summed loss, target-token count) of a batch, without training."""
+        arrays = {
+            name: jax.device_put(
+                np.asarray(batch[name]), batch_sharding(batch[name].shape, self.mesh)
+            )
+            for name in ("input_ids", "attention_mask", "loss_mask")
+        }
+        total, count = _loss_sum(
+            self.model, arrays["input_ids"], arrays["attention_mask"], arrays["loss_mask"]
+        )
+        return float(total), float(count)
+
+    # checkpoints -------------------------------------------------------------------------
+
+    def latest_checkpoint(self) -> int | None:
+        return self.checkpoints.latest_step()
+
+    def save_checkpoint(self, step: int, extra: dict[str, Any]) -> None:
+        self.checkpoints.save(step, self.model, self.trainer.optimizer, self.trainable, extra)
+
+    def restore_checkpoint(self, step: int) -> dict[str, Any]:
+        return self.checkpoints.restore(step, self.model, self.trainer.optimizer, self.trainable)
+
+    # adapters and exports ----------------------------------------------------------------
+
+    def load_adapter(self, path: str | os.PathLike) -> None:
+        """Seed the LoRA weights from a PEFT adapter directory."""
+        if not self.config.lora.enabled:
+            raise ConfigError("lora.restore_path is set but lora.enabled is false")
+        adapter_config, weights = load_adapter(path)
+        if adapter_config["r"] != self.config.lora.rank:
+            raise ConfigError(
+                f"lora.restore_path {path}: adapter rank r={adapter_config['r']} differs from "
+                f"lora.rank={self.config.lora.rank}"
+            )
+        set_adapter_weights(self.model, weights, source=str(path))
+
+    def export_adapter(self, path: str | os.PathLike) -> Path:
+        lora = self.config.lora
+        if not lora.enabled:
+            raise ConfigError("export --adapter needs lora.enabled=true")
+        return save_adapter(
+            path,
+            adapter_weights(self.model),
+            rank=lora.rank,
+            alpha=lora.alpha,
+            dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            base_model=str(Path(self.config.model.path).absolute()),
+        )
+
+    def export_merged(self, path: str | os.PathLike) -> Path:
+        """A HF checkpoint with the adapters folded into the kernels (or the full model)."""
+        merged = nnx.clone(self.model)
+        scale = self.config.lora.alpha / self.config.lora.rank
+        for module in dense_modules(merged).values():
+            lora_a = getattr(module, "kernel_lora_a", None)
+            if lora_a is None:
+                continue
+            kernel = module.kernel.get_value()
+            delta = jnp.tensordot(lora_a.get_value(), module.kernel_lora_b.get_value(), axes=1)
+            module.kernel.set_value((kernel + scale * delta).astype(kernel.dtype))
+        return save_hf_model(merged, path, source_dir=self.config.model.path, overwrite=True)

@@ -1,0 +1,138 @@
+"""The supervised fine-tuning loop, backend-neutral.
+
+Data position is the step number (batches are a pure function of seed and step), so a
+run resumes exactly from its latest complete checkpoint: same batches, same optimizer
+state, same losses as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from strop.backends import get_backend
+from strop.config import Config
+from strop.data import Tokenizer, load_sft_examples, make_sft_batcher
+from strop.errors import ConfigError
+from strop.metrics import MetricsWriter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SftResult:
+    """What a finished run produced."""
+
+    run_dir: Path
+    final_step: int
+    resumed_from: int | None
+    losses: list[float]
+    export_path: Path | None
+
+
+def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
+    """Train ``config.sft.steps`` steps (or until ``stop_after``), resuming if possible.
+
+    Writes ``metrics.jsonl``, TensorBoard logs and checkpoints under ``config.run_dir``;
+    at the end exports the adapter (LoRA) or the model (full fine-tuning).
+    """
+    if config.model.path is None or config.data.train_path is None:
+        raise ConfigError("strop sft needs model.path and data.train_path")
+    run_dir = Path(config.run_dir)
+    sft = config.sft
+    micro_batches = sft.batch_size // sft.micro_batch_size
+
+    tokenizer = Tokenizer.from_pretrained(config.model.path)
+    train_examples, stats = load_sft_examples(config.data.train_path, config.data, tokenizer)
+    logger.info(
+        "train data: %d examples, %d loss tokens", stats.num_examples, stats.num_loss_tokens
+    )
+    batcher = make_sft_batcher(train_examples, config.data, tokenizer, sft.batch_size, config.seed)
+    eval_batcher = None
+    if config.data.eval_path and sft.eval_every:
+        eval_examples, _ = load_sft_examples(config.data.eval_path, config.data, tokenizer)
+        eval_batcher = make_sft_batcher(
+            eval_examples, config.data, tokenizer, sft.micro_batch_size, config.seed
+        )
+
+    policy = get_backend(config.backend).build_policy(
+        config,
+        total_steps=sft.steps,
+        checkpoint_dir=config.checkpoint.dir or run_dir / "checkpoints",
+    )
+    start, resumed_from = 0, policy.latest_checkpoint()
+    if resumed_from is not None:
+        extra = policy.restore_checkpoint(resumed_from)
+        start = int(extra["step"])
+        logger.info("resumed from checkpoint step %d in %s", start, run_dir)
+        if config.lora.restore_path:
+            logger.info(
+                "ignoring lora.restore_path on a resumed run (state comes from the checkpoint)"
+            )
+    elif config.lora.restore_path:
+        policy.load_adapter(config.lora.restore_path)
+        logger.info("initialised adapters from %s", config.lora.restore_path)
+
+    end = sft.steps if stop_after is None else min(stop_after, sft.steps)
+    losses: list[float] = []
+    with (
+        MetricsWriter(run_dir, tensorboard=config.logging.tensorboard) as writer,
+        _progress() as bar,
+    ):
+        task = bar.add_task("sft", total=sft.steps, completed=start, loss=float("nan"), tps=0.0)
+        for step in range(start, end):
+            began = time.perf_counter()
+            metrics = policy.train_step(batcher.batch(step), micro_batches)
+            seconds = time.perf_counter() - began
+            losses.append(metrics["loss"])
+            done = step + 1
+            record = {
+                "train/loss": metrics["loss"],
+                "train/grad_norm": metrics["grad_norm"],
+                "train/tokens": metrics["tokens"],
+                "train/epoch": batcher.epoch_of(step),
+                "timing/step_s": seconds,
+                "throughput/tokens_per_s": metrics["tokens"] / seconds,
+            }
+            if eval_batcher is not None and done % sft.eval_every == 0:
+                record["eval/loss"] = _eval_loss(policy, eval_batcher, sft.micro_batch_size)
+            if done % config.logging.every_steps == 0 or done == end or "eval/loss" in record:
+                writer.write(done, record)
+            if done % config.checkpoint.every_steps == 0 or done == sft.steps:
+                policy.save_checkpoint(done, {"step": done, "seed": config.seed})
+            bar.update(
+                task, completed=done, loss=metrics["loss"], tps=record["throughput/tokens_per_s"]
+            )
+
+    export_path = None
+    if end == sft.steps:
+        if config.lora.enabled:
+            export_path = policy.export_adapter(run_dir / "adapter")
+        else:
+            export_path = policy.export_merged(run_dir / "model")
+        logger.info("exported %s", export_path)
+    return SftResult(run_dir, end, resumed_from, losses, export_path)
+
+
+def _eval_loss(policy, batcher, batch_size: int) -> float:
+    """Mean loss per target token over the whole eval set."""
+    total = count = 0.0
+    for batch, _ in batcher.iter_eval_batches(batch_size):
+        batch_total, batch_count = policy.eval_loss(batch)
+        total, count = total + batch_total, count + batch_count
+    return total / max(count, 1.0)
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TextColumn("{task.fields[tps]:.0f} tok/s"),
+        TimeRemainingColumn(),
+    )

@@ -1,0 +1,135 @@
+"""`strop sft` end to end: data -> LoRA training -> checkpoints -> resume -> export."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from strop.config import load_config
+from strop.metrics.sinks import read_metrics
+from strop.sft.loop import run_sft
+from tests.tiny_models import save_tiny_model
+from tests.tiny_tokenizer import save_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def sft_inputs(tmp_path_factory):
+    """A tiny Qwen2 with a real tokenizer, and a small prompt/completion file."""
+    root = tmp_path_factory.mktemp("sft")
+    model_dir = save_tiny_model("qwen2_tied", root / "model", vocab_size=512)
+    save_tiny_tokenizer(model_dir)
+    rng = np.random.default_rng(0)
+    with (root / "train.jsonl").open("w") as f:
+        for _ in range(24):
+            a, b = rng.integers(1, 50, 2)
+            f.write(json.dumps({"prompt": f"What is {a} + {b}?", "completion": f" {a + b}"}) + "\n")
+    return model_dir, root / "train.jsonl"
+
+
+def config_for(sft_inputs, run_dir, **overrides):
+    model_dir, train = sft_inputs
+    base = {
+        "model.path": model_dir,
+        "data.train_path": train,
+        "data.pad_to_multiple": 16,
+        "run_dir": run_dir,
+        "sft.steps": 6,
+        "sft.batch_size": 8,
+        "sft.micro_batch_size": 4,
+        "checkpoint.every_steps": 3,
+        "logging.every_steps": 1,
+        "logging.tensorboard": False,
+        "optim.lr": 1e-2,
+        "mesh.fsdp": 1,
+        "mesh.data": -1,
+    }
+    base.update(overrides)
+    return load_config("tiny", [f"{k}={v}" for k, v in base.items()])
+
+
+def test_resume_continues_exactly_and_restore_path_rules(sft_inputs, tmp_path):
+    straight = run_sft(config_for(sft_inputs, tmp_path / "straight"))
+    assert straight.final_step == 6 and len(straight.losses) == 6
+    assert (straight.export_path / "adapter_model.safetensors").exists()
+    records = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert all("train/loss" in r and "throughput/tokens_per_s" in r for r in records)
+
+    # Stop after the step-3 checkpoint (as a killed run would), then start again with an
+    # adapter to restore: the resumed run must ignore it and continue exactly.
+    interrupted = run_sft(config_for(sft_inputs, tmp_path / "resumed"), stop_after=3)
+    assert interrupted.export_path is None
+    resumed = run_sft(
+        config_for(sft_inputs, tmp_path / "resumed", **{"lora.restore_path": straight.export_path})
+    )
+    assert resumed.resumed_from == 3
+    assert interrupted.losses + resumed.losses == straight.losses
+
+    # A fresh run honours lora.restore_path: it starts from the trained adapter.
+    seeded = run_sft(
+        config_for(
+            sft_inputs,
+            tmp_path / "seeded",
+            **{"lora.restore_path": straight.export_path, "sft.steps": 1},
+        )
+    )
+    assert seeded.resumed_from is None
+    assert seeded.losses[0] < straight.losses[0] - 0.1
+
+
+def test_cli_sft_then_export_merged_matches_peft(sft_inputs, tmp_path):
+    model_dir, train = sft_inputs
+    overrides = [
+        f"model.path={model_dir}",
+        f"data.train_path={train}",
+        "data.pad_to_multiple=16",
+        f"run_dir={tmp_path / 'run'}",
+        "sft.steps=3",
+        "sft.batch_size=4",
+        "sft.micro_batch_size=2",
+        "optim.lr=1e-2",
+    ]
+    cmd = [sys.executable, "-m", "strop"]
+    done = subprocess.run([*cmd, "sft", "tiny", *overrides], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    adapter = tmp_path / "run" / "adapter"
+    assert (tmp_path / "run" / "metrics.jsonl").exists()
+    assert any((tmp_path / "run" / "tensorboard").iterdir())
+
+    merged = tmp_path / "merged"
+    done = subprocess.run(
+        [*cmd, "export", "tiny", *overrides, "--merged", "--out", str(merged)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    ids = torch.tensor([[5, 17, 42, 99, 7, 300]])
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        via_peft = PeftModel.from_pretrained(base, adapter).eval()(ids).logits
+        via_merged = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(ids).logits
+    assert (via_peft - via_merged).abs().max() < 1e-4
+    assert (via_peft - plain).abs().max() > 1e-3
+
+
+def test_cli_sft_bad_data_is_one_line_error(sft_inputs, tmp_path):
+    model_dir, _ = sft_inputs
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": " b"}\n{"prompt": 3}\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "strop", "sft", "tiny", f"model.path={model_dir}",
+         f"data.train_path={bad}", f"run_dir={tmp_path / 'run'}"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "bad.jsonl:2" in lines[0]
