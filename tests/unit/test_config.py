@@ -68,6 +68,11 @@ def test_builtin_recipes_load_and_inherit() -> None:
     assert ppo.ppo != tiny.ppo and ppo.run_dir != tiny.run_dir
 
 
+@pytest.mark.parametrize("name", builtin_recipes())
+def test_every_builtin_recipe_validates(name: str) -> None:
+    assert load_config(name).run_dir == f"runs/{name}"
+
+
 def test_base_chain_merges_nested_and_replaces_lists(tmp_path: Path) -> None:
     write(tmp_path / "bases" / "root.yaml", {"seed": 1, "data": {"max_length": 64}})
     write(
