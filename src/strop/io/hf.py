@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from strop.errors import ModelError
+from strop.io.atomic import atomic_directory
 
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
@@ -262,9 +262,7 @@ def write_checkpoint(
     target = Path(path)
     if target.exists() and not (overwrite or (target.is_dir() and not any(target.iterdir()))):
         raise ModelError(f"{target}: already exists; choose a new directory or pass overwrite")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+    with atomic_directory(target) as staging:
         _write_shards(staging, tensors, max_shard_bytes)
         config = dict(hf_config)
         config["dtype"] = dtype_name
@@ -274,12 +272,6 @@ def write_checkpoint(
             for name in SIDECAR_FILES:
                 if (Path(source_dir) / name).is_file():
                     shutil.copy2(Path(source_dir) / name, staging / name)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from strop.errors import CheckpointError
+from strop.io.atomic import atomic_directory
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -46,7 +45,6 @@ def save_adapter(
 ) -> Path:
     """Write a PEFT LoRA adapter directory; it appears only when complete."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for module, (a, b) in weights.items():
         tensors[_PREFIX + module + _SUFFIXES["A"]] = np.ascontiguousarray(a)
@@ -65,16 +63,9 @@ def save_adapter(
         "base_model_name_or_path": base_model,
         "inference_mode": True,
     }
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+    with atomic_directory(target) as staging:
         save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target
 
 
