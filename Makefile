@@ -29,9 +29,9 @@ format: $(STAMP)
 test: lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-# Until the SFT/PPO demo lands, the main job on the built-in default is `strop info`.
+# The main job on the built-in default: LoRA SFT of a tiny model made on the spot (CPU).
 demo: $(STAMP)
-	$(BIN)/strop info
+	$(BIN)/strop demo
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -38,6 +38,30 @@ KINDS = {
 }
 
 
+# Qwen2.5-1.5B-Instruct's config.json (transformers 4 layout), for shape-only checks.
+QWEN25_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 21,
+    "model_type": "qwen2",
+    "num_attention_heads": 12,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
 def build_tiny_model(kind: str, seed: int = 0, **overrides):
     """A transformers causal LM of the given kind with random weights (eval mode, float32)."""
     import torch

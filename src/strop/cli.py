@@ -125,8 +125,11 @@ def sft(recipe: Recipe, overrides: Overrides = None) -> None:
     """Fine-tune (LoRA or full) as RECIPE says; resumes from the run's latest checkpoint."""
     from strop.sft.loop import run_sft
 
-    result = run_sft(load_config(recipe, overrides or ()))
-    table = Table(title="strop sft", show_header=False)
+    _print_sft_summary("strop sft", run_sft(load_config(recipe, overrides or ())))
+
+
+def _print_sft_summary(title: str, result) -> None:
+    table = Table(title=title, show_header=False)
     table.add_row("run directory", str(result.run_dir))
     table.add_row("steps", str(result.final_step))
     if result.resumed_from is not None:
@@ -135,6 +138,14 @@ def sft(recipe: Recipe, overrides: Overrides = None) -> None:
         table.add_row("loss first -> last", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
     table.add_row("exported", str(result.export_path or "-"))
     Console().print(table)
+
+
+@app.command()
+def demo(overrides: Overrides = None) -> None:
+    """LoRA SFT on CPU in about a minute: tiny model and synthetic data made on the spot."""
+    from strop.demo import run_demo
+
+    _print_sft_summary("strop demo", run_demo(overrides or ()))
 
 
 @app.command()

@@ -11,28 +11,7 @@ from safetensors.numpy import save_file
 import strop
 from strop.errors import BackendUnavailableError, ModelError
 from strop.io.hf import ModelSpec, SafetensorsReader, read_model_spec, write_checkpoint
-
-QWEN25_CONFIG = {  # Qwen2.5-1.5B-Instruct's config.json (transformers 4 layout)
-    "architectures": ["Qwen2ForCausalLM"],
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
-    "hidden_act": "silu",
-    "hidden_size": 1536,
-    "intermediate_size": 8960,
-    "max_position_embeddings": 32768,
-    "max_window_layers": 21,
-    "model_type": "qwen2",
-    "num_attention_heads": 12,
-    "num_hidden_layers": 28,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-06,
-    "rope_theta": 1000000.0,
-    "sliding_window": 32768,
-    "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16",
-    "use_sliding_window": False,
-    "vocab_size": 151936,
-}
+from tests.tiny_models import QWEN25_CONFIG
 
 LLAMA31_ROPE = {
     "factor": 8.0,
