@@ -11,6 +11,8 @@ import json
 from functools import cache
 from pathlib import Path
 
+from strop.io.tiny import train_bpe_tokenizer
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "<|eot_id|>"]
 
 # Qwen2-Instruct's ChatML template (default system prompt when none is given).
@@ -50,19 +52,7 @@ CORPUS = [
 
 @cache
 def _tokenizer_json(vocab_size: int) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    return tok.to_str()
+    return train_bpe_tokenizer(CORPUS * 4, vocab_size, SPECIAL_TOKENS).to_str()
 
 
 def save_tiny_tokenizer(

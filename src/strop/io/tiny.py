@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -71,7 +71,10 @@ def _random_tensors(spec: ModelSpec, seed: int) -> Iterator[tuple[str, np.ndarra
         yield "lm_head.weight", normal(spec.vocab_size, e)
 
 
-def _train_tokenizer(texts: Iterable[str], vocab_size: int):
+def train_bpe_tokenizer(
+    texts: Iterable[str], vocab_size: int, special_tokens: Sequence[str] = SPECIAL_TOKENS
+):
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts`` (GPT-2/Qwen style)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -79,7 +82,7 @@ def _train_tokenizer(texts: Iterable[str], vocab_size: int):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -97,7 +100,7 @@ def make_tiny_checkpoint(
     seed: int = 0,
 ) -> Path:
     """Write a random tiny Qwen2 + a tokenizer trained on ``texts`` into ``directory``."""
-    tokenizer = _train_tokenizer(texts, vocab_size)
+    tokenizer = train_bpe_tokenizer(texts, vocab_size)
     config = tiny_qwen2_config(tokenizer.get_vocab_size(), hidden=hidden, layers=layers)
     config["pad_token_id"] = tokenizer.token_to_id("<|endoftext|>")
     config["eos_token_id"] = tokenizer.token_to_id("<|im_end|>")
