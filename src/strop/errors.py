@@ -29,5 +29,9 @@ class DataError(StropError):
     """A data file is missing or malformed."""
 
 
+class OutputExistsError(StropError):
+    """An output directory already holds something strop was not asked to replace."""
+
+
 class BackendUnavailableError(StropError):
     """The requested backend's packages are not installed."""

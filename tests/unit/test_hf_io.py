@@ -9,8 +9,9 @@ import pytest
 from safetensors.numpy import save_file
 
 import strop
-from strop.errors import BackendUnavailableError, ModelError
+from strop.errors import BackendUnavailableError, ModelError, OutputExistsError
 from strop.io.hf import ModelSpec, SafetensorsReader, read_model_spec, write_checkpoint
+from strop.io.peft import save_adapter
 from tests.tiny_models import QWEN25_CONFIG
 
 LLAMA31_ROPE = {
@@ -122,7 +123,7 @@ def test_write_refuses_to_clobber_and_leaves_no_partial_output(tmp_path):
     target = tmp_path / "out"
     target.mkdir()
     (target / "keep.txt").write_text("user data")
-    with pytest.raises(ModelError, match="already exists"):
+    with pytest.raises(OutputExistsError, match="already exists"):
         write_checkpoint(target, {}, [], dtype_name="float32")
 
     def failing():
@@ -168,3 +169,29 @@ def test_load_model_unknown_or_missing_backend(tiny_model_dir):
         strop.load_model(tiny_model_dir("qwen2"), backend="tpu")
     with pytest.raises(BackendUnavailableError, match="'torch' is not implemented"):
         strop.load_model(tiny_model_dir("qwen2"), backend="torch")
+
+
+def test_adapter_export_refuses_to_replace_unless_asked(tmp_path):
+    weights = {
+        "model.layers.0.self_attn.q_proj": (
+            np.ones((2, 4), np.float32),
+            np.ones((4, 2), np.float32),
+        )
+    }
+    kwargs = {
+        "rank": 2,
+        "alpha": 4.0,
+        "dropout": 0.0,
+        "target_modules": [".*q_proj"],
+        "base_model": None,
+    }
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(OutputExistsError):
+        save_adapter(tmp_path / "out", weights, **kwargs)
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+    save_adapter(tmp_path / "out", weights, overwrite=True, **kwargs)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]

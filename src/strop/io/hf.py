@@ -260,9 +260,7 @@ def write_checkpoint(
     Tokenizer and generation files found in ``source_dir`` are copied along.
     """
     target = Path(path)
-    if target.exists() and not (overwrite or (target.is_dir() and not any(target.iterdir()))):
-        raise ModelError(f"{target}: already exists; choose a new directory or pass overwrite")
-    with atomic_directory(target) as staging:
+    with atomic_directory(target, overwrite=overwrite) as staging:
         _write_shards(staging, tensors, max_shard_bytes)
         config = dict(hf_config)
         config["dtype"] = dtype_name

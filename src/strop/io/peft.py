@@ -42,8 +42,12 @@ def save_adapter(
     dropout: float,
     target_modules: list[str],
     base_model: str | None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write a PEFT LoRA adapter directory; it appears only when complete."""
+    """Write a PEFT LoRA adapter directory; it appears only when complete.
+
+    An existing non-empty ``path`` is replaced only with ``overwrite``.
+    """
     target = Path(path)
     tensors = {}
     for module, (a, b) in weights.items():
@@ -63,7 +67,7 @@ def save_adapter(
         "base_model_name_or_path": base_model,
         "inference_mode": True,
     }
-    with atomic_directory(target) as staging:
+    with atomic_directory(target, overwrite=overwrite) as staging:
         save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return target

@@ -111,9 +111,9 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
     export_path = None
     if end == sft.steps:
         if config.lora.enabled:
-            export_path = policy.export_adapter(run_dir / "adapter")
+            export_path = policy.export_adapter(run_dir / "adapter", overwrite=True)
         else:
-            export_path = policy.export_merged(run_dir / "model")
+            export_path = policy.export_merged(run_dir / "model", overwrite=True)
         logger.info("exported %s", export_path)
     return SftResult(run_dir, end, resumed_from, losses, export_path)
 

@@ -111,7 +111,7 @@ class JaxPolicy:
             )
         set_adapter_weights(self.model, weights, source=str(path))
 
-    def export_adapter(self, path: str | os.PathLike) -> Path:
+    def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         lora = self.config.lora
         if not lora.enabled:
             raise ConfigError("export --adapter needs lora.enabled=true")
@@ -123,9 +123,10 @@ class JaxPolicy:
             dropout=lora.dropout,
             target_modules=lora.target_modules,
             base_model=str(Path(self.config.model.path).absolute()),
+            overwrite=overwrite,
         )
 
-    def export_merged(self, path: str | os.PathLike) -> Path:
+    def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """A HF checkpoint with the adapters folded into the kernels (or the full model)."""
         merged = nnx.clone(self.model)
         scale = self.config.lora.alpha / self.config.lora.rank
@@ -136,4 +137,4 @@ class JaxPolicy:
             kernel = module.kernel.get_value()
             delta = jnp.tensordot(lora_a.get_value(), module.kernel_lora_b.get_value(), axes=1)
             module.kernel.set_value((kernel + scale * delta).astype(kernel.dtype))
-        return save_hf_model(merged, path, source_dir=self.config.model.path, overwrite=True)
+        return save_hf_model(merged, path, source_dir=self.config.model.path, overwrite=overwrite)
