@@ -1,0 +1,74 @@
+"""The sampling contract both backends' samplers implement (numpy in, numpy out).
+
+A sampler takes ragged prompts (lists of token ids) and returns a :class:`Generation`:
+one row per prompt, the sampled token ids right-padded to the longest response, the
+log-probability of each sampled token under the (temperature-scaled) sampling
+distribution, each row's length and why it stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from strop.config import GenerationConfig
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``temperature == 0`` means greedy (top-k/top-p are then ignored)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_strings: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, config: GenerationConfig) -> SamplingParams:
+        return cls(
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            stop_strings=tuple(config.stop_strings),
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Sampled responses, one row per prompt.
+
+    Attributes:
+      tokens: ``[B, T] int32`` response token ids; positions at or after ``lengths[b]``
+        hold ``pad_id``. An EOS token that ended a row is included (counted in its length).
+      logprobs: ``[B, T] float32`` log-probability of each sampled token under the
+        sampling distribution (logits / temperature; plain logits when greedy); 0 past
+        the length.
+      lengths: ``[B] int32`` number of response tokens per row.
+      finish_reasons: ``"stop"`` (EOS or a stop string) or ``"length"`` (hit
+        ``max_new_tokens``) per row.
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    finish_reasons: list[FinishReason]
+
+    @property
+    def mask(self) -> np.ndarray:
+        """``[B, T] float32``: 1 on response tokens, 0 on padding."""
+        width = self.tokens.shape[1]
+        return (np.arange(width)[None, :] < self.lengths[:, None]).astype(np.float32)
+
+    def responses(self) -> list[list[int]]:
+        """Each row's response token ids, without padding."""
+        return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths, strict=True)]
