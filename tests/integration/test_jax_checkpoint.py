@@ -12,12 +12,13 @@ import pytest
 from flax import nnx
 
 import strop
-from strop.backends.jax.checkpoint import TrainCheckpoints, identity_differences, run_identity
+from strop.backends.jax.checkpoint import TrainCheckpoints
 from strop.backends.jax.lora import BASE_WEIGHTS, apply_lora, trainable_filter
 from strop.backends.jax.sharding import make_mesh
 from strop.backends.jax.train import Trainer
 from strop.config import LoraConfig, OptimConfig
 from strop.errors import CheckpointError
+from strop.io.run_identity import identity_differences, run_identity
 from tests.tiny_models import TINY
 
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
@@ -59,7 +60,7 @@ def perturb(model, optimizer) -> None:
 
 
 def checkpoints(directory, model_dir, lora=LORA, keep=3) -> TrainCheckpoints:
-    return TrainCheckpoints(directory, run_identity(model_dir, lora), keep=keep)
+    return TrainCheckpoints(directory, run_identity(model_dir, lora, backend="jax"), keep=keep)
 
 
 def test_resume_is_exact(tiny_model_dir, tmp_path):
@@ -136,15 +137,17 @@ def test_identity_mismatch_is_refused(tiny_model_dir, tmp_path):
     before = host(nnx.state(model, nnx.LoRAParam))
     cases = {
         "lora.rank is 4 in the checkpoint but 8 now": run_identity(
-            model_dir, LORA.model_copy(update={"rank": 8})
+            model_dir, LORA.model_copy(update={"rank": 8}), backend="jax"
         ),
         "lora.targets": run_identity(
-            model_dir, LORA.model_copy(update={"target_modules": [".*q_proj"]})
+            model_dir, LORA.model_copy(update={"target_modules": [".*q_proj"]}), backend="jax"
         ),
-        "lora.enabled": run_identity(model_dir, NO_LORA),
-        "base model config.json differ": run_identity(tiny_model_dir("llama3"), LORA),
+        "lora.enabled": run_identity(model_dir, NO_LORA, backend="jax"),
+        "base model config.json differ": run_identity(
+            tiny_model_dir("llama3"), LORA, backend="jax"
+        ),
         "backend is 'jax' in the checkpoint but 'torch' now": {
-            **run_identity(model_dir, LORA),
+            **run_identity(model_dir, LORA, backend="jax"),
             "backend": "torch",
         },
     }
@@ -162,14 +165,17 @@ def test_identity_mismatch_is_refused(tiny_model_dir, tmp_path):
 def test_same_base_at_another_path_matches(tiny_model_dir, tmp_path):
     model_dir = tiny_model_dir("qwen2")
     moved = shutil.copytree(model_dir, tmp_path / "moved")
-    here, there = run_identity(model_dir, LORA), run_identity(moved, LORA)
+    here, there = (
+        run_identity(model_dir, LORA, backend="jax"),
+        run_identity(moved, LORA, backend="jax"),
+    )
     assert here["base_model"] != there["base_model"]
     assert identity_differences(here, there) == []
     weights = next(Path(moved).glob("*.safetensors"))
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1  # other weights, same config
     weights.write_bytes(bytes(data))
-    assert identity_differences(here, run_identity(moved, LORA)) == [
+    assert identity_differences(here, run_identity(moved, LORA, backend="jax")) == [
         f"base model weights differ (checkpoint: {here['base_model']}, now: {moved})"
     ]
 
@@ -243,4 +249,4 @@ def test_unusable_directory_and_bad_extra(tiny_model_dir, tmp_path):
         saver.save(1, model, trainer.optimizer, trainer.trainable, {"rng": object()})
     assert saver.latest_step() is None
     with pytest.raises(CheckpointError, match="cannot identify base model"):
-        run_identity(tmp_path / "nowhere", LORA)
+        run_identity(tmp_path / "nowhere", LORA, backend="jax")

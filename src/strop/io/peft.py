@@ -17,7 +17,8 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from strop.errors import CheckpointError
+from strop.config import LoraConfig
+from strop.errors import CheckpointError, ConfigError
 from strop.io.atomic import atomic_directory
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -117,3 +118,39 @@ def load_adapter(path: str | os.PathLike) -> tuple[dict[str, Any], AdapterWeight
             )
         weights[module] = (a, b)
     return config, weights
+
+
+def read_adapter_for(path: str | os.PathLike, lora: LoraConfig) -> AdapterWeights:
+    """The weights of the adapter at ``path``, checked against a run's ``lora:`` section."""
+    if not lora.enabled:
+        raise ConfigError("lora.restore_path is set but lora.enabled is false")
+    adapter_config, weights = load_adapter(path)
+    if adapter_config["r"] != lora.rank:
+        raise ConfigError(
+            f"lora.restore_path {path}: adapter rank r={adapter_config['r']} differs from "
+            f"lora.rank={lora.rank}"
+        )
+    return weights
+
+
+def save_adapter_for(
+    path: str | os.PathLike,
+    weights: AdapterWeights,
+    lora: LoraConfig,
+    *,
+    base_model: str | os.PathLike,
+    overwrite: bool = False,
+) -> Path:
+    """:func:`save_adapter` with a run's ``lora:`` section."""
+    if not lora.enabled:
+        raise ConfigError("export --adapter needs lora.enabled=true")
+    return save_adapter(
+        path,
+        weights,
+        rank=lora.rank,
+        alpha=lora.alpha,
+        dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        base_model=str(Path(base_model).absolute()),
+        overwrite=overwrite,
+    )

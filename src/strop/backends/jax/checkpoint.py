@@ -17,7 +17,6 @@ the directory again. Saves are blocking, so a returned ``save`` is on disk.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -29,80 +28,12 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from strop.config import LoraConfig
 from strop.errors import CheckpointError
+from strop.io.run_identity import flatten, identity_differences
 
 logger = logging.getLogger(__name__)
 
 ITEMS = ("params", "optimizer", "extra", "identity")
-# Identity keys recorded for the reader but not required to match (a base model moved
-# to another path, or mounted elsewhere on another machine, is still the same model).
-INFORMATIONAL_KEYS = frozenset({"base_model"})
-_FINGERPRINT_BYTES = 1 << 20
-
-
-def _weights_fingerprint(model_dir: Path) -> str:
-    """sha256 over each safetensors file's name, size, first and last MiB (cheap, not full)."""
-    digest = hashlib.sha256()
-    for path in sorted(model_dir.glob("*.safetensors")):
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}:".encode())
-        with path.open("rb") as f:
-            digest.update(f.read(_FINGERPRINT_BYTES))
-            f.seek(max(size - _FINGERPRINT_BYTES, 0))
-            digest.update(f.read(_FINGERPRINT_BYTES))
-    return digest.hexdigest()
-
-
-def run_identity(model_path: str | os.PathLike, lora: LoraConfig) -> dict[str, Any]:
-    """What a checkpoint belongs to: the base model, the LoRA shape and the backend.
-
-    The base is identified by the sha256 of its ``config.json`` and a fingerprint of its
-    weight files; its absolute path is recorded for messages only.
-    """
-    model_dir = Path(model_path).resolve()
-    config = model_dir / "config.json"
-    try:
-        config_sha = hashlib.sha256(config.read_bytes()).hexdigest()
-        weights_sha = _weights_fingerprint(model_dir)
-    except OSError as err:
-        raise CheckpointError(f"cannot identify base model {model_dir}: {err}") from None
-    adapter: dict[str, Any] = {"enabled": lora.enabled}
-    if lora.enabled:
-        adapter |= {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.target_modules)}
-    return {
-        "backend": "jax",
-        "base_model": str(model_dir),
-        "base_config_sha256": config_sha,
-        "base_weights_fingerprint": weights_sha,
-        "lora": adapter,
-    }
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            flat |= _flatten(value, f"{prefix}{key}.")
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def identity_differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """Human-readable differences between two identities (empty when they match)."""
-    old, new = _flatten(stored), _flatten(json.loads(json.dumps(current)))
-    base = (old.get("base_model"), new.get("base_model"))
-    diffs = []
-    for key in sorted(set(old) | set(new)):
-        if key in INFORMATIONAL_KEYS or old.get(key) == new.get(key):
-            continue
-        if key.startswith("base_"):
-            what = "config.json" if "config" in key else "weights"
-            diffs.append(f"base model {what} differ (checkpoint: {base[0]}, now: {base[1]})")
-        else:
-            diffs.append(f"{key} is {old.get(key)!r} in the checkpoint but {new.get(key)!r} now")
-    return list(dict.fromkeys(diffs))
 
 
 def _abstract(tree: Any) -> Any:
@@ -247,7 +178,7 @@ class TrainCheckpoints:
         """Dotted paths of the parameter arrays stored in checkpoint ``step``."""
         self._require(step)
         metadata = self._manager.item_metadata(step).params
-        return sorted(_flatten(metadata.tree))
+        return sorted(flatten(metadata.tree))
 
     def _require(self, step: int) -> None:
         steps = self.all_steps()

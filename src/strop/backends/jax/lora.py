@@ -1,8 +1,8 @@
 """LoRA on the NNX model, injected by Qwix, and the one filter that says what trains.
 
-Targets are chosen with ``re.fullmatch`` against HF-style dotted module paths
-(``model.layers.0.self_attn.q_proj``), the same strings PEFT matches, and handed to Qwix
-as an exact alternation of its own ``/``-joined paths. Qwix intercepts each targeted
+Targets are chosen by :func:`strop.lora_targets.match_targets` (``re.fullmatch`` on
+HF-style dotted module paths, as PEFT does) and handed to Qwix as an exact alternation
+of its own ``/``-joined paths. Qwix intercepts each targeted
 ``jnp.einsum`` and adds ``kernel_lora_a`` (``in_shape + (r,)``) and ``kernel_lora_b``
 (``(r,) + out_shape``) as ``nnx.LoRAParam`` next to the kernel, scaled by alpha / rank.
 """
@@ -20,6 +20,7 @@ from flax import nnx
 from strop.backends.jax.model import CausalLM, Dense
 from strop.config import LoraConfig
 from strop.errors import ConfigError
+from strop.lora_targets import match_targets
 
 # nnx.LoRAParam subclasses nnx.Param: "base weights" must exclude it explicitly.
 BASE_WEIGHTS = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
@@ -41,21 +42,6 @@ def dense_modules(model: CausalLM) -> dict[str, Dense]:
         for path, module in nnx.iter_modules(model)
         if isinstance(module, Dense)
     }
-
-
-def match_targets(patterns: list[str], paths: list[str]) -> list[str]:
-    """Paths matched (``re.fullmatch``) by any pattern; a pattern matching none is an error."""
-    matched = set()
-    for pattern in patterns:
-        hits = {path for path in paths if re.fullmatch(pattern, path)}
-        if not hits:
-            shown = ", ".join(paths[:12]) + (", ..." if len(paths) > 12 else "")
-            raise ConfigError(
-                f"lora.target_modules: pattern {pattern!r} matches no module "
-                f"(re.fullmatch against module paths such as: {shown})"
-            )
-        matched |= hits
-    return [path for path in paths if path in matched]
 
 
 def apply_lora(model: CausalLM, config: LoraConfig, seed: int) -> CausalLM:

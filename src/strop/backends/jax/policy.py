@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from strop.backends.jax.checkpoint import TrainCheckpoints, run_identity
+from strop.backends.jax.checkpoint import TrainCheckpoints
 from strop.backends.jax.lora import (
     adapter_weights,
     apply_lora,
@@ -28,7 +28,8 @@ from strop.backends.jax.train import Trainer, token_loss_sum
 from strop.backends.jax.weights import load_hf_model, save_hf_model
 from strop.config import Config
 from strop.errors import ConfigError
-from strop.io.peft import load_adapter, save_adapter
+from strop.io.peft import read_adapter_for, save_adapter_for
+from strop.io.run_identity import run_identity
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +67,14 @@ class JaxPolicy:
         )
         self.checkpoints = TrainCheckpoints(
             checkpoint_dir,
-            run_identity(config.model.path, config.lora) | {"backend": "jax"},
+            run_identity(config.model.path, config.lora, backend="jax"),
             keep=config.checkpoint.keep,
         )
+
+    @property
+    def is_main(self) -> bool:
+        """Process 0 writes files, logs and progress bars."""
+        return jax.process_index() == 0
 
     def train_step(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
         return self.trainer.step(batch, micro_batches)
@@ -101,28 +107,14 @@ class JaxPolicy:
 
     def load_adapter(self, path: str | os.PathLike) -> None:
         """Seed the LoRA weights from a PEFT adapter directory."""
-        if not self.config.lora.enabled:
-            raise ConfigError("lora.restore_path is set but lora.enabled is false")
-        adapter_config, weights = load_adapter(path)
-        if adapter_config["r"] != self.config.lora.rank:
-            raise ConfigError(
-                f"lora.restore_path {path}: adapter rank r={adapter_config['r']} differs from "
-                f"lora.rank={self.config.lora.rank}"
-            )
-        set_adapter_weights(self.model, weights, source=str(path))
+        set_adapter_weights(self.model, read_adapter_for(path, self.config.lora), str(path))
 
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        lora = self.config.lora
-        if not lora.enabled:
-            raise ConfigError("export --adapter needs lora.enabled=true")
-        return save_adapter(
+        return save_adapter_for(
             path,
             adapter_weights(self.model),
-            rank=lora.rank,
-            alpha=lora.alpha,
-            dropout=lora.dropout,
-            target_modules=lora.target_modules,
-            base_model=str(Path(self.config.model.path).absolute()),
+            self.config.lora,
+            base_model=self.config.model.path,
             overwrite=overwrite,
         )
 

@@ -1,0 +1,223 @@
+"""Training checkpoints with ``torch.distributed.checkpoint`` (DCP): same rules as JAX.
+
+A checkpoint holds what a resumed run cannot rebuild from its config: the *trainable*
+parameters (with LoRA only the adapters; ``get_state_dict(ignore_frozen_params=True)``),
+the optimizer state, JSON ``extra`` from the loop (step, data position, ...) and the run
+identity. Each rank writes its own shards; nothing is gathered.
+
+Layout, one directory per step (as the JAX backend's Orbax layout)::
+
+    <dir>/<step>/state/       DCP files (.metadata + per-rank shards)
+    <dir>/<step>/extra.json
+    <dir>/<step>/identity.json
+
+A step is written under ``<dir>/.tmp-<step>`` and renamed into place by rank 0 once
+every rank's shards and the JSON files are on disk, so a run killed mid-save never
+leaves a step that looks complete; leftovers are removed when a run opens the
+directory. Only the last ``keep`` steps are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from strop.backends.torch.fsdp import Placement, barrier
+from strop.backends.torch.lora import hf_module_path
+from strop.errors import CheckpointError
+from strop.io.run_identity import identity_differences
+
+logger = logging.getLogger(__name__)
+
+_TMP_PREFIX = ".tmp-"
+_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+
+
+def _write_json(path: Path, value: Any) -> None:
+    with path.open("w") as f:
+        json.dump(value, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class TrainCheckpoints:
+    """The checkpoints of one run, in ``directory`` (e.g. ``<run_dir>/checkpoints``).
+
+    Args:
+      directory: created if missing; one sub-directory per saved step.
+      identity: what this run is (see :func:`strop.io.run_identity.run_identity`);
+        stored with every step and compared on restore.
+      placement: this process's rank and mesh (rank 0 manages the directory).
+      keep: how many of the most recent checkpoints to keep.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        identity: Mapping[str, Any],
+        placement: Placement,
+        keep: int = 3,
+    ):
+        if keep < 1:
+            raise CheckpointError(f"checkpoint keep must be at least 1, got {keep}")
+        self.directory = Path(directory).absolute()
+        self.identity = dict(identity)
+        self.placement = placement
+        self.keep = keep
+        if placement.is_main:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise CheckpointError(
+                    f"cannot use checkpoint directory {self.directory}: {err}; choose a "
+                    "writable run directory"
+                ) from None
+            for leftover in self.directory.glob(_TMP_PREFIX + "*"):
+                shutil.rmtree(leftover, ignore_errors=True)  # a save killed half-way
+        barrier(placement)
+
+    def all_steps(self) -> list[int]:
+        """Steps with a complete checkpoint, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(
+            int(entry.name)
+            for entry in self.directory.iterdir()
+            if entry.name.isdigit() and (entry / "identity.json").is_file()
+        )
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or ``None`` when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Write checkpoint ``step`` (collective) and return once it is complete on disk.
+
+        On failure raises :class:`CheckpointError`; earlier checkpoints are untouched and
+        nothing half-written becomes visible.
+        """
+        extra = dict(extra or {})
+        try:
+            json.dumps(extra)
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"checkpoint extra is not JSON-serialisable: {err}") from None
+        if step in self.all_steps():
+            raise CheckpointError(
+                f"checkpoint step {step} already exists in {self.directory}; resume from it "
+                "or use a new run directory"
+            )
+        staging = self.directory / f"{_TMP_PREFIX}{step}"
+        final = self.directory / str(step)
+        model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+        try:
+            if self.placement.is_main:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)
+            barrier(self.placement)
+            dcp.save(
+                {"model": model_state, "optim": optim_state},
+                checkpoint_id=staging / "state",
+                no_dist=not self.placement.distributed,
+            )
+            barrier(self.placement)
+            if self.placement.is_main:
+                _write_json(staging / "extra.json", extra)
+                _write_json(staging / "identity.json", self.identity)
+                os.replace(staging, final)
+                self._prune()
+        except Exception as err:  # I/O failures surface as assorted types
+            if self.placement.is_main:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise CheckpointError(
+                f"saving checkpoint step {step} to {self.directory} failed: {err!r}; the "
+                f"previous checkpoint ({self.latest_step()}) is intact. Check free space and "
+                "permissions of the run directory."
+            ) from err
+        barrier(self.placement)
+        logger.info("saved checkpoint step %d to %s", step, self.directory)
+
+    def _prune(self) -> None:
+        for old in self.all_steps()[: -self.keep]:
+            shutil.rmtree(self.directory / str(old), ignore_errors=True)
+
+    def check_identity(self, step: int) -> None:
+        """Raise :class:`CheckpointError` if checkpoint ``step`` belongs to another run."""
+        self._require(step)
+        path = self.directory / str(step)
+        try:
+            stored = json.loads((path / "identity.json").read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise CheckpointError(f"cannot read {path / 'identity.json'}: {err}") from None
+        diffs = identity_differences(stored, self.identity)
+        if diffs:
+            raise CheckpointError(
+                f"checkpoint {path} was written by a different run: "
+                + "; ".join(diffs)
+                + ". Resume with the base model, LoRA settings and backend it was written "
+                "with, or start this run in a new run directory."
+            )
+
+    def restore(
+        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        """Load checkpoint ``step`` into the live ``model`` and ``optimizer``; return ``extra``.
+
+        Each rank reads only its own shards. The identity is checked before any tensor
+        is read.
+        """
+        self.check_identity(step)
+        path = self.directory / str(step)
+        model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+        state = {"model": model_state, "optim": optim_state}
+        try:
+            dcp.load(state, checkpoint_id=path / "state", no_dist=not self.placement.distributed)
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=_OPTIONS,
+            )
+            extra = json.loads((path / "extra.json").read_text())
+        except Exception as err:  # structure/shape mismatch or unreadable files
+            raise CheckpointError(f"cannot restore checkpoint {path}: {err}") from err
+        logger.info("restored checkpoint step %d from %s", step, self.directory)
+        return extra
+
+    def stored_params(self, step: int) -> list[str]:
+        """HF-style names of the parameters stored in checkpoint ``step``."""
+        self._require(step)
+        metadata = dcp.FileSystemReader(self.directory / str(step) / "state").read_metadata()
+        return sorted(
+            hf_module_path(key.removeprefix("model."))
+            for key in metadata.state_dict_metadata
+            if key.startswith("model.")
+        )
+
+    def _require(self, step: int) -> None:
+        steps = self.all_steps()
+        if step not in steps:
+            raise CheckpointError(
+                f"no complete checkpoint for step {step} in {self.directory} "
+                f"(available: {steps or 'none'})"
+            )

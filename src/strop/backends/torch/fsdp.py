@@ -1,0 +1,155 @@
+"""Processes, the device mesh and FSDP2 sharding for the torch backend.
+
+Launched under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) strop joins the
+process group (NCCL on CUDA, gloo on CPU) and shards the model with FSDP2
+(``fully_shard`` on every decoder layer, then the root), so every parameter is a
+``DTensor``. Launched as a plain process it runs unsharded on one device.
+
+Gradient reduction: strop's losses are *sums* over a rank's tokens divided by the
+*global* token count (see ``train.py``), so the correct data-parallel gradient is the
+plain **sum** of the ranks' gradients. FSDP2 is told exactly that (divide factor 1, sum
+reductions only) instead of relying on its default average: over gloo, FSDP2's
+``ReduceOp.AVG`` has been reported to silently sum (pytorch issue 162338), and an
+average would be wrong for token-normalised losses anyway. The two-process test holds
+the sharded gradients to a single-process run either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from strop.config import MeshConfig
+from strop.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this process runs: its device, rank, world size and (if sharded) mesh."""
+
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    mesh: DeviceMesh | None = None
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes files, logs and progress bars."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+
+def launched_distributed() -> bool:
+    """True under ``torchrun`` (or any launcher that sets ``WORLD_SIZE`` > 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized()
+
+
+def place(mesh_config: MeshConfig) -> Placement:
+    """Join the process group if launched distributed, pick the device, build the mesh.
+
+    The mesh's ``data`` axis replicates and its ``fsdp`` axis shards (HSDP when both are
+    > 1); tensor parallelism is refused with a clear message for now.
+    """
+    cuda = torch.cuda.is_available()
+    if not launched_distributed():
+        sizes = mesh_config.resolve(1)
+        _refuse_tensor_parallel(sizes)
+        return Placement(torch.device("cuda" if cuda else "cpu"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    world = dist.get_world_size()
+    sizes = mesh_config.resolve(world)
+    _refuse_tensor_parallel(sizes)
+    device_type = "cuda" if cuda else "cpu"
+    if sizes["data"] > 1:
+        mesh = init_device_mesh(
+            device_type, (sizes["data"], sizes["fsdp"]), mesh_dim_names=("data", "fsdp")
+        )
+    else:
+        mesh = init_device_mesh(device_type, (sizes["fsdp"],), mesh_dim_names=("fsdp",))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    logger.info("rank %d/%d on %s, mesh %s", dist.get_rank(), world, device, mesh)
+    return Placement(device, dist.get_rank(), world, mesh)
+
+
+def _refuse_tensor_parallel(sizes: dict[str, int]) -> None:
+    if sizes["tensor"] > 1:
+        raise ConfigError(
+            f"mesh.tensor={sizes['tensor']}: tensor parallelism is not supported by the torch "
+            "backend yet; use mesh.fsdp (and mesh.data) for data parallelism"
+        )
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (classes the model lists in ``_no_split_modules``)."""
+    names = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ConfigError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+    return layers
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype) -> nn.Module:
+    """``fully_shard`` every decoder layer, then the root; gradients reduce by plain sum."""
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def all_reduce_sum(value: float, placement: Placement) -> float:
+    """Sum a host float over all ranks (identity when not distributed)."""
+    if not placement.distributed:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=placement.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return float(tensor.item())
+
+
+def barrier(placement: Placement) -> None:
+    if placement.distributed:
+        dist.barrier()
+
+
+@torch.no_grad()
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write a whole (unsharded, host) tensor into ``param``, sharded or not.
+
+    For a DTensor each rank keeps only its own shard of ``full`` (``src_data_rank=None``:
+    every rank already holds the whole tensor, so nothing is communicated).
+    """
+    if isinstance(param, DTensor):
+        local = distribute_tensor(
+            full.to(param.to_local().device, param.dtype),
+            param.device_mesh,
+            param.placements,
+            src_data_rank=None,
+        ).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full.to(dtype=param.dtype, device=param.device))

@@ -1,0 +1,113 @@
+"""The torch backend's :class:`~strop.backends.base.ModelHandle`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from strop.backends.torch.fsdp import place
+from strop.backends.torch.model import LoadedModel, build_model, forward_logits, hf_weights
+from strop.config import MeshConfig
+from strop.errors import StropError
+from strop.io.hf import ModelSpec, write_checkpoint
+
+
+class TorchModelHandle:
+    """A ``transformers`` model (FSDP2-sharded under ``torchrun``), numpy in and out."""
+
+    backend = "torch"
+
+    def __init__(self, loaded: LoadedModel, source_dir: Path | None = None):
+        self.loaded = loaded
+        self.source_dir = source_dir
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.loaded.spec
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.loaded.model
+
+    @torch.no_grad()
+    def logits(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray | None = None,
+        positions: np.ndarray | None = None,
+    ) -> np.ndarray:
+        ids = np.asarray(input_ids, dtype=np.int64)
+        if ids.ndim != 2:
+            raise StropError(f"input_ids must be [batch, length], got shape {ids.shape}")
+        mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask)
+        if mask.shape != ids.shape:
+            raise StropError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+        device = self.loaded.placement.device
+        out = forward_logits(
+            self.loaded,
+            torch.from_numpy(ids).to(device),
+            torch.from_numpy(mask.astype(np.int64)).to(device),
+            None
+            if positions is None
+            else torch.from_numpy(np.asarray(positions, np.int64)).to(device),
+        )
+        return out.cpu().numpy()
+
+    def save(
+        self, path: str | os.PathLike, *, overwrite: bool = False, max_shard_bytes: int = 4 << 30
+    ) -> Path:
+        return save_hf_model(
+            self.loaded,
+            path,
+            source_dir=self.source_dir,
+            overwrite=overwrite,
+            max_shard_bytes=max_shard_bytes,
+        )
+
+
+def save_hf_model(
+    loaded: LoadedModel,
+    path: str | os.PathLike,
+    *,
+    source_dir: str | os.PathLike | None,
+    lora_scale: float | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = 4 << 30,
+) -> Path:
+    """Write the model (adapters merged with ``lora_scale``) as a HF checkpoint.
+
+    Every rank takes part in gathering the shards; rank 0 writes.
+    """
+    tensors = hf_weights(loaded, lora_scale=lora_scale)
+    if not loaded.placement.is_main:
+        for _ in tensors:
+            pass
+        return Path(path)
+    dtype_name = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+    return write_checkpoint(
+        path,
+        loaded.spec.raw,
+        tensors,
+        dtype_name=dtype_name,
+        source_dir=source_dir,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+    )
+
+
+def load_model(
+    path: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    param_dtype: str = "float32",
+    mesh: MeshConfig | Mapping[str, int] | None = None,
+) -> TorchModelHandle:
+    """Load a HF checkpoint directory; sharded with FSDP2 when launched under ``torchrun``."""
+    if not isinstance(mesh, MeshConfig):
+        mesh = MeshConfig(**(mesh or {}))
+    loaded = build_model(path, place(mesh), dtype=dtype, param_dtype=param_dtype)
+    return TorchModelHandle(loaded, source_dir=Path(path))

@@ -1,0 +1,124 @@
+"""LoRA on a transformers model with Hugging Face PEFT, from the same ``lora:`` config.
+
+Targets follow :func:`strop.lora_targets.match_targets` (``re.fullmatch`` on dotted
+module paths, an error when a pattern matches nothing) and are handed to PEFT as one
+regex, which PEFT also matches with ``re.fullmatch``: the two backends adapt exactly the
+same modules. PEFT freezes every base weight; only ``lora_A``/``lora_B`` require grad.
+
+Adapters are injected while the model is still on the meta device (before sharding);
+:func:`init_adapter` then writes a seeded initialisation (A uniform in
+±1/sqrt(in), PEFT's default ``kaiming_uniform(a=sqrt(5))``; B zero) that is the same on
+every rank and for every world size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import peft
+import torch
+from torch import nn
+
+from strop.backends.torch.fsdp import copy_full_into
+from strop.config import LoraConfig
+from strop.errors import ConfigError
+from strop.io.peft import AdapterWeights, target_regex
+from strop.lora_targets import match_targets
+
+ADAPTER_NAME = "default"
+_WRAPPER_PREFIX = "base_model.model."
+
+
+def linear_paths(model: nn.Module) -> list[str]:
+    """Dotted paths of every ``nn.Linear`` (the LoRA candidates), in model order."""
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+
+
+def apply_lora(model: nn.Module, config: LoraConfig) -> peft.PeftModel:
+    """Wrap ``model`` (typically on the meta device) with PEFT LoRA adapters."""
+    match_targets(config.target_modules, linear_paths(model))
+    peft_config = peft.LoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=target_regex(config.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return peft.get_peft_model(model, peft_config, low_cpu_mem_usage=True)
+
+
+def hf_module_path(name: str) -> str:
+    """A PEFT-wrapped module/parameter name without the wrapper prefix and ``base_layer``."""
+    name = name.removeprefix(_WRAPPER_PREFIX)
+    return name.replace(".base_layer", "")
+
+
+def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The PEFT LoRA layers by HF module path (e.g. ``model.layers.0.self_attn.q_proj``)."""
+    return {
+        hf_module_path(name): module
+        for name, module in model.named_modules()
+        if isinstance(module, peft.tuners.lora.LoraLayer)
+    }
+
+
+def is_lora_param(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def init_adapter(
+    name: str, shape: torch.Size, generator: torch.Generator, dtype: torch.dtype
+) -> torch.Tensor:
+    """The initial full value of LoRA parameter ``name`` (A: uniform ±1/sqrt(in); B: 0)."""
+    if ".lora_B." in name:
+        return torch.zeros(shape, dtype=dtype)
+    bound = 1.0 / math.sqrt(shape[1])
+    values = torch.rand(shape, generator=generator, dtype=torch.float32)
+    return ((2 * values - 1) * bound).to(dtype)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (a collective for DTensors)."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else tensor
+
+
+def adapter_weights(model: nn.Module) -> AdapterWeights:
+    """LoRA weights per module path in PEFT layout (``A [r, in]``, ``B [out, r]``), float32.
+
+    Collective under FSDP: every rank must call it.
+    """
+    weights = {}
+    for path, module in lora_modules(model).items():
+        a = full_tensor(module.lora_A[ADAPTER_NAME].weight.detach())
+        b = full_tensor(module.lora_B[ADAPTER_NAME].weight.detach())
+        weights[path] = (
+            a.float().cpu().numpy(),
+            b.float().cpu().numpy(),
+        )
+    return weights
+
+
+def set_adapter_weights(model: nn.Module, weights: AdapterWeights, source: str) -> None:
+    """Overwrite the model's LoRA weights with PEFT-layout ``weights``."""
+    modules = lora_modules(model)
+    if set(weights) != set(modules):
+        missing, extra = sorted(set(modules) - set(weights)), sorted(set(weights) - set(modules))
+        raise ConfigError(
+            f"{source}: adapter targets do not match lora.target_modules "
+            f"(missing: {missing[:6]}, unexpected: {extra[:6]})"
+        )
+    for path, (a, b) in weights.items():
+        module = modules[path]
+        for param, value in (
+            (module.lora_A[ADAPTER_NAME].weight, a),
+            (module.lora_B[ADAPTER_NAME].weight, b),
+        ):
+            if tuple(value.shape) != tuple(param.shape):
+                raise ConfigError(
+                    f"{source}: adapter for {path} has shape {list(value.shape)}, the model "
+                    f"expects {list(param.shape)} (is lora.rank the adapter's rank?)"
+                )
+            copy_full_into(param, torch.from_numpy(np.ascontiguousarray(value, np.float32)))

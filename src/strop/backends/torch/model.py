@@ -1,0 +1,205 @@
+"""Build a ``transformers`` causal LM from a HF checkpoint directory, shard by shard.
+
+The model is created on the meta device (no memory), LoRA adapters are injected, FSDP2
+shards it when launched distributed, and only then is memory allocated
+(``to_empty``) and filled one safetensors tensor at a time, each rank keeping its own
+shard. A model that does not fit on one device therefore never has to. The same path
+serves a single process: there ``to_empty`` allocates the whole model on its device.
+
+Positions follow the JAX backend: they count from each row's first real token, so left
+padding (prompts) and right padding (training batches) give the same logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import transformers
+from torch import nn
+
+from strop.backends.torch.fsdp import TORCH_DTYPES, Placement, copy_full_into, shard_model
+from strop.backends.torch.lora import (
+    apply_lora,
+    full_tensor,
+    hf_module_path,
+    init_adapter,
+    is_lora_param,
+)
+from strop.config import LoraConfig
+from strop.errors import ModelError
+from strop.io.hf import ModelSpec, SafetensorsReader, read_model_spec
+
+
+@dataclass
+class LoadedModel:
+    """A built model and what the backend needs to run it."""
+
+    model: nn.Module
+    spec: ModelSpec
+    placement: Placement
+    compute_dtype: torch.dtype
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """Compute in ``compute_dtype`` when it differs from the stored weights' dtype.
+
+        FSDP2's mixed-precision policy does this for sharded models; a single process
+        uses autocast instead.
+        """
+        stored = next(self.model.parameters()).dtype
+        if self.placement.distributed or stored == self.compute_dtype:
+            yield
+        else:
+            with torch.autocast(self.placement.device.type, dtype=self.compute_dtype):
+                yield
+
+
+def build_model(
+    path: str | os.PathLike,
+    placement: Placement,
+    *,
+    dtype: str = "float32",
+    param_dtype: str = "float32",
+    lora: LoraConfig | None = None,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load the checkpoint at ``path`` (with LoRA adapters if ``lora.enabled``).
+
+    Weights are stored in ``param_dtype`` and computed in ``dtype``. LoRA adapters get a
+    seeded initialisation that does not depend on the world size.
+    """
+    spec = read_model_spec(path)
+    reader = SafetensorsReader(path)
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(
+            path, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        raise ModelError(f"{path}: transformers cannot read config.json ({err})") from None
+    stored_dtype = TORCH_DTYPES[param_dtype]
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            hf_config, dtype=stored_dtype, trust_remote_code=trust_remote_code
+        )
+    if lora is not None and lora.enabled:
+        model = apply_lora(model, lora)
+    if placement.distributed:
+        shard_model(model, placement.mesh, TORCH_DTYPES[dtype])
+    tied = _shared_parameters(model)
+    model.to_empty(device=placement.device)
+    _retie(tied)
+    _load_weights(model, reader, seed, source=str(path))
+    _reset_rotary_buffers(model, placement.device)
+    model.eval()
+    return LoadedModel(model, spec, placement, TORCH_DTYPES[dtype])
+
+
+def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """(module, attribute) places of each parameter registered more than once (tied)."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, param in module.named_parameters(recurse=False):
+            places.setdefault(id(param), []).append((module, attr))
+    return [group for group in places.values() if len(group) > 1]
+
+
+def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
+    """Point every place of a tied parameter at one tensor again (``to_empty`` unties)."""
+    for (first, first_attr), *others in groups:
+        for module, attr in others:
+            setattr(module, attr, getattr(first, first_attr))
+
+
+def _to_torch(array: np.ndarray) -> torch.Tensor:
+    if array.dtype.name == "bfloat16":  # ml_dtypes.bfloat16: same bits as torch.bfloat16
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _load_weights(model: nn.Module, reader: SafetensorsReader, seed: int, source: str) -> None:
+    """Fill every parameter: base weights from the checkpoint, adapters from the seed."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():  # tied weights appear once
+        if is_lora_param(name):
+            full = init_adapter(name, param.shape, generator, param.dtype)
+        else:
+            tensor_name = hf_module_path(name)
+            if tensor_name not in reader:
+                raise ModelError(f"{source}: checkpoint has no tensor {tensor_name!r}")
+            full = _to_torch(reader.get(tensor_name))
+            if tuple(full.shape) != tuple(param.shape):
+                raise ModelError(
+                    f"{source}: tensor {tensor_name!r} has shape {list(full.shape)}, the model "
+                    f"built from config.json expects {list(param.shape)}"
+                )
+        copy_full_into(param, full)
+
+
+def _reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
+    """Recompute RoPE's non-persistent ``inv_freq`` buffers, left empty by ``to_empty``."""
+    for module in model.modules():
+        if hasattr(module, "inv_freq") and hasattr(module, "rope_type"):
+            fresh = type(module)(config=module.config).to(device)
+            for name, buffer in fresh.named_buffers(recurse=False):
+                getattr(module, name).copy_(buffer)
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids counting from each row's first real token (0 on left padding)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def forward_logits(
+    loaded: LoadedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Float32 logits ``[B, L, V]``."""
+    if positions is None:
+        positions = positions_from_mask(attention_mask)
+    with loaded.autocast():
+        out = loaded.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=False,
+        )
+    return out.logits.float()
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A host numpy copy; bfloat16 becomes ``ml_dtypes.bfloat16`` (same bits)."""
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def hf_weights(
+    loaded: LoadedModel, *, lora_scale: float | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """The model's weights as (HF tensor name, host array), one at a time.
+
+    With ``lora_scale`` each adapted kernel is merged: ``W + scale * B @ A``; adapters
+    are never yielded. Collective under FSDP (every rank iterates); tied weights once.
+    """
+    params = dict(loaded.model.named_parameters())
+    for name, param in params.items():
+        if is_lora_param(name):
+            continue
+        full = full_tensor(param.detach())
+        if lora_scale is not None and name.endswith(".base_layer.weight"):
+            prefix = name.removesuffix("base_layer.weight")
+            a = full_tensor(params[prefix + "lora_A.default.weight"].detach()).float()
+            b = full_tensor(params[prefix + "lora_B.default.weight"].detach()).float()
+            full = (full.float() + lora_scale * (b @ a)).to(full.dtype)
+        yield hf_module_path(name), to_numpy(full)

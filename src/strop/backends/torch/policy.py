@@ -1,0 +1,117 @@
+"""The torch backend's trainable policy: model + LoRA + optimizer + checkpoints, numpy in/out.
+
+The same surface as :class:`strop.backends.jax.policy.JaxPolicy`, so the
+backend-neutral loops drive either without a branch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from strop.backends.torch.checkpoint import TrainCheckpoints
+from strop.backends.torch.fsdp import place
+from strop.backends.torch.handle import save_hf_model
+from strop.backends.torch.lora import adapter_weights, set_adapter_weights
+from strop.backends.torch.model import build_model, forward_logits
+from strop.backends.torch.train import BATCH_KEYS, Trainer, token_loss_sum
+from strop.config import Config
+from strop.errors import ConfigError
+from strop.io.peft import read_adapter_for, save_adapter_for
+from strop.io.run_identity import run_identity
+
+_UPDATES_KEY = "optimizer_updates"  # the schedule's clock, kept in the checkpoint's extra
+
+
+class TorchPolicy:
+    """A causal LM being fine-tuned (LoRA or full), FSDP2-sharded under ``torchrun``."""
+
+    backend = "torch"
+
+    def __init__(self, config: Config, *, total_steps: int, checkpoint_dir: str | os.PathLike):
+        if config.model.path is None:
+            raise ConfigError("model.path: set it to a Hugging Face checkpoint directory")
+        self.config = config
+        self.placement = place(config.mesh)
+        self.loaded = build_model(
+            config.model.path,
+            self.placement,
+            dtype=config.model.dtype,
+            param_dtype=config.model.param_dtype,
+            lora=config.lora,
+            seed=config.seed,
+            trust_remote_code=config.model.trust_remote_code,
+        )
+        self.model = self.loaded.model
+        self.trainer = Trainer(self.loaded, config.optim, total_steps=total_steps, seed=config.seed)
+        self.checkpoints = TrainCheckpoints(
+            checkpoint_dir,
+            run_identity(config.model.path, config.lora, backend="torch"),
+            self.placement,
+            keep=config.checkpoint.keep,
+        )
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes files, logs and progress bars."""
+        return self.placement.is_main
+
+    def train_step(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
+        return self.trainer.step(batch, micro_batches)
+
+    @torch.no_grad()
+    def eval_loss(self, batch: dict[str, np.ndarray]) -> tuple[float, float]:
+        """(summed loss, target-token count) of a batch, without training.
+
+        Every rank evaluates the whole batch (evaluation batches are small).
+        """
+        device = self.placement.device
+        ids, mask, loss_mask = (
+            torch.from_numpy(np.asarray(batch[name]).astype(np.int64)).to(device)
+            for name in BATCH_KEYS
+        )
+        total, count = token_loss_sum(forward_logits(self.loaded, ids, mask), ids, loss_mask)
+        return float(total), float(count)
+
+    # checkpoints -------------------------------------------------------------------------
+
+    def latest_checkpoint(self) -> int | None:
+        return self.checkpoints.latest_step()
+
+    def save_checkpoint(self, step: int, extra: dict[str, Any]) -> None:
+        extra = {**extra, _UPDATES_KEY: self.trainer.updates}
+        self.checkpoints.save(step, self.model, self.trainer.optimizer, extra)
+
+    def restore_checkpoint(self, step: int) -> dict[str, Any]:
+        extra = self.checkpoints.restore(step, self.model, self.trainer.optimizer)
+        self.trainer.updates = int(extra.pop(_UPDATES_KEY))
+        return extra
+
+    # adapters and exports ----------------------------------------------------------------
+
+    def load_adapter(self, path: str | os.PathLike) -> None:
+        """Seed the LoRA weights from a PEFT adapter directory."""
+        set_adapter_weights(self.model, read_adapter_for(path, self.config.lora), str(path))
+
+    def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        weights = adapter_weights(self.model)  # collective: every rank gathers
+        if not self.is_main:
+            return Path(path)
+        return save_adapter_for(
+            path, weights, self.config.lora, base_model=self.config.model.path, overwrite=overwrite
+        )
+
+    def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """A HF checkpoint with the adapters folded into the kernels (or the full model)."""
+        lora = self.config.lora
+        return save_hf_model(
+            self.loaded,
+            path,
+            source_dir=self.config.model.path,
+            lora_scale=lora.alpha / lora.rank if lora.enabled else None,
+            overwrite=overwrite,
+        )

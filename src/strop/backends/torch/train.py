@@ -1,0 +1,142 @@
+"""The torch train step: micro-batch accumulation, global token normalisation, clipping.
+
+Same contract as the JAX backend's ``train.py``: the loss of a batch is the summed
+next-token cross-entropy over its target tokens divided by the *global* target-token
+count (all micro-batches, all ranks), so neither micro-batching nor the number of
+processes changes the update. Each rank backpropagates ``its sum / global count``;
+FSDP2 then *sums* the ranks' gradients (see ``fsdp.py``).
+
+Token alignment: ``loss_mask[:, t] = 1`` means token ``x_t`` is a target, predicted from
+the logits at position ``t - 1``.
+
+Randomness inside a step (LoRA dropout) is reseeded from (seed, update, rank) at every
+update, so a resumed run draws exactly what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from strop.backends.torch.fsdp import all_reduce_sum
+from strop.backends.torch.model import LoadedModel, forward_logits
+from strop.config import OptimConfig
+from strop.errors import ConfigError
+from strop.schedules import learning_rate
+
+BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")
+
+
+def make_optimizer(params: list[torch.nn.Parameter], config: OptimConfig) -> torch.optim.Optimizer:
+    """The optimizer a run's ``optim:`` section describes (lr is set every update)."""
+    if config.name == "adamw":
+        return torch.optim.AdamW(
+            params,
+            lr=config.lr,
+            betas=(config.b1, config.b2),
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+        )
+    if config.name == "sgd":  # plain SGD with L2 weight decay, as optax.sgd in the jax backend
+        return torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay)
+    raise ConfigError(f"optim.name: {config.name!r} is not supported by the torch backend")
+
+
+def token_loss_sum(
+    logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token cross-entropy over target tokens, and their count (float32)."""
+    vocab = logits.shape[-1]
+    losses = F.cross_entropy(
+        logits[:, :-1].reshape(-1, vocab).float(),
+        input_ids[:, 1:].reshape(-1),
+        reduction="none",
+    )
+    mask = loss_mask[:, 1:].reshape(-1).float()
+    return (losses * mask).sum(), mask.sum()
+
+
+def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Global L2 norm of the gradients, whole on every rank (sharded grads included)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+class Trainer:
+    """Owns the optimizer over the trainable parameters of ``loaded`` and runs updates."""
+
+    def __init__(self, loaded: LoadedModel, optim: OptimConfig, *, total_steps: int, seed: int = 0):
+        self.loaded = loaded
+        self.optim = optim
+        self.total_steps = total_steps
+        self.seed = seed
+        self.params = [p for p in loaded.model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ConfigError("the model has no trainable parameters")
+        self.optimizer = make_optimizer(self.params, optim)
+        self.updates = 0  # optimizer updates applied so far: the schedule's clock
+
+    def _rank_rows(self, batch: Mapping[str, np.ndarray], micro_batches: int) -> dict:
+        """This rank's contiguous share of the global batch, as device tensors."""
+        placement = self.loaded.placement
+        rows = np.asarray(batch["input_ids"]).shape[0]
+        if rows % (placement.world_size * micro_batches):
+            raise ConfigError(
+                f"batch of {rows} rows does not split into {placement.world_size} process(es) "
+                f"x {micro_batches} micro-batches"
+            )
+        share = rows // placement.world_size
+        begin = placement.rank * share
+        return {
+            name: torch.from_numpy(np.asarray(batch[name])[begin : begin + share].astype(np.int64))
+            .to(placement.device)
+            .reshape(micro_batches, share // micro_batches, -1)
+            for name in BATCH_KEYS
+        }
+
+    def step(self, batch: Mapping[str, np.ndarray], micro_batches: int = 1) -> dict[str, float]:
+        """One optimizer update over the global ``batch`` (``[B, L]`` numpy, same on every rank).
+
+        Returns host floats: ``loss`` (mean over all target tokens), ``tokens``,
+        ``grad_norm`` (before clipping).
+        """
+        model, placement = self.loaded.model, self.loaded.placement
+        local = self._rank_rows(batch, micro_batches)
+        local_count = float(local["loss_mask"][..., 1:].sum())
+        count = max(all_reduce_sum(local_count, placement), 1.0)
+        seed = np.random.SeedSequence([self.seed, self.updates, placement.rank])
+        torch.manual_seed(int(seed.generate_state(1)[0]))
+
+        model.train()
+        loss_sum = 0.0
+        for micro in range(micro_batches):
+            if isinstance(model, FSDPModule):  # reduce-scatter once, after the last one
+                model.set_requires_gradient_sync(micro == micro_batches - 1)
+            ids, mask = local["input_ids"][micro], local["attention_mask"][micro]
+            logits = forward_logits(self.loaded, ids, mask)
+            micro_sum, _ = token_loss_sum(logits, ids, local["loss_mask"][micro])
+            (micro_sum / count).backward()
+            loss_sum += float(micro_sum.detach())
+        model.eval()
+
+        norm = grad_norm(self.params)
+        if self.optim.max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.optim.max_grad_norm, norm)
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(self.optim, self.total_steps, self.updates)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
+        return {
+            "loss": all_reduce_sum(loss_sum, placement) / count,
+            "tokens": count,
+            "grad_norm": float(norm),
+        }
