@@ -1,0 +1,43 @@
+"""Verifiable rewards: a registry of reward functions, with math-answer checking built in.
+
+Usage::
+
+    from strop import rewards
+
+    reward = rewards.get("gsm8k")           # a Reward: fresh counters per get()
+    scores = reward(prompts, completions, answer=gold_answers)
+    metrics.update(reward.stats.as_metrics())  # reward/timeouts, reward/errors, ...
+
+Built in: ``gsm8k`` and ``math`` (answer correctness, exact numbers first, math-verify in a
+killable worker pool otherwise; :mod:`strop.rewards.math_rewards`) and ``format`` (the
+completion ends in a ``#### N`` line). Add your own with :func:`register`.
+
+Design: :mod:`strop.rewards.base` has the contract and the :class:`Reward` wrapper that turns
+per-item failures into a 0 plus a counted error; :mod:`strop.rewards.pool` has the
+:class:`VerifierPool` that runs math-verify under a hard per-item deadline by killing and
+replacing the worker process of an item that takes too long.
+"""
+
+from __future__ import annotations
+
+from strop.rewards.base import Reward, RewardFn, RewardStats, Scores, get, names, register
+from strop.rewards.math_rewards import MathReward, extract_answer, extract_gold, format_reward
+from strop.rewards.pool import PoolStats, Verdict, VerifierPool, default_pool
+
+__all__ = [
+    "MathReward",
+    "PoolStats",
+    "Reward",
+    "RewardFn",
+    "RewardStats",
+    "Scores",
+    "Verdict",
+    "VerifierPool",
+    "default_pool",
+    "extract_answer",
+    "extract_gold",
+    "format_reward",
+    "get",
+    "names",
+    "register",
+]

@@ -1,0 +1,225 @@
+"""The reward-function contract, the registry, and the wrapper that contains failures.
+
+A *reward function* scores a batch: ``fn(prompts, completions, **columns) -> list[float]``,
+where every column (``answer=[...]`` and so on, straight from the dataset) is a list aligned
+with ``completions``. Functions are registered under a name with :func:`register` and looked
+up with :func:`get`, which wraps them in a :class:`Reward`:
+
+* one item that makes the function raise scores 0 and is counted in ``errors``; the other
+  items of the batch are still scored (the batch is retried one item at a time);
+* a non-finite or non-numeric score is replaced by 0 and counted in ``errors``;
+* functions that know more about their failures (the math verifiers report answers whose
+  check ran out of time) return :class:`Scores`, whose counters are added to the wrapper's.
+
+Mistakes in how the reward is *used* (a missing column, ragged inputs, math-verify not being
+installed) are not contained: they raise :class:`~strop.errors.StropError` or ``ValueError``,
+because silently training on zero rewards would be worse than stopping.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol, TypeVar
+
+from strop.errors import ConfigError, StropError
+
+logger = logging.getLogger(__name__)
+
+
+class RewardFn(Protocol):
+    """``fn(prompts, completions, **columns) -> list[float]``, one score per completion.
+
+    Each column is a list aligned with ``completions`` (for GSM8K, ``answer=[gold, ...]``).
+    A function must accept and ignore columns it does not use (take ``**columns``).
+    """
+
+    def __call__(
+        self, prompts: list[str], completions: list[str], **columns: list[Any]
+    ) -> list[float]: ...
+
+
+F = TypeVar("F", bound=RewardFn)
+
+
+class Scores(list[float]):
+    """A list of scores that also says how many items could not be judged.
+
+    A reward function may return this instead of a plain list to report items it scored 0
+    because their check timed out (``timeouts``) or failed (``errors``); :class:`Reward`
+    adds both to its :class:`RewardStats`. It is a ``list[float]`` in every other respect.
+    """
+
+    def __init__(self, values: Sequence[float] = (), *, timeouts: int = 0, errors: int = 0):
+        super().__init__(values)
+        self.timeouts = timeouts
+        self.errors = errors
+
+
+@dataclass(frozen=True)
+class RewardStats:
+    """Cumulative counters of one :class:`Reward` (a snapshot; subtract two for a delta).
+
+    Attributes:
+      calls: batches scored.
+      items: completions scored.
+      timeouts: completions scored 0 because their check exceeded its deadline.
+      errors: completions scored 0 because the function raised, returned something that is
+        not a finite number, or its checker crashed.
+    """
+
+    calls: int = 0
+    items: int = 0
+    timeouts: int = 0
+    errors: int = 0
+
+    def __sub__(self, other: RewardStats) -> RewardStats:
+        return RewardStats(
+            calls=self.calls - other.calls,
+            items=self.items - other.items,
+            timeouts=self.timeouts - other.timeouts,
+            errors=self.errors - other.errors,
+        )
+
+    def as_metrics(self, prefix: str = "reward/") -> dict[str, float]:
+        """``{"reward/calls": ..., "reward/items": ..., "reward/timeouts": ..., ...}``."""
+        return {f"{prefix}{key}": float(value) for key, value in asdict(self).items()}
+
+
+class Reward:
+    """A registered reward function plus failure containment and counters.
+
+    Calling it has the :class:`RewardFn` signature and always returns one finite float per
+    completion. Obtain one with :func:`get`; each call of :func:`get` returns a new wrapper
+    with its own counters. Thread-safe as far as the wrapped function is.
+    """
+
+    def __init__(self, name: str, fn: RewardFn):
+        self.name = name
+        self.fn = fn
+        self._lock = threading.Lock()
+        self._stats = RewardStats()
+
+    def __repr__(self) -> str:
+        return f"Reward({self.name!r}, {self.fn!r})"
+
+    @property
+    def stats(self) -> RewardStats:
+        """A snapshot of the counters since this wrapper was made."""
+        with self._lock:
+            return self._stats
+
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], **columns: Sequence[Any]
+    ) -> list[float]:
+        prompts, completions = list(prompts), list(completions)
+        n = len(completions)
+        if len(prompts) != n:
+            raise ValueError(f"reward {self.name!r}: {len(prompts)} prompts for {n} completions")
+        cols = {key: list(values) for key, values in columns.items()}
+        for key, values in cols.items():
+            if len(values) != n:
+                raise ValueError(
+                    f"reward {self.name!r}: column {key!r} has {len(values)} values for "
+                    f"{n} completions"
+                )
+        scores, timeouts, errors = self._score(prompts, completions, cols)
+        with self._lock:
+            s = self._stats
+            self._stats = RewardStats(
+                calls=s.calls + 1,
+                items=s.items + n,
+                timeouts=s.timeouts + timeouts,
+                errors=s.errors + errors,
+            )
+        return scores
+
+    def _score(
+        self, prompts: list[str], completions: list[str], cols: dict[str, list[Any]]
+    ) -> tuple[list[float], int, int]:
+        """Scores, timeouts, errors: the whole batch at once, else one item at a time."""
+        n = len(completions)
+        if n == 0:
+            return [], 0, 0
+        try:
+            out = self.fn(prompts, completions, **cols)
+            if len(out) != n:
+                raise ValueError(f"returned {len(out)} scores for {n} completions")
+        except StropError:
+            raise
+        except Exception as exc:
+            if n == 1:
+                logger.debug("reward %r failed on one item: %r", self.name, exc)
+                return [0.0], 0, 1
+            logger.debug("reward %r failed on a batch, scoring it item by item: %r", self.name, exc)
+            scores, timeouts, errors = [], 0, 0
+            for i in range(n):
+                one, t, e = self._score(
+                    prompts[i : i + 1],
+                    completions[i : i + 1],
+                    {key: values[i : i + 1] for key, values in cols.items()},
+                )
+                scores += one
+                timeouts += t
+                errors += e
+            return scores, timeouts, errors
+        timeouts = int(getattr(out, "timeouts", 0))
+        errors = int(getattr(out, "errors", 0))
+        scores = []
+        for value in out:
+            try:
+                score = float(value)
+            except (TypeError, ValueError):
+                score = math.nan
+            if not math.isfinite(score):
+                score, errors = 0.0, errors + 1
+            scores.append(score)
+        return scores, timeouts, errors
+
+
+_REGISTRY: dict[str, RewardFn] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def register(name: str, *, replace: bool = False) -> Callable[[F], F]:
+    """Decorator: register a :class:`RewardFn` under ``name`` (returned unchanged).
+
+    Works on functions and on callable objects (``register("x")(MyReward())``). Registering
+    a name twice is a programming error (``ValueError``) unless ``replace=True``.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a reward name must be a non-empty string, got {name!r}")
+
+    def decorator(fn: F) -> F:
+        if not callable(fn):
+            raise TypeError(f"reward {name!r} must be callable, got {fn!r}")
+        with _REGISTRY_LOCK:
+            if name in _REGISTRY and not replace:
+                raise ValueError(f"a reward named {name!r} is already registered")
+            _REGISTRY[name] = fn
+        return fn
+
+    return decorator
+
+
+def names() -> list[str]:
+    """The registered reward names, sorted."""
+    with _REGISTRY_LOCK:
+        return sorted(_REGISTRY)
+
+
+def get(name: str) -> Reward:
+    """A new :class:`Reward` (fresh counters) for the function registered as ``name``.
+
+    Raises:
+      ConfigError: no reward has that name; the message lists the known ones.
+    """
+    with _REGISTRY_LOCK:
+        fn = _REGISTRY.get(name)
+        known = sorted(_REGISTRY)
+    if fn is None:
+        raise ConfigError(f"unknown reward {name!r}; known rewards: {', '.join(known)}")
+    return Reward(name, fn)

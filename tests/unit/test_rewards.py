@@ -1,0 +1,281 @@
+"""Reward registry, failure containment, answer extraction, the numeric fast path and the
+format reward. Nothing here starts a math-verify worker (see test_rewards_pool.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from decimal import Decimal
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from strop import rewards
+from strop.errors import ConfigError, StropError
+from strop.rewards import base
+from strop.rewards.math_rewards import parse_number
+
+GSM8K_DIR = Path(__file__).parents[2] / ".." / "shared" / "datasets" / "gsm8k"
+
+
+class NoPool:
+    """Stands in for the verifier pool where the fast path alone must decide."""
+
+    def verify_many(self, pairs):
+        raise AssertionError(f"the fast path should have decided these: {pairs}")
+
+
+@pytest.fixture
+def fast_gsm8k() -> rewards.Reward:
+    return rewards.Reward("gsm8k", rewards.MathReward(pool=NoPool()))
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+
+
+# --- registry ---------------------------------------------------------------------------
+
+
+def test_builtin_names():
+    assert {"gsm8k", "math", "format"} <= set(rewards.names())
+    assert rewards.names() == sorted(rewards.names())
+
+
+def test_unknown_name_is_a_config_error_listing_the_known_names():
+    with pytest.raises(ConfigError) as info:
+        rewards.get("gsm9k")
+    assert isinstance(info.value, StropError)
+    message = str(info.value)
+    assert "gsm9k" in message
+    for name in ("gsm8k", "math", "format"):
+        assert name in message
+
+
+def test_get_returns_a_fresh_wrapper_each_time():
+    first, second = rewards.get("format"), rewards.get("format")
+    assert first is not second
+    first(["p"], ["#### 1"])
+    assert first.stats.calls == 1 and second.stats.calls == 0
+
+
+def test_register_and_get_a_custom_reward(scratch_registry):
+    @rewards.register("length")
+    def length(prompts, completions, **columns):
+        return [float(len(c)) for c in completions]
+
+    assert "length" in rewards.names()
+    assert rewards.get("length")(["p", "p"], ["ab", "abcd"]) == [2.0, 4.0]
+    with pytest.raises(ValueError, match="already registered"):
+        rewards.register("length")(length)
+    rewards.register("length", replace=True)(lambda prompts, completions, **c: [0.0] * len(c))
+    with pytest.raises(ValueError, match="non-empty"):
+        rewards.register("")
+
+
+# --- containment ------------------------------------------------------------------------
+
+
+def test_one_raising_item_scores_zero_and_is_counted(scratch_registry):
+    @rewards.register("fragile")
+    def fragile(prompts, completions, **columns):
+        return [1 / 0 if c == "boom" else 1.0 for c in completions]
+
+    reward = rewards.get("fragile")
+    assert reward(["p"] * 3, ["a", "boom", "c"]) == [1.0, 0.0, 1.0]
+    assert reward.stats == rewards.RewardStats(calls=1, items=3, timeouts=0, errors=1)
+
+
+def test_bad_scores_are_zeroed_and_counted():
+    returns = {"nan": math.nan, "inf": math.inf, "text": "x", "none": None, "ok": 0.5}
+    reward = rewards.Reward(
+        "odd", lambda prompts, completions, **c: [returns[x] for x in completions]
+    )
+    assert reward(["p"] * 5, list(returns)) == [0.0, 0.0, 0.0, 0.0, 0.5]
+    assert reward.stats.errors == 4
+    assert all(isinstance(x, float) for x in reward(["p"], ["ok"]))
+
+
+def test_a_wrong_number_of_scores_is_contained():
+    reward = rewards.Reward("short", lambda prompts, completions, **c: [1.0])
+    assert reward(["p", "p"], ["a", "b"]) == [1.0, 1.0]  # retried item by item
+    assert reward.stats.errors == 0
+    always_empty = rewards.Reward("empty", lambda prompts, completions, **c: [])
+    assert always_empty(["p", "p"], ["a", "b"]) == [0.0, 0.0]
+    assert always_empty.stats.errors == 2
+
+
+def test_columns_reach_the_function_aligned_per_item():
+    seen = []
+
+    def fn(prompts, completions, **columns):
+        seen.append(columns)
+        if len(completions) > 1:
+            raise RuntimeError("batch failure")
+        return [float(columns["answer"][0])]
+
+    reward = rewards.Reward("cols", fn)
+    assert reward(["p", "q"], ["a", "b"], answer=[3, 4], extra=("x", "y")) == [3.0, 4.0]
+    assert seen[1:] == [{"answer": [3], "extra": ["x"]}, {"answer": [4], "extra": ["y"]}]
+
+
+def test_usage_mistakes_are_not_contained():
+    reward = rewards.get("gsm8k")
+    with pytest.raises(ConfigError, match="'answer' column"):
+        reward(["p"], ["#### 1"], solution=["1"])
+    with pytest.raises(ValueError, match="column 'answer'"):
+        reward(["p", "p"], ["1", "2"], answer=["1"])
+    with pytest.raises(ValueError, match="prompts"):
+        reward(["p"], ["1", "2"], answer=["1", "2"])
+    assert reward([], [], answer=[]) == []
+
+
+def test_stats_metrics_and_deltas():
+    stats = rewards.RewardStats(calls=3, items=12, timeouts=2, errors=1)
+    assert stats.as_metrics() == {
+        "reward/calls": 3.0,
+        "reward/items": 12.0,
+        "reward/timeouts": 2.0,
+        "reward/errors": 1.0,
+    }
+    assert stats - rewards.RewardStats(calls=1, items=4, timeouts=2) == rewards.RewardStats(
+        calls=2, items=8, timeouts=0, errors=1
+    )
+
+
+# --- extraction and the fast path -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("She pays 3 + 4 = 7 dollars.\n#### 7", "7"),
+        ("#### 1 then #### 2 \nbye", "2"),
+        ("So the total is \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
+        ("\\boxed{1} and later \\boxed{\\frac{a}{b^{2}}}", "\\frac{a}{b^{2}}"),
+        ("\\boxed{2} then a cut-off \\boxed{\\frac{1", "2"),
+        ("<answer> 42 </answer>", "42"),
+        ("<answer>1</answer> ... <answer>x = 5</answer>", "x = 5"),
+        ("I think 3 apples, then 12.5, so 1,234 in total.", "1,234"),
+        ("The answer is 18.", "18"),
+        ("It falls by 3-5 degrees to -10.", "-10"),
+        ("no digits here", None),
+        ("#### \n the result is 4", "4"),
+    ],
+)
+def test_extract_answer(completion, expected):
+    assert rewards.extract_answer(completion) == expected
+
+
+def test_extract_gold():
+    assert rewards.extract_gold("Some work <<2*3=6>>6.\n#### 1,600") == "1,600"
+    assert rewards.extract_gold("so it is $\\boxed{\\dfrac{3}{4}}$") == "\\dfrac{3}{4}"
+    assert rewards.extract_gold("  \\sqrt{2} ") == "\\sqrt{2}"
+    assert rewards.extract_gold(18) == "18"
+    assert rewards.extract_gold("   ") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("18", Fraction(18)),
+        ("18.00", Fraction(18)),
+        ("18.", Fraction(18)),
+        ("$1,234.50", Fraction(246_9, 2)),
+        ("\\$5", Fraction(5)),
+        ("-$5", Fraction(-5)),
+        ("25%", Fraction(25)),
+        ("25\\%", Fraction(25)),
+        ("$12$", Fraction(12)),
+        ("1{,}000", Fraction(1000)),
+        ("1\\,000", Fraction(1000)),
+        ("+.5", Fraction(1, 2)),
+        ("0.1", Fraction(1, 10)),
+        ("1,00", None),
+        ("1/2", None),
+        ("\\frac{1}{2}", None),
+        ("18 apples", None),
+        ("x", None),
+        ("", None),
+    ],
+)
+def test_parse_number(text, value):
+    assert parse_number(text) == value
+
+
+def test_fast_path_decides_plain_numbers_both_ways(fast_gsm8k):
+    completions = ["#### 0.30", "The answer is 0.3.", "\\boxed{3}", "#### $1,000", "25%", "x"]
+    golds = ["0.3", "#### 0.3", "0.3", "#### 1000", "#### 25", "#### 1"]
+    assert fast_gsm8k(["q"] * 6, completions, answer=golds) == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    assert fast_gsm8k.stats == rewards.RewardStats(calls=1, items=6)
+
+
+def test_huge_answers_are_not_checked(fast_gsm8k):
+    assert fast_gsm8k(["q"], ["\\boxed{" + "x+" * 2000 + "1}"], answer=["1"]) == [0.0]
+
+
+def _gsm8k_golds() -> list[str]:
+    if not GSM8K_DIR.is_dir():
+        pytest.skip(f"GSM8K is not in {GSM8K_DIR.resolve()} (shared datasets folder absent)")
+    with open(GSM8K_DIR / "test.jsonl") as f:
+        return [json.loads(line)["answer"] for line in f]
+
+
+def _written_like_a_model(value: Decimal) -> list[str]:
+    text = f"{value:,}" if abs(value) >= 1000 else str(value)
+    return [
+        f"Let me add it up. The answer is {text}.",
+        f"Step by step...\n#### {text}",
+        f"So we get $\\boxed{{{text}}}$.",
+        f"In total: {text}.00",
+        f"She makes ${text} every day.",
+    ]
+
+
+def test_every_gsm8k_test_answer_scores_through_the_fast_path(fast_gsm8k):
+    golds = _gsm8k_golds()
+    assert len(golds) > 1000
+    prompts, completions, answers, expected = [], [], [], []
+    for gold in golds:
+        value = Decimal(gold.split("####")[-1].strip().replace(",", ""))
+        for right, wrong in zip(
+            _written_like_a_model(value), _written_like_a_model(value + 1), strict=True
+        ):
+            completions += [right, wrong]
+            expected += [1.0, 0.0]
+        answers += [gold] * 10
+        prompts += ["question"] * 10
+    start = time.perf_counter()
+    scores = fast_gsm8k(prompts, completions, answer=answers)
+    elapsed = time.perf_counter() - start
+    mismatches = [
+        (c, a) for c, a, s, e in zip(completions, answers, scores, expected, strict=True) if s != e
+    ]
+    assert not mismatches, mismatches[:5]
+    assert fast_gsm8k.stats.errors == 0 and fast_gsm8k.stats.timeouts == 0
+    assert elapsed < 5.0
+
+
+# --- format -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("completion", "score"),
+    [
+        ("3 + 4 = 7\n#### 7", 1.0),
+        ("work\n#### -1,234.5  \n\n", 1.0),
+        ("#### 7", 1.0),
+        ("work\n#### 7 apples", 0.0),
+        ("work\n#### $7", 0.0),
+        ("#### 7\nand then more text", 0.0),
+        ("The answer is 7.", 0.0),
+        ("work\n####", 0.0),
+        ("", 0.0),
+        ("work ####7", 0.0),
+    ],
+)
+def test_format_reward(completion, score):
+    assert rewards.get("format")(["q"], [completion]) == [score]
