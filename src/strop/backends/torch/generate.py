@@ -1,0 +1,337 @@
+"""The torch backend's sampler: a static KV cache, a decode loop and sampling on the device.
+
+:func:`generate` implements the contract of :mod:`strop.generation` for a
+``transformers`` ``PreTrainedModel`` (optionally wrapped in a ``peft.PeftModel``).
+
+Layout and positions
+--------------------
+Prompts are left-padded to a bucket ``P`` (the longest prompt rounded up to a multiple of
+:data:`PROMPT_BUCKET`, so that repeated calls, and a compiled decode step, see few distinct
+shapes). Each row's position ids count from its first real token: a prompt of ``n`` tokens
+holds positions ``0 .. n-1`` in columns ``P-n .. P-1`` (padding columns get position 0 and
+are masked out), and the ``t``-th generated token (``t = 0, 1, ...``) has position ``n + t``
+whatever the padding, so a row's logits do not depend on the other rows.
+
+The KV cache is a ``transformers.StaticCache`` of ``P + max_new_tokens - 1`` slots per row,
+allocated once: the prefill writes slots ``0 .. P-1``; decode step ``t`` feeds the token
+sampled at step ``t`` and writes slot ``P + t`` (the last sampled token is never fed back,
+hence the ``- 1``). Slots are the same for every row; only positions differ. One attention
+mask ``[B, P + max_new_tokens - 1]`` serves every forward: 0 on the prompt padding, 1
+elsewhere; ``transformers`` adds causality (slot ``j`` is visible to the query in slot ``i``
+iff ``j <= i``), so slots not yet written are never attended to and the mask never changes.
+The cache keeps its own write offset (``StaticCache`` counts the tokens it has seen), so no
+``cache_position`` is passed: the ``transformers`` releases strop is tested with (5.23) no
+longer take one.
+
+Sampling
+--------
+Sampling runs on the device with a ``torch.Generator`` seeded from ``seed``: logits are
+divided by the temperature, restricted to the top-k and then to the top-p nucleus (the
+smallest set of most likely tokens whose probability, renormalised over the top-k, reaches
+``top_p``), and a token is drawn by the Gumbel-max trick (argmax of logits plus Gumbel
+noise), which needs no host sync. The reported log-probability is that of the sampled token
+under the full temperature-scaled distribution, before top-k/top-p truncation (plain
+log-softmax of the logits when greedy, ``temperature == 0``).
+
+A row stops after emitting any of ``eos_ids`` (the EOS is kept and counted) or after
+``max_new_tokens``. Finished rows keep being fed (their outputs are discarded) until every
+row is done; whether all are done is the only value read back on the host, after every
+step on CPU (where it is free) and every :data:`DONE_CHECK_EVERY` steps on accelerators
+(where each read stalls the queue of launched kernels).
+
+Stop strings are applied on the host after generation: each row is decoded with the
+tokenizer and cut after the first token at which its decoded text contains a stop string
+(finish reason ``"stop"``). The cut token itself is kept, so the text may run a few
+characters past the stop string when a token straddles it. This is simple and exact, at the
+price of generating past a stop string until EOS or ``max_new_tokens``; stopping on device
+would need incremental detokenization inside the loop.
+
+FSDP2
+-----
+When the model is sharded with FSDP2's ``fully_shard`` (its parameters are ``DTensor``\\ s),
+generation runs on the sharded model as is: every forward, prefill and each decode step,
+all-gathers the weights layer by layer. That is correct but slower than sampling from an
+unsharded inference copy of the weights, which is a later optimisation. Since every rank
+must then run the same number of forwards, the "all done?" check is all-reduced over the
+default process group, so every rank must call :func:`generate` together (with the same
+``params``), as FSDP requires of any forward anyway. A sharded model runs under
+``torch.no_grad()`` rather than ``torch.inference_mode()``: FSDP2 keeps the buffers it
+all-gathers into, and buffers made in inference mode cannot be written by the next
+training forward.
+
+``compile=True`` wraps the decode-step forward in ``torch.compile`` (the prefill, whose shape
+varies, runs eagerly; sampling stays eager because it takes a ``torch.Generator``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cache
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import StaticCache
+
+from strop.generation import FinishReason, Generation, SamplingParams
+
+PROMPT_BUCKET = 16
+"""Prompts are left-padded to a multiple of this many tokens."""
+
+DONE_CHECK_EVERY = 8
+"""On accelerators, read back "are all rows done?" once every this many decode steps."""
+
+
+class Decoder(Protocol):
+    """What stop strings need of a tokenizer (``strop.data.Tokenizer`` and HF ones fit)."""
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+def generate(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    *,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    seed: int,
+    tokenizer: Decoder | None = None,
+    compile: bool = False,
+) -> Generation:
+    """Sample a response to each prompt (see the module docstring for the details).
+
+    Runs under ``torch.inference_mode()`` (``torch.no_grad()`` for an FSDP2-sharded model).
+
+    Args:
+      model: a ``transformers`` causal LM (``PreTrainedModel``), possibly a ``PeftModel`` or
+        sharded with FSDP2. Run in eval mode; its training/eval mode is restored afterwards.
+      prompts: token ids of each prompt (ragged, each non-empty).
+      params: how to sample; ``params.stop_strings`` needs ``tokenizer``.
+      eos_ids: a row stops after emitting any of these (may be empty).
+      pad_id: fills the prompt padding and the responses past their lengths.
+      seed: seeds the sampling noise; the same seed gives the same tokens.
+      tokenizer: decodes responses for stop strings.
+      compile: run the decode step through ``torch.compile``.
+
+    Returns:
+      A :class:`~strop.generation.Generation` of numpy arrays, ``len(prompts)`` rows.
+    """
+    _check_args(prompts, params, tokenizer)
+    device = next(model.parameters()).device
+    sharded = _is_sharded(model)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad() if sharded else torch.inference_mode():
+            tokens, logprobs, lengths, hit_eos = _sample_loop(
+                model, prompts, params, eos_ids, pad_id, seed, device, compile, sharded
+            )
+    finally:
+        model.train(was_training)
+
+    tokens_np = tokens.cpu().numpy().astype(np.int32)
+    logprobs_np = logprobs.cpu().numpy().astype(np.float32)
+    lengths_np = lengths.cpu().numpy().astype(np.int32)
+    reasons: list[FinishReason] = ["stop" if hit else "length" for hit in hit_eos.tolist()]
+    if params.stop_strings:
+        assert tokenizer is not None  # checked in _check_args
+        _cut_at_stop_strings(
+            tokens_np, logprobs_np, lengths_np, reasons, params.stop_strings, tokenizer, pad_id
+        )
+    width = int(lengths_np.max())
+    return Generation(
+        tokens=np.ascontiguousarray(tokens_np[:, :width]),
+        logprobs=np.ascontiguousarray(logprobs_np[:, :width]),
+        lengths=lengths_np,
+        finish_reasons=reasons,
+    )
+
+
+def _check_args(
+    prompts: list[list[int]], params: SamplingParams, tokenizer: Decoder | None
+) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and every prompt non-empty")
+    if params.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    if params.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+    if params.top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer to decode responses")
+
+
+def _sample_loop(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    seed: int,
+    device: torch.device,
+    compile: bool,
+    sharded: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prefill and decode.
+
+    Returns ``tokens [B, N]`` (``pad_id`` after a row's EOS), ``logprobs [B, N]`` (0 there),
+    ``lengths [B]`` and ``hit_eos [B]`` (whether the row ended with an EOS).
+    """
+    batch, steps = len(prompts), params.max_new_tokens
+    width = -(-max(len(p) for p in prompts) // PROMPT_BUCKET) * PROMPT_BUCKET
+    prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
+
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+    input_ids = input_ids.to(device)
+    # [B, P + N - 1]: 0 on prompt padding, 1 on real prompt tokens and every response slot.
+    slots = torch.arange(width + steps - 1, device=device)
+    attention_mask = (slots[None, :] >= (width - prompt_lengths)[:, None]).long()
+    prompt_positions = (attention_mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+
+    kv_cache = StaticCache(config=model.config, max_cache_len=width + steps - 1)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+    step_forward = _compiled_forward() if compile else _forward
+    check_every = 1 if device.type == "cpu" else DONE_CHECK_EVERY
+
+    tokens = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)
+    lengths = torch.full((batch,), steps, dtype=torch.long, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    positions = prompt_lengths[:, None].clone()  # position of the token fed at the next step
+
+    logits = _forward(model, kv_cache, input_ids, prompt_positions, attention_mask)
+    for t in range(steps):
+        token, logprob = _sample(logits, params, generator)
+        token = token.masked_fill(done, pad_id)
+        tokens[:, t] = token
+        logprobs[:, t] = logprob.masked_fill(done, 0.0)
+        stopped = torch.isin(token, eos) & ~done
+        lengths.masked_fill_(stopped, t + 1)
+        done |= stopped
+        if t == steps - 1 or ((t + 1) % check_every == 0 and _all_done(done, sharded)):
+            break
+        logits = step_forward(model, kv_cache, token[:, None], positions, attention_mask)
+        positions += 1
+    return tokens, logprobs, lengths, done
+
+
+def _forward(
+    model: torch.nn.Module,
+    kv_cache: StaticCache,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Run ``input_ids [B, L]`` through the model, filling the cache; float32 logits ``[B, V]``
+    of the last column."""
+    out = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        past_key_values=kv_cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.logits[:, -1, :].float()
+
+
+@cache
+def _compiled_forward():
+    """One compiled decode step shared by all calls (dynamo caches graphs per shape/model)."""
+    return torch.compile(_forward)
+
+
+def _sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from float32 ``logits [B, V]``, and its log-probability."""
+    if params.greedy:
+        token = logits.argmax(-1)
+        return token, F.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
+    scaled = logits / params.temperature
+    vocab = scaled.shape[-1]
+    if 0 < params.top_k < vocab or params.top_p < 1.0:
+        # Candidates in descending order: the top-k, or the whole sorted vocabulary.
+        if 0 < params.top_k < vocab:
+            cand_logits, cand_ids = scaled.topk(params.top_k, dim=-1)
+        else:
+            cand_logits, cand_ids = scaled.sort(dim=-1, descending=True)
+        if params.top_p < 1.0:
+            probs = cand_logits.softmax(-1)
+            mass_before = probs.cumsum(-1) - probs  # the best candidate always stays
+            cand_logits = cand_logits.masked_fill(mass_before >= params.top_p, -torch.inf)
+        choice = _gumbel_argmax(cand_logits, generator)
+        token = cand_ids.gather(-1, choice[:, None])[:, 0]
+    else:
+        token = _gumbel_argmax(scaled, generator)
+    return token, F.log_softmax(scaled, -1).gather(-1, token[:, None])[:, 0]
+
+
+def _gumbel_argmax(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A sample of ``softmax(logits)`` per row: ``argmax(logits + Gumbel noise)``.
+
+    ``-inf`` logits are never drawn; a uniform draw of exactly 0 gives ``-inf`` noise, which
+    only removes that one candidate for that draw.
+    """
+    uniform = torch.rand(logits.shape, generator=generator, device=logits.device)
+    return (logits - torch.log(-torch.log(uniform))).argmax(-1)
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _all_done(done: torch.Tensor, sharded: bool) -> bool:
+    """Whether every row (on every rank, when sharded) is done: one host sync."""
+    flag = done.all().to(torch.int32)
+    if sharded and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag)
+
+
+def _cut_at_stop_strings(
+    tokens: np.ndarray,
+    logprobs: np.ndarray,
+    lengths: np.ndarray,
+    reasons: list[FinishReason],
+    stop_strings: Sequence[str],
+    tokenizer: Decoder,
+    pad_id: int,
+) -> None:
+    """End each row (in place) after its first token whose decoded prefix contains a stop string.
+
+    The shortest such prefix is found by bisection, which relies on a stop string that is in
+    the text of some tokens staying in the text of those tokens followed by more (true of
+    byte-level BPE and of any tokenizer whose decoding of a prefix is a prefix of the text).
+    """
+
+    def stops(row: int, n: int) -> bool:
+        text = tokenizer.decode(tokens[row, :n].tolist())
+        return any(s in text for s in stop_strings)
+
+    for row, n in enumerate(lengths.tolist()):
+        if not stops(row, n):
+            continue
+        lo, hi = 1, n  # the answer is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if stops(row, mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        tokens[row, lo:] = pad_id
+        logprobs[row, lo:] = 0.0
+        lengths[row] = lo
+        reasons[row] = "stop"

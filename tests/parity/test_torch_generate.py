@@ -1,0 +1,312 @@
+"""The torch sampler against transformers: greedy `generate`, teacher-forced logprobs,
+top-k/top-p support, seeding, PEFT models and stop strings, on tiny random models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from strop.backends.torch.generate import generate
+from strop.generation import SamplingParams
+
+PAD = 0
+VOCAB = 256  # tests.tiny_models.TINY["vocab_size"]
+ATOL = 1e-4
+
+
+def load(model_dir: str) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    return {kind: load(tiny_model_dir(kind)) for kind in ("qwen2", "llama3")}
+
+
+def ragged_prompts(seed: int = 0, lengths=(7, 3, 5, 1, 9)) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, VOCAB, size=n).tolist() for n in lengths]
+
+
+def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def hf_greedy(model, prompts, max_new_tokens: int, eos: int | None) -> list[list[int]]:
+    """transformers' greedy responses, each cut after its first EOS."""
+    ids, mask = left_pad(prompts)
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=PAD
+    )
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, generation_config=config)
+    responses = []
+    for row in out[:, ids.shape[1] :].tolist():
+        responses.append(row[: row.index(eos) + 1] if eos in row else row)
+    return responses
+
+
+def teacher_forced_logits(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """Float32 logits ``[len(response), V]`` predicting each response token (no padding)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float()
+    return logits[len(prompt) - 1 : len(prompt) + len(response) - 1]
+
+
+def greedy(max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama3"])
+def test_greedy_matches_transformers_generate_with_eos_mid_batch(models, kind):
+    model, prompts, steps = models[kind], ragged_prompts(), 12
+    free = hf_greedy(model, prompts, steps, eos=None)
+    assert all(len(r) == steps for r in free)
+    # An EOS that some row first emits mid-way (step >= 2) and some other row never emits.
+    eos = next(
+        tok
+        for row in free
+        for step, tok in enumerate(row)
+        if 2 <= step < steps - 2 and tok not in row[:step] and any(tok not in r for r in free)
+    )
+    unused = next(t for t in range(1, VOCAB) if all(t not in r for r in free))
+    expected = [r[: r.index(eos) + 1] if eos in r else r for r in free]
+    assert hf_greedy(model, prompts, steps, eos=eos) == expected
+
+    out = generate(model, prompts, greedy(steps), eos_ids=[unused, eos], pad_id=PAD, seed=0)
+
+    assert out.responses() == expected
+    assert out.lengths.tolist() == [len(r) for r in expected]
+    assert out.finish_reasons == ["stop" if eos in r else "length" for r in expected]
+    assert {"stop", "length"} <= set(out.finish_reasons)
+    assert out.tokens.shape == (len(prompts), steps) and out.tokens.dtype == np.int32
+    assert out.logprobs.dtype == np.float32 and out.lengths.dtype == np.int32
+    assert (out.tokens[out.mask == 0] == PAD).all()
+    assert (out.logprobs[out.mask == 0] == 0).all()
+    assert not model.training
+
+    # Without EOS ids every row runs to max_new_tokens.
+    out = generate(model, prompts, greedy(steps), eos_ids=[], pad_id=PAD, seed=0)
+    assert out.responses() == free and out.finish_reasons == ["length"] * len(prompts)
+
+
+def test_output_width_is_the_longest_response(models):
+    model, prompts = models["qwen2"], ragged_prompts(1)
+    free = hf_greedy(model, prompts, 6, eos=None)
+    eos_ids = sorted({r[1] for r in free})  # every row stops by step 1
+    out = generate(model, prompts, greedy(6), eos_ids=eos_ids, pad_id=PAD, seed=0)
+    assert out.finish_reasons == ["stop"] * len(prompts)
+    assert out.tokens.shape[1] == out.lengths.max() <= 2
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k"), [(0.7, 20), (0.0, 0)], ids=["t0.7_top20", "greedy"]
+)
+def test_logprobs_match_teacher_forced_forward(models, temperature, top_k):
+    model, prompts = models["llama3"], ragged_prompts(2)
+    params = SamplingParams(max_new_tokens=10, temperature=temperature, top_k=top_k)
+    out = generate(model, prompts, params, eos_ids=[], pad_id=PAD, seed=3)
+    for prompt, response, logprobs in zip(prompts, out.responses(), out.logprobs, strict=True):
+        logits = teacher_forced_logits(model, prompt, response)
+        scaled = logits / temperature if temperature else logits
+        expected = torch.log_softmax(scaled, -1).gather(-1, torch.tensor(response)[:, None])
+        np.testing.assert_allclose(logprobs, expected[:, 0].numpy(), atol=ATOL, rtol=0)
+        if top_k:
+            kth = scaled.topk(top_k, dim=-1).values[:, -1]
+            assert (scaled.gather(-1, torch.tensor(response)[:, None])[:, 0] >= kth - ATOL).all()
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p"), [(5, 1.0), (0, 0.5), (20, 0.7)], ids=["top5", "top_p0.5", "top20_p0.7"]
+)
+def test_samples_stay_in_top_k_and_top_p(models, top_k, top_p):
+    """64 rows x 16 tokens; the allowed set comes from teacher-forced logits."""
+    model, temperature, steps = models["qwen2"], 0.8, 16
+    prompt = ragged_prompts(4, lengths=(6,))[0]
+    params = SamplingParams(max_new_tokens=steps, temperature=temperature, top_k=top_k, top_p=top_p)
+    out = generate(model, [prompt] * 64, params, eos_ids=[], pad_id=PAD, seed=5)
+    assert out.tokens.shape == (64, steps)
+    assert len(set(out.tokens[:, 0].tolist())) > 1  # rows draw independent noise
+
+    ids = torch.cat([torch.tensor([prompt] * 64), torch.tensor(out.tokens, dtype=torch.long)], 1)
+    with torch.no_grad():
+        logits = model(ids).logits.float()[:, len(prompt) - 1 : -1] / temperature
+    drawn = logits.gather(-1, torch.tensor(out.tokens, dtype=torch.long)[..., None])  # [64,N,1]
+    allowed = logits
+    if top_k:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        assert (drawn >= kth - ATOL).all()
+        allowed = logits.masked_fill(logits < kth, -torch.inf)
+    probs = allowed.softmax(-1)
+    mass_above = (probs * (logits > drawn + ATOL)).sum(-1)  # of tokens likelier than the draw
+    assert (mass_above < top_p + ATOL).all()
+
+
+def test_sampling_follows_the_top_k_distribution(models):
+    """4096 one-token draws from one prompt: the empirical law is the top-k softmax."""
+    model, temperature, top_k = models["qwen2"], 0.1, 8
+    prompt = ragged_prompts(6, lengths=(4,))[0]
+    params = SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k)
+    out = generate(model, [prompt] * 4096, params, eos_ids=[], pad_id=PAD, seed=7)
+    logits = teacher_forced_logits(model, prompt, [0])[0] / temperature
+    top = logits.topk(top_k)
+    expected = top.values.softmax(-1).numpy()
+    counts = np.array([(out.tokens[:, 0] == t).sum() for t in top.indices.tolist()])
+    assert counts.sum() == 4096
+    assert expected.max() > 2 * expected.min()  # far from uniform, so the test is sensitive
+    assert 0.5 * np.abs(counts / 4096 - expected).sum() < 0.04
+
+
+def test_temperature_zero_is_greedy_whatever_top_k_top_p_and_seed(models):
+    model, prompts = models["qwen2"], ragged_prompts(8)
+    plain = generate(model, prompts, greedy(8), eos_ids=[], pad_id=PAD, seed=0)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, top_k=3, top_p=0.3)
+    other = generate(model, prompts, params, eos_ids=[], pad_id=PAD, seed=123)
+    np.testing.assert_array_equal(other.tokens, plain.tokens)
+    np.testing.assert_array_equal(other.logprobs, plain.logprobs)
+
+
+def test_same_seed_same_samples_other_seed_other_samples(models):
+    model, prompts = models["llama3"], ragged_prompts(9)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+
+    def run(seed):
+        return generate(model, prompts, params, eos_ids=[], pad_id=PAD, seed=seed)
+
+    first, again, other = run(11), run(11), run(12)
+    np.testing.assert_array_equal(first.tokens, again.tokens)
+    np.testing.assert_array_equal(first.logprobs, again.logprobs)
+    assert (first.tokens != other.tokens).any()
+
+
+def test_peft_model_greedy_matches_its_generate_and_mode_is_restored(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+
+    base = load(tiny_model_dir("qwen2"))
+    prompts, steps = ragged_prompts(10), 10
+    base_out = hf_greedy(base, prompts, steps, eos=None)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+    expected = hf_greedy(model, prompts, steps, eos=None)
+    assert expected != base_out  # the adapters change the outputs
+
+    model.train()
+    out = generate(model, prompts, greedy(steps), eos_ids=[], pad_id=PAD, seed=0)
+    assert out.responses() == expected
+    assert model.training and all(m.training for m in model.modules())
+    model.eval()
+    generate(model, prompts, greedy(2), eos_ids=[], pad_id=PAD, seed=0)
+    assert not any(m.training for m in model.modules())
+
+
+class CommaTokenizer:
+    """Decodes token ``i`` as ``"i,"``, so a stop string can straddle tokens."""
+
+    def decode(self, ids):
+        return "".join(f"{i}," for i in ids)
+
+
+def test_stop_strings_cut_after_the_token_completing_them(models):
+    model, prompts, steps = models["qwen2"], ragged_prompts(12), 12
+    free = generate(model, prompts, greedy(steps), eos_ids=[], pad_id=PAD, seed=0).responses()
+    row0 = free[0]
+    stops = (f",{row0[3]},{row0[4]}", "no such text")  # completed by row 0's token 4 at latest
+    tok = CommaTokenizer()
+
+    def first_stop(response):  # brute force: the shortest prefix containing a stop string
+        return next(
+            (
+                k
+                for k in range(1, len(response) + 1)
+                if any(s in tok.decode(response[:k]) for s in stops)
+            ),
+            None,
+        )
+
+    cuts = [first_stop(r) for r in free]
+    assert cuts[0] is not None and cuts[0] <= 5 and None in cuts
+
+    params = SamplingParams(max_new_tokens=steps, temperature=0.0, stop_strings=stops)
+    out = generate(model, prompts, params, eos_ids=[], pad_id=PAD, seed=0, tokenizer=tok)
+    assert out.responses() == [r if k is None else r[:k] for r, k in zip(free, cuts, strict=True)]
+    assert out.finish_reasons == ["length" if k is None else "stop" for k in cuts]
+    assert (out.tokens[out.mask == 0] == PAD).all() and (out.logprobs[out.mask == 0] == 0).all()
+
+
+def test_rejects_bad_arguments(models):
+    model = models["qwen2"]
+    with pytest.raises(ValueError, match="tokenizer"):
+        params = SamplingParams(max_new_tokens=2, stop_strings=("x",))
+        generate(model, [[1, 2]], params, eos_ids=[], pad_id=PAD, seed=0)
+    with pytest.raises(ValueError, match="non-empty"):
+        generate(model, [[1], []], greedy(2), eos_ids=[], pad_id=PAD, seed=0)
+    with pytest.raises(ValueError, match="top_p"):
+        params = SamplingParams(max_new_tokens=2, top_p=0.0)
+        generate(model, [[1]], params, eos_ids=[], pad_id=PAD, seed=0)
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_matches_eager(models):
+    """``compile=True`` (about half a minute of inductor compilation on a CPU)."""
+    model, prompts = models["qwen2"], ragged_prompts(13)
+    eager = generate(model, prompts, greedy(6), eos_ids=[], pad_id=PAD, seed=0)
+    for _ in range(2):  # the second call reuses the compiled graph
+        out = generate(model, prompts, greedy(6), eos_ids=[], pad_id=PAD, seed=0, compile=True)
+        assert out.responses() == eager.responses()
+        np.testing.assert_allclose(out.logprobs, eager.logprobs, atol=ATOL)
+
+
+def _fsdp_worker(rank: int, model_dir: str, port: int) -> None:
+    """One of two gloo ranks: FSDP2-sharded greedy generation equals the unsharded model's
+    although the ranks stop after different numbers of steps, and training still works."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        reference, model = load(model_dir), load(model_dir)
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.train()
+        prompts = ragged_prompts(20 + rank, lengths=(3, 8) if rank == 0 else (5, 20, 2))
+        free = generate(reference, prompts, greedy(10), eos_ids=[], pad_id=PAD, seed=0)
+        # Rank 0's rows stop after 3 and 2 steps, rank 1's run all 10.
+        eos_ids = [int(free.tokens[0, 2]), int(free.tokens[1, 1])] if rank == 0 else []
+        expected = generate(reference, prompts, greedy(10), eos_ids=eos_ids, pad_id=PAD, seed=0)
+        out = generate(model, prompts, greedy(10), eos_ids=eos_ids, pad_id=PAD, seed=0)
+        assert out.responses() == expected.responses()
+        assert max(out.lengths) < 10 if rank == 0 else min(out.lengths) == 10
+        assert model.training
+        ids = torch.tensor([prompts[0]])
+        model(ids, labels=ids).loss.backward()  # FSDP's buffers are not inference tensors
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_model_over_two_processes(tiny_model_dir):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(
+        _fsdp_worker, args=(tiny_model_dir("qwen2"), port), nprocs=2, start_method="spawn"
+    )
