@@ -6,7 +6,11 @@ carries logical axis names in its ``out_sharding`` metadata; ``sharding.py`` map
 the mesh. Projections are ``jnp.einsum`` over multi-dimensional kernels (``[embed, heads,
 head_dim]`` for q), the form Qwix intercepts for LoRA.
 
-Shapes: B batch, L sequence, E hidden, H heads, K kv heads, D head dim, V vocab.
+Shapes: B batch, L sequence, E hidden, H heads, K kv heads, D head dim, V vocab, S cache
+slots.
+
+Incremental decoding: pass a :class:`KVCache` to :meth:`CausalLM.__call__` and get it back
+updated in the output. Without one, the forward is the plain full-sequence (training) path.
 """
 
 from __future__ import annotations
@@ -149,18 +153,36 @@ class Attention(nnx.Module):
         self.inv_freq = tuple(rope_inv_freq(spec).tolist())  # static data, not a weight
         self.num_groups = h // k
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        mask: jax.Array,
+        kv: tuple[jax.Array, jax.Array] | None = None,
+        write_index: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """Attend ``x [B, L, E]`` under ``mask [B, L, Lk]``; returns (output, updated ``kv``).
+
+        Without ``kv`` the keys are this call's L tokens (``Lk = L``). With ``kv`` (this
+        layer's cached keys and values, ``[B, S, K, D]`` each) the new keys and values are
+        first written at slots ``write_index .. write_index + L - 1`` and the queries attend
+        over all S slots (``Lk = S``).
+        """
         inv_freq = np.asarray(self.inv_freq, dtype=np.float32)
         q = apply_rope(self.q_proj(x), positions, inv_freq)  # [B, L, H, D]
         k = apply_rope(self.k_proj(x), positions, inv_freq)  # [B, L, K, D]
         v = self.v_proj(x)
+        if kv is not None:
+            k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), write_index, 1)
+            v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), write_index, 1)
+            kv = (k, v)
         b, length, heads, d = q.shape
         q = q.reshape(b, length, heads // self.num_groups, self.num_groups, d)
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / np.sqrt(d)
         scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, length, heads, d)
-        return self.o_proj(out)
+        return self.o_proj(out), kv
 
 
 class MLP(nnx.Module):
@@ -187,9 +209,17 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **common)
         self.mlp = MLP(spec, **common)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-        x = x + self.self_attn(self.input_layernorm(x), positions, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        mask: jax.Array,
+        kv: tuple[jax.Array, jax.Array] | None = None,
+        write_index: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        attended, kv = self.self_attn(self.input_layernorm(x), positions, mask, kv, write_index)
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
 class Decoder(nnx.Module):
@@ -201,18 +231,58 @@ class Decoder(nnx.Module):
         self.layers = nnx.List([DecoderLayer(spec, **common) for _ in range(spec.num_layers)])
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **common)
 
-    def __call__(self, ids: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        ids: jax.Array,
+        positions: jax.Array,
+        mask: jax.Array,
+        kv: Sequence[tuple[jax.Array, jax.Array]] | None = None,
+        write_index: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...] | None]:
+        """Final hidden states, and the updated per-layer ``kv`` when one was given."""
         x = self.embed_tokens(ids)
-        for layer in self.layers:
-            x = layer(x, positions, mask)
-        return self.norm(x)
+        if kv is None:
+            for layer in self.layers:
+                x, _ = layer(x, positions, mask)
+            return self.norm(x), None
+        updated = []
+        for layer, layer_kv in zip(self.layers, kv, strict=True):
+            x, layer_kv = layer(x, positions, mask, layer_kv, write_index)
+            updated.append(layer_kv)
+        return self.norm(x), tuple(updated)
+
+
+class KVCache(NamedTuple):
+    """Preallocated keys and values of every layer, for incremental decoding.
+
+    The cache has S slots per row, shared by all rows: a forward of ``L`` tokens writes
+    slots ``index .. index + L - 1`` of every row and moves ``index`` on by ``L``. Ragged
+    rows are handled by padding (e.g. left-padded prompts), which ``mask`` marks as not
+    real: a query attends to slot ``s`` iff ``mask[b, s]`` and ``s`` is not after its own
+    slot. Positions (for RoPE) are separate from slots: by default each row counts
+    positions over its real tokens only, as in the full-sequence path, so a row's
+    outputs do not depend on how much padding it got.
+
+    Attributes:
+      layers: per layer ``(keys, values)``, each ``[B, S, K, D]`` in the compute dtype;
+        keys are stored after RoPE.
+      mask: ``[B, S] bool``: the slot holds a real token (False for padding and for slots
+        not written yet).
+      index: ``[] int32``: the next slot to write.
+    """
+
+    layers: tuple[tuple[jax.Array, jax.Array], ...]
+    mask: jax.Array
+    index: jax.Array
 
 
 class CausalLMOutput(NamedTuple):
-    """``logits [B, L, V]`` (float32) and the final normed ``hidden [B, L, E]``."""
+    """``logits [B, L, V]`` (float32; ``[B, logits_to_keep, V]`` when asked), the final
+    normed ``hidden [B, L, E]``, and the updated :class:`KVCache` when one was passed."""
 
     logits: jax.Array
     hidden: jax.Array
+    cache: KVCache | None = None
 
 
 class CausalLM(nnx.Module):
@@ -222,35 +292,66 @@ class CausalLM(nnx.Module):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         common = {"dtype": DTYPES[dtype], "param_dtype": DTYPES[param_dtype], "rngs": rngs}
         self.spec = spec
+        self.dtype = DTYPES[dtype]
         self.model = Decoder(spec, **common)
         self.lm_head = nnx.data(None)  # tied: logits come from the embedding table
         if not spec.tie_word_embeddings:
             self.lm_head = Dense((spec.hidden_size,), (spec.vocab_size,), ("embed",), ("vocab",),
                                  use_bias=False, **common)  # fmt: skip
 
+    def init_cache(self, batch: int, slots: int) -> KVCache:
+        """An empty :class:`KVCache` of ``slots`` slots per row (zeros, nothing valid)."""
+        shape = (batch, slots, self.spec.num_kv_heads, self.spec.head_dim)
+        layers = tuple(
+            (jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+            for _ in range(self.spec.num_layers)
+        )
+        return KVCache(layers, jnp.zeros((batch, slots), jnp.bool_), jnp.zeros((), jnp.int32))
+
     def __call__(
         self,
         input_ids: jax.Array,
         attention_mask: jax.Array | None = None,
         positions: jax.Array | None = None,
+        *,
+        cache: KVCache | None = None,
+        logits_to_keep: int = 0,
     ) -> CausalLMOutput:
         """Forward a ``[B, L]`` batch.
 
         ``attention_mask`` (1 = real token) hides padding from attention; without
         ``positions`` each row counts positions from its first real token, so left and
         right padding give the same result on real tokens.
+
+        With ``cache`` the L tokens are written into it at its ``index`` and attend to
+        everything cached before them (see :class:`KVCache`); default positions then
+        continue each row's count of real tokens. ``logits_to_keep > 0`` computes logits
+        for the last that many positions only (a prefill needs just the last one).
         """
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
         attention_mask = attention_mask.astype(jnp.bool_)
         if positions is None:
             positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
+            if cache is not None:
+                positions = positions + cache.mask.sum(axis=-1, keepdims=True, dtype=jnp.int32)
         length = input_ids.shape[-1]
-        causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
-        mask = causal[None, :, :] & attention_mask[:, None, :]  # [B, Lq, Lk]
-        hidden = self.model(input_ids, positions, mask)
-        if self.lm_head is None:
-            logits = self.model.embed_tokens.attend(hidden)
+        if cache is None:
+            causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
+            mask = causal[None, :, :] & attention_mask[:, None, :]  # [B, Lq, Lk]
+            hidden, _ = self.model(input_ids, positions, mask)
         else:
-            logits = self.lm_head(hidden)
-        return CausalLMOutput(logits.astype(jnp.float32), hidden)
+            valid = jax.lax.dynamic_update_slice_in_dim(
+                cache.mask, attention_mask, cache.index, axis=1
+            )
+            query_slots = cache.index + jnp.arange(length)
+            causal = jnp.arange(valid.shape[1])[None, :] <= query_slots[:, None]  # [Lq, S]
+            mask = causal[None, :, :] & valid[:, None, :]  # [B, Lq, S]
+            hidden, layers = self.model(input_ids, positions, mask, cache.layers, cache.index)
+            cache = KVCache(layers, valid, cache.index + length)
+        kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        if self.lm_head is None:
+            logits = self.model.embed_tokens.attend(kept)
+        else:
+            logits = self.lm_head(kept)
+        return CausalLMOutput(logits.astype(jnp.float32), hidden, cache)

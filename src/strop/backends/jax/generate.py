@@ -1,0 +1,401 @@
+"""The JAX backend's sampler: a preallocated KV cache, prefill, then a ``while_loop`` decode.
+
+:func:`generate` implements the contract of :mod:`strop.generation` for a
+:class:`~strop.backends.jax.model.CausalLM` (LoRA-wrapped or not) on a mesh.
+
+Layout and positions
+--------------------
+The batch is padded with dummy rows to a multiple of the mesh's batch shards (``data x
+fsdp``) and the prompts are left-padded to a bucket ``P``: the longest prompt rounded up
+to a power of two, at least :data:`MIN_PROMPT_BUCKET`. Each row's position ids count from
+its first real token: a prompt of ``n`` tokens holds positions ``0 .. n-1`` in columns
+``P-n .. P-1`` and the ``t``-th generated token (``t = 0, 1, ...``) has position ``n + t``
+whatever the padding, the same convention as the training forward, so a row's tokens do
+not depend on the other rows.
+
+The cache (:class:`~strop.backends.jax.model.KVCache`) has ``P + max_new_tokens - 1``
+slots per row, ``[B, slots, kv_heads, head_dim]`` per layer, sharded over the batch and the
+KV heads where the mesh divides them. The prefill writes slots ``0 .. P-1``; decode step
+``t`` feeds the token sampled at step ``t - 1`` and writes slot ``P + t - 1`` (the last
+sampled token is never fed back, hence the ``- 1``). The cache's mask is 0 on the prompt
+padding, so padding is never attended to; causality hides slots not written yet.
+
+Compilation
+-----------
+Two jitted functions: the prefill (which also samples the first token) and the decode
+loop (a ``jax.lax.while_loop`` over the remaining tokens that stops as soon as every row
+is done, with no host round trip). Each compiles once per (batch, prompt bucket,
+``max_new_tokens``, temperature/top-k/top-p, model structure, mesh); :data:`TRACES` counts
+their traces. The cache is donated to the decode loop, which updates it in place.
+
+Sampling
+--------
+Logits are divided by the temperature, restricted to the top-k and then to the top-p
+nucleus (the smallest set of most likely tokens whose probability, renormalised over the
+top-k, reaches ``top_p``), and a token is drawn with ``jax.random.categorical`` (Gumbel
+max). The key of step ``t`` is ``fold_in(key(seed), t)``: the same seed gives the same
+tokens, on any mesh. The reported log-probability is that of the sampled token under the
+full temperature-scaled distribution, before top-k/top-p truncation (plain log-softmax of
+the logits when greedy, ``temperature == 0``), which is what a teacher-forced forward over
+prompt + response computes.
+
+A row stops after emitting any of ``eos_ids`` (the EOS is kept and counted) or after
+``max_new_tokens``. Finished rows keep being fed (their outputs are discarded) until every
+row is done.
+
+Stop strings are applied on the host after generation: each row is decoded with the
+tokenizer and cut after the first token at which its decoded text contains a stop string
+(finish reason ``"stop"``); the cut token is kept, so the text may run a few characters
+past the stop string when a token straddles it. This is simple and exact, at the price of
+generating past a stop string until EOS or ``max_new_tokens``; stopping on device would
+need incremental detokenization inside the loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from strop.backends.jax.model import CausalLM, KVCache
+from strop.backends.jax.sharding import batch_sharding, logical_to_sharding, make_mesh
+from strop.generation import FinishReason, Generation, SamplingParams
+
+MIN_PROMPT_BUCKET = 16
+"""Prompts are left-padded to a power of two of at least this many tokens."""
+
+
+@dataclass
+class GenerateTraces:
+    """How often the prefill and the decode loop were traced (= compiled), for tests/logs."""
+
+    prefill: int = 0
+    decode: int = 0
+
+
+TRACES = GenerateTraces()
+
+
+class Decoder(Protocol):
+    """What stop strings need of a tokenizer (``strop.data.Tokenizer`` and HF ones fit)."""
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    """The static (compile-time) part of :class:`SamplingParams`."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+
+
+class _DecodeState(NamedTuple):
+    """The decode loop's carry, besides the cache.
+
+    ``tokens``/``logprobs`` ``[B, T]`` are filled column by column (``pad_id``/0 for rows
+    already done); ``lengths [B]`` counts each row's tokens up to and including its EOS;
+    ``step`` is the number of tokens sampled so far; ``positions [B]`` is the position id
+    of the token fed at the next step.
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    lengths: jax.Array
+    done: jax.Array
+    step: jax.Array
+    positions: jax.Array
+
+
+def generate(
+    model: CausalLM,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    *,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    seed: int,
+    mesh: Mesh | None = None,
+    tokenizer: Decoder | None = None,
+) -> Generation:
+    """Sample a response to each prompt (see the module docstring for the details).
+
+    Args:
+      model: the policy; its weights may be sharded on ``mesh``.
+      prompts: token ids of each prompt (ragged, each non-empty).
+      params: how to sample; ``params.stop_strings`` needs ``tokenizer``.
+      eos_ids: a row stops after emitting any of these (may be empty).
+      pad_id: fills the prompt padding and the responses past their lengths.
+      seed: seeds the sampling noise; the same seed gives the same tokens.
+      mesh: where the inputs and the cache go; default: the mesh of the model's weights.
+      tokenizer: decodes responses for stop strings.
+
+    Returns:
+      A :class:`~strop.generation.Generation` of numpy arrays, ``len(prompts)`` rows.
+    """
+    _check_args(prompts, params, tokenizer)
+    mesh = mesh if mesh is not None else _mesh_of(model)
+    ids, mask, active = _pad_prompts(prompts, pad_id, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def put(rows: np.ndarray) -> jax.Array:
+        return jax.device_put(rows, batch_sharding(rows.shape, mesh))
+
+    eos = jax.device_put(_eos_array(eos_ids), replicated)
+    pad = jax.device_put(np.int32(pad_id), replicated)
+    key = jax.device_put(jax.random.key(seed), replicated)
+    sampling = _Sampling(float(params.temperature), int(params.top_k), float(params.top_p))
+
+    cache, state = _prefill(
+        model, put(ids), put(mask), put(active), eos, pad, key,
+        params.max_new_tokens, sampling, mesh,
+    )  # fmt: skip
+    if params.max_new_tokens > 1:
+        _, state = _decode(model, cache, state, eos, pad, key, sampling, mesh)
+
+    # Writable host copies without the dummy rows (stop strings edit them in place).
+    on_host = jax.device_get((state.tokens, state.logprobs, state.lengths))
+    tokens, logprobs, lengths = (np.array(x[: len(prompts)]) for x in on_host)
+    eos_set = {int(e) for e in eos_ids}
+    reasons: list[FinishReason] = [
+        "stop" if n > 0 and int(row[n - 1]) in eos_set else "length"
+        for row, n in zip(tokens, lengths, strict=True)
+    ]
+    if params.stop_strings:
+        assert tokenizer is not None  # checked in _check_args
+        _cut_at_stop_strings(
+            tokens, logprobs, lengths, reasons, params.stop_strings, tokenizer, pad_id
+        )
+    width = int(lengths.max())
+    return Generation(
+        tokens=np.ascontiguousarray(tokens[:, :width]),
+        logprobs=np.ascontiguousarray(logprobs[:, :width]),
+        lengths=lengths,
+        finish_reasons=reasons,
+    )
+
+
+def prompt_bucket(length: int) -> int:
+    """The padded prompt width for a longest prompt of ``length`` tokens: the next power
+    of two, at least :data:`MIN_PROMPT_BUCKET`."""
+    return max(MIN_PROMPT_BUCKET, 1 << max(length - 1, 0).bit_length())
+
+
+def _check_args(prompts: list[list[int]], params: SamplingParams, tokenizer) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and every prompt non-empty")
+    if params.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    if params.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+    if params.top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer to decode responses")
+
+
+def _eos_array(eos_ids: Sequence[int]) -> np.ndarray:
+    """The EOS ids padded with -1 (never sampled) to a power of two, at least 4, so that
+    EOS sets of different sizes rarely mean another compile."""
+    eos = [int(e) for e in eos_ids]
+    size = max(4, 1 << max(len(eos) - 1, 0).bit_length())
+    return np.asarray(eos + [-1] * (size - len(eos)), dtype=np.int32)
+
+
+def _mesh_of(model: CausalLM) -> Mesh:
+    """The mesh the model's weights live on (a one-device mesh for unsharded weights)."""
+    sharding = jax.tree.leaves(nnx.state(model, nnx.Param))[0].sharding
+    if isinstance(sharding, NamedSharding):
+        return sharding.mesh
+    return make_mesh({"fsdp": 1}, devices=list(sharding.device_set))
+
+
+def _pad_prompts(
+    prompts: list[list[int]], pad_id: int, mesh: Mesh
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Left-padded ``ids [B', P]``, ``mask [B', P]`` and ``active [B']`` (False on dummy rows).
+
+    ``B'`` is ``len(prompts)`` rounded up to a multiple of the mesh's batch shards; dummy
+    rows hold one real pad token (so that attention is never empty) and start done.
+    """
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    batch = math.ceil(len(prompts) / shards) * shards
+    width = prompt_bucket(max(len(p) for p in prompts))
+    ids = np.full((batch, width), pad_id, dtype=np.int32)
+    mask = np.zeros((batch, width), dtype=np.int32)
+    mask[len(prompts) :, -1] = 1
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = prompt
+        mask[row, width - len(prompt) :] = 1
+    active = np.arange(batch) < len(prompts)
+    return ids, mask, active
+
+
+def _constrain_cache(cache: KVCache, mesh: Mesh) -> KVCache:
+    """Pin the cache's sharding: batch over ``data x fsdp``, KV heads over ``tensor``."""
+    kv_shape = cache.layers[0][0].shape
+    kv = logical_to_sharding(("batch", None, "kv_heads", "head_dim"), kv_shape, mesh)
+    constrain = jax.lax.with_sharding_constraint
+    return KVCache(
+        layers=tuple((constrain(k, kv), constrain(v, kv)) for k, v in cache.layers),
+        mask=constrain(cache.mask, batch_sharding(cache.mask.shape, mesh)),
+        index=cache.index,
+    )
+
+
+def _sample(logits: jax.Array, key: jax.Array, sampling: _Sampling) -> tuple[jax.Array, jax.Array]:
+    """One token per row from float32 ``logits [B, V]``, and its log-probability."""
+    if sampling.temperature == 0.0:
+        token = jnp.argmax(logits, axis=-1)
+        return token, _logprob_of(logits, token)
+    scaled = logits / sampling.temperature
+    vocab = scaled.shape[-1]
+    top_k = sampling.top_k if 0 < sampling.top_k < vocab else 0
+    if top_k or sampling.top_p < 1.0:
+        # Candidates in descending order: the top-k, or the whole sorted vocabulary.
+        candidates, candidate_ids = jax.lax.top_k(scaled, top_k or vocab)
+        if sampling.top_p < 1.0:
+            probs = jax.nn.softmax(candidates, axis=-1)
+            mass_before = jnp.cumsum(probs, axis=-1) - probs  # the best candidate always stays
+            candidates = jnp.where(mass_before >= sampling.top_p, -jnp.inf, candidates)
+        choice = jax.random.categorical(key, candidates, axis=-1)
+        token = jnp.take_along_axis(candidate_ids, choice[:, None], axis=-1)[:, 0]
+    else:
+        token = jax.random.categorical(key, scaled, axis=-1)
+    return token, _logprob_of(scaled, token)
+
+
+def _logprob_of(logits: jax.Array, token: jax.Array) -> jax.Array:
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+
+
+def _record(
+    state: _DecodeState, token: jax.Array, logprob: jax.Array, eos: jax.Array, pad: jax.Array
+) -> _DecodeState:
+    """Write the token sampled at ``state.step`` (``pad`` for rows already done)."""
+    live = ~state.done
+    token = jnp.where(live, token.astype(jnp.int32), pad)
+    logprob = jnp.where(live, logprob, 0.0)
+    column = state.step
+    stopped = live & jnp.any(token[:, None] == eos[None, :], axis=-1)
+    return state._replace(
+        tokens=jax.lax.dynamic_update_slice_in_dim(state.tokens, token[:, None], column, 1),
+        logprobs=jax.lax.dynamic_update_slice_in_dim(state.logprobs, logprob[:, None], column, 1),
+        lengths=jnp.where(live, column + 1, state.lengths),
+        done=state.done | stopped,
+        step=column + 1,
+    )
+
+
+@nnx.jit(static_argnums=(7, 8, 9))
+def _prefill(
+    model: CausalLM,
+    ids: jax.Array,
+    mask: jax.Array,
+    active: jax.Array,
+    eos: jax.Array,
+    pad: jax.Array,
+    key: jax.Array,
+    max_new_tokens: int,
+    sampling: _Sampling,
+    mesh: Mesh,
+) -> tuple[KVCache, _DecodeState]:
+    """Fill a fresh cache with the prompts and sample the first token."""
+    TRACES.prefill += 1
+    batch, width = ids.shape
+    cache = _constrain_cache(model.init_cache(batch, width + max_new_tokens - 1), mesh)
+    out = model(ids, mask, cache=cache, logits_to_keep=1)
+    token, logprob = _sample(out.logits[:, -1], jax.random.fold_in(key, 0), sampling)
+    state = _DecodeState(
+        tokens=jnp.full((batch, max_new_tokens), pad, dtype=jnp.int32),
+        logprobs=jnp.zeros((batch, max_new_tokens), dtype=jnp.float32),
+        lengths=jnp.zeros((batch,), dtype=jnp.int32),
+        done=~active,
+        step=jnp.zeros((), dtype=jnp.int32),
+        positions=mask.sum(axis=-1, dtype=jnp.int32),
+    )
+    return _constrain_cache(out.cache, mesh), _record(state, token, logprob, eos, pad)
+
+
+@nnx.jit(static_argnums=(6, 7), donate_argnums=(1,))
+def _decode(
+    model: CausalLM,
+    cache: KVCache,
+    state: _DecodeState,
+    eos: jax.Array,
+    pad: jax.Array,
+    key: jax.Array,
+    sampling: _Sampling,
+    mesh: Mesh,
+) -> tuple[KVCache, _DecodeState]:
+    """Sample the remaining tokens, one forward per step, until every row is done.
+
+    The cache is returned so that its donated buffers can be updated in place.
+    """
+    TRACES.decode += 1
+    max_new_tokens = state.tokens.shape[1]
+    # The step forward runs on a model merged inside the loop body's trace: an adapter
+    # library may set attributes on modules during a call (Qwix LoRA does), which NNX
+    # forbids on modules of an outer trace.
+    graphdef, weights = nnx.split(model)
+
+    def not_finished(carry: tuple[KVCache, _DecodeState]) -> jax.Array:
+        _, state = carry
+        return (state.step < max_new_tokens) & ~jnp.all(state.done)
+
+    def step(carry: tuple[KVCache, _DecodeState]) -> tuple[KVCache, _DecodeState]:
+        cache, state = carry
+        fed = jax.lax.dynamic_slice_in_dim(state.tokens, state.step - 1, 1, axis=1)
+        out = nnx.merge(graphdef, weights)(fed, positions=state.positions[:, None], cache=cache)
+        token, logprob = _sample(out.logits[:, -1], jax.random.fold_in(key, state.step), sampling)
+        state = _record(state._replace(positions=state.positions + 1), token, logprob, eos, pad)
+        return _constrain_cache(out.cache, mesh), state
+
+    return jax.lax.while_loop(not_finished, step, (cache, state))
+
+
+def _cut_at_stop_strings(
+    tokens: np.ndarray,
+    logprobs: np.ndarray,
+    lengths: np.ndarray,
+    reasons: list[FinishReason],
+    stop_strings: Sequence[str],
+    tokenizer: Decoder,
+    pad_id: int,
+) -> None:
+    """End each row (in place) after its first token whose decoded prefix contains a stop string.
+
+    The shortest such prefix is found by bisection, which relies on a stop string that is in
+    the text of some tokens staying in the text of those tokens followed by more (true of
+    byte-level BPE and of any tokenizer whose decoding of a prefix is a prefix of the text).
+    """
+
+    def stops(row: int, n: int) -> bool:
+        text = tokenizer.decode(tokens[row, :n].tolist())
+        return any(s in text for s in stop_strings)
+
+    for row, n in enumerate(lengths.tolist()):
+        if not stops(row, n):
+            continue
+        lo, hi = 1, n  # the answer is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if stops(row, mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        tokens[row, lo:] = pad_id
+        logprobs[row, lo:] = 0.0
+        lengths[row] = lo
+        reasons[row] = "stop"
