@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 _TMP_PREFIX = ".tmp-"
 _OPTIONS = StateDictOptions(ignore_frozen_params=True)
+# Frozen (base) weights are not in a checkpoint, so loading cannot be strict about them;
+# the trainable keys are still enforced: DCP refuses a checkpoint that lacks one.
+_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -196,7 +199,7 @@ class TrainCheckpoints:
                 optimizer,
                 model_state_dict=state["model"],
                 optim_state_dict=state["optim"],
-                options=_OPTIONS,
+                options=_LOAD_OPTIONS,
             )
             extra = json.loads((path / "extra.json").read_text())
         except Exception as err:  # structure/shape mismatch or unreadable files

@@ -103,7 +103,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     names = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not layers:
         raise ConfigError(f"cannot find the decoder layers of {type(model).__name__} to shard")
     return layers

@@ -102,11 +102,13 @@ class Trainer:
             for name in BATCH_KEYS
         }
 
-    def step(self, batch: Mapping[str, np.ndarray], micro_batches: int = 1) -> dict[str, float]:
-        """One optimizer update over the global ``batch`` (``[B, L]`` numpy, same on every rank).
+    def accumulate(
+        self, batch: Mapping[str, np.ndarray], micro_batches: int = 1
+    ) -> tuple[float, float]:
+        """Forward and backward over the global ``batch``, leaving gradients in ``.grad``.
 
-        Returns host floats: ``loss`` (mean over all target tokens), ``tokens``,
-        ``grad_norm`` (before clipping).
+        Returns the global (summed loss, target-token count); the gradients are those of
+        ``summed loss / count``, already reduced over ranks (sharded for DTensors).
         """
         model, placement = self.loaded.model, self.loaded.placement
         local = self._rank_rows(batch, micro_batches)
@@ -114,7 +116,6 @@ class Trainer:
         count = max(all_reduce_sum(local_count, placement), 1.0)
         seed = np.random.SeedSequence([self.seed, self.updates, placement.rank])
         torch.manual_seed(int(seed.generate_state(1)[0]))
-
         model.train()
         loss_sum = 0.0
         for micro in range(micro_batches):
@@ -126,7 +127,10 @@ class Trainer:
             (micro_sum / count).backward()
             loss_sum += float(micro_sum.detach())
         model.eval()
+        return all_reduce_sum(loss_sum, placement), count
 
+    def apply(self) -> float:
+        """Clip, set the scheduled learning rate, step the optimizer; return the grad norm."""
         norm = grad_norm(self.params)
         if self.optim.max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.optim.max_grad_norm, norm)
@@ -135,8 +139,14 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.updates += 1
-        return {
-            "loss": all_reduce_sum(loss_sum, placement) / count,
-            "tokens": count,
-            "grad_norm": float(norm),
-        }
+        return float(norm)
+
+    def step(self, batch: Mapping[str, np.ndarray], micro_batches: int = 1) -> dict[str, float]:
+        """One optimizer update over the global ``batch`` (``[B, L]`` numpy, same on every rank).
+
+        Returns host floats: ``loss`` (mean over all target tokens), ``tokens``,
+        ``grad_norm`` (before clipping).
+        """
+        loss_sum, count = self.accumulate(batch, micro_batches)
+        norm = self.apply()
+        return {"loss": loss_sum / count, "tokens": count, "grad_norm": norm}
