@@ -129,6 +129,8 @@ def sft(recipe: Recipe, overrides: Overrides = None) -> None:
 
 
 def _print_sft_summary(title: str, result) -> None:
+    if not result.is_main:
+        return
     table = Table(title=title, show_header=False)
     table.add_row("run directory", str(result.run_dir))
     table.add_row("steps", str(result.final_step))

@@ -54,8 +54,12 @@ def config_for(sft_inputs, run_dir, **overrides):
     return load_config("tiny", [f"{k}={v}" for k, v in base.items()])
 
 
-def test_resume_continues_exactly_and_restore_path_rules(sft_inputs, tmp_path):
-    straight = run_sft(config_for(sft_inputs, tmp_path / "straight"))
+BACKENDS = pytest.mark.parametrize("backend", ["jax", "torch"])
+
+
+@BACKENDS
+def test_resume_continues_exactly_and_restore_path_rules(sft_inputs, tmp_path, backend):
+    straight = run_sft(config_for(sft_inputs, tmp_path / "straight", backend=backend))
     assert straight.final_step == 6 and len(straight.losses) == 6
     assert (straight.export_path / "adapter_model.safetensors").exists()
     records = read_metrics(tmp_path / "straight" / "metrics.jsonl")
@@ -64,10 +68,17 @@ def test_resume_continues_exactly_and_restore_path_rules(sft_inputs, tmp_path):
 
     # Stop after the step-3 checkpoint (as a killed run would), then start again with an
     # adapter to restore: the resumed run must ignore it and continue exactly.
-    interrupted = run_sft(config_for(sft_inputs, tmp_path / "resumed"), stop_after=3)
+    interrupted = run_sft(
+        config_for(sft_inputs, tmp_path / "resumed", backend=backend), stop_after=3
+    )
     assert interrupted.export_path is None
     resumed = run_sft(
-        config_for(sft_inputs, tmp_path / "resumed", **{"lora.restore_path": straight.export_path})
+        config_for(
+            sft_inputs,
+            tmp_path / "resumed",
+            backend=backend,
+            **{"lora.restore_path": straight.export_path},
+        )
     )
     assert resumed.resumed_from == 3
     assert interrupted.losses + resumed.losses == straight.losses
@@ -77,6 +88,7 @@ def test_resume_continues_exactly_and_restore_path_rules(sft_inputs, tmp_path):
         config_for(
             sft_inputs,
             tmp_path / "seeded",
+            backend=backend,
             **{"lora.restore_path": straight.export_path, "sft.steps": 1},
         )
     )
@@ -84,9 +96,11 @@ def test_resume_continues_exactly_and_restore_path_rules(sft_inputs, tmp_path):
     assert seeded.losses[0] < straight.losses[0] - 0.1
 
 
-def test_cli_sft_then_export_merged_matches_peft(sft_inputs, tmp_path):
+@BACKENDS
+def test_cli_sft_then_export_merged_matches_peft(sft_inputs, tmp_path, backend):
     model_dir, train = sft_inputs
     overrides = [
+        f"backend={backend}",
         f"model.path={model_dir}",
         f"data.train_path={train}",
         "data.pad_to_multiple=16",

@@ -16,14 +16,21 @@ logger = logging.getLogger(__name__)
 
 
 class MetricsWriter:
-    """Appends metrics to ``<run_dir>/metrics.jsonl`` and, if asked, TensorBoard logs."""
+    """Appends metrics to ``<run_dir>/metrics.jsonl`` and, if asked, TensorBoard logs.
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True):
+    With ``enabled=False`` (every process but the first of a distributed run) it writes
+    nothing.
+    """
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, enabled: bool = True):
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        self._file = self.path.open("a", encoding="utf-8")
+        self._file = None
         self._tb = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
         if tensorboard:
             try:
                 from tensorboardX import SummaryWriter
@@ -34,6 +41,8 @@ class MetricsWriter:
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         """Record ``metrics`` at ``step`` (non-finite floats are written as null in JSON)."""
+        if self._file is None:
+            return
         record: dict[str, Any] = {"step": step}
         for name, value in metrics.items():
             if isinstance(value, float) and not math.isfinite(value):
@@ -48,7 +57,8 @@ class MetricsWriter:
                     self._tb.add_scalar(name, value, step)
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
 

@@ -32,6 +32,7 @@ class SftResult:
     resumed_from: int | None
     losses: list[float]
     export_path: Path | None
+    is_main: bool = True  # False on every process but the first of a distributed run
 
 
 def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
@@ -80,8 +81,10 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
     end = sft.steps if stop_after is None else min(stop_after, sft.steps)
     losses: list[float] = []
     with (
-        MetricsWriter(run_dir, tensorboard=config.logging.tensorboard) as writer,
-        _progress() as bar,
+        MetricsWriter(
+            run_dir, tensorboard=config.logging.tensorboard, enabled=policy.is_main
+        ) as writer,
+        _progress(disable=not policy.is_main) as bar,
     ):
         task = bar.add_task("sft", total=sft.steps, completed=start, loss=float("nan"), tps=0.0)
         for step in range(start, end):
@@ -115,7 +118,7 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
         else:
             export_path = policy.export_merged(run_dir / "model", overwrite=True)
         logger.info("exported %s", export_path)
-    return SftResult(run_dir, end, resumed_from, losses, export_path)
+    return SftResult(run_dir, end, resumed_from, losses, export_path, policy.is_main)
 
 
 def _eval_loss(policy, batcher, batch_size: int) -> float:
@@ -127,7 +130,7 @@ def _eval_loss(policy, batcher, batch_size: int) -> float:
     return total / max(count, 1.0)
 
 
-def _progress() -> Progress:
+def _progress(disable: bool = False) -> Progress:
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -135,4 +138,5 @@ def _progress() -> Progress:
         TextColumn("loss {task.fields[loss]:.4f}"),
         TextColumn("{task.fields[tps]:.0f} tok/s"),
         TimeRemainingColumn(),
+        disable=disable,
     )

@@ -19,11 +19,13 @@ directory. Only the last ``keep`` steps are kept.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,14 @@ _OPTIONS = StateDictOptions(ignore_frozen_params=True)
 # Frozen (base) weights are not in a checkpoint, so loading cannot be strict about them;
 # the trainable keys are still enforced: DCP refuses a checkpoint that lacks one.
 _LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+@contextlib.contextmanager
+def _dcp_quietly() -> Iterator[None]:
+    """DCP warns when it runs without a process group; in a single process that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -137,11 +147,12 @@ class TrainCheckpoints:
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir(parents=True)
             barrier(self.placement)
-            dcp.save(
-                {"model": model_state, "optim": optim_state},
-                checkpoint_id=staging / "state",
-                no_dist=not self.placement.distributed,
-            )
+            with _dcp_quietly():
+                dcp.save(
+                    {"model": model_state, "optim": optim_state},
+                    checkpoint_id=staging / "state",
+                    no_dist=not self.placement.distributed,
+                )
             barrier(self.placement)
             if self.placement.is_main:
                 _write_json(staging / "extra.json", extra)
@@ -193,7 +204,10 @@ class TrainCheckpoints:
         model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
         state = {"model": model_state, "optim": optim_state}
         try:
-            dcp.load(state, checkpoint_id=path / "state", no_dist=not self.placement.distributed)
+            with _dcp_quietly():
+                dcp.load(
+                    state, checkpoint_id=path / "state", no_dist=not self.placement.distributed
+                )
             set_state_dict(
                 model,
                 optimizer,
