@@ -158,17 +158,18 @@ def _tiny_checkpoint(tmp_path, tiny_model_dir, mutate):
     ],
     ids=["missing", "unexpected", "shape"],
 )
-def test_jax_loader_rejects_mismatched_weights(tmp_path, tiny_model_dir, mutate, message):
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_loaders_reject_mismatched_weights(tmp_path, tiny_model_dir, mutate, message, backend):
     directory = _tiny_checkpoint(tmp_path, tiny_model_dir, mutate)
     with pytest.raises(ModelError, match=message):
-        strop.load_model(directory, backend="jax")
+        strop.load_model(directory, backend=backend)
 
 
 def test_load_model_unknown_or_missing_backend(tiny_model_dir):
     with pytest.raises(BackendUnavailableError, match="unknown backend 'tpu'"):
         strop.load_model(tiny_model_dir("qwen2"), backend="tpu")
-    with pytest.raises(BackendUnavailableError, match="'torch' is not implemented"):
-        strop.load_model(tiny_model_dir("qwen2"), backend="torch")
+    with pytest.raises(BackendUnavailableError, match="unknown backend 'TORCH'"):
+        strop.load_model(tiny_model_dir("qwen2"), backend="TORCH")
 
 
 def test_adapter_export_refuses_to_replace_unless_asked(tmp_path):

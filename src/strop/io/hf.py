@@ -39,6 +39,8 @@ SIDECAR_FILES = (
 
 _SUPPORTED_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Tensors some checkpoints carry that are recomputed, never loaded.
+_DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 @dataclass(frozen=True)
@@ -240,6 +242,30 @@ class SafetensorsReader:
             raise ModelError(
                 f"{self._file_of[name]}: cannot read tensor {name!r} ({err})"
             ) from None
+
+
+def check_tensor_names(reader: SafetensorsReader, expected: set[str], *, tied: bool) -> None:
+    """Raise a :class:`ModelError` listing missing and unexpected tensor names."""
+    present = set(reader.names())
+    ignorable = {n for n in present if n.endswith(_DERIVED_SUFFIXES)}
+    if tied:
+        ignorable.add("lm_head.weight")  # some tied checkpoints store the copy anyway
+    missing = sorted(expected - present)
+    unexpected = sorted(present - expected - ignorable)
+    if missing or unexpected:
+
+        def listing(names: list[str]) -> str:
+            shown = ", ".join(names[:8])
+            return shown + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+
+        problems = []
+        if missing:
+            problems.append(f"missing tensors: {listing(missing)}")
+        if unexpected:
+            problems.append(f"unexpected tensors: {listing(unexpected)}")
+        raise ModelError(
+            f"{reader.directory}: weights do not match config.json; {'; '.join(problems)}"
+        )
 
 
 def write_checkpoint(

@@ -25,10 +25,7 @@ from rich.progress import track
 from strop.backends.jax.model import CausalLM, Dense, Embedding, RMSNorm
 from strop.backends.jax.sharding import logical_to_sharding
 from strop.errors import ModelError
-from strop.io.hf import SafetensorsReader, read_model_spec, write_checkpoint
-
-# Tensors some checkpoints carry that the model derives itself.
-_DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
+from strop.io.hf import SafetensorsReader, check_tensor_names, read_model_spec, write_checkpoint
 
 
 @dataclass(frozen=True)
@@ -87,31 +84,6 @@ def weight_bindings(model: CausalLM) -> list[WeightBinding]:
     return bindings
 
 
-def _check_names(bindings: list[WeightBinding], reader: SafetensorsReader, tied: bool) -> None:
-    """Raise a :class:`ModelError` listing missing and unexpected tensor names."""
-    expected = {b.hf_name for b in bindings}
-    present = set(reader.names())
-    ignorable = {n for n in present if n.endswith(_DERIVED_SUFFIXES)}
-    if tied:
-        ignorable.add("lm_head.weight")  # some tied checkpoints store the copy anyway
-    missing = sorted(expected - present)
-    unexpected = sorted(present - expected - ignorable)
-    if missing or unexpected:
-
-        def listing(names: list[str]) -> str:
-            shown = ", ".join(names[:8])
-            return shown + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
-
-        problems = []
-        if missing:
-            problems.append(f"missing tensors: {listing(missing)}")
-        if unexpected:
-            problems.append(f"unexpected tensors: {listing(unexpected)}")
-        raise ModelError(
-            f"{reader.directory}: weights do not match config.json; {'; '.join(problems)}"
-        )
-
-
 def load_hf_model(
     path: str | os.PathLike, mesh: Mesh, *, dtype: str = "float32", param_dtype: str = "float32"
 ) -> CausalLM:
@@ -122,7 +94,7 @@ def load_hf_model(
         lambda: CausalLM(spec, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
     )
     bindings = weight_bindings(model)
-    _check_names(bindings, reader, spec.tie_word_embeddings)
+    check_tensor_names(reader, {b.hf_name for b in bindings}, tied=spec.tie_word_embeddings)
     for binding in track(
         bindings, description="loading weights", transient=True, disable=not sys.stderr.isatty()
     ):

@@ -66,6 +66,7 @@ def place(mesh_config: MeshConfig) -> Placement:
     > 1); tensor parallelism is refused with a clear message for now.
     """
     cuda = torch.cuda.is_available()
+    _refuse_tensor_parallel({"tensor": mesh_config.tensor})
     if not launched_distributed():
         sizes = mesh_config.resolve(1)
         _refuse_tensor_parallel(sizes)

@@ -32,7 +32,7 @@ from strop.backends.torch.lora import (
 )
 from strop.config import LoraConfig
 from strop.errors import ModelError
-from strop.io.hf import ModelSpec, SafetensorsReader, read_model_spec
+from strop.io.hf import ModelSpec, SafetensorsReader, check_tensor_names, read_model_spec
 
 
 @dataclass
@@ -94,7 +94,7 @@ def build_model(
     tied = _shared_parameters(model)
     model.to_empty(device=placement.device)
     _retie(tied)
-    _load_weights(model, reader, seed, source=str(path))
+    _load_weights(model, reader, seed, tied=spec.tie_word_embeddings)
     _reset_rotary_buffers(model, placement.device)
     model.eval()
     return LoadedModel(model, spec, placement, TORCH_DTYPES[dtype])
@@ -122,22 +122,24 @@ def _to_torch(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
-def _load_weights(model: nn.Module, reader: SafetensorsReader, seed: int, source: str) -> None:
+def _load_weights(model: nn.Module, reader: SafetensorsReader, seed: int, tied: bool) -> None:
     """Fill every parameter: base weights from the checkpoint, adapters from the seed."""
+    params = dict(model.named_parameters())  # tied weights appear once
+    base = {hf_module_path(name) for name in params if not is_lora_param(name)}
+    check_tensor_names(reader, base, tied=tied)
     generator = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():  # tied weights appear once
+    for name, param in params.items():
         if is_lora_param(name):
             full = init_adapter(name, param.shape, generator, param.dtype)
         else:
             tensor_name = hf_module_path(name)
-            if tensor_name not in reader:
-                raise ModelError(f"{source}: checkpoint has no tensor {tensor_name!r}")
-            full = _to_torch(reader.get(tensor_name))
-            if tuple(full.shape) != tuple(param.shape):
+            stored = reader.shape(tensor_name)
+            if stored != tuple(param.shape):
                 raise ModelError(
-                    f"{source}: tensor {tensor_name!r} has shape {list(full.shape)}, the model "
-                    f"built from config.json expects {list(param.shape)}"
+                    f"{reader.directory}: tensor {tensor_name!r} has shape {list(stored)}, "
+                    f"config.json implies {list(param.shape)}"
                 )
+            full = _to_torch(reader.get(tensor_name))
         copy_full_into(param, full)
 
 

@@ -1,0 +1,100 @@
+"""LoRA and full fine-tuning with the torch backend (PEFT + the torch train step)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from strop.backends.torch.lora import lora_modules
+from strop.backends.torch.policy import TorchPolicy
+from strop.config import load_config
+from strop.errors import ConfigError
+from tests.distributed.cases import global_batch
+
+
+def policy_for(model_dir, tmp_path, *overrides) -> TorchPolicy:
+    config = load_config(
+        "tiny",
+        [
+            "backend=torch",
+            f"model.path={model_dir}",
+            f"run_dir={tmp_path}",
+            "lora.enabled=true",
+            "lora.target_modules=[.*_proj, lm_head]",
+            "optim.warmup_steps=0",
+            "optim.lr=1e-2",
+            *overrides,
+        ],
+    )
+    return TorchPolicy(config, total_steps=20, checkpoint_dir=tmp_path / "ckpt")
+
+
+def host_copies(model, trainable: bool) -> dict[str, np.ndarray]:
+    return {
+        name: p.detach().clone().numpy()
+        for name, p in model.named_parameters()
+        if p.requires_grad == trainable
+    }
+
+
+def test_only_adapters_train_and_base_weights_stay_bit_identical(tiny_model_dir, tmp_path):
+    policy = policy_for(tiny_model_dir("qwen2_tied"), tmp_path)
+    adapted = lora_modules(policy.model)
+    assert len(adapted) == 2 * 7 + 1  # 7 projections per layer, and the LM head
+    trainable = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    optimizer_params = [p for g in policy.trainer.optimizer.param_groups for p in g["params"]]
+    assert len(optimizer_params) == len(trainable)
+
+    base_before = host_copies(policy.model, trainable=False)
+    adapters_before = host_copies(policy.model, trainable=True)
+    for _ in range(3):
+        policy.train_step(global_batch(), micro_batches=2)
+    for name, before in base_before.items():
+        after = dict(policy.model.named_parameters())[name].detach().numpy()
+        assert np.array_equal(before, after), f"base weight {name} changed"
+    changed = host_copies(policy.model, trainable=True)
+    for name in adapters_before:
+        if ".lora_B." in name:
+            assert not np.array_equal(adapters_before[name], changed[name]), name
+    # Optimizer state: two float32 moments per adapter parameter, nothing else.
+    state = policy.trainer.optimizer.state
+    assert set(map(id, state)) == set(map(id, optimizer_params))
+    for param_state in state.values():
+        assert param_state["exp_avg"].dtype == torch.float32
+
+
+def test_full_finetuning_changes_every_weight(tiny_model_dir, tmp_path):
+    policy = policy_for(tiny_model_dir("qwen2"), tmp_path, "lora.enabled=false")
+    before = host_copies(policy.model, trainable=True)
+    assert len(before) == len(list(policy.model.parameters()))
+    for _ in range(2):
+        policy.train_step(global_batch(), micro_batches=1)
+    after = host_copies(policy.model, trainable=True)
+    assert all(not np.array_equal(before[n], after[n]) for n in before)
+
+
+def test_micro_batches_do_not_change_the_update(tiny_model_dir, tmp_path):
+    model_dir = tiny_model_dir("qwen2")
+    results = []
+    for micro in (1, 4):
+        policy = policy_for(model_dir, tmp_path / str(micro))
+        metrics = policy.train_step(global_batch(), micro_batches=micro)
+        results.append((metrics, host_copies(policy.model, trainable=True)))
+    (one, one_weights), (four, four_weights) = results
+    assert one["tokens"] == four["tokens"]
+    assert four["loss"] == pytest.approx(one["loss"], rel=1e-6)
+    assert four["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    for name, value in one_weights.items():
+        np.testing.assert_allclose(four_weights[name], value, atol=1e-6, err_msg=name)
+
+
+def test_target_pattern_matching_nothing_is_a_config_error(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"pattern 'nothing_proj' matches no module"):
+        policy_for(tiny_model_dir("qwen2"), tmp_path, "lora.target_modules=[nothing_proj]")
+
+
+def test_tensor_parallel_is_refused_clearly(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="tensor parallelism is not supported"):
+        policy_for(tiny_model_dir("qwen2"), tmp_path, "mesh.tensor=2", "mesh.fsdp=1")
