@@ -116,3 +116,39 @@ def test_report_gloo_average_canary(two_process_run):
     ratio = float(np.load(out / "canary.npz")["ratio"])
     print(f"FSDP2 default gloo reduction / true average = {ratio:.3f} (2.0 = issue 162338)")
     assert ratio == pytest.approx(1.0, rel=1e-5) or ratio == pytest.approx(2.0, rel=1e-5)
+
+
+def test_strop_sft_under_torchrun_equals_a_single_process(tmp_path):
+    """``torchrun -m strop sft ...`` just works; rank 0 alone writes metrics and the adapter."""
+    from strop.demo import write_sum_problems
+    from strop.io.peft import load_adapter
+    from strop.io.tiny import make_tiny_checkpoint
+
+    texts = write_sum_problems(tmp_path / "train.jsonl", 64, seed=0)
+    make_tiny_checkpoint(tmp_path / "model", texts, seed=0)
+    overrides = [
+        "backend=torch", f"model.path={tmp_path / 'model'}",
+        f"data.train_path={tmp_path / 'train.jsonl'}", "sft.steps=4", "sft.batch_size=8",
+        "sft.micro_batch_size=2", "logging.every_steps=1", "checkpoint.every_steps=2",
+        "logging.tensorboard=false",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("WORLD_SIZE", None)
+    runs = {
+        "two": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "-m", "strop"],
+        "one": [sys.executable, "-m", "strop"],
+    }  # fmt: skip
+    for name, launcher in runs.items():
+        command = [*launcher, "sft", "tiny", *overrides, f"run_dir={tmp_path / name}"]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    lines = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 4, "each step must be logged once (by rank 0 only)"
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["2", "4"]
+    _, two = load_adapter(tmp_path / "two" / "adapter")
+    _, one = load_adapter(tmp_path / "one" / "adapter")
+    assert set(two) == set(one)
+    for module, (a, b) in one.items():
+        _close(two[module][0], a, module, atol=1e-5)
+        _close(two[module][1], b, module, atol=1e-5)

@@ -55,3 +55,12 @@ def test_sigkill_mid_run_then_resume_gives_the_same_losses(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "resumed from checkpoint step" in done.stderr
     assert _losses_by_step(run_dir) == _losses_by_step(tmp_path / "straight")
+
+
+def test_demo_runs_on_the_torch_backend(tmp_path):
+    run_dir = tmp_path / "demo-torch"
+    result = run_demo(["backend=torch", f"run_dir={run_dir}", "sft.steps=30", "sft.eval_every=30"])
+    assert result.final_step == 30
+    assert result.losses[-1] < result.losses[0] - 1.0
+    assert read_metrics(run_dir / "metrics.jsonl")[-1]["step"] == 30
+    assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
