@@ -14,6 +14,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from strop.backends import get_backend
+from strop.backends.base import Policy
 from strop.backends.jax import lora as jax_lora
 from strop.backends.torch import lora as torch_lora
 from strop.backends.torch.model import forward_logits
@@ -75,6 +76,7 @@ def pair(tiny_model_dir, tmp_path):
 
 def test_logits_and_loss_agree(pair):
     policies, _ = pair
+    assert all(isinstance(p, Policy) for p in policies.values())  # the loops' protocol
     batch = global_batch()
     ids, mask = batch["input_ids"], batch["attention_mask"]
     logits = {b: logits_of(p, ids, mask) for b, p in policies.items()}

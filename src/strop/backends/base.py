@@ -1,15 +1,16 @@
 """The protocols a backend implements. The core talks to backends only through these.
 
 Arrays cross the boundary as numpy: the core never sees a jax or torch array.
-Later issues add ``Policy`` (generate, logprobs, train_step, save/restore, export) and
-``Critic`` (values, train_step) here.
+Each backend package exposes ``load_model(path, ...) -> ModelHandle`` and
+``build_policy(config, total_steps=, checkpoint_dir=) -> Policy``. The PPO issue adds
+generation and log-probabilities to ``Policy`` and a ``Critic`` here.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -38,4 +39,54 @@ class ModelHandle(Protocol):
 
     def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the model as a HF checkpoint directory that ``transformers`` loads."""
+        ...
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A causal LM being fine-tuned (LoRA or full): what the backend-neutral loops drive.
+
+    Distributed runs call every method on every process (they may be collectives); only
+    the process with ``is_main`` writes files. Batches are global ``[B, L]`` numpy arrays
+    (``input_ids``, ``attention_mask``, ``loss_mask``), identical on every process.
+    """
+
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        """True on the one process that writes metrics, logs and exports."""
+        ...
+
+    def train_step(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
+        """One optimizer update; returns ``loss`` (mean per target token), ``tokens``,
+        ``grad_norm`` (before clipping) as host floats."""
+        ...
+
+    def eval_loss(self, batch: dict[str, np.ndarray]) -> tuple[float, float]:
+        """(summed loss, target-token count) of ``batch``, without training."""
+        ...
+
+    def latest_checkpoint(self) -> int | None:
+        """The step of the newest complete checkpoint of this run, if any."""
+        ...
+
+    def save_checkpoint(self, step: int, extra: dict[str, Any]) -> None:
+        """Save trainable weights, optimizer state and JSON ``extra`` atomically."""
+        ...
+
+    def restore_checkpoint(self, step: int) -> dict[str, Any]:
+        """Restore checkpoint ``step`` (identity-checked) and return its ``extra``."""
+        ...
+
+    def load_adapter(self, path: str | os.PathLike) -> None:
+        """Seed the LoRA weights from a PEFT adapter directory."""
+        ...
+
+    def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the LoRA weights as a PEFT adapter directory."""
+        ...
+
+    def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write a HF checkpoint with the adapters merged in (or the fine-tuned model)."""
         ...
