@@ -142,6 +142,27 @@ def _print_sft_summary(title: str, result) -> None:
     Console().print(table)
 
 
+@app.command("eval")
+def evaluate(recipe: Recipe, overrides: Overrides = None) -> None:
+    """Accuracy of model.path (plus eval.adapter) on eval.path; writes <run_dir>/eval/."""
+    from strop.evaluation import run_eval
+
+    result = run_eval(load_config(recipe, overrides or ()))
+    table = Table(title="strop eval", show_header=False)
+    table.add_row("data", f"{result.path} ({result.examples} examples)")
+    k = result.samples_per_example
+    table.add_row(f"pass@{k}" if k > 1 else "accuracy", f"{result.pass_at_k:.2%}")
+    if k > 1:
+        table.add_row("accuracy per sample", f"{result.accuracy:.2%}")
+    table.add_row("mean response tokens", f"{result.mean_response_tokens:.1f}")
+    table.add_row("stopped (EOS / stop string)", f"{result.stopped_fraction:.1%}")
+    if result.reward_timeouts:
+        table.add_row("reward timeouts (scored 0)", str(result.reward_timeouts))
+    table.add_row("time", f"{result.seconds:.1f} s ({result.tokens_per_s:,.0f} tok/s)")
+    table.add_row("per-example results", result.results_path)
+    Console().print(table)
+
+
 @app.command()
 def demo(overrides: Overrides = None) -> None:
     """LoRA SFT on CPU in about a minute: tiny model and synthetic data made on the spot."""

@@ -260,6 +260,40 @@ class GenerationConfig(_Section):
     )
 
 
+class EvalConfig(_Section):
+    """`strop eval`: accuracy of the model (or an adapter) on a held-out split."""
+
+    path: str | None = Field(
+        None, description="Data file to evaluate on (JSONL); null = data.eval_path."
+    )
+    adapter: str | None = Field(
+        None,
+        description="PEFT adapter directory to evaluate on top of model.path; null = the base.",
+    )
+    num_samples: int = Field(
+        1, gt=0, description="Responses per prompt; an example counts as solved (pass@k) if any is."
+    )
+    temperature: float = Field(
+        0.0,
+        ge=0,
+        description="Sampling temperature for evaluation; 0 = greedy (needs num_samples=1).",
+    )
+    batch_size: int = Field(32, gt=0, description="Prompts generated for at once.")
+    max_examples: int = Field(0, ge=0, description="Evaluate only the first N examples; 0 = all.")
+    reward: str = Field(
+        "gsm8k", description="Reward function that decides correctness (1 = correct)."
+    )
+
+    @model_validator(mode="after")
+    def _greedy_is_one_sample(self) -> Self:
+        if self.temperature == 0 and self.num_samples > 1:
+            raise ValueError(
+                f"eval.num_samples={self.num_samples} needs eval.temperature > 0 "
+                "(greedy decoding gives the same response every time)"
+            )
+        return self
+
+
 class MeshConfig(_Section):
     """Device mesh axis sizes; -1 means all devices left over by the other axes."""
 
@@ -335,6 +369,7 @@ class Config(_Section):
     sft: SftConfig = Field(default_factory=SftConfig, description="Supervised fine-tuning loop.")
     ppo: PpoConfig = Field(default_factory=PpoConfig, description="PPO loop.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Sampling.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="`strop eval`.")
     mesh: MeshConfig = Field(default_factory=MeshConfig, description="Device mesh.")
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Checkpointing."

@@ -8,14 +8,21 @@ distribution, each row's length and why it stopped.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
 from strop.config import GenerationConfig
 
 FinishReason = Literal["stop", "length"]
+
+
+class Decoder(Protocol):
+    """What stop strings need of a tokenizer (``strop.data.Tokenizer`` and HF ones fit)."""
+
+    def decode(self, ids: Sequence[int]) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -72,3 +79,39 @@ class Generation:
     def responses(self) -> list[list[int]]:
         """Each row's response token ids, without padding."""
         return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths, strict=True)]
+
+
+def cut_at_stop_strings(
+    tokens: np.ndarray,
+    logprobs: np.ndarray,
+    lengths: np.ndarray,
+    reasons: list[FinishReason],
+    stop_strings: Sequence[str],
+    tokenizer: Decoder,
+    pad_id: int,
+) -> None:
+    """End each row (in place) after its first token whose decoded prefix contains a stop string.
+
+    The shortest such prefix is found by bisection, which relies on a stop string that is in
+    the text of some tokens staying in the text of those tokens followed by more (true of
+    byte-level BPE and of any tokenizer whose decoding of a prefix is a prefix of the text).
+    """
+
+    def stops(row: int, n: int) -> bool:
+        text = tokenizer.decode(tokens[row, :n].tolist())
+        return any(s in text for s in stop_strings)
+
+    for row, n in enumerate(lengths.tolist()):
+        if not stops(row, n):
+            continue
+        lo, hi = 1, n  # the answer is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if stops(row, mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        tokens[row, lo:] = pad_id
+        logprobs[row, lo:] = 0.0
+        lengths[row] = lo
+        reasons[row] = "stop"

@@ -3,17 +3,19 @@
 Arrays cross the boundary as numpy: the core never sees a jax or torch array.
 Each backend package exposes ``load_model(path, ...) -> ModelHandle`` and
 ``build_policy(config, total_steps=, checkpoint_dir=) -> Policy``. The PPO issue adds
-generation and log-probabilities to ``Policy`` and a ``Critic`` here.
+log-probabilities to ``Policy`` and a ``Critic`` here.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from strop.generation import Decoder, Generation, SamplingParams
 from strop.io.hf import ModelSpec
 
 
@@ -65,6 +67,19 @@ class Policy(Protocol):
 
     def eval_loss(self, batch: dict[str, np.ndarray]) -> tuple[float, float]:
         """(summed loss, target-token count) of ``batch``, without training."""
+        ...
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        seed: int,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        tokenizer: Decoder | None = None,
+    ) -> Generation:
+        """Sample a response to each (ragged) prompt; see :mod:`strop.generation`."""
         ...
 
     def latest_checkpoint(self) -> int | None:

@@ -56,7 +56,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +66,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from strop.backends.jax.model import CausalLM, KVCache
 from strop.backends.jax.sharding import batch_sharding, logical_to_sharding, make_mesh
-from strop.generation import FinishReason, Generation, SamplingParams
+from strop.generation import Decoder, FinishReason, Generation, SamplingParams, cut_at_stop_strings
 
 MIN_PROMPT_BUCKET = 16
 """Prompts are left-padded to a power of two of at least this many tokens."""
@@ -81,12 +81,6 @@ class GenerateTraces:
 
 
 TRACES = GenerateTraces()
-
-
-class Decoder(Protocol):
-    """What stop strings need of a tokenizer (``strop.data.Tokenizer`` and HF ones fit)."""
-
-    def decode(self, ids: Sequence[int]) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -171,7 +165,7 @@ def generate(
     ]
     if params.stop_strings:
         assert tokenizer is not None  # checked in _check_args
-        _cut_at_stop_strings(
+        cut_at_stop_strings(
             tokens, logprobs, lengths, reasons, params.stop_strings, tokenizer, pad_id
         )
     width = int(lengths.max())
@@ -363,39 +357,3 @@ def _decode(
         return _constrain_cache(out.cache, mesh), state
 
     return jax.lax.while_loop(not_finished, step, (cache, state))
-
-
-def _cut_at_stop_strings(
-    tokens: np.ndarray,
-    logprobs: np.ndarray,
-    lengths: np.ndarray,
-    reasons: list[FinishReason],
-    stop_strings: Sequence[str],
-    tokenizer: Decoder,
-    pad_id: int,
-) -> None:
-    """End each row (in place) after its first token whose decoded prefix contains a stop string.
-
-    The shortest such prefix is found by bisection, which relies on a stop string that is in
-    the text of some tokens staying in the text of those tokens followed by more (true of
-    byte-level BPE and of any tokenizer whose decoding of a prefix is a prefix of the text).
-    """
-
-    def stops(row: int, n: int) -> bool:
-        text = tokenizer.decode(tokens[row, :n].tolist())
-        return any(s in text for s in stop_strings)
-
-    for row, n in enumerate(lengths.tolist()):
-        if not stops(row, n):
-            continue
-        lo, hi = 1, n  # the answer is in [lo, hi]
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if stops(row, mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        tokens[row, lo:] = pad_id
-        logprobs[row, lo:] = 0.0
-        lengths[row] = lo
-        reasons[row] = "stop"

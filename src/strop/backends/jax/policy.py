@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from strop.backends.jax.checkpoint import TrainCheckpoints
+from strop.backends.jax.generate import generate
 from strop.backends.jax.lora import (
     adapter_weights,
     apply_lora,
@@ -28,6 +30,7 @@ from strop.backends.jax.train import Trainer, token_loss_sum
 from strop.backends.jax.weights import load_hf_model, save_hf_model
 from strop.config import Config
 from strop.errors import ConfigError
+from strop.generation import Decoder, Generation, SamplingParams
 from strop.io.peft import read_adapter_for, save_adapter_for
 from strop.io.run_identity import run_identity
 
@@ -45,7 +48,9 @@ class JaxPolicy:
 
     backend = "jax"
 
-    def __init__(self, config: Config, *, total_steps: int, checkpoint_dir: str | os.PathLike):
+    def __init__(
+        self, config: Config, *, total_steps: int, checkpoint_dir: str | os.PathLike | None
+    ):
         if config.model.path is None:
             raise ConfigError("model.path: set it to a Hugging Face checkpoint directory")
         if config.lora.dropout > 0:
@@ -65,10 +70,14 @@ class JaxPolicy:
         self.trainer = Trainer(
             model, self.mesh, config.optim, total_steps=total_steps, trainable=self.trainable
         )
-        self.checkpoints = TrainCheckpoints(
-            checkpoint_dir,
-            run_identity(config.model.path, config.lora, backend="jax"),
-            keep=config.checkpoint.keep,
+        self.checkpoints = (
+            None
+            if checkpoint_dir is None
+            else TrainCheckpoints(
+                checkpoint_dir,
+                run_identity(config.model.path, config.lora, backend="jax"),
+                keep=config.checkpoint.keep,
+            )
         )
 
     @property
@@ -92,10 +101,26 @@ class JaxPolicy:
         )
         return float(total), float(count)
 
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        seed: int,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        tokenizer: Decoder | None = None,
+    ) -> Generation:
+        """Sample a response to each prompt with the current weights (adapters included)."""
+        return generate(
+            self.model, prompts, params, eos_ids=eos_ids, pad_id=pad_id, seed=seed,
+            tokenizer=tokenizer,
+        )  # fmt: skip
+
     # checkpoints -------------------------------------------------------------------------
 
     def latest_checkpoint(self) -> int | None:
-        return self.checkpoints.latest_step()
+        return None if self.checkpoints is None else self.checkpoints.latest_step()
 
     def save_checkpoint(self, step: int, extra: dict[str, Any]) -> None:
         self.checkpoints.save(step, self.model, self.trainer.optimizer, self.trainable, extra)

@@ -67,26 +67,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cache
-from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import StaticCache
 
-from strop.generation import FinishReason, Generation, SamplingParams
+from strop.generation import Decoder, FinishReason, Generation, SamplingParams, cut_at_stop_strings
 
 PROMPT_BUCKET = 16
 """Prompts are left-padded to a multiple of this many tokens."""
 
 DONE_CHECK_EVERY = 8
 """On accelerators, read back "are all rows done?" once every this many decode steps."""
-
-
-class Decoder(Protocol):
-    """What stop strings need of a tokenizer (``strop.data.Tokenizer`` and HF ones fit)."""
-
-    def decode(self, ids: Sequence[int]) -> str: ...
 
 
 def generate(
@@ -137,7 +130,7 @@ def generate(
     reasons: list[FinishReason] = ["stop" if hit else "length" for hit in hit_eos.tolist()]
     if params.stop_strings:
         assert tokenizer is not None  # checked in _check_args
-        _cut_at_stop_strings(
+        cut_at_stop_strings(
             tokens_np, logprobs_np, lengths_np, reasons, params.stop_strings, tokenizer, pad_id
         )
     width = int(lengths_np.max())
@@ -299,39 +292,3 @@ def _all_done(done: torch.Tensor, sharded: bool) -> bool:
     if sharded and torch.distributed.is_initialized():
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
     return bool(flag)
-
-
-def _cut_at_stop_strings(
-    tokens: np.ndarray,
-    logprobs: np.ndarray,
-    lengths: np.ndarray,
-    reasons: list[FinishReason],
-    stop_strings: Sequence[str],
-    tokenizer: Decoder,
-    pad_id: int,
-) -> None:
-    """End each row (in place) after its first token whose decoded prefix contains a stop string.
-
-    The shortest such prefix is found by bisection, which relies on a stop string that is in
-    the text of some tokens staying in the text of those tokens followed by more (true of
-    byte-level BPE and of any tokenizer whose decoding of a prefix is a prefix of the text).
-    """
-
-    def stops(row: int, n: int) -> bool:
-        text = tokenizer.decode(tokens[row, :n].tolist())
-        return any(s in text for s in stop_strings)
-
-    for row, n in enumerate(lengths.tolist()):
-        if not stops(row, n):
-            continue
-        lo, hi = 1, n  # the answer is in [lo, hi]
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if stops(row, mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        tokens[row, lo:] = pad_id
-        logprobs[row, lo:] = 0.0
-        lengths[row] = lo
-        reasons[row] = "stop"

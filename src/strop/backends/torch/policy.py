@@ -7,6 +7,7 @@ backend-neutral loops drive either without a branch.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,14 @@ import torch
 
 from strop.backends.torch.checkpoint import TrainCheckpoints
 from strop.backends.torch.fsdp import place
+from strop.backends.torch.generate import generate
 from strop.backends.torch.handle import save_hf_model
 from strop.backends.torch.lora import adapter_weights, set_adapter_weights
 from strop.backends.torch.model import build_model, forward_logits
 from strop.backends.torch.train import BATCH_KEYS, Trainer, token_loss_sum
 from strop.config import Config
 from strop.errors import ConfigError
+from strop.generation import Decoder, Generation, SamplingParams
 from strop.io.peft import read_adapter_for, save_adapter_for
 from strop.io.run_identity import run_identity
 
@@ -32,7 +35,9 @@ class TorchPolicy:
 
     backend = "torch"
 
-    def __init__(self, config: Config, *, total_steps: int, checkpoint_dir: str | os.PathLike):
+    def __init__(
+        self, config: Config, *, total_steps: int, checkpoint_dir: str | os.PathLike | None
+    ):
         if config.model.path is None:
             raise ConfigError("model.path: set it to a Hugging Face checkpoint directory")
         self.config = config
@@ -48,11 +53,15 @@ class TorchPolicy:
         )
         self.model = self.loaded.model
         self.trainer = Trainer(self.loaded, config.optim, total_steps=total_steps, seed=config.seed)
-        self.checkpoints = TrainCheckpoints(
-            checkpoint_dir,
-            run_identity(config.model.path, config.lora, backend="torch"),
-            self.placement,
-            keep=config.checkpoint.keep,
+        self.checkpoints = (
+            None
+            if checkpoint_dir is None
+            else TrainCheckpoints(
+                checkpoint_dir,
+                run_identity(config.model.path, config.lora, backend="torch"),
+                self.placement,
+                keep=config.checkpoint.keep,
+            )
         )
 
     @property
@@ -77,10 +86,26 @@ class TorchPolicy:
         total, count = token_loss_sum(forward_logits(self.loaded, ids, mask), ids, loss_mask)
         return float(total), float(count)
 
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        seed: int,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        tokenizer: Decoder | None = None,
+    ) -> Generation:
+        """Sample a response to each prompt with the current weights (adapters included)."""
+        return generate(
+            self.model, prompts, params, eos_ids=eos_ids, pad_id=pad_id, seed=seed,
+            tokenizer=tokenizer,
+        )  # fmt: skip
+
     # checkpoints -------------------------------------------------------------------------
 
     def latest_checkpoint(self) -> int | None:
-        return self.checkpoints.latest_step()
+        return None if self.checkpoints is None else self.checkpoints.latest_step()
 
     def save_checkpoint(self, step: int, extra: dict[str, Any]) -> None:
         extra = {**extra, _UPDATES_KEY: self.trainer.updates}

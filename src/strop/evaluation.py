@@ -1,0 +1,192 @@
+"""`strop eval`: accuracy of a model or adapter on a held-out split, on either backend.
+
+Each example's prompt (tokenized as in training) gets ``eval.num_samples`` responses —
+greedy when ``eval.temperature`` is 0 — and the reward ``eval.reward`` (default
+``gsm8k``: the final answer checked against the gold) decides which are correct.
+An example is solved if any of its responses is (pass@k); ``accuracy`` is the mean over
+all responses. Outputs, written only when complete:
+
+- ``<run_dir>/eval/results.jsonl``: per example the prompt, responses, extracted
+  answers, gold and correctness;
+- ``<run_dir>/eval/summary.json``: the numbers returned in :class:`EvalResult`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from strop import rewards
+from strop.backends import get_backend
+from strop.config import Config
+from strop.data import Tokenizer, read_examples
+from strop.data.prompts import gold_answer, prompt_ids
+from strop.errors import ConfigError
+from strop.generation import SamplingParams
+from strop.io.peft import load_adapter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """What an evaluation measured (also written as ``summary.json``)."""
+
+    path: str
+    examples: int
+    samples_per_example: int
+    pass_at_k: float
+    accuracy: float
+    mean_response_tokens: float
+    stopped_fraction: float
+    reward_timeouts: int
+    seconds: float
+    tokens_per_s: float
+    results_path: str
+
+
+def _config_with_adapter(config: Config) -> Config:
+    """``config`` with its ``lora:`` section describing ``eval.adapter`` (if one is given)."""
+    if config.eval.adapter is None:
+        return config
+    adapter_config, _ = load_adapter(config.eval.adapter)
+    targets = adapter_config.get("target_modules")
+    lora = config.lora.model_copy(
+        update={
+            "enabled": True,
+            "rank": adapter_config["r"],
+            "alpha": float(adapter_config.get("lora_alpha", adapter_config["r"])),
+            "target_modules": [targets] if isinstance(targets, str) else list(targets),
+            "dropout": 0.0,
+        }
+    )
+    return config.model_copy(update={"lora": lora})
+
+
+def run_eval(config: Config) -> EvalResult:
+    """Evaluate ``config.model.path`` (plus ``eval.adapter``) on ``eval.path``."""
+    path = config.eval.path or config.data.eval_path
+    if config.model.path is None or path is None:
+        raise ConfigError("strop eval needs model.path and eval.path (or data.eval_path)")
+    reward = rewards.get(config.eval.reward)
+    config = _config_with_adapter(config)
+    tokenizer = Tokenizer.from_pretrained(config.model.path)
+    examples, _ = read_examples(
+        path,
+        config.data.format,
+        skip_bad_lines=config.data.skip_bad_lines,
+        prompt_template=config.data.prompt_template,
+    )
+    if config.eval.max_examples:
+        examples = examples[: config.eval.max_examples]
+    prompts = [prompt_ids(example, tokenizer) for example in examples]
+    golds = [gold_answer(example) for example in examples]
+
+    policy = get_backend(config.backend).build_policy(config, total_steps=1, checkpoint_dir=None)
+    if config.eval.adapter is not None:
+        policy.load_adapter(config.eval.adapter)
+    params = SamplingParams.from_config(config.generation)
+    params = SamplingParams(
+        max_new_tokens=params.max_new_tokens,
+        temperature=config.eval.temperature,
+        top_k=params.top_k if config.eval.temperature > 0 else 0,
+        top_p=params.top_p if config.eval.temperature > 0 else 1.0,
+        stop_strings=params.stop_strings,
+    )
+    eos_ids = sorted({tokenizer.eos_token_id, *_model_eos_ids(config)})
+    k = config.eval.num_samples
+
+    records, tokens, stopped = [], 0, 0
+    began = time.perf_counter()
+    with _progress(disable=not policy.is_main) as bar:
+        task = bar.add_task("eval", total=len(examples), acc=0.0)
+        solved = correct = 0
+        for start in range(0, len(examples), config.eval.batch_size):
+            batch = range(start, min(start + config.eval.batch_size, len(examples)))
+            rows = [i for i in batch for _ in range(k)]
+            generation = policy.generate(
+                [prompts[i] for i in rows],
+                params,
+                seed=config.seed + start,
+                eos_ids=eos_ids,
+                pad_id=tokenizer.pad_token_id,
+                tokenizer=tokenizer,
+            )
+            texts = [
+                tokenizer.decode(ids, skip_special_tokens=True) for ids in generation.responses()
+            ]
+            scores = reward(
+                [examples[i].prompt or "" for i in rows], texts, answer=[golds[i] for i in rows]
+            )
+            tokens += int(generation.lengths.sum())
+            stopped += sum(reason == "stop" for reason in generation.finish_reasons)
+            for j, i in enumerate(batch):
+                mine = slice(j * k, (j + 1) * k)
+                hits = [score >= 1.0 for score in scores[mine]]
+                solved += any(hits)
+                correct += sum(hits)
+                records.append(
+                    {
+                        "index": i,
+                        "source": f"{examples[i].source}:{examples[i].line}",
+                        "prompt": tokenizer.decode(prompts[i], skip_special_tokens=True),
+                        "responses": texts[mine],
+                        "extracted": [rewards.extract_answer(t) for t in texts[mine]],
+                        "gold": rewards.extract_gold(golds[i]),
+                        "correct": hits,
+                        "solved": any(hits),
+                    }
+                )
+            done = batch.stop
+            bar.update(task, completed=done, acc=solved / done)
+    seconds = time.perf_counter() - began
+
+    out_dir = Path(config.run_dir) / "eval"
+    result = EvalResult(
+        path=str(path),
+        examples=len(examples),
+        samples_per_example=k,
+        pass_at_k=solved / max(len(examples), 1),
+        accuracy=correct / max(len(examples) * k, 1),
+        mean_response_tokens=tokens / max(len(examples) * k, 1),
+        stopped_fraction=stopped / max(len(examples) * k, 1),
+        reward_timeouts=reward.stats.timeouts,
+        seconds=seconds,
+        tokens_per_s=tokens / max(seconds, 1e-9),
+        results_path=str(out_dir / "results.jsonl"),
+    )
+    if policy.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _write_atomically(out_dir / "results.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+        _write_atomically(out_dir / "summary.json", json.dumps(asdict(result), indent=2) + "\n")
+    return result
+
+
+def _model_eos_ids(config: Config) -> list[int]:
+    """EOS ids from the model's config (``generation_config`` may list several)."""
+    from strop.io.hf import read_model_spec
+
+    return list(read_model_spec(config.model.path).eos_token_ids)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(text, encoding="utf-8")
+    os.replace(staging, path)
+
+
+def _progress(disable: bool = False) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("solved {task.fields[acc]:.1%}"),
+        TimeRemainingColumn(),
+        disable=disable,
+    )

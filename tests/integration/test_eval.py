@@ -1,0 +1,96 @@
+"""`strop eval`: greedy responses, scoring, pass@k and outputs, on both backends."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from strop.config import load_config
+from strop.evaluation import run_eval
+from strop.io.tiny import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def eval_inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    questions = [f"Tom has {a} apples and buys {a + 3} more. How many now?" for a in range(6)]
+    with (root / "test.jsonl").open("w") as f:
+        for a, question in enumerate(questions):
+            answer = f"He has {a} + {a + 3} = {2 * a + 3}.\n#### {2 * a + 3}"
+            f.write(json.dumps({"question": question, "answer": answer}) + "\n")
+    make_tiny_checkpoint(root / "model", [*questions, "0 1 2 3 4 5 6 7 8 9 ####"], seed=0)
+    return root
+
+
+def config_for(root, run_dir, data=None, *overrides):
+    return load_config(
+        "tiny",
+        [
+            f"model.path={root / 'model'}",
+            f"eval.path={data or root / 'test.jsonl'}",
+            f"run_dir={run_dir}",
+            "generation.max_new_tokens=12",
+            "eval.batch_size=4",
+            "mesh.fsdp=1",
+            "mesh.data=-1",
+            *overrides,
+        ],
+    )
+
+
+def read_results(run_dir):
+    lines = (run_dir / "eval" / "results.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_greedy_eval_scores_what_the_model_says_on_both_backends(eval_inputs, tmp_path):
+    results = {}
+    for backend in ("jax", "torch"):
+        run_dir = tmp_path / backend
+        summary = run_eval(config_for(eval_inputs, run_dir, None, f"backend={backend}"))
+        assert summary.examples == 6 and summary.samples_per_example == 1
+        results[backend] = read_results(run_dir)
+        assert json.loads((run_dir / "eval" / "summary.json").read_text())["examples"] == 6
+    # Greedy decoding is the same model on both backends: the same responses.
+    assert [r["responses"] for r in results["jax"]] == [r["responses"] for r in results["torch"]]
+
+    # Make the gold of every even example what the model answered: those, and only those,
+    # must now count as solved.
+    first = results["jax"]
+    expected = [r["index"] % 2 == 0 and r["extracted"][0] is not None for r in first]
+    rigged = tmp_path / "rigged.jsonl"
+    original = [json.loads(x) for x in (eval_inputs / "test.jsonl").read_text().splitlines()]
+    with rigged.open("w") as f:
+        for record, line, hit in zip(first, original, expected, strict=True):
+            gold = record["extracted"][0] if hit else "987654321"
+            f.write(json.dumps({"question": line["question"], "answer": f"#### {gold}"}) + "\n")
+    summary = run_eval(config_for(eval_inputs, tmp_path / "rigged", rigged))
+    assert [r["solved"] for r in read_results(tmp_path / "rigged")] == expected
+    assert summary.pass_at_k == pytest.approx(sum(expected) / 6)
+    assert sum(expected) >= 1, "the tiny model said no number at all; the test proves little"
+
+
+def test_pass_at_k_samples_several_responses(eval_inputs, tmp_path):
+    summary = run_eval(
+        config_for(eval_inputs, tmp_path, None, "eval.num_samples=3", "eval.temperature=1.0")
+    )
+    records = read_results(tmp_path)
+    assert summary.samples_per_example == 3
+    assert all(len(r["responses"]) == 3 and len(r["correct"]) == 3 for r in records)
+    assert summary.pass_at_k >= summary.accuracy
+
+
+def test_cli_eval_prints_a_summary_and_bad_input_is_one_line(eval_inputs, tmp_path):
+    cmd = [sys.executable, "-m", "strop", "eval", "tiny", f"model.path={eval_inputs / 'model'}",
+           f"eval.path={eval_inputs / 'test.jsonl'}", f"run_dir={tmp_path}",
+           "generation.max_new_tokens=4", "eval.max_examples=2", "mesh.fsdp=1", "mesh.data=-1"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "accuracy" in done.stdout and "per-example results" in done.stdout
+    assert len(read_results(tmp_path)) == 2
+    bad = subprocess.run([*cmd, "eval.num_samples=4"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "needs eval.temperature > 0" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
