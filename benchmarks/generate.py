@@ -1,4 +1,4 @@
-"""Generation throughput: strop's JAX sampler vs ``transformers``' ``generate``.
+"""Generation throughput: strop's JAX and torch samplers vs ``transformers``' ``generate``.
 
 What it measures, and prints as a table (no assertions): on one random Qwen2 model (built
 with ``transformers``: hidden 256, 4 layers, vocab 4096, float32; the JAX sampler loads
@@ -46,6 +46,7 @@ from transformers import GenerationConfig
 import strop
 from strop.backends.jax.generate import generate as jax_generate
 from strop.backends.jax.sharding import make_mesh
+from strop.backends.torch.generate import generate as torch_generate
 from strop.generation import SamplingParams
 
 BENCH_MODEL = {
@@ -105,9 +106,19 @@ def jax_sampler(model: torch.nn.Module, model_dir: Path, device: torch.device) -
     return run
 
 
+def torch_sampler(model: torch.nn.Module, model_dir: Path, device: torch.device) -> Run:
+    """strop's torch sampler (static KV cache, eager) on the same ``transformers`` model."""
+
+    def run(prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        return torch_generate(model, prompts, params, eos_ids=[], pad_id=PAD, seed=0).responses()
+
+    return run
+
+
 SAMPLERS: dict[str, Callable[[torch.nn.Module, Path, torch.device], Run]] = {
     "transformers": transformers_sampler,
     "strop jax": jax_sampler,
+    "strop torch": torch_sampler,
 }
 
 
