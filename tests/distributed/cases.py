@@ -66,3 +66,22 @@ def named_grads(model: torch.nn.Module) -> dict[str, np.ndarray]:
         for name, param in model.named_parameters()
         if param.grad is not None
     }
+
+
+PROMPTS = [[5, 17, 42, 99, 7], [3, 1], [250, 251, 252, 253, 254, 255, 1, 2, 3]]
+
+
+def sample_prompts(policy) -> dict[str, np.ndarray]:
+    """Greedy and sampled responses to :data:`PROMPTS` (every rank must call it)."""
+    from strop.generation import SamplingParams
+
+    out = {}
+    for name, params in (
+        ("greedy", SamplingParams(max_new_tokens=8, temperature=0.0)),
+        ("sampled", SamplingParams(max_new_tokens=8, temperature=0.8, top_k=20)),
+    ):
+        generation = policy.generate(PROMPTS, params, seed=5, eos_ids=[3], pad_id=0)
+        out[f"{name}/tokens"] = generation.tokens
+        out[f"{name}/logprobs"] = generation.logprobs
+        out[f"{name}/lengths"] = generation.lengths
+    return out

@@ -22,6 +22,7 @@ from tests.distributed.cases import (
     global_batch,
     lora_config,
     named_grads,
+    sample_prompts,
     seeded_adapter,
 )
 
@@ -88,8 +89,10 @@ def main() -> None:
         **{f"grad/{k}": v for k, v in named_grads(policy.model).items()},
     }
 
+    sampled = sample_prompts(policy)  # the full fine-tuned (sharded) model generates
     canary = gloo_average_canary()
     if dist.get_rank() == 0:
+        np.savez(out / "generate.npz", **sampled)
         np.savez(out / "lora.npz", sharded=sharded, layers=layers, **lora)
         np.savez(out / "full.npz", **full)
         np.savez(out / "canary.npz", ratio=canary)

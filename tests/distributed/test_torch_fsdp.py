@@ -24,6 +24,7 @@ from tests.distributed.cases import (
     global_batch,
     lora_config,
     named_grads,
+    sample_prompts,
     seeded_adapter,
 )
 
@@ -108,6 +109,20 @@ def test_full_finetuning_two_processes_equal_one(two_process_run, tmp_path):
     _close(sharded["loss_sum"], loss_sum, "summed loss")
     for name, grad in grads.items():
         _close(sharded[f"grad/{name}"], grad, name, atol=1e-7)
+
+
+def test_sharded_model_generates_what_one_process_does(two_process_run, tmp_path):
+    """Generation on the FSDP2 model (weights gathered per layer) equals one process."""
+    out, (_, tied_model) = two_process_run
+    sharded = dict(np.load(out / "generate.npz"))
+    policy = TorchPolicy(
+        full_config(tied_model, tmp_path), total_steps=4, checkpoint_dir=tmp_path / "c"
+    )
+    here = sample_prompts(policy)
+    for name in ("greedy", "sampled"):
+        np.testing.assert_array_equal(sharded[f"{name}/tokens"], here[f"{name}/tokens"])
+        np.testing.assert_array_equal(sharded[f"{name}/lengths"], here[f"{name}/lengths"])
+        _close(sharded[f"{name}/logprobs"], here[f"{name}/logprobs"], name, atol=1e-5)
 
 
 def test_report_gloo_average_canary(two_process_run):
