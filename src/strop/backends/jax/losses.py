@@ -1,0 +1,132 @@
+"""PPO losses in ``jax.numpy``: differentiable, float32, jit-friendly.
+
+Same functions, arguments and semantics as the numpy reference
+:mod:`strop.rl.losses_reference` (see it and ``docs/ppo.md`` for the formulas); tested
+against it in ``tests/parity/test_ppo_losses.py``. Inputs are cast to float32. The
+string and clip arguments (``estimator``, ``mode``, ``aggregation``, ``dual_clip``,
+``value_clip``) are static Python values. Statistics are 0-d arrays with no gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from strop.rl.losses_reference import (
+    LOG_RATIO_LIMIT,
+    Aggregation,
+    KlEstimator,
+    check_aggregation,
+    check_dual_clip,
+    check_estimator,
+)
+
+F32 = jnp.float32
+
+
+def _f32(x) -> jax.Array:
+    return jnp.asarray(x, dtype=F32)
+
+
+def _on(mask) -> jax.Array:
+    return jnp.asarray(mask) > 0
+
+
+def shift_values(raw: jax.Array) -> jax.Array:
+    """``values[:, t] = raw[:, t - 1]``, ``values[:, 0] = 0``: the critic's output at column
+    ``t - 1`` is ``V(x_<t)`` (see :func:`strop.rl.gae.shift_values`)."""
+    raw = jnp.asarray(raw)
+    return jnp.concatenate([jnp.zeros_like(raw[:, :1]), raw[:, :-1]], axis=1)
+
+
+def kl_penalty(logprobs, ref_logprobs, estimator: KlEstimator) -> jax.Array:
+    """Per-token KL(pi || ref) estimate ``[B, L]``: k1, k2 or k3 (log-ratio clamped)."""
+    check_estimator(estimator)
+    d = jnp.clip(_f32(logprobs) - _f32(ref_logprobs), -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    return jnp.exp(-d) + d - 1.0
+
+
+def aggregate(values, mask, mode: Aggregation) -> jax.Array:
+    """``token_mean`` or ``sequence_mean`` of ``values [B, L]`` over response tokens."""
+    check_aggregation(mode)
+    on = _on(mask)
+    x = jnp.where(on, _f32(values), 0.0)
+    count = on.astype(F32)
+    if mode == "token_mean":
+        return x.sum() / jnp.maximum(count.sum(), 1.0)
+    counts = count.sum(axis=1)
+    row_means = x.sum(axis=1) / jnp.maximum(counts, 1.0)
+    has = counts > 0
+    return jnp.where(has, row_means, 0.0).sum() / jnp.maximum(has.astype(F32).sum(), 1.0)
+
+
+def _stat(values, mask) -> jax.Array:
+    return jax.lax.stop_gradient(aggregate(values, mask, "token_mean"))
+
+
+def policy_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+    aggregation: Aggregation = "token_mean",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Clipped-surrogate PPO loss and stats ``clipfrac``, ``approx_kl`` (and
+    ``dual_clip_frac`` with a dual clip)."""
+    check_aggregation(aggregation)
+    check_dual_clip(dual_clip)
+    log_ratio = _f32(logprobs) - _f32(old_logprobs)
+    ratio = jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    adv = _f32(advantages)
+    pg1 = -adv * ratio
+    pg2 = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clipped = jnp.maximum(pg1, pg2)
+    stats = {
+        "clipfrac": _stat((pg2 > pg1).astype(F32), mask),
+        "approx_kl": _stat(0.5 * log_ratio * log_ratio, mask),
+    }
+    per_token = clipped
+    if dual_clip is not None:
+        bound = -adv * dual_clip
+        per_token = jnp.where(adv < 0, jnp.minimum(clipped, bound), clipped)
+        stats["dual_clip_frac"] = _stat(((adv < 0) & (clipped > bound)).astype(F32), mask)
+    return aggregate(per_token, mask, aggregation), stats
+
+
+def entropy_from_logits(logits) -> jax.Array:
+    """Entropy ``[B, L]`` of ``softmax(logits [B, L, V])`` per column, in float32
+    (column ``j`` is the distribution of ``x_{j+1}``: shift right to align)."""
+    logp = jax.nn.log_softmax(_f32(logits), axis=-1)
+    return -(jnp.exp(logp) * logp).sum(axis=-1)
+
+
+def value_loss(
+    values,
+    old_values,
+    returns,
+    mask,
+    value_clip: float | None,
+    aggregation: Aggregation = "token_mean",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Clipped critic loss ``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)`` and stat
+    ``vf_clipfrac``; ``value_clip`` 0 or None means no clipping."""
+    check_aggregation(aggregation)
+    v, r = _f32(values), _f32(returns)
+    unclipped = (v - r) ** 2
+    if value_clip:
+        old = _f32(old_values)
+        v_clipped = jnp.clip(v, old - value_clip, old + value_clip)
+        clipped = (v_clipped - r) ** 2
+        per_token = 0.5 * jnp.maximum(unclipped, clipped)
+        frac = _stat((clipped > unclipped).astype(F32), mask)
+    else:
+        per_token = 0.5 * unclipped
+        frac = jnp.zeros((), F32)
+    return aggregate(per_token, mask, aggregation), {"vf_clipfrac": frac}

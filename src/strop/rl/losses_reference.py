@@ -1,0 +1,198 @@
+"""PPO losses in numpy float64: the reference the backends' losses are tested against.
+
+``strop.backends.jax.losses`` and ``strop.backends.torch.losses`` implement the same
+functions with the same names, arguments and semantics, differentiably, in float32.
+Inputs are ``[B, L]`` in the teacher-forcing layout of :mod:`strop.rl.gae` (column ``t`` is
+about emitting ``x_t``; ``mask[b, t] = 1`` marks response tokens); ``docs/ppo.md`` has
+each formula.
+
+Shared conventions (all three implementations):
+
+- Log-ratios ``a - b`` are clamped to ``[-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT]`` before
+  ``exp`` (k3 and the policy ratio), so one absurd token cannot make ``inf``/``NaN``.
+- Masked-out columns are selected away (``where``), not multiplied by 0, so garbage there
+  does not leak into the result; they must still hold finite values for gradients.
+- ``token_mean`` over no tokens is 0, not NaN (``sum / max(count, 1)``).
+- Statistics are token means over response tokens, whatever the loss's aggregation.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+KlEstimator = Literal["k1", "k2", "k3"]
+Aggregation = Literal["token_mean", "sequence_mean"]
+
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean")
+LOG_RATIO_LIMIT = 20.0
+
+
+def check_estimator(estimator: str) -> None:
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+
+
+def check_aggregation(mode: str) -> None:
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGGREGATIONS}")
+
+
+def check_dual_clip(dual_clip: float | None) -> None:
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+
+
+def _f64(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def _on(mask) -> np.ndarray:
+    return np.asarray(mask) > 0
+
+
+def kl_penalty(
+    logprobs: np.ndarray, ref_logprobs: np.ndarray, estimator: KlEstimator
+) -> np.ndarray:
+    """Per-token estimate ``[B, L]`` of KL(pi || ref) from the sampled tokens' log-probs.
+
+    With ``d = logprobs - ref_logprobs`` clamped to ``[-20, 20]``:
+    ``k1 = d``; ``k2 = d^2 / 2``; ``k3 = exp(-d) + d - 1`` (Schulman's estimator,
+    unbiased and non-negative). Not masked: the caller aggregates or puts it in rewards.
+    """
+    check_estimator(estimator)
+    d = np.clip(_f64(logprobs) - _f64(ref_logprobs), -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    return np.exp(-d) + d - 1.0
+
+
+def aggregate(values: np.ndarray, mask: np.ndarray, mode: Aggregation) -> float:
+    """Reduce per-token ``values [B, L]`` over response tokens to a scalar.
+
+    ``token_mean``: ``sum(values * mask) / sum(mask)`` over the whole batch (every token
+    weighs the same). ``sequence_mean``: the mean, over rows with at least one response
+    token, of each row's token mean (every sequence weighs the same). 0 when there is no
+    response token at all.
+    """
+    check_aggregation(mode)
+    on = _on(mask)
+    x = np.where(on, _f64(values), 0.0)
+    if mode == "token_mean":
+        return float(x.sum() / max(on.sum(), 1))
+    counts = on.sum(axis=1)
+    row_means = x.sum(axis=1) / np.maximum(counts, 1)
+    has = counts > 0
+    return float(np.where(has, row_means, 0.0).sum() / max(has.sum(), 1))
+
+
+def _token_mean(values: np.ndarray, mask: np.ndarray) -> float:
+    return aggregate(values, mask, "token_mean")
+
+
+def policy_loss(
+    logprobs: np.ndarray,
+    old_logprobs: np.ndarray,
+    advantages: np.ndarray,
+    mask: np.ndarray,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+    aggregation: Aggregation = "token_mean",
+) -> tuple[float, dict[str, float]]:
+    """Clipped-surrogate PPO loss (to minimise) and its statistics.
+
+    ``ratio = exp(logprobs - old_logprobs)`` (log-ratio clamped to ``[-20, 20]``);
+    ``pg1 = -A * ratio``; ``pg2 = -A * clip(ratio, 1 - clip_low, 1 + clip_high)``;
+    ``loss_t = max(pg1, pg2)``, and with a dual clip ``c > 1``, for ``A < 0``:
+    ``loss_t = min(max(pg1, pg2), -A * c)``. Aggregated with ``aggregation``.
+
+    Stats (token means over response tokens): ``clipfrac`` (``pg2 > pg1``: the clipped
+    term is the one in force), ``approx_kl`` (``(logprobs - old_logprobs)^2 / 2``, the k2
+    estimate of KL(old || new)), and with a dual clip ``dual_clip_frac`` (``A < 0`` and
+    the ``-A * c`` bound is the one in force).
+    """
+    check_aggregation(aggregation)
+    check_dual_clip(dual_clip)
+    log_ratio = _f64(logprobs) - _f64(old_logprobs)
+    ratio = np.exp(np.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    adv = _f64(advantages)
+    pg1 = -adv * ratio
+    pg2 = -adv * np.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clipped = np.maximum(pg1, pg2)
+    stats = {
+        "clipfrac": _token_mean((pg2 > pg1).astype(np.float64), mask),
+        "approx_kl": _token_mean(0.5 * log_ratio * log_ratio, mask),
+    }
+    per_token = clipped
+    if dual_clip is not None:
+        bound = -adv * dual_clip
+        per_token = np.where(adv < 0, np.minimum(clipped, bound), clipped)
+        stats["dual_clip_frac"] = _token_mean(((adv < 0) & (clipped > bound)).astype(float), mask)
+    return aggregate(per_token, mask, aggregation), stats
+
+
+def entropy_from_logits(logits: np.ndarray) -> np.ndarray:
+    """Entropy ``[B, L]`` of ``softmax(logits [B, L, V])`` at each column.
+
+    Column ``j``'s logits predict ``x_{j+1}``: to put the entropy of the distribution
+    ``x_t`` was drawn from in column ``t`` (the layout of the other arrays), shift it right
+    by one like :func:`strop.rl.gae.shift_values`. The entropy bonus is
+    ``-entropy_coef * aggregate(entropy, mask, mode)``, added by the caller.
+    """
+    z = _f64(logits)
+    z = z - z.max(axis=-1, keepdims=True)
+    log_norm = np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    logp = z - log_norm
+    return -(np.exp(logp) * logp).sum(axis=-1)
+
+
+def value_loss(
+    values: np.ndarray,
+    old_values: np.ndarray,
+    returns: np.ndarray,
+    mask: np.ndarray,
+    value_clip: float | None,
+    aggregation: Aggregation = "token_mean",
+) -> tuple[float, dict[str, float]]:
+    """Clipped critic loss and its statistics.
+
+    ``loss_t = 0.5 * max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2)`` with
+    ``eps = value_clip``, aggregated; ``value_clip`` 0 or None means no clipping
+    (``0.5 * (V - R)^2``), as ``ppo.value_clip: 0`` documents. Stats: ``vf_clipfrac``, the
+    token mean of "the clipped term is the larger one".
+    """
+    check_aggregation(aggregation)
+    v, r = _f64(values), _f64(returns)
+    unclipped = (v - r) ** 2
+    if value_clip:
+        old = _f64(old_values)
+        v_clipped = np.clip(v, old - value_clip, old + value_clip)
+        clipped = (v_clipped - r) ** 2
+        per_token = 0.5 * np.maximum(unclipped, clipped)
+        frac = _token_mean((clipped > unclipped).astype(np.float64), mask)
+    else:
+        per_token = 0.5 * unclipped
+        frac = 0.0
+    return aggregate(per_token, mask, aggregation), {"vf_clipfrac": frac}
+
+
+def explained_variance(values: np.ndarray, returns: np.ndarray, mask: np.ndarray) -> float:
+    """``1 - var(R - V) / var(R)`` over response tokens (biased variances).
+
+    1 is a perfect critic, 0 one no better than the mean return, negative worse than
+    that. NaN when the returns have no variance (or there are no response tokens).
+    """
+    on = _on(mask)
+    if not on.any():
+        return float("nan")
+    r = _f64(returns)[on]
+    v = _f64(values)[on]
+    var_r = r.var()
+    if var_r == 0:
+        return float("nan")
+    return float(1.0 - (r - v).var() / var_r)

@@ -1,0 +1,398 @@
+"""PPO losses: the JAX and torch implementations equal the numpy float64 reference.
+
+Random cases feed the same float32 inputs to all three; the reference computes in
+float64 on them, the backends in float32, and results must agree at rtol 1e-6 /
+atol 1e-6 (float32's own rounding, ~6e-8 per op, accumulated over a few hundred
+tokens). Hand-computed cases check the reference itself (and, through the same helper,
+both backends) for each option. Gradients of the policy loss agree between jax.grad and
+torch autograd at 1e-6.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from strop.backends.jax import losses as jax_losses
+from strop.backends.torch import losses as torch_losses
+from strop.rl import losses_reference as ref
+
+RTOL = ATOL = 1e-6
+
+
+def to_jax(x):
+    return jnp.asarray(np.asarray(x, np.float32))
+
+
+def to_torch(x):
+    return torch.from_numpy(np.asarray(x, np.float32))
+
+
+def to_numpy(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy().astype(np.float64)
+    return np.asarray(x, np.float64)
+
+
+def numpy_tree(out):
+    if isinstance(out, tuple):
+        return tuple(numpy_tree(o) for o in out)
+    if isinstance(out, dict):
+        return {k: numpy_tree(v) for k, v in out.items()}
+    return to_numpy(out)
+
+
+IMPLS = {
+    "numpy": (ref, lambda x: np.asarray(x, np.float32)),
+    "jax": (jax_losses, to_jax),
+    "torch": (torch_losses, to_torch),
+}
+
+
+def call(impl: str, name: str, *arrays, **kwargs):
+    """``impl.name(*arrays, **kwargs)`` with float32 array inputs, results as float64 numpy."""
+    module, convert = IMPLS[impl]
+    return numpy_tree(getattr(module, name)(*[convert(a) for a in arrays], **kwargs))
+
+
+def assert_tree_close(actual, expected, rtol=RTOL, atol=ATOL):
+    if isinstance(expected, tuple):
+        assert isinstance(actual, tuple) and len(actual) == len(expected)
+        for a, e in zip(actual, expected, strict=True):
+            assert_tree_close(a, e, rtol, atol)
+    elif isinstance(expected, dict):
+        assert set(actual) == set(expected)
+        for k in expected:
+            assert_tree_close(actual[k], expected[k], rtol, atol)
+    else:
+        np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
+
+
+# --- random cases: backends equal the reference -------------------------------------------
+
+
+def random_case(seed: int, batch: int = 8, width: int = 24):
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((batch, width), np.float32)
+    for b in range(batch):
+        start = rng.integers(1, width // 2)
+        length = rng.integers(1, width - start + 1)
+        mask[b, start : start + length] = 1
+    mask[0] = 0  # a row with no response token at all (all tail padding)
+    mask[1, :] = 0
+    mask[1, 3:6] = 1  # a short response, then a long empty tail
+    old = -rng.exponential(1.5, size=mask.shape)
+    # log-ratios around 0: most ratios near 1, some outside [0.8, 1.2], and a fifth of the
+    # tokens far off (ratios beyond the dual clip's c = 3)
+    log_ratio = rng.normal(scale=0.2, size=mask.shape)
+    far = rng.random(mask.shape) < 0.2
+    sign = rng.choice([-1.0, 1.0], size=mask.shape)
+    log_ratio[far] = (sign * rng.uniform(1.2, 2.5, size=mask.shape))[far]
+    new = old + log_ratio
+    ref_lp = old + rng.normal(scale=0.5, size=mask.shape)
+    adv = rng.normal(size=mask.shape)  # both signs
+    old_values = rng.normal(size=mask.shape)
+    values = old_values + rng.normal(scale=0.4, size=mask.shape)
+    returns = rng.normal(size=mask.shape)
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    case = {
+        "logprobs": f32(new),
+        "old_logprobs": f32(old),
+        "ref_logprobs": f32(ref_lp),
+        "advantages": f32(adv),
+        "mask": mask,
+        "values": f32(values),
+        "old_values": f32(old_values),
+        "returns": f32(returns),
+    }
+    ratio = np.exp(log_ratio)[mask > 0]
+    assert (ratio < 0.8).any() and (ratio > 1.2).any() and ((ratio > 0.8) & (ratio < 1.2)).any()
+    return case
+
+
+SEEDS = range(4)
+
+
+@pytest.mark.parametrize("impl", ["jax", "torch"])
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_penalty_matches_reference(impl, seed, estimator):
+    c = random_case(seed)
+    args = (c["logprobs"], c["ref_logprobs"])
+    expected = ref.kl_penalty(*args, estimator=estimator)
+    assert_tree_close(call(impl, "kl_penalty", *args, estimator=estimator), expected)
+
+
+@pytest.mark.parametrize("impl", ["jax", "torch"])
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", ["token_mean", "sequence_mean"])
+def test_aggregate_matches_reference(impl, seed, mode):
+    c = random_case(seed)
+    expected = ref.aggregate(c["advantages"], c["mask"], mode)
+    assert_tree_close(call(impl, "aggregate", c["advantages"], c["mask"], mode=mode), expected)
+
+
+POLICY_OPTIONS = [
+    dict(clip_low=0.2, clip_high=0.2),
+    dict(clip_low=0.2, clip_high=0.28),
+    dict(clip_low=0.1, clip_high=0.3, dual_clip=3.0),
+    dict(clip_low=0.2, clip_high=0.2, dual_clip=1.5, aggregation="sequence_mean"),
+    dict(clip_low=0.2, clip_high=0.28, aggregation="sequence_mean"),
+]
+
+
+@pytest.mark.parametrize("impl", ["jax", "torch"])
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("options", POLICY_OPTIONS, ids=lambda o: "-".join(map(str, o.values())))
+def test_policy_loss_matches_reference(impl, seed, options):
+    c = random_case(seed)
+    args = (c["logprobs"], c["old_logprobs"], c["advantages"], c["mask"])
+    expected = ref.policy_loss(*args, **options)
+    assert expected[1]["clipfrac"] > 0  # the clip really is in play
+    if "dual_clip" in options:
+        assert expected[1]["dual_clip_frac"] > 0
+    assert_tree_close(call(impl, "policy_loss", *args, **options), expected)
+
+
+@pytest.mark.parametrize("impl", ["jax", "torch"])
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("value_clip", [0.2, 0.0, None])
+@pytest.mark.parametrize("mode", ["token_mean", "sequence_mean"])
+def test_value_loss_matches_reference(impl, seed, value_clip, mode):
+    c = random_case(seed)
+    args = (c["values"], c["old_values"], c["returns"], c["mask"])
+    expected = ref.value_loss(*args, value_clip=value_clip, aggregation=mode)
+    if value_clip:
+        assert 0 < expected[1]["vf_clipfrac"] < 1
+    assert_tree_close(
+        call(impl, "value_loss", *args, value_clip=value_clip, aggregation=mode), expected
+    )
+
+
+@pytest.mark.parametrize("impl", ["jax", "torch"])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_entropy_matches_reference(impl, seed):
+    logits = np.random.default_rng(seed).normal(scale=3.0, size=(3, 5, 64)).astype(np.float32)
+    assert_tree_close(call(impl, "entropy_from_logits", logits), ref.entropy_from_logits(logits))
+
+
+@pytest.mark.parametrize("impl", ["jax", "torch"])
+def test_shift_values_matches_reference(impl):
+    from strop.rl.gae import shift_values
+
+    raw = np.random.default_rng(0).normal(size=(3, 6)).astype(np.float32)
+    assert_tree_close(call(impl, "shift_values", raw), shift_values(raw))
+
+
+def test_backend_stats_are_0d_and_gradient_free():
+    c = random_case(0)
+    args = (c["logprobs"], c["old_logprobs"], c["advantages"], c["mask"])
+    t_args = [to_torch(a) for a in args]
+    t_args[0].requires_grad_(True)
+    loss, stats = torch_losses.policy_loss(*t_args, 0.2, 0.2, dual_clip=2.0)
+    assert loss.requires_grad and loss.dtype == torch.float32 and loss.ndim == 0
+    assert all(s.ndim == 0 and not s.requires_grad for s in stats.values())
+    j_loss, j_stats = jax_losses.policy_loss(*[to_jax(a) for a in args], 0.2, 0.2, dual_clip=2.0)
+    assert j_loss.dtype == jnp.float32 and all(s.shape == () for s in j_stats.values())
+    r_loss, r_stats = ref.policy_loss(*args, 0.2, 0.2, dual_clip=2.0)
+    assert isinstance(r_loss, float) and all(isinstance(s, float) for s in r_stats.values())
+
+
+def test_jax_losses_jit():
+    c = random_case(1)
+    args = [to_jax(c[k]) for k in ("logprobs", "old_logprobs", "advantages", "mask")]
+    fn = jax.jit(lambda *a: jax_losses.policy_loss(*a, 0.2, 0.28, dual_clip=3.0))
+    assert_tree_close(
+        numpy_tree(fn(*args)), ref.policy_loss(*map(np.asarray, args), 0.2, 0.28, 3.0)
+    )
+
+
+# --- gradients: jax.grad equals torch autograd ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0),
+        dict(clip_low=0.2, clip_high=0.2, aggregation="sequence_mean"),
+    ],
+    ids=["token_mean-dual", "sequence_mean"],
+)
+def test_policy_loss_gradients_agree(options):
+    c = random_case(2)
+    old, adv, mask = c["old_logprobs"], c["advantages"], c["mask"]
+
+    def jax_loss(logprobs):
+        return jax_losses.policy_loss(logprobs, to_jax(old), to_jax(adv), to_jax(mask), **options)[
+            0
+        ]
+
+    j_grad = np.asarray(jax.grad(jax_loss)(to_jax(c["logprobs"])), np.float64)
+
+    logprobs = to_torch(c["logprobs"]).requires_grad_(True)
+    t_loss, _ = torch_losses.policy_loss(
+        logprobs, to_torch(old), to_torch(adv), to_torch(mask), **options
+    )
+    t_loss.backward()
+    t_grad = logprobs.grad.numpy().astype(np.float64)
+
+    assert np.abs(j_grad).max() > 1e-3  # some tokens do get a gradient
+    assert np.all(j_grad[mask == 0] == 0)  # padding gets none
+    np.testing.assert_allclose(j_grad, t_grad, rtol=1e-6, atol=1e-6)
+    # and both equal the analytic gradient: d/dlogp (-A * ratio) on unclipped tokens
+    ratio = np.exp(c["logprobs"].astype(np.float64) - old)
+    live = (mask > 0) & (j_grad != 0)
+    if options.get("aggregation", "token_mean") == "token_mean":
+        expected = -adv * ratio / mask.sum()
+        np.testing.assert_allclose(j_grad[live], expected[live], rtol=1e-5, atol=1e-7)
+
+
+# --- hand-computed cases (each implementation) ------------------------------------------------
+
+ALL = ["numpy", "jax", "torch"]
+
+
+@pytest.mark.parametrize("impl", ALL)
+def test_asymmetric_clip(impl):
+    # clip_low 0.1, clip_high 0.3: clip range [0.9, 1.3] (no ratio sits on a boundary)
+    ratio = np.array([[1.5, 1.1, 0.5, 0.85, 1.5]])
+    adv = np.array([[1.0, 1.0, -1.0, -1.0, -2.0]])
+    mask = np.ones((1, 5))
+    old = np.zeros((1, 5))
+    loss, stats = call(
+        impl, "policy_loss", np.log(ratio), old, adv, mask, clip_low=0.1, clip_high=0.3
+    )
+    # token 0: A>0, ratio 1.5 > 1.3: pg1 = -1.5, pg2 = -1.3  -> -1.3 (clipped)
+    # token 1: A>0, ratio 1.1 inside:                          -1.1
+    # token 2: A<0, ratio 0.5 < 0.9:  pg1 = 0.5,  pg2 = 0.9   -> 0.9 (clipped)
+    # token 3: A<0, ratio 0.85 < 0.9: pg1 = 0.85, pg2 = 0.9   -> 0.9 (clipped)
+    # token 4: A<0, ratio 1.5:        pg1 = 3.0,  pg2 = 2.6   -> 3.0 (not clipped)
+    per_token = [-1.3, -1.1, 0.9, 0.9, 3.0]
+    assert loss == pytest.approx(np.mean(per_token), rel=1e-6)
+    assert stats["clipfrac"] == pytest.approx(3 / 5)
+    approx_kl = np.mean(0.5 * np.log(ratio) ** 2)
+    assert stats["approx_kl"] == pytest.approx(approx_kl, rel=1e-6)
+    assert "dual_clip_frac" not in stats
+    # symmetric 0.2 ([0.8, 1.2]): token 3's 0.85 is now inside; tokens 0 and 2 still clip
+    loss, sym = call(
+        impl, "policy_loss", np.log(ratio), old, adv, mask, clip_low=0.2, clip_high=0.2
+    )
+    assert sym["clipfrac"] == pytest.approx(2 / 5)
+    assert loss == pytest.approx(np.mean([-1.2, -1.1, 0.8, 0.85, 3.0]), rel=1e-6)
+
+
+@pytest.mark.parametrize("impl", ALL)
+def test_dual_clip(impl):
+    # clip 0.2 both ways, dual clip c = 3: for A < 0 the loss is at most -A * 3
+    ratio = np.array([[5.0, 2.0, 5.0, 0.5]])
+    adv = np.array([[-1.0, -1.0, 1.0, -2.0]])
+    mask = np.ones((1, 4))
+    loss, stats = call(
+        impl,
+        "policy_loss",
+        np.log(ratio),
+        np.zeros((1, 4)),
+        adv,
+        mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        dual_clip=3.0,
+    )
+    # token 0: A=-1, ratio 5: max(5, 1.2) = 5 > 3 -> 3 (dual clip)
+    # token 1: A=-1, ratio 2: max(2, 1.2) = 2 <= 3 -> 2
+    # token 2: A=+1, ratio 5: max(-5, -1.2) = -1.2 (A > 0: no dual clip)
+    # token 3: A=-2, ratio 0.5: max(1, 1.6) = 1.6 <= 6 -> 1.6
+    assert loss == pytest.approx((3.0 + 2.0 - 1.2 + 1.6) / 4, rel=1e-6)
+    assert stats["dual_clip_frac"] == pytest.approx(1 / 4)
+    assert stats["clipfrac"] == pytest.approx(2 / 4)  # tokens 2 and 3
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        call(impl, "policy_loss", ratio, ratio, adv, mask, 0.2, 0.2, dual_clip=1.0)
+
+
+@pytest.mark.parametrize("impl", ALL)
+def test_kl_estimators(impl):
+    logp = np.array([[-1.0, -2.0, -0.5, -3.0]])
+    ref_lp = np.array([[-1.5, -1.0, -0.5, -40.0]])
+    # d = logp - ref = 0.5, -1, 0, 37 (clamped to 20)
+    d = np.array([0.5, -1.0, 0.0, 20.0])
+    expected = {
+        "k1": d,
+        "k2": 0.5 * d**2,  # 0.125, 0.5, 0, 200
+        # exp(-d) + d - 1: e^-0.5 - 0.5 = 0.10653, e - 2 = 0.71828, 0, 19 + e^-20
+        "k3": np.array([np.exp(-0.5) - 0.5, np.e - 2.0, 0.0, 19.0 + np.exp(-20.0)]),
+    }
+    for estimator, values in expected.items():
+        out = call(impl, "kl_penalty", logp, ref_lp, estimator=estimator)
+        np.testing.assert_allclose(out[0], values, rtol=1e-6, atol=1e-6)
+    # k3 is non-negative; the clamp keeps a huge negative log-ratio finite
+    out = call(impl, "kl_penalty", np.array([[-60.0]]), np.array([[0.0]]), estimator="k3")
+    np.testing.assert_allclose(out, [[np.exp(20.0) - 21.0]], rtol=1e-6)
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        call(impl, "kl_penalty", logp, ref_lp, estimator="k4")
+
+
+@pytest.mark.parametrize("impl", ALL)
+def test_aggregations(impl):
+    values = np.array([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0]])
+    mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    # token_mean: (1 + 2 + 3 + 4) / 4; sequence_mean: (mean(1, 2, 3) + 4) / 2, row 2 skipped
+    assert call(impl, "aggregate", values, mask, mode="token_mean") == pytest.approx(2.5)
+    assert call(impl, "aggregate", values, mask, mode="sequence_mean") == pytest.approx(3.0)
+    empty = np.zeros_like(mask)
+    for mode in ("token_mean", "sequence_mean"):
+        assert call(impl, "aggregate", values, empty, mode=mode) == 0.0
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        call(impl, "aggregate", values, mask, mode="sum")
+    # the policy loss aggregates its per-token terms the same way
+    adv = -values  # ratio 1, nothing clipped: per-token loss = A... negated twice = values
+    zeros = np.zeros_like(values)
+    for mode, expected in (("token_mean", 2.5), ("sequence_mean", 3.0)):
+        loss, _ = call(impl, "policy_loss", zeros, zeros, adv, mask, 0.2, 0.2, aggregation=mode)
+        assert loss == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("impl", ALL)
+def test_value_clipping(impl):
+    old = np.array([[1.0, 1.0, 1.0, 1.0]])
+    new = np.array([[1.5, 1.5, 0.9, 0.0]])
+    ret = np.array([[2.0, 0.0, 0.0, 1.0]])
+    mask = np.ones((1, 4))
+    loss, stats = call(impl, "value_loss", new, old, ret, mask, value_clip=0.2)
+    # clip(V) to [0.8, 1.2]: 1.2, 1.2, 0.9, 0.8
+    # token 0: max((1.5-2)^2, (1.2-2)^2) = max(0.25, 0.64) = 0.64 (clipped term wins)
+    # token 1: max(2.25, 1.44) = 2.25
+    # token 2: inside: 0.81
+    # token 3: max(1.0, 0.04) = 1.0
+    assert loss == pytest.approx(0.5 * (0.64 + 2.25 + 0.81 + 1.0) / 4, rel=1e-6)
+    assert stats["vf_clipfrac"] == pytest.approx(1 / 4)
+    # value_clip 0 (as in the config) and None: no clipping, plain 0.5 * (V - R)^2
+    for off in (0.0, None):
+        loss, stats = call(impl, "value_loss", new, old, ret, mask, value_clip=off)
+        assert loss == pytest.approx(0.5 * (0.25 + 2.25 + 0.81 + 1.0) / 4, rel=1e-6)
+        assert stats["vf_clipfrac"] == 0.0
+
+
+@pytest.mark.parametrize("impl", ALL)
+def test_entropy(impl):
+    logits = np.array(
+        [[[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0], [np.log(3.0), 0.0, -50, -50]]]
+    )
+    # uniform over 4: log 4; one-hot: 0; p = (3/4, 1/4, ~0, ~0): -(3/4 log 3/4 + 1/4 log 1/4)
+    h = -(0.75 * np.log(0.75) + 0.25 * np.log(0.25))
+    out = call(impl, "entropy_from_logits", logits)
+    np.testing.assert_allclose(out, [[np.log(4.0), 0.0, h]], rtol=1e-6, atol=1e-6)
+
+
+def test_explained_variance():
+    mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0]])
+    returns = np.array([[1.0, 2.0, 3.0, 50.0], [4.0, 50.0, 50.0, 50.0]])
+    assert ref.explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    mean = np.full_like(returns, 2.5)
+    assert ref.explained_variance(mean, returns, mask) == pytest.approx(0.0)
+    # V = R + (1, -1, 1, -1): var(R - V) = 1, var(R) = 1.25
+    values = returns + np.array([[1.0, -1.0, 1.0, 0.0], [-1.0, 0.0, 0.0, 0.0]])
+    assert ref.explained_variance(values, returns, mask) == pytest.approx(1 - 1 / 1.25)
+    assert np.isnan(ref.explained_variance(returns, np.ones_like(returns), mask))
