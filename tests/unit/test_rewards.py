@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from decimal import Decimal
 from fractions import Fraction
@@ -17,7 +18,20 @@ from strop.errors import ConfigError, StropError
 from strop.rewards import base
 from strop.rewards.math_rewards import parse_number
 
-GSM8K_DIR = Path(__file__).parents[2] / ".." / "shared" / "datasets" / "gsm8k"
+# The shared datasets sit beside the checkout (`../shared`); STROP_GSM8K_DIR overrides,
+# and /work/shared is where the team's machines mount them for clones made elsewhere.
+GSM8K_DIR = next(
+    (
+        path
+        for path in (
+            Path(os.environ.get("STROP_GSM8K_DIR", "/nonexistent")),
+            Path(__file__).parents[2] / ".." / "shared" / "datasets" / "gsm8k",
+            Path("/work/shared/datasets/gsm8k"),
+        )
+        if path.is_dir()
+    ),
+    Path(__file__).parents[2] / ".." / "shared" / "datasets" / "gsm8k",
+)
 
 
 class NoPool:
