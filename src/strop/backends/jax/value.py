@@ -1,0 +1,128 @@
+"""The critic on the JAX backend: a scalar value head on the final normed hidden state.
+
+``ValueModel.raw_values`` is the head applied at every column (``raw[:, j]`` has read
+``x_<=j``, so it estimates ``V(s_{j+1})``); ``ValueModel.values`` shifts it into the
+token convention of :mod:`strop.rl.gae` (``values[:, t] = V(x_<t) = raw[:, t - 1]``,
+``values[:, 0] = 0``) with :func:`strop.backends.jax.losses.shift_values`. See
+``docs/ppo.md``.
+
+The head is always float32 (kernel ``[E, 1]``, bias ``[1]``) whatever the model's dtype,
+and the hidden state is cast to float32 before it: a bfloat16 value would carry only
+about 3 significant digits into GAE. The kernel is initialised ``normal(0, 1/sqrt(E))``
+from ``seed`` (so a unit-RMS hidden state, which RMSNorm roughly gives, yields values of
+order 1 at the start), the bias at 0.
+
+Sharding: the kernel carries the logical axes ``("embed", None)``, like the LM head's
+input axis, and is placed over the mesh by those rules when a ``mesh`` is given (on a
+mesh with ``fsdp`` > 1 its ``E`` rows are split over ``fsdp``; a size ``fsdp`` does not
+divide stays replicated). The bias (``(None,)``) is replicated.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from strop.backends.jax.losses import shift_values
+from strop.backends.jax.model import CausalLM
+from strop.backends.jax.sharding import logical_to_sharding
+from strop.backends.jax.weights import load_hf_model
+
+KERNEL_AXES = ("embed", None)
+BIAS_AXES = (None,)
+
+
+def init_std(hidden: int) -> float:
+    """The standard deviation of the head's initial kernel: ``1 / sqrt(hidden)``."""
+    return float(1.0 / np.sqrt(hidden))
+
+
+def _place(value: jax.Array, axes, mesh: Mesh | None) -> jax.Array:
+    if mesh is None:
+        return value
+    return jax.device_put(value, logical_to_sharding(axes, value.shape, mesh))
+
+
+class ValueHead(nnx.Module):
+    """``v = hidden.astype(float32) @ kernel + bias`` -> ``[..., 1]`` float32."""
+
+    def __init__(self, hidden: int, *, seed: int = 0, mesh: Mesh | None = None):
+        self.hidden = hidden
+        key = jax.random.key(seed)
+        kernel = init_std(hidden) * jax.random.normal(key, (hidden, 1), jnp.float32)
+        self.kernel = nnx.Param(
+            _place(kernel, KERNEL_AXES, mesh), out_sharding=KERNEL_AXES, eager_sharding=False
+        )
+        bias = jnp.zeros((1,), jnp.float32)
+        self.bias = nnx.Param(
+            _place(bias, BIAS_AXES, mesh), out_sharding=BIAS_AXES, eager_sharding=False
+        )
+
+    def __call__(self, hidden: jax.Array) -> jax.Array:
+        x = hidden.astype(jnp.float32)
+        return jnp.einsum("...e,eo->...o", x, self.kernel[...]) + self.bias[...]
+
+
+class ValueModel(nnx.Module):
+    """A :class:`CausalLM` backbone (``self.lm``) plus a :class:`ValueHead`."""
+
+    def __init__(self, lm: CausalLM, *, seed: int = 0, mesh: Mesh | None = None):
+        self.lm = lm
+        self.value_head = ValueHead(lm.spec.hidden_size, seed=seed, mesh=mesh)
+
+    def raw_values(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
+        """``[B, L]`` float32: the head at every column (``raw[:, j]`` ~ ``V(x_<=j)``)."""
+        hidden = self.lm(input_ids, attention_mask, positions, logits_to_keep=1).hidden
+        return self.value_head(hidden)[..., 0]
+
+    def values(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
+        """``[B, L]`` float32 in the GAE convention: ``values[:, t] = V(x_<t)``."""
+        return shift_values(self.raw_values(input_ids, attention_mask, positions))
+
+    def set_head(self, kernel: np.ndarray, bias: float) -> None:
+        """Set the head to ``kernel [E]`` and scalar ``bias`` (kept float32 and placed
+        where the current parameters are)."""
+        kernel = np.asarray(kernel, dtype=np.float32)
+        if kernel.shape != (self.value_head.hidden,):
+            raise ValueError(
+                f"value head kernel has shape {kernel.shape}, expected ({self.value_head.hidden},)"
+            )
+        head = self.value_head
+        old_kernel, old_bias = head.kernel.get_value(), head.bias.get_value()
+        head.kernel.set_value(jax.device_put(kernel[:, None], old_kernel.sharding))
+        bias_value = np.asarray([bias], dtype=np.float32)
+        head.bias.set_value(jax.device_put(bias_value, old_bias.sharding))
+
+    def head_weights(self) -> tuple[np.ndarray, float]:
+        """``(kernel [E] float32, bias)`` on the host."""
+        kernel = np.asarray(jax.device_get(self.value_head.kernel.get_value()))[:, 0]
+        bias = float(np.asarray(jax.device_get(self.value_head.bias.get_value()))[0])
+        return kernel.astype(np.float32), bias
+
+
+def load_value_model(
+    path: str | os.PathLike,
+    mesh: Mesh,
+    *,
+    dtype: str = "float32",
+    param_dtype: str = "float32",
+    seed: int = 0,
+) -> ValueModel:
+    """A HF checkpoint as the backbone (see :func:`load_hf_model`) plus a fresh head."""
+    lm = load_hf_model(path, mesh, dtype=dtype, param_dtype=param_dtype)
+    return ValueModel(lm, seed=seed, mesh=mesh)
