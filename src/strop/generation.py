@@ -115,3 +115,21 @@ def cut_at_stop_strings(
         logprobs[row, lo:] = 0.0
         lengths[row] = lo
         reasons[row] = "stop"
+
+
+def check_generate_args(
+    prompts: list[list[int]], params: SamplingParams, tokenizer: Decoder | None
+) -> None:
+    """Raise ``ValueError`` for arguments no sampler can honour."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and every prompt non-empty")
+    if params.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    if params.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+    if params.top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer to decode responses")

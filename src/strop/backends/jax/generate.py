@@ -66,7 +66,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from strop.backends.jax.model import CausalLM, KVCache
 from strop.backends.jax.sharding import batch_sharding, logical_to_sharding, make_mesh
-from strop.generation import Decoder, FinishReason, Generation, SamplingParams, cut_at_stop_strings
+from strop.generation import (
+    Decoder,
+    FinishReason,
+    Generation,
+    SamplingParams,
+    check_generate_args,
+    cut_at_stop_strings,
+)
 
 MIN_PROMPT_BUCKET = 16
 """Prompts are left-padded to a power of two of at least this many tokens."""
@@ -135,7 +142,7 @@ def generate(
     Returns:
       A :class:`~strop.generation.Generation` of numpy arrays, ``len(prompts)`` rows.
     """
-    _check_args(prompts, params, tokenizer)
+    check_generate_args(prompts, params, tokenizer)
     mesh = mesh if mesh is not None else _mesh_of(model)
     ids, mask, active = _pad_prompts(prompts, pad_id, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -181,21 +188,6 @@ def prompt_bucket(length: int) -> int:
     """The padded prompt width for a longest prompt of ``length`` tokens: the next power
     of two, at least :data:`MIN_PROMPT_BUCKET`."""
     return max(MIN_PROMPT_BUCKET, 1 << max(length - 1, 0).bit_length())
-
-
-def _check_args(prompts: list[list[int]], params: SamplingParams, tokenizer) -> None:
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate needs at least one prompt, and every prompt non-empty")
-    if params.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
-    if params.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
-    if params.top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
-    if not 0.0 < params.top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.stop_strings and tokenizer is None:
-        raise ValueError("stop_strings need a tokenizer to decode responses")
 
 
 def _eos_array(eos_ids: Sequence[int]) -> np.ndarray:

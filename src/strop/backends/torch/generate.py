@@ -73,7 +73,14 @@ import torch
 import torch.nn.functional as F
 from transformers import StaticCache
 
-from strop.generation import Decoder, FinishReason, Generation, SamplingParams, cut_at_stop_strings
+from strop.generation import (
+    Decoder,
+    FinishReason,
+    Generation,
+    SamplingParams,
+    check_generate_args,
+    cut_at_stop_strings,
+)
 
 PROMPT_BUCKET = 16
 """Prompts are left-padded to a multiple of this many tokens."""
@@ -111,7 +118,7 @@ def generate(
     Returns:
       A :class:`~strop.generation.Generation` of numpy arrays, ``len(prompts)`` rows.
     """
-    _check_args(prompts, params, tokenizer)
+    check_generate_args(prompts, params, tokenizer)
     device = next(model.parameters()).device
     sharded = _is_sharded(model)
     was_training = model.training
@@ -140,23 +147,6 @@ def generate(
         lengths=lengths_np,
         finish_reasons=reasons,
     )
-
-
-def _check_args(
-    prompts: list[list[int]], params: SamplingParams, tokenizer: Decoder | None
-) -> None:
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate needs at least one prompt, and every prompt non-empty")
-    if params.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
-    if params.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
-    if params.top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
-    if not 0.0 < params.top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.stop_strings and tokenizer is None:
-        raise ValueError("stop_strings need a tokenizer to decode responses")
 
 
 def _sample_loop(
