@@ -15,8 +15,29 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from strop.errors import StropError
 from strop.generation import Decoder, Generation, SamplingParams
 from strop.io.hf import ModelSpec
+
+
+def logits_inputs(
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray | None = None,
+    positions: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Checked ``(ids, mask, positions)`` int arrays for :meth:`ModelHandle.logits`.
+
+    The mask defaults to all ones; positions count from each row's first real token.
+    """
+    ids = np.asarray(input_ids, dtype=np.int64)
+    if ids.ndim != 2:
+        raise StropError(f"input_ids must be [batch, length], got shape {ids.shape}")
+    mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, np.int64)
+    if mask.shape != ids.shape:
+        raise StropError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+    if positions is None:
+        positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)
+    return ids, mask, np.asarray(positions, dtype=np.int64)
 
 
 @runtime_checkable

@@ -11,10 +11,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from strop.backends.base import logits_inputs
 from strop.backends.jax.model import CausalLM
 from strop.backends.jax.sharding import batch_sharding, make_mesh
 from strop.backends.jax.weights import load_hf_model, save_hf_model
-from strop.errors import StropError
 from strop.io.hf import ModelSpec
 
 
@@ -46,20 +46,8 @@ class JaxModelHandle:
         attention_mask: np.ndarray | None = None,
         positions: np.ndarray | None = None,
     ) -> np.ndarray:
-        ids = np.asarray(input_ids, dtype=np.int32)
-        if ids.ndim != 2:
-            raise StropError(f"input_ids must be [batch, length], got shape {ids.shape}")
-        mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask)
-        if mask.shape != ids.shape:
-            raise StropError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
-        if positions is None:
-            positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)
-        out = _logits(
-            self.model,
-            self._put(ids),
-            self._put(mask.astype(np.int32)),
-            self._put(np.asarray(positions, dtype=np.int32)),
-        )
+        arrays = logits_inputs(input_ids, attention_mask, positions)
+        out = _logits(self.model, *(self._put(a.astype(np.int32)) for a in arrays))
         return np.asarray(out, dtype=np.float32)
 
     def save(

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from strop.backends.base import logits_inputs
 from strop.backends.torch.fsdp import place
 from strop.backends.torch.model import LoadedModel, build_model, forward_logits, hf_weights
 from strop.config import MeshConfig
-from strop.errors import StropError
 from strop.io.hf import ModelSpec, write_checkpoint
 
 
@@ -40,21 +40,9 @@ class TorchModelHandle:
         attention_mask: np.ndarray | None = None,
         positions: np.ndarray | None = None,
     ) -> np.ndarray:
-        ids = np.asarray(input_ids, dtype=np.int64)
-        if ids.ndim != 2:
-            raise StropError(f"input_ids must be [batch, length], got shape {ids.shape}")
-        mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask)
-        if mask.shape != ids.shape:
-            raise StropError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
         device = self.loaded.placement.device
-        out = forward_logits(
-            self.loaded,
-            torch.from_numpy(ids).to(device),
-            torch.from_numpy(mask.astype(np.int64)).to(device),
-            None
-            if positions is None
-            else torch.from_numpy(np.asarray(positions, np.int64)).to(device),
-        )
+        arrays = logits_inputs(input_ids, attention_mask, positions)
+        out = forward_logits(self.loaded, *(torch.from_numpy(a).to(device) for a in arrays))
         return out.cpu().numpy()
 
     def save(
