@@ -40,6 +40,7 @@ import jax
 import numpy as np
 import torch
 import transformers
+from benchmarks.report import cpu_name, print_table
 from tests.tiny_models import build_tiny_model
 from transformers import GenerationConfig
 
@@ -120,25 +121,6 @@ SAMPLERS: dict[str, Callable[[torch.nn.Module, Path, torch.device], Run]] = {
     "strop jax": jax_sampler,
     "strop torch": torch_sampler,
 }
-
-
-def print_table(headers: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
-    line = "  ".join(f"{{:<{widths[0]}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
-    print(line.format(*headers))
-    print("  ".join("-" * w for w in widths))
-    for row in rows:
-        print(line.format(*row))
-
-
-def cpu_name() -> str:
-    try:
-        for text in Path("/proc/cpuinfo").read_text().splitlines():
-            if text.startswith("model name"):
-                return text.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def header(device: torch.device) -> None:

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.tiny_m
 import flax
 import jax
 import numpy as np
+from benchmarks.report import cpu_name, print_table
 from flax import nnx
 from tests.tiny_models import QWEN25_CONFIG, save_tiny_model
 
@@ -78,26 +79,6 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     raise AssertionError("unreachable")
-
-
-def print_table(headers: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
-    line = "  ".join(f"{{:<{widths[0]}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
-    print(line.format(*headers))
-    print("  ".join("-" * w for w in widths))
-    for row in rows:
-        print(line.format(*row))
-
-
-def cpu_name() -> str:
-    name = platform.processor()
-    try:
-        for text in Path("/proc/cpuinfo").read_text().splitlines():
-            if text.startswith("model name"):
-                return text.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return name or platform.machine()
 
 
 def header() -> None:

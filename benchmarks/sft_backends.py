@@ -31,7 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.lora_vs_full import BENCH_MODEL, cpu_name, make_batch, print_table  # noqa: E402
+from benchmarks.lora_vs_full import BENCH_MODEL, make_batch  # noqa: E402
+from benchmarks.report import cpu_name, print_table  # noqa: E402
 
 WARMUP_STEPS = 2
 CONFIGS = [("jax", True), ("torch", True), ("jax", False), ("torch", False)]
