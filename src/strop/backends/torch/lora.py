@@ -94,9 +94,10 @@ def adapter_weights(model: nn.Module) -> AdapterWeights:
     for path, module in lora_modules(model).items():
         a = full_tensor(module.lora_A[ADAPTER_NAME].weight.detach())
         b = full_tensor(module.lora_B[ADAPTER_NAME].weight.detach())
+        # np.array copies: the caller gets values, never a view of the live parameters
         weights[path] = (
-            a.float().cpu().numpy(),
-            b.float().cpu().numpy(),
+            np.array(a.float().cpu(), np.float32),
+            np.array(b.float().cpu(), np.float32),
         )
     return weights
 
