@@ -13,6 +13,7 @@ all responses. Outputs, written only when complete:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -91,13 +92,9 @@ def run_eval(config: Config) -> EvalResult:
     policy = get_backend(config.backend).build_policy(config, total_steps=1, checkpoint_dir=None)
     if config.eval.adapter is not None:
         policy.load_adapter(config.eval.adapter)
-    params = SamplingParams.from_config(config.generation)
-    params = SamplingParams(
-        max_new_tokens=params.max_new_tokens,
-        temperature=config.eval.temperature,
-        top_k=params.top_k if config.eval.temperature > 0 else 0,
-        top_p=params.top_p if config.eval.temperature > 0 else 1.0,
-        stop_strings=params.stop_strings,
+    # generation: supplies length, top-k/top-p and stop strings; eval: the temperature
+    params = dataclasses.replace(
+        SamplingParams.from_config(config.generation), temperature=config.eval.temperature
     )
     eos_ids = sorted({tokenizer.eos_token_id, *_model_eos_ids(config)})
     k = config.eval.num_samples
