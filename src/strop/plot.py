@@ -1,0 +1,109 @@
+"""`strop plot RUN_DIR`: training reward and validation accuracy of a run, as a PNG.
+
+Reads ``<run_dir>/metrics.jsonl`` (one JSON object per logged step, ``{"step": 10,
+"train/reward": 0.31, ...}``, see :mod:`strop.metrics.sinks`) and draws each of
+:data:`PANELS` that the file has, one panel per metric over the step, on a shared x axis.
+Non-finite values (written as ``null``) are left out. matplotlib runs on its Agg backend,
+so no display is needed; the PNG appears only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from strop.errors import StropError
+
+# (metric name, panel title, y-axis label); drawn in this order, those present only.
+PANELS = (
+    ("train/reward", "train/reward", "mean reward"),
+    ("validation/accuracy", "validation/accuracy", "accuracy"),
+)
+PLOT_FILE = "plot.png"
+
+
+class PlotError(StropError):
+    """A run's metrics cannot be plotted: no ``metrics.jsonl``, or nothing in it to draw."""
+
+
+def read_series(path: Path) -> dict[str, tuple[list[int], list[float]]]:
+    """``{metric: (steps, values)}`` for each metric of :data:`PANELS` in a metrics file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PlotError(
+            f"{path} not found: give the run directory of a strop run (it holds metrics.jsonl)"
+        ) from None
+    except OSError as e:
+        raise PlotError(f"cannot read {path}: {e.strerror}") from None
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(text.splitlines()):
+                break  # a run still writing its last line
+            raise PlotError(f"{path}:{number}: invalid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise PlotError(f"{path}:{number}: expected an object with an integer 'step'")
+        for name, _, _ in PANELS:
+            value = record.get(name)
+            if isinstance(value, int | float) and math.isfinite(value):
+                steps, values = series.setdefault(name, ([], []))
+                steps.append(record["step"])
+                values.append(float(value))
+    return series
+
+
+def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
+    """Draw ``train/reward`` and ``validation/accuracy`` of a run; return the PNG's path.
+
+    Args:
+      run_dir: a run directory holding ``metrics.jsonl``.
+      out: where to write the PNG; default ``<run_dir>/plot.png``.
+
+    Raises:
+      PlotError: ``metrics.jsonl`` is missing or malformed, or has neither metric.
+    """
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    series = read_series(path)
+    if not series:
+        wanted = " or ".join(name for name, _, _ in PANELS)
+        raise PlotError(f"{path} has no {wanted} values to plot")
+    target = Path(out) if out is not None else run_dir / PLOT_FILE
+
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    panels = [panel for panel in PANELS if panel[0] in series]
+    figure = Figure(figsize=(7, 2.6 * len(panels) + 0.6), layout="constrained")
+    axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (name, title, label) in zip(axes, panels, strict=True):
+        steps, values = series[name]
+        ax.plot(steps, values, marker="o" if len(steps) <= 30 else None, markersize=3)
+        ax.set_title(title, loc="left", fontsize=10)
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        if name == "validation/accuracy":
+            ax.set_ylim(-0.02, 1.02)
+    axes[-1].set_xlabel("step")
+    figure.suptitle(run_dir.resolve().name, fontsize=11)
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, staging = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            figure.savefig(f, format="png", dpi=100)
+        os.replace(staging, target)
+    except BaseException:
+        Path(staging).unlink(missing_ok=True)
+        raise
+    return target

@@ -1,0 +1,65 @@
+"""`strop.plot.plot_run`: a PNG of train/reward and validation/accuracy from metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from strop.errors import StropError
+from strop.metrics import MetricsWriter
+from strop.plot import PlotError, plot_run, read_series
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def write_metrics(run_dir, records):
+    with MetricsWriter(run_dir, tensorboard=False) as writer:
+        for step, metrics in records:
+            writer.write(step, metrics)
+
+
+def test_plot_of_a_run_is_a_png_in_the_run_directory(tmp_path):
+    records = [(s, {"train/reward": s / 40, "train/loss": 1.0}) for s in range(1, 21)]
+    records += [(s, {"validation/accuracy": 0.2 + s / 100}) for s in (0, 5, 10, 15, 20)]
+    records.append((21, {"train/reward": float("nan")}))  # written as null, left out
+    write_metrics(tmp_path, records)
+
+    path = plot_run(tmp_path)
+    assert path == tmp_path / "plot.png"
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 5000
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+
+    series = read_series(tmp_path / "metrics.jsonl")
+    assert series["train/reward"][0] == list(range(1, 21))
+    steps, accuracy = series["validation/accuracy"]
+    assert steps == [0, 5, 10, 15, 20]
+    assert accuracy == pytest.approx([0.2, 0.25, 0.3, 0.35, 0.4])
+
+
+def test_one_metric_is_enough_and_out_picks_the_file(tmp_path):
+    write_metrics(tmp_path, [(s, {"validation/accuracy": 0.1 * s}) for s in range(5)])
+    out = tmp_path / "figures" / "acc.png"
+    assert plot_run(tmp_path, out=out) == out
+    assert out.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_missing_metrics_file_is_a_strop_error(tmp_path):
+    with pytest.raises(StropError, match=r"metrics\.jsonl not found"):
+        plot_run(tmp_path / "no-such-run")
+
+
+def test_metrics_without_reward_or_accuracy_is_a_strop_error(tmp_path):
+    write_metrics(tmp_path, [(1, {"train/loss": 2.0}), (2, {"train/loss": 1.5})])
+    with pytest.raises(PlotError, match="no train/reward or validation/accuracy"):
+        plot_run(tmp_path)
+    assert not (tmp_path / "plot.png").exists()
+
+
+def test_malformed_line_names_the_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "train/reward": 0.5}) + "\n{oops\n" + json.dumps({"step": 2}) + "\n"
+    )
+    with pytest.raises(PlotError, match=r"metrics\.jsonl:2: invalid JSON"):
+        plot_run(tmp_path)
