@@ -142,6 +142,39 @@ def _print_sft_summary(title: str, result) -> None:
     Console().print(table)
 
 
+@app.command()
+def ppo(recipe: Recipe, overrides: Overrides = None) -> None:
+    """PPO with a critic against a verifiable reward; resumes from the latest checkpoint."""
+    from strop.rl.ppo import run_ppo
+
+    _print_ppo_summary("strop ppo", run_ppo(load_config(recipe, overrides or ())))
+
+
+def _print_ppo_summary(title: str, result) -> None:
+    if not result.is_main:
+        return
+    table = Table(title=title, show_header=False)
+    table.add_row("run directory", str(result.run_dir))
+    table.add_row("iterations", str(result.final_step))
+    if result.resumed_from is not None:
+        table.add_row("resumed from step", str(result.resumed_from))
+    if result.history:
+        first, last = result.history[0], result.history[-1]
+        table.add_row(
+            "train/reward first -> last",
+            f"{first['train/reward']:.3f} -> {last['train/reward']:.3f}",
+        )
+        accuracies = [
+            r["validation/accuracy"] for r in result.history if "validation/accuracy" in r
+        ]
+        if accuracies:
+            table.add_row("validation/accuracy (last)", f"{accuracies[-1]:.1%}")
+        seconds = sum(r["timing/step"] for r in result.history)
+        table.add_row("time per iteration", f"{seconds / len(result.history):.2f} s")
+    table.add_row("actor adapter", str(result.adapter_path or "-"))
+    Console().print(table)
+
+
 @app.command("eval")
 def evaluate(recipe: Recipe, overrides: Overrides = None) -> None:
     """Accuracy of model.path (plus eval.adapter) on eval.path; writes <run_dir>/eval/."""

@@ -232,8 +232,16 @@ class PpoConfig(_Section):
         description="SFT adapter that is the frozen reference policy (needs lora.enabled); null = base model.",
     )
     reward: str = Field("gsm8k", description="Name of the reward function in the reward registry.")
+    micro_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="Rollouts per forward/backward pass; must divide mini_batch_size; null = mini_batch_size.",
+    )
     validate_every: int = Field(
         0, ge=0, description="Run validation every this many iterations; 0 = never."
+    )
+    validation_size: int = Field(
+        64, ge=0, description="Held-out prompts (from data.eval_path) per validation; 0 = all."
     )
 
     @model_validator(mode="after")
@@ -245,7 +253,39 @@ class PpoConfig(_Section):
                 f"ppo.num_generations_per_prompt ({self.prompts_per_step} * "
                 f"{self.num_generations_per_prompt} = {rollouts})"
             )
+        if self.mini_batch_size % self.rows_per_micro_batch:
+            raise ValueError(
+                f"ppo.micro_batch_size ({self.micro_batch_size}) must divide "
+                f"ppo.mini_batch_size ({self.mini_batch_size})"
+            )
         return self
+
+    @property
+    def rows_per_micro_batch(self) -> int:
+        """Rows per micro-batch (``micro_batch_size``, or the whole mini-batch)."""
+        return self.micro_batch_size or self.mini_batch_size
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.prompts_per_step * self.num_generations_per_prompt
+
+    def optimizer_updates(self) -> int:
+        """Optimizer updates of each model over the whole run (the schedules' length)."""
+        return self.steps * self.ppo_epochs * (self.rollouts_per_step // self.mini_batch_size)
+
+
+class CriticConfig(_Section):
+    """The PPO value model: the policy's architecture with a float32 scalar head."""
+
+    model_path: str | None = Field(
+        None,
+        description="Checkpoint the critic's backbone starts from (full fine-tuning only); null = model.path.",
+    )
+    lr: float | None = Field(
+        None,
+        gt=0,
+        description="Critic learning rate; null = optim.lr (other optim settings shared).",
+    )
 
 
 class GenerationConfig(_Section):
@@ -368,6 +408,7 @@ class Config(_Section):
     )
     sft: SftConfig = Field(default_factory=SftConfig, description="Supervised fine-tuning loop.")
     ppo: PpoConfig = Field(default_factory=PpoConfig, description="PPO loop.")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO value model.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Sampling.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="`strop eval`.")
     mesh: MeshConfig = Field(default_factory=MeshConfig, description="Device mesh.")
@@ -384,6 +425,29 @@ class Config(_Section):
                 "needs lora.enabled=true, or leave it unset to use the base model as the reference"
             )
         return self
+
+    @model_validator(mode="after")
+    def _critic_path_needs_full_critic(self) -> Self:
+        if self.critic.model_path is not None and self.lora.enabled:
+            raise ValueError(
+                f"critic.model_path ({self.critic.model_path!r}) needs lora.enabled=false: with "
+                "LoRA the critic is an adapter on the policy's own base model"
+            )
+        return self
+
+    def reference_adapter_path(self) -> str | None:
+        """The frozen SFT adapter that is PPO's reference policy, if any (ARCHITECTURE
+        invariant 6): ``ppo.reference_adapter``, else the ``lora.restore_path`` the run
+        starts from; None means the base model (adapters disabled)."""
+        if not self.lora.enabled:
+            return None
+        return self.ppo.reference_adapter or self.lora.restore_path
+
+    def critic_optim(self) -> OptimConfig:
+        """The critic's optimizer settings: ``optim`` with ``critic.lr`` if given."""
+        if self.critic.lr is None:
+            return self.optim
+        return self.optim.model_copy(update={"lr": self.critic.lr})
 
 
 def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:

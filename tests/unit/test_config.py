@@ -60,11 +60,11 @@ def test_every_field_is_documented_and_unknown_keys_are_forbidden() -> None:
 
 
 def test_builtin_recipes_load_and_inherit() -> None:
-    assert {"tiny", "tiny_lora_ppo"} <= set(builtin_recipes())
+    assert {"tiny", "ppo-lora-tiny"} <= set(builtin_recipes())
     tiny = load_config("tiny")
-    ppo = load_config("tiny_lora_ppo.yaml")
+    ppo = load_config("ppo-lora-tiny.yaml")
     assert tiny.lora.enabled and tiny.lora.rank == 4
-    assert (ppo.lora.rank, ppo.sft.micro_batch_size) == (4, tiny.sft.micro_batch_size)
+    assert (ppo.lora.rank, ppo.sft.micro_batch_size) == (8, tiny.sft.micro_batch_size)
     assert ppo.ppo != tiny.ppo and ppo.run_dir != tiny.run_dir
 
 
@@ -182,7 +182,7 @@ def test_top_level_must_be_a_mapping(tmp_path: Path) -> None:
 
 def test_missing_recipe_lists_builtins(tmp_path: Path) -> None:
     message = config_error(tmp_path / "nope.yaml")
-    assert "nope.yaml" in message and "tiny_lora_ppo" in message
+    assert "nope.yaml" in message and "ppo-lora-tiny" in message
     assert "'missing.yaml'" in config_error(write(tmp_path / "c.yaml", {"base": "missing.yaml"}))
 
 

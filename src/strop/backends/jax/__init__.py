@@ -1,8 +1,17 @@
 """The JAX backend: Flax NNX models sharded over a ``jax.sharding.Mesh``."""
 
+from strop.backends.jax.actor_critic import JaxActorCritic
 from strop.backends.jax.handle import JaxModelHandle, load_model
 from strop.backends.jax.policy import JaxPolicy
 
 build_policy = JaxPolicy
+build_actor_critic = JaxActorCritic
 
-__all__ = ["JaxModelHandle", "JaxPolicy", "build_policy", "load_model"]
+__all__ = [
+    "JaxActorCritic",
+    "JaxModelHandle",
+    "JaxPolicy",
+    "build_actor_critic",
+    "build_policy",
+    "load_model",
+]

@@ -36,6 +36,43 @@ logger = logging.getLogger(__name__)
 ITEMS = ("params", "optimizer", "extra", "identity")
 
 
+def _key_name(key: Any) -> str:
+    for attribute in ("key", "name", "idx"):
+        if hasattr(key, attribute):
+            return str(getattr(key, attribute))
+    return str(key)
+
+
+def _paths(tree: Any) -> tuple[list[tuple[str, ...]], list[Any], Any]:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    paths = [tuple(_key_name(k) for k in path) for path, _ in leaves]
+    return paths, [leaf for _, leaf in leaves], treedef
+
+
+def to_pure(tree: Any) -> dict:
+    """Any pytree (``nnx.State``, optax states, dicts) as nested plain dicts of its leaves,
+    keyed by the path names, which is what Orbax stores."""
+    pure: dict = {}
+    for path, leaf in zip(*_paths(tree)[:2], strict=True):
+        node = pure
+        for name in path[:-1]:
+            node = node.setdefault(name, {})
+        node[path[-1]] = leaf
+    return pure
+
+
+def from_pure(like: Any, pure: dict) -> Any:
+    """The inverse of :func:`to_pure`: ``pure``'s leaves in the structure of ``like``."""
+    paths, _, treedef = _paths(like)
+    leaves = []
+    for path in paths:
+        node = pure
+        for name in path:
+            node = node[name]
+        leaves.append(node)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
 def _abstract(tree: Any) -> Any:
     """Shape/dtype/sharding targets so restored arrays land where the live ones are."""
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
@@ -92,6 +129,23 @@ class TrainCheckpoints:
         be JSON-serialisable) and the identity. On failure raises :class:`CheckpointError`;
         earlier checkpoints are untouched and nothing half-written becomes visible.
         """
+        self._save(
+            step,
+            nnx.to_pure_dict(nnx.state(model, trainable)),
+            nnx.to_pure_dict(nnx.state(optimizer)),
+            extra,
+        )
+
+    def save_trees(
+        self, step: int, params: Any, optimizer: Any, extra: Mapping[str, Any] | None = None
+    ) -> None:
+        """:meth:`save` for state held as pytrees (e.g. ``{"actor": ..., "critic": ...}``
+        of ``nnx.State`` and optax states): same files, same guarantees."""
+        self._save(step, to_pure(params), to_pure(optimizer), extra)
+
+    def _save(
+        self, step: int, params: dict, optimizer: dict, extra: Mapping[str, Any] | None
+    ) -> None:
         extra = dict(extra or {})
         try:
             json.dumps(extra)
@@ -103,8 +157,8 @@ class TrainCheckpoints:
                 "or use a new run directory"
             )
         args = ocp.args.Composite(
-            params=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(model, trainable))),
-            optimizer=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(optimizer))),
+            params=ocp.args.StandardSave(params),
+            optimizer=ocp.args.StandardSave(optimizer),
             extra=ocp.args.JsonSave(extra),
             identity=ocp.args.JsonSave(self.identity),
         )
@@ -153,26 +207,38 @@ class TrainCheckpoints:
         Arrays are restored with the shardings of the current ones, so the jitted train
         step does not recompile. The identity is checked before any array is read.
         """
-        self.check_identity(step)
         params_state = nnx.state(model, trainable)
         optim_state = nnx.state(optimizer)
+        params, optim, extra = self._restore(
+            step, nnx.to_pure_dict(params_state), nnx.to_pure_dict(optim_state)
+        )
+        nnx.replace_by_pure_dict(params_state, params)
+        nnx.replace_by_pure_dict(optim_state, optim)
+        nnx.update(model, params_state)
+        nnx.update(optimizer, optim_state)
+        return extra
+
+    def restore_trees(self, step: int, params: Any, optimizer: Any) -> tuple[Any, Any, dict]:
+        """:meth:`restore` for pytree state: returns ``(params, optimizer, extra)`` with the
+        structure and shardings of the live ``params`` and ``optimizer`` given."""
+        pure_params, pure_optim, extra = self._restore(step, to_pure(params), to_pure(optimizer))
+        return from_pure(params, pure_params), from_pure(optimizer, pure_optim), extra
+
+    def _restore(self, step: int, params: dict, optimizer: dict) -> tuple[dict, dict, dict]:
+        self.check_identity(step)
         args = ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(params_state))),
-            optimizer=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(optim_state))),
+            params=ocp.args.StandardRestore(_abstract(params)),
+            optimizer=ocp.args.StandardRestore(_abstract(optimizer)),
             extra=ocp.args.JsonRestore(),
         )
         try:
             restored = self._manager.restore(step, args=args)
-            nnx.replace_by_pure_dict(params_state, restored.params)
-            nnx.replace_by_pure_dict(optim_state, restored.optimizer)
         except Exception as err:  # structure/shape mismatch or unreadable files
             raise CheckpointError(
                 f"cannot restore checkpoint {self.directory / str(step)}: {err}"
             ) from err
-        nnx.update(model, params_state)
-        nnx.update(optimizer, optim_state)
         logger.info("restored checkpoint step %d from %s", step, self.directory)
-        return dict(restored.extra or {})
+        return restored.params, restored.optimizer, dict(restored.extra or {})
 
     def stored_params(self, step: int) -> list[str]:
         """Dotted paths of the parameter arrays stored in checkpoint ``step``."""

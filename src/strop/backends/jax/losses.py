@@ -68,6 +68,31 @@ def _stat(values, mask) -> jax.Array:
     return jax.lax.stop_gradient(aggregate(values, mask, "token_mean"))
 
 
+def policy_terms(
+    logprobs,
+    old_logprobs,
+    advantages,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Per-token clipped-surrogate loss ``[B, L]`` and per-token statistics (``clipfrac``
+    and ``dual_clip_frac`` indicators, ``approx_kl``), before any aggregation."""
+    check_dual_clip(dual_clip)
+    log_ratio = _f32(logprobs) - _f32(old_logprobs)
+    ratio = jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    adv = _f32(advantages)
+    pg1 = -adv * ratio
+    pg2 = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clipped = jnp.maximum(pg1, pg2)
+    terms = {"clipfrac": (pg2 > pg1).astype(F32), "approx_kl": 0.5 * log_ratio * log_ratio}
+    if dual_clip is None:
+        return clipped, terms
+    bound = -adv * dual_clip
+    terms["dual_clip_frac"] = ((adv < 0) & (clipped > bound)).astype(F32)
+    return jnp.where(adv < 0, jnp.minimum(clipped, bound), clipped), terms
+
+
 def policy_loss(
     logprobs,
     old_logprobs,
@@ -81,22 +106,10 @@ def policy_loss(
     """Clipped-surrogate PPO loss and stats ``clipfrac``, ``approx_kl`` (and
     ``dual_clip_frac`` with a dual clip)."""
     check_aggregation(aggregation)
-    check_dual_clip(dual_clip)
-    log_ratio = _f32(logprobs) - _f32(old_logprobs)
-    ratio = jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-    adv = _f32(advantages)
-    pg1 = -adv * ratio
-    pg2 = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    clipped = jnp.maximum(pg1, pg2)
-    stats = {
-        "clipfrac": _stat((pg2 > pg1).astype(F32), mask),
-        "approx_kl": _stat(0.5 * log_ratio * log_ratio, mask),
-    }
-    per_token = clipped
-    if dual_clip is not None:
-        bound = -adv * dual_clip
-        per_token = jnp.where(adv < 0, jnp.minimum(clipped, bound), clipped)
-        stats["dual_clip_frac"] = _stat(((adv < 0) & (clipped > bound)).astype(F32), mask)
+    per_token, terms = policy_terms(
+        logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip
+    )
+    stats = {name: _stat(term, mask) for name, term in terms.items()}
     return aggregate(per_token, mask, aggregation), stats
 
 
@@ -105,6 +118,20 @@ def entropy_from_logits(logits) -> jax.Array:
     (column ``j`` is the distribution of ``x_{j+1}``: shift right to align)."""
     logp = jax.nn.log_softmax(_f32(logits), axis=-1)
     return -(jnp.exp(logp) * logp).sum(axis=-1)
+
+
+def value_terms(
+    values, old_values, returns, value_clip: float | None
+) -> tuple[jax.Array, jax.Array]:
+    """Per-token ``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)`` ``[B, L]`` and the
+    per-token indicator that the clipped branch won; ``value_clip`` 0/None: no clipping."""
+    v, r = _f32(values), _f32(returns)
+    unclipped = (v - r) ** 2
+    if not value_clip:
+        return 0.5 * unclipped, jnp.zeros(v.shape, F32)
+    old = _f32(old_values)
+    clipped = (jnp.clip(v, old - value_clip, old + value_clip) - r) ** 2
+    return 0.5 * jnp.maximum(unclipped, clipped), (clipped > unclipped).astype(F32)
 
 
 def value_loss(
@@ -118,15 +145,5 @@ def value_loss(
     """Clipped critic loss ``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)`` and stat
     ``vf_clipfrac``; ``value_clip`` 0 or None means no clipping."""
     check_aggregation(aggregation)
-    v, r = _f32(values), _f32(returns)
-    unclipped = (v - r) ** 2
-    if value_clip:
-        old = _f32(old_values)
-        v_clipped = jnp.clip(v, old - value_clip, old + value_clip)
-        clipped = (v_clipped - r) ** 2
-        per_token = 0.5 * jnp.maximum(unclipped, clipped)
-        frac = _stat((clipped > unclipped).astype(F32), mask)
-    else:
-        per_token = 0.5 * unclipped
-        frac = jnp.zeros((), F32)
-    return aggregate(per_token, mask, aggregation), {"vf_clipfrac": frac}
+    per_token, clipped = value_terms(values, old_values, returns, value_clip)
+    return aggregate(per_token, mask, aggregation), {"vf_clipfrac": _stat(clipped, mask)}

@@ -10,7 +10,7 @@ from the logits at position ``t - 1``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -24,6 +24,27 @@ from strop.backends.jax.model import CausalLM
 from strop.backends.jax.sharding import logical_to_partition_spec
 from strop.config import OptimConfig
 from strop.errors import ConfigError
+
+BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")
+
+
+def put_micro_batches(
+    batch: Mapping[str, np.ndarray], names: Sequence[str], micro_batches: int, mesh: Mesh
+) -> dict[str, jax.Array]:
+    """``batch[name]`` ``[B, ...]`` -> ``[micro, B/micro, ...]`` on ``mesh``, rows sharded
+    over the batch axes (the leading micro axis is scanned over, not sharded)."""
+    out = {}
+    for name in names:
+        array = np.asarray(batch[name])
+        if array.shape[0] % micro_batches:
+            raise ConfigError(
+                f"batch of {array.shape[0]} rows does not split into {micro_batches} micro-batches"
+            )
+        array = array.reshape(micro_batches, array.shape[0] // micro_batches, *array.shape[1:])
+        axes = (None, "batch") + (None,) * (array.ndim - 2)
+        spec = logical_to_partition_spec(axes, array.shape, mesh)
+        out[name] = jax.device_put(array, NamedSharding(mesh, spec))
+    return out
 
 
 def learning_rate_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -137,27 +158,16 @@ class Trainer:
 
         nnx.update(node, jax.tree.map(place, nnx.state(node)))
 
-    def _put(self, batch: Mapping[str, np.ndarray], micro_batches: int) -> dict[str, jax.Array]:
-        """Reshape ``[B, L]`` arrays to ``[micro, B/micro, L]`` and shard the batch axis."""
-        out = {}
-        for name in ("input_ids", "attention_mask", "loss_mask"):
-            array = np.asarray(batch[name])
-            if array.shape[0] % micro_batches:
-                raise ConfigError(
-                    f"batch of {array.shape[0]} rows does not split into {micro_batches} "
-                    "micro-batches"
-                )
-            array = array.reshape(micro_batches, array.shape[0] // micro_batches, -1)
-            spec = logical_to_partition_spec((None, "batch", None), array.shape, self.mesh)
-            out[name] = jax.device_put(array, NamedSharding(self.mesh, spec))
-        return out
-
     def step(self, batch: Mapping[str, np.ndarray], micro_batches: int = 1) -> dict[str, float]:
         """One optimizer step over ``batch`` (``[B, L]`` numpy), in ``micro_batches`` passes.
 
         Returns host floats: ``loss`` (mean over target tokens), ``tokens``, ``grad_norm``.
         """
         metrics = self._step(
-            self.model, self.optimizer, self._put(batch, micro_batches), self.trainable, self.traces
+            self.model,
+            self.optimizer,
+            put_micro_batches(batch, BATCH_KEYS, micro_batches, self.mesh),
+            self.trainable,
+            self.traces,
         )
         return {name: float(value) for name, value in jax.device_get(metrics).items()}

@@ -70,6 +70,31 @@ def _stat(values, mask) -> torch.Tensor:
     return aggregate(values, mask, "token_mean").detach()
 
 
+def policy_terms(
+    logprobs,
+    old_logprobs,
+    advantages,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token clipped-surrogate loss ``[B, L]`` and per-token statistics (``clipfrac``
+    and ``dual_clip_frac`` indicators, ``approx_kl``), before any aggregation."""
+    check_dual_clip(dual_clip)
+    log_ratio = _f32(logprobs) - _f32(old_logprobs)
+    ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    adv = _f32(advantages)
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clipped = torch.maximum(pg1, pg2)
+    terms = {"clipfrac": (pg2 > pg1).to(F32), "approx_kl": 0.5 * log_ratio * log_ratio}
+    if dual_clip is None:
+        return clipped, terms
+    bound = -adv * dual_clip
+    terms["dual_clip_frac"] = ((adv < 0) & (clipped > bound)).to(F32)
+    return torch.where(adv < 0, torch.minimum(clipped, bound), clipped), terms
+
+
 def policy_loss(
     logprobs,
     old_logprobs,
@@ -83,22 +108,10 @@ def policy_loss(
     """Clipped-surrogate PPO loss and stats ``clipfrac``, ``approx_kl`` (and
     ``dual_clip_frac`` with a dual clip)."""
     check_aggregation(aggregation)
-    check_dual_clip(dual_clip)
-    log_ratio = _f32(logprobs) - _f32(old_logprobs)
-    ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-    adv = _f32(advantages)
-    pg1 = -adv * ratio
-    pg2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    clipped = torch.maximum(pg1, pg2)
-    stats = {
-        "clipfrac": _stat((pg2 > pg1).to(F32), mask),
-        "approx_kl": _stat(0.5 * log_ratio * log_ratio, mask),
-    }
-    per_token = clipped
-    if dual_clip is not None:
-        bound = -adv * dual_clip
-        per_token = torch.where(adv < 0, torch.minimum(clipped, bound), clipped)
-        stats["dual_clip_frac"] = _stat(((adv < 0) & (clipped > bound)).to(F32), mask)
+    per_token, terms = policy_terms(
+        logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip
+    )
+    stats = {name: _stat(term, mask) for name, term in terms.items()}
     return aggregate(per_token, mask, aggregation), stats
 
 
@@ -107,6 +120,20 @@ def entropy_from_logits(logits) -> torch.Tensor:
     (column ``j`` is the distribution of ``x_{j+1}``: shift right to align)."""
     logp = torch.log_softmax(_f32(logits), dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)
+
+
+def value_terms(
+    values, old_values, returns, value_clip: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)`` ``[B, L]`` and the
+    per-token indicator that the clipped branch won; ``value_clip`` 0/None: no clipping."""
+    v, r = _f32(values), _f32(returns)
+    unclipped = (v - r) ** 2
+    if not value_clip:
+        return 0.5 * unclipped, torch.zeros_like(v)
+    old = _f32(old_values)
+    clipped = (torch.clamp(v, old - value_clip, old + value_clip) - r) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).to(F32)
 
 
 def value_loss(
@@ -120,15 +147,5 @@ def value_loss(
     """Clipped critic loss ``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)`` and stat
     ``vf_clipfrac``; ``value_clip`` 0 or None means no clipping."""
     check_aggregation(aggregation)
-    v, r = _f32(values), _f32(returns)
-    unclipped = (v - r) ** 2
-    if value_clip:
-        old = _f32(old_values)
-        v_clipped = torch.clamp(v, old - value_clip, old + value_clip)
-        clipped = (v_clipped - r) ** 2
-        per_token = 0.5 * torch.maximum(unclipped, clipped)
-        frac = _stat((clipped > unclipped).to(F32), mask)
-    else:
-        per_token = 0.5 * unclipped
-        frac = torch.zeros((), dtype=F32, device=v.device)
-    return aggregate(per_token, mask, aggregation), {"vf_clipfrac": frac}
+    per_token, clipped = value_terms(values, old_values, returns, value_clip)
+    return aggregate(per_token, mask, aggregation), {"vf_clipfrac": _stat(clipped, mask)}

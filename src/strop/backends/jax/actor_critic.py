@@ -1,0 +1,291 @@
+"""The JAX backend's PPO models: actor, critic and reference over one base, numpy in/out.
+
+This is what :func:`strop.rl.ppo.run_ppo` drives (``strop.backends.base.ActorCritic``).
+
+Roles are held functionally (see :mod:`strop.backends.jax.ppo_steps`):
+
+- **LoRA on**: one base model is loaded once. The actor and the critic are two LoRA
+  adapters over it (two Qwix injections with different seeds into twin module trees
+  whose base variables hold the *same* arrays), and the critic adds a float32
+  :class:`~strop.backends.jax.value.ValueHead` that trains in full (invariant 5: its
+  trainable filter is LoRA params *or* the head). The reference is the base with a
+  zero adapter (exactly the base: ``x W + (x A) 0``), or the frozen SFT adapter named
+  by ``ppo.reference_adapter`` / ``lora.restore_path`` (invariant 6).
+- **LoRA off**: the actor trains every weight, the critic is a second model (from
+  ``critic.model_path`` or ``model.path``) plus the head, and the reference is a frozen
+  copy of the actor's initial weights: three models, as full-parameter PPO needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from strop.backends.jax import ppo_steps
+from strop.backends.jax.checkpoint import TrainCheckpoints
+from strop.backends.jax.generate import generate
+from strop.backends.jax.lora import adapter_weights, apply_lora, set_adapter_weights
+from strop.backends.jax.sharding import batch_sharding, make_mesh
+from strop.backends.jax.train import make_optimizer, put_micro_batches
+from strop.backends.jax.value import ValueModel
+from strop.backends.jax.weights import load_hf_model
+from strop.config import Config
+from strop.errors import ConfigError
+from strop.generation import Decoder, Generation, SamplingParams
+from strop.io.peft import read_adapter_for, save_adapter_for
+from strop.io.run_identity import run_identity
+from strop.rl.objectives import PolicyObjective, ValueObjective
+
+logger = logging.getLogger(__name__)
+
+POLICY_BATCH = ("input_ids", "attention_mask", "loss_weights", "old_logprobs", "advantages")
+CRITIC_BATCH = ("input_ids", "attention_mask", "loss_weights", "old_values", "returns")
+CRITIC_SEED_OFFSET = 1  # the critic's adapter and head are seeded from seed + 1
+
+
+def critic_trainable_filter(lora_enabled: bool) -> nnx.filterlib.Filter:
+    """What trains in the critic: its LoRA params (or all params) *and* the value head."""
+    if not lora_enabled:
+        return nnx.Param
+    return nnx.Any(nnx.LoRAParam, nnx.All(nnx.Param, nnx.PathContains("value_head")))
+
+
+def _twin(module: nnx.Module) -> nnx.Module:
+    """A second module tree over the same arrays (no copy of any weight)."""
+    return nnx.merge(*nnx.split(module))
+
+
+class JaxActorCritic:
+    """Actor, critic and reference for PPO on a JAX mesh."""
+
+    backend = "jax"
+
+    def __init__(
+        self, config: Config, *, total_updates: int, checkpoint_dir: str | os.PathLike | None
+    ):
+        if config.model.path is None:
+            raise ConfigError("model.path: set it to a Hugging Face checkpoint directory")
+        if config.lora.dropout > 0:
+            raise ConfigError("lora.dropout: the jax backend supports only 0 for now")
+        self.config = config
+        self.mesh = make_mesh(config.mesh)
+        self.policy_objective = PolicyObjective.from_config(config)
+        load = partial(
+            load_hf_model,
+            mesh=self.mesh,
+            dtype=config.model.dtype,
+            param_dtype=config.model.param_dtype,
+        )
+        lm = load(config.model.path)
+        critic_seed = config.seed + CRITIC_SEED_OFFSET
+        if config.lora.enabled:
+            critic_lm = apply_lora(_twin(lm), config.lora, seed=critic_seed)
+            lm = apply_lora(lm, config.lora, seed=config.seed)
+        else:
+            critic_lm = load(config.critic.model_path or config.model.path)
+        self.actor_graph, self.actor, self.frozen = nnx.split(
+            lm, nnx.LoRAParam if config.lora.enabled else nnx.Param, ...
+        )
+        critic = ValueModel(critic_lm, seed=critic_seed, mesh=self.mesh)
+        self.critic_graph, self.critic, self.critic_frozen = nnx.split(
+            critic, critic_trainable_filter(config.lora.enabled), ...
+        )
+        self.reference = self._initial_reference()
+
+        actor_tx = make_optimizer(config.optim, total_updates)
+        critic_tx = make_optimizer(config.critic_optim(), total_updates)
+        self.actor_opt = self._replicate_unplaced(actor_tx.init(self.actor))
+        self.critic_opt = self._replicate_unplaced(critic_tx.init(self.critic))
+        self._policy_update = jax.jit(
+            partial(ppo_steps.policy_update, self.actor_graph, self.policy_objective, actor_tx),
+            donate_argnums=(0, 1),
+        )
+        self._critic_update = jax.jit(
+            partial(
+                ppo_steps.critic_update,
+                self.critic_graph,
+                ValueObjective.from_config(config),
+                critic_tx,
+            ),
+            donate_argnums=(0, 1),
+        )
+        self.checkpoints = (
+            None
+            if checkpoint_dir is None
+            else TrainCheckpoints(
+                checkpoint_dir,
+                {**run_identity(config.model.path, config.lora, backend="jax"), "job": "ppo"},
+                keep=config.checkpoint.keep,
+            )
+        )
+
+    # construction helpers ----------------------------------------------------------------
+
+    def _initial_reference(self) -> nnx.State:
+        """The reference's trainable-shaped part: a zero adapter (= the base), the SFT
+        adapter it is told to be, or (full fine-tuning) a copy of the initial weights."""
+        config = self.config
+        if not config.lora.enabled:
+            return jax.tree.map(jnp.copy, self.actor)
+        reference = jax.tree.map(jnp.zeros_like, self.actor)
+        path = config.reference_adapter_path()
+        if path is not None:
+            module = nnx.merge(self.actor_graph, reference, self.frozen)
+            set_adapter_weights(module, read_adapter_for(path, config.lora), str(path))
+            reference = nnx.state(module, nnx.LoRAParam)
+            logger.info("reference policy: the adapter at %s (frozen)", path)
+        return reference
+
+    def _replicate_unplaced(self, tree: Any) -> Any:
+        """Put arrays created off the mesh (optimizer counters) on it, replicated, so the
+        second update does not compile again for a different input sharding."""
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+
+        def place(x):
+            if isinstance(x, jax.Array) and not isinstance(x.sharding, NamedSharding):
+                return jax.device_put(x, replicated)
+            return x
+
+        return jax.tree.map(place, tree)
+
+    def _put(self, batch: dict[str, np.ndarray], names: Sequence[str]) -> dict[str, jax.Array]:
+        return {
+            name: jax.device_put(
+                np.asarray(batch[name]), batch_sharding(batch[name].shape, self.mesh)
+            )
+            for name in names
+        }
+
+    def _rows(self, batch: dict[str, np.ndarray], fn) -> np.ndarray:
+        """``fn(ids, mask)`` over the batch in chunks of ``ppo.micro_batch_size`` rows."""
+        rows = len(batch["input_ids"])
+        step = min(self.config.ppo.rows_per_micro_batch, rows)
+        out = []
+        for begin in range(0, rows, step):
+            chunk = {k: batch[k][begin : begin + step] for k in ("input_ids", "attention_mask")}
+            arrays = self._put(chunk, ("input_ids", "attention_mask"))
+            out.append(
+                np.asarray(jax.device_get(fn(arrays["input_ids"], arrays["attention_mask"])))
+            )
+        return np.concatenate(out, axis=0).astype(np.float32)
+
+    # the ActorCritic surface -------------------------------------------------------------
+
+    @property
+    def is_main(self) -> bool:
+        """Process 0 writes files, logs and progress bars."""
+        return jax.process_index() == 0
+
+    def actor_module(self) -> nnx.Module:
+        """The actor as a module (over the live arrays: no copy)."""
+        return nnx.merge(self.actor_graph, self.actor, self.frozen)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        seed: int,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        tokenizer: Decoder | None = None,
+    ) -> Generation:
+        """Sample a response to each prompt from the actor."""
+        return generate(
+            self.actor_module(), prompts, params, eos_ids=eos_ids, pad_id=pad_id, seed=seed,
+            tokenizer=tokenizer,
+        )  # fmt: skip
+
+    def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:
+        """``[B, L]`` ``log pi(x_t | x_<t)`` at the rollout temperature, of the actor or the
+        reference."""
+        trainable = self.reference if reference else self.actor
+        temperature = self.policy_objective.temperature
+        return self._rows(
+            batch,
+            lambda ids, mask: ppo_steps.logprobs(
+                self.actor_graph, trainable, self.frozen, ids, mask, temperature
+            ),
+        )
+
+    def values(self, batch: dict[str, np.ndarray]) -> np.ndarray:
+        """``[B, L]`` critic values ``V(x_<t)``."""
+        return self._rows(
+            batch,
+            lambda ids, mask: ppo_steps.values(
+                self.critic_graph, self.critic, self.critic_frozen, ids, mask
+            ),
+        )
+
+    def train_policy(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
+        """One actor update over the mini-batch ``batch`` (see :mod:`ppo_steps`)."""
+        names = POLICY_BATCH + (("ref_logprobs",) if self.policy_objective.kl_in_loss else ())
+        arrays = put_micro_batches(batch, names, micro_batches, self.mesh)
+        self.actor, self.actor_opt, stats = self._policy_update(
+            self.actor, self.actor_opt, self.frozen, arrays
+        )
+        return _host(stats)
+
+    def train_critic(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
+        """One critic update over the mini-batch ``batch``."""
+        arrays = put_micro_batches(batch, CRITIC_BATCH, micro_batches, self.mesh)
+        self.critic, self.critic_opt, stats = self._critic_update(
+            self.critic, self.critic_opt, self.critic_frozen, arrays
+        )
+        return _host(stats)
+
+    # checkpoints -------------------------------------------------------------------------
+
+    def latest_checkpoint(self) -> int | None:
+        return None if self.checkpoints is None else self.checkpoints.latest_step()
+
+    def save_checkpoint(self, step: int, extra: dict[str, Any]) -> None:
+        self.checkpoints.save_trees(step, self._params(), self._optimizers(), extra)
+
+    def restore_checkpoint(self, step: int) -> dict[str, Any]:
+        params, optimizers, extra = self.checkpoints.restore_trees(
+            step, self._params(), self._optimizers()
+        )
+        self.actor, self.critic = params["actor"], params["critic"]
+        self.actor_opt, self.critic_opt = optimizers["actor"], optimizers["critic"]
+        return extra
+
+    def _params(self) -> dict[str, Any]:
+        return {"actor": self.actor, "critic": self.critic}
+
+    def _optimizers(self) -> dict[str, Any]:
+        return {"actor": self.actor_opt, "critic": self.critic_opt}
+
+    # adapters and exports ----------------------------------------------------------------
+
+    def load_adapter(self, path: str | os.PathLike) -> None:
+        """Seed the actor's LoRA weights from a PEFT adapter directory."""
+        module = self.actor_module()
+        set_adapter_weights(module, read_adapter_for(path, self.config.lora), str(path))
+        self.actor = nnx.state(module, nnx.LoRAParam)
+
+    def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the actor's LoRA weights as a PEFT adapter directory."""
+        if not self.config.lora.enabled:
+            raise ConfigError("export_adapter needs lora.enabled=true")
+        return save_adapter_for(
+            path,
+            adapter_weights(self.actor_module()),
+            self.config.lora,
+            base_model=self.config.model.path,
+            overwrite=overwrite,
+        )
+
+
+def _host(stats: dict[str, jax.Array]) -> dict[str, float]:
+    return {name: float(value) for name, value in jax.device_get(stats).items()}

@@ -1,0 +1,94 @@
+"""One PPO iteration's training data, in numpy: from a scored rollout and the three forward
+passes (old log-probabilities, reference log-probabilities, values) to the arrays the
+backends' updates read, plus the mini-batches they are read in.
+
+Everything is ``[B, L]`` in the teacher-forcing layout of :mod:`strop.rl.rollout`; the
+token convention, GAE and whitening are :mod:`strop.rl.gae`'s (the oracle), so only it
+computes advantages and returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from strop.config import PpoConfig
+from strop.rl import gae
+from strop.rl.losses_reference import explained_variance, kl_penalty
+from strop.rl.objectives import aggregation_weights
+
+
+def pad_columns(batch: dict[str, np.ndarray], multiple: int) -> dict[str, np.ndarray]:
+    """Right-pad every ``[B, L]`` array with zeros to a multiple of ``multiple`` columns,
+    so a jitted step sees few distinct lengths. Padding is masked (attention 0, response 0)."""
+    width = next(iter(batch.values())).shape[1]
+    target = -(-width // multiple) * multiple
+    if target == width:
+        return batch
+    return {k: np.pad(v, ((0, 0), (0, target - width))) for k, v in batch.items()}
+
+
+def build_experience(
+    batch: dict[str, np.ndarray],
+    scores: np.ndarray,
+    old_logprobs: np.ndarray,
+    ref_logprobs: np.ndarray,
+    values: np.ndarray,
+    ppo: PpoConfig,
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """The update's arrays and the rollout's statistics.
+
+    Args:
+      batch: ``input_ids``, ``attention_mask``, ``response_mask`` of the rollout.
+      scores: ``[B]`` one reward per response (placed on its last token).
+      old_logprobs, ref_logprobs, values: ``[B, L]`` from the actor, the reference and the
+        critic before any update (column ``t`` about ``x_t``).
+      ppo: the ``ppo:`` config (gamma, lambdas, KL, whitening).
+
+    Returns:
+      ``(arrays, stats)``: ``arrays`` adds ``old_logprobs``, ``ref_logprobs``,
+      ``old_values``, ``advantages``, ``returns`` (float32); ``stats`` has ``policy/kl``
+      (mean KL estimate to the reference per response token), ``critic/explained_var``,
+      ``critic/value_mean``, ``critic/return_mean``, ``policy/advantage_std``.
+    """
+    mask = batch["response_mask"].astype(np.float32)
+    kl = kl_penalty(old_logprobs, ref_logprobs, ppo.kl_estimator)
+    rewards = gae.token_rewards(
+        np.asarray(scores, np.float64), mask, kl=kl if ppo.kl_in_reward else None,
+        kl_coef=ppo.kl_coef if ppo.kl_in_reward else 0.0,
+    )  # fmt: skip
+    advantages, returns = gae.advantages_and_returns(
+        rewards, values, mask, ppo.gamma, ppo.lam, lam_returns=ppo.lam_returns
+    )
+    if ppo.whiten_advantages:
+        advantages = gae.masked_whiten(advantages, mask)
+    arrays = {
+        **batch,
+        "old_logprobs": np.asarray(old_logprobs, np.float32),
+        "ref_logprobs": np.asarray(ref_logprobs, np.float32),
+        "old_values": np.asarray(values, np.float32),
+        "advantages": np.asarray(advantages, np.float32),
+        "returns": np.asarray(returns, np.float32),
+    }
+    stats = {
+        "policy/kl": float(gae.masked_mean(kl, mask)),
+        "critic/explained_var": explained_variance(values, returns, mask),
+        "critic/value_mean": float(gae.masked_mean(values, mask)),
+        "critic/return_mean": float(gae.masked_mean(returns, mask)),
+    }
+    return arrays, stats
+
+
+def minibatches(
+    arrays: dict[str, np.ndarray], size: int, aggregation: str, rng: np.random.Generator
+) -> Iterator[dict[str, np.ndarray]]:
+    """The rows in a random order, ``size`` at a time, each mini-batch with its
+    ``loss_weights`` (:func:`strop.rl.objectives.aggregation_weights`)."""
+    rows = len(arrays["input_ids"])
+    order = rng.permutation(rows)
+    for begin in range(0, rows, size):
+        index = order[begin : begin + size]
+        mini = {name: value[index] for name, value in arrays.items()}
+        mini["loss_weights"] = aggregation_weights(mini["response_mask"], aggregation)
+        yield mini

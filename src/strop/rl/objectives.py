@@ -1,0 +1,86 @@
+"""What the PPO updates optimise, as plain settings both backends read, and the loss weights
+that make micro-batching and data parallelism exact.
+
+A PPO loss is an aggregate of per-token terms over a mini-batch's response tokens
+(``token_mean`` or ``sequence_mean``, see :func:`strop.rl.losses_reference.aggregate`).
+Both aggregates are linear in the per-token terms, so the core computes, once per
+mini-batch, weights ``w [B, L]`` with ``aggregate(x, mask, mode) == (x * w).sum()``. A
+backend then sums ``x * w`` over whatever rows it holds (a micro-batch, a rank's shard)
+and the sums add up to the mini-batch loss exactly, with no division by a local count
+(ARCHITECTURE invariant 9). Statistics (clip fractions, entropy, KL) use the same weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from strop.config import Config
+from strop.rl.losses_reference import Aggregation, KlEstimator, check_aggregation
+
+
+@dataclass(frozen=True)
+class PolicyObjective:
+    """The actor's loss: clipped surrogate, optional KL-to-reference term, entropy bonus.
+
+    ``temperature`` is the rollout's: current, old and reference log-probabilities all
+    come from ``logits / temperature`` (ARCHITECTURE invariant 4). ``kl_coef`` is used
+    here only when the KL is a loss term (``kl_in_loss``); in the reward it is the core's.
+    Frozen and hashable: the JAX backend passes it to ``jit`` as a static argument.
+    """
+
+    temperature: float
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    kl_in_loss: bool
+    kl_coef: float
+    kl_estimator: KlEstimator
+    entropy_coef: float
+
+    @classmethod
+    def from_config(cls, config: Config) -> PolicyObjective:
+        ppo = config.ppo
+        return cls(
+            temperature=config.generation.temperature,
+            clip_low=ppo.clip_low,
+            clip_high=ppo.clip_high,
+            dual_clip=ppo.dual_clip,
+            kl_in_loss=not ppo.kl_in_reward and ppo.kl_coef > 0,
+            kl_coef=ppo.kl_coef,
+            kl_estimator=ppo.kl_estimator,
+            entropy_coef=ppo.entropy_coef,
+        )
+
+
+@dataclass(frozen=True)
+class ValueObjective:
+    """The critic's loss: ``coef * 0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2)``."""
+
+    value_clip: float | None
+    coef: float
+
+    @classmethod
+    def from_config(cls, config: Config) -> ValueObjective:
+        return cls(value_clip=config.ppo.value_clip or None, coef=config.ppo.value_loss_coef)
+
+
+def aggregation_weights(mask: np.ndarray, mode: Aggregation) -> np.ndarray:
+    """``w [B, L] float32`` with ``(x * w).sum() == aggregate(x, mask, mode)`` for any ``x``.
+
+    ``token_mean``: ``1 / (response tokens in the batch)`` on each response token.
+    ``sequence_mean``: ``1 / (len(row) * rows with a response token)`` on each of a row's
+    response tokens. Zero off the response, and all zero for a batch without one.
+    """
+    check_aggregation(mode)
+    on = (np.asarray(mask) > 0).astype(np.float64)
+    if on.ndim != 2:
+        raise ValueError(f"mask must be [B, L], got shape {on.shape}")
+    if mode == "token_mean":
+        weights = on / max(on.sum(), 1.0)
+    else:
+        counts = on.sum(axis=1, keepdims=True)
+        rows = max(int((counts > 0).sum()), 1)
+        weights = on / np.maximum(counts, 1.0) / rows
+    return weights.astype(np.float32)

@@ -1,0 +1,281 @@
+"""The PPO loop with a learned critic, backend-neutral (`strop ppo RECIPE`).
+
+Per iteration (``ppo.steps`` of them):
+
+1. draw ``ppo.prompts_per_step`` prompts (a seeded permutation per pass over the data, so
+   the draw is a pure function of seed and step) and sample
+   ``ppo.num_generations_per_prompt`` responses to each from the actor;
+2. score each response with the reward ``ppo.reward`` (the gold is the record's answer);
+3. one forward each for old log-probabilities (actor), reference log-probabilities and
+   values (critic), at the rollout temperature;
+4. token rewards (score on the last response token, KL penalty per token when it is in
+   the reward), GAE advantages and returns, optional whitening (:mod:`strop.rl.gae`);
+5. ``ppo.ppo_epochs`` passes over shuffled mini-batches: a critic update, then (after
+   ``ppo.critic_warmup_steps`` iterations) a policy update;
+6. metrics, greedy validation on held-out prompts every ``ppo.validate_every``
+   iterations, and a checkpoint of actor and critic every ``checkpoint.every_steps``.
+
+Every random choice is seeded from ``(seed, step)``, so a run killed and resumed from its
+latest checkpoint computes what an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from strop import rewards
+from strop.backends import get_backend
+from strop.config import Config
+from strop.data import Tokenizer, read_examples
+from strop.data.prompts import gold_answer, prompt_ids
+from strop.errors import ConfigError
+from strop.generation import SamplingParams
+from strop.io.hf import read_model_spec
+from strop.metrics import MetricsWriter
+from strop.rl.experience import build_experience, minibatches, pad_columns
+from strop.rl.rollout import Rollout, token_mult_prob_error
+
+logger = logging.getLogger(__name__)
+
+COLUMN_MULTIPLE = 16  # rollout batches are padded to this many columns (fewer compiles)
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """Prompts (token ids), their gold answers and texts, read from a data file."""
+
+    ids: list[list[int]]
+    golds: list[str]
+    texts: list[str]
+
+    @classmethod
+    def read(cls, path: str, config: Config, tokenizer: Tokenizer, limit: int = 0) -> PromptSet:
+        examples, _ = read_examples(
+            path,
+            config.data.format,
+            skip_bad_lines=config.data.skip_bad_lines,
+            prompt_template=config.data.prompt_template,
+        )
+        if limit:
+            examples = examples[:limit]
+        if not examples:
+            raise ConfigError(f"{path}: no prompts to train or validate on")
+        return cls(
+            ids=[prompt_ids(example, tokenizer) for example in examples],
+            golds=[gold_answer(example) for example in examples],
+            texts=[example.prompt or "" for example in examples],
+        )
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def draw(self, step: int, count: int, seed: int) -> list[int]:
+        """Indices of the ``count`` prompts of iteration ``step``: consecutive slices of a
+        permutation that is reshuffled (seeded) for every pass over the data."""
+        out: list[int] = []
+        position = step * count
+        while len(out) < count:
+            epoch, offset = divmod(position, len(self))
+            order = np.random.default_rng([seed, epoch]).permutation(len(self))
+            take = min(count - len(out), len(self) - offset)
+            out.extend(int(i) for i in order[offset : offset + take])
+            position += take
+        return out
+
+
+@dataclass(frozen=True)
+class PpoResult:
+    """What a finished (or stopped) run produced."""
+
+    run_dir: Path
+    final_step: int
+    resumed_from: int | None
+    history: list[dict[str, float]]  # one metrics record per iteration run in this call
+    adapter_path: Path | None
+    is_main: bool = True
+
+
+def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
+    """Train for ``ppo.steps`` iterations (or until ``stop_after``), resuming if possible."""
+    _check(config)
+    ppo, run_dir = config.ppo, Path(config.run_dir)
+    tokenizer = Tokenizer.from_pretrained(config.model.path)
+    train = PromptSet.read(config.data.train_path, config, tokenizer)
+    validation = None
+    if config.data.eval_path and ppo.validate_every:
+        validation = PromptSet.read(config.data.eval_path, config, tokenizer, ppo.validation_size)
+    reward = rewards.get(ppo.reward)
+    eos_ids = sorted({tokenizer.eos_token_id, *read_model_spec(config.model.path).eos_token_ids})
+    sampling = SamplingParams.from_config(config.generation)
+
+    engine = get_backend(config.backend).build_actor_critic(
+        config,
+        total_updates=ppo.optimizer_updates(),
+        checkpoint_dir=config.checkpoint.dir or run_dir / "checkpoints",
+    )
+    start, resumed_from = 0, engine.latest_checkpoint()
+    if resumed_from is not None:
+        start = int(engine.restore_checkpoint(resumed_from)["step"])
+        logger.info("resumed from checkpoint step %d in %s", start, run_dir)
+        if config.lora.restore_path:
+            logger.info("ignoring lora.restore_path for the actor on a resumed run")
+    elif config.lora.restore_path:
+        engine.load_adapter(config.lora.restore_path)
+        logger.info("initialised the actor's adapter from %s", config.lora.restore_path)
+
+    def validate() -> float:
+        return validation_accuracy(engine, validation, tokenizer, reward, sampling, eos_ids, config)
+
+    end = ppo.steps if stop_after is None else min(stop_after, ppo.steps)
+    history: list[dict[str, float]] = []
+    with (
+        MetricsWriter(
+            run_dir, tensorboard=config.logging.tensorboard, enabled=engine.is_main
+        ) as writer,
+        _progress(disable=not engine.is_main) as bar,
+    ):
+        if validation is not None and start == 0:
+            writer.write(0, {"validation/accuracy": validate()})
+        task = bar.add_task("ppo", total=ppo.steps, completed=start, reward=0.0, acc=float("nan"))
+        for step in range(start, end):
+            context = (engine, train, tokenizer, reward, sampling, eos_ids, config)
+            record = ppo_iteration(step, *context)
+            done = step + 1
+            if validation is not None and done % ppo.validate_every == 0:
+                record["validation/accuracy"] = validate()
+            history.append(record)
+            writer.write(done, record)
+            if done % config.checkpoint.every_steps == 0 or done == ppo.steps:
+                engine.save_checkpoint(done, {"step": done, "seed": config.seed})
+            bar.update(
+                task,
+                completed=done,
+                reward=record["train/reward"],
+                acc=record.get("validation/accuracy", bar.tasks[task].fields["acc"]),
+            )
+
+    adapter_path = None
+    if end == ppo.steps and config.lora.enabled:
+        adapter_path = engine.export_adapter(run_dir / "adapter", overwrite=True)
+        logger.info("exported the actor's adapter to %s", adapter_path)
+    return PpoResult(run_dir, end, resumed_from, history, adapter_path, engine.is_main)
+
+
+def _check(config: Config) -> None:
+    if config.model.path is None or config.data.train_path is None:
+        raise ConfigError("strop ppo needs model.path and data.train_path")
+    if config.generation.temperature <= 0:
+        raise ConfigError(
+            "generation.temperature must be > 0 for PPO: the policy's log-probabilities are "
+            "taken at the sampling temperature"
+        )
+    if config.ppo.validate_every and not config.data.eval_path:
+        raise ConfigError("ppo.validate_every > 0 needs data.eval_path (held-out prompts)")
+
+
+def ppo_iteration(step, engine, train, tokenizer, reward, sampling, eos_ids, config):
+    """Run iteration ``step`` (0-based) and return its metrics."""
+    ppo, seed = config.ppo, config.seed
+    timings: dict[str, float] = {}
+    began = time.perf_counter()
+
+    def timed(name, fn, *args, **kwargs):
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        timings[f"timing/{name}"] = timings.get(f"timing/{name}", 0.0) + time.perf_counter() - t
+        return out
+
+    chosen = train.draw(step, ppo.prompts_per_step, seed)
+    rows = [i for i in chosen for _ in range(ppo.num_generations_per_prompt)]
+    prompts = [train.ids[i] for i in rows]
+    generation = timed(
+        "generate", engine.generate, prompts, sampling, seed=_seed(seed, step),
+        eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, tokenizer=tokenizer,
+    )  # fmt: skip
+    rollout = Rollout.from_generation(prompts, generation, tokenizer)
+    before = reward.stats
+    texts, golds = [train.texts[i] for i in rows], [train.golds[i] for i in rows]
+    scores = np.asarray(timed("reward", reward, texts, rollout.response_texts, answer=golds))
+    batch = pad_columns(rollout.teacher_forcing_batch(tokenizer.pad_token_id), COLUMN_MULTIPLE)
+    old = timed("logprobs", engine.logprobs, batch)
+    ref = timed("logprobs", engine.logprobs, batch, reference=True)
+    values = timed("values", engine.values, batch)
+    arrays, stats = build_experience(batch, scores, old, ref, values, ppo)
+    sampled = pad_columns({"x": rollout.align(rollout.logprobs)}, COLUMN_MULTIPLE)["x"]
+
+    updates: dict[str, list[float]] = defaultdict(list)
+    micro_batches = ppo.mini_batch_size // ppo.rows_per_micro_batch
+    train_policy = step >= ppo.critic_warmup_steps
+    for epoch in range(ppo.ppo_epochs):
+        rng = np.random.default_rng([seed, step, epoch])
+        for mini in minibatches(arrays, ppo.mini_batch_size, ppo.loss_aggregation, rng):
+            for name, value in timed(
+                "train_critic", engine.train_critic, mini, micro_batches
+            ).items():
+                updates[f"critic/{name}"].append(value)
+            if train_policy:
+                for name, value in timed(
+                    "train_policy", engine.train_policy, mini, micro_batches
+                ).items():
+                    updates[f"policy/{name}"].append(value)
+
+    seconds = time.perf_counter() - began
+    tokens = float(rollout.lengths.sum())
+    record = {
+        "train/reward": float(scores.mean()),
+        "train/response_length": float(rollout.lengths.mean()),
+        "train/stopped_fraction": float(np.mean([r == "stop" for r in rollout.finish_reasons])),
+        "token_mult_prob_error": token_mult_prob_error(sampled, old, batch["response_mask"]),
+        **stats,
+        **{name: float(np.mean(values)) for name, values in updates.items()},
+        **timings,
+        "timing/step": seconds,
+        "throughput/tokens_per_s": tokens / seconds,
+        **(reward.stats - before).as_metrics(),
+    }
+    return record
+
+
+def validation_accuracy(engine, prompts, tokenizer, reward, sampling, eos_ids, config) -> float:
+    """Greedy accuracy (mean reward >= 1) of the actor on the validation prompts."""
+    greedy = SamplingParams(
+        max_new_tokens=sampling.max_new_tokens, temperature=0.0,
+        stop_strings=sampling.stop_strings,
+    )  # fmt: skip
+    size = config.ppo.rollouts_per_step
+    correct = 0
+    for begin in range(0, len(prompts), size):
+        ids = prompts.ids[begin : begin + size]
+        generation = engine.generate(
+            ids, greedy, seed=config.seed, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
+            tokenizer=tokenizer,
+        )  # fmt: skip
+        texts = [tokenizer.decode(r, skip_special_tokens=True) for r in generation.responses()]
+        scores = reward(
+            prompts.texts[begin : begin + size], texts, answer=prompts.golds[begin : begin + size]
+        )
+        correct += sum(score >= 1.0 for score in scores)
+    return correct / len(prompts)
+
+
+def _seed(seed: int, step: int) -> int:
+    return int(np.random.SeedSequence([seed, step]).generate_state(1)[0] >> 1)
+
+
+def _progress(disable: bool = False) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("reward {task.fields[reward]:.3f}"),
+        TextColumn("val acc {task.fields[acc]:.1%}"),
+        TimeRemainingColumn(),
+        disable=disable,
+    )
