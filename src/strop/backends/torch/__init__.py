@@ -1,8 +1,17 @@
 """The torch backend: ``transformers`` models, PEFT LoRA, FSDP2/DTensor sharding, DCP."""
 
+from strop.backends.torch.actor_critic import TorchActorCritic
 from strop.backends.torch.handle import TorchModelHandle, load_model
 from strop.backends.torch.policy import TorchPolicy
 
 build_policy = TorchPolicy
+build_actor_critic = TorchActorCritic
 
-__all__ = ["TorchModelHandle", "TorchPolicy", "build_policy", "load_model"]
+__all__ = [
+    "TorchActorCritic",
+    "TorchModelHandle",
+    "TorchPolicy",
+    "build_actor_critic",
+    "build_policy",
+    "load_model",
+]

@@ -115,12 +115,28 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype) 
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
-    return model
+    return shard_module(model, mesh, compute_dtype)
+
+
+def shard_module(module: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype) -> nn.Module:
+    """``fully_shard`` ``module`` as one unit (e.g. PPO's value head); every FSDP module
+    inside it reduces gradients by plain sum (see the module docstring)."""
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    fully_shard(module, mesh=mesh, mp_policy=policy)
+    for inner in module.modules():
+        if isinstance(inner, FSDPModule):
+            inner.set_gradient_divide_factor(1.0)
+            inner.set_force_sum_reduction_for_comms(True)
+    return module
+
+
+def all_gather_rows(tensor: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """Concatenate every rank's ``[rows, ...]`` tensor in rank order (equal shapes)."""
+    if not placement.distributed:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(placement.world_size)]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts)
 
 
 def all_reduce_sum(value: float, placement: Placement) -> float:

@@ -13,7 +13,9 @@ every rank and for every world size.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import peft
@@ -35,8 +37,12 @@ def linear_paths(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
 
 
-def apply_lora(model: nn.Module, config: LoraConfig) -> peft.PeftModel:
-    """Wrap ``model`` (typically on the meta device) with PEFT LoRA adapters."""
+def apply_lora(
+    model: nn.Module, config: LoraConfig, extra_adapters: Sequence[str] = ()
+) -> peft.PeftModel:
+    """Wrap ``model`` (typically on the meta device) with PEFT LoRA adapters: ``default``
+    plus one more of the same shape per name in ``extra_adapters`` (PPO's critic), all
+    over the one base. Every adapter's weights require grad; ``default`` is active."""
     match_targets(config.target_modules, linear_paths(model))
     peft_config = peft.LoraConfig(
         r=config.rank,
@@ -46,7 +52,49 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> peft.PeftModel:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return peft.get_peft_model(model, peft_config, low_cpu_mem_usage=True)
+    wrapped = peft.get_peft_model(model, peft_config, low_cpu_mem_usage=True)
+    for name in extra_adapters:
+        wrapped.add_adapter(name, peft_config, low_cpu_mem_usage=True)
+    # PEFT freezes inactive adapters; FSDP2 fixes requires_grad when it shards, so every
+    # adapter that may train must require grad from the start (see use_adapter).
+    for name, param in wrapped.named_parameters():
+        if is_lora_param(name):
+            param.requires_grad_(True)
+    return wrapped
+
+
+@contextlib.contextmanager
+def use_adapter(model: nn.Module, adapter: str | None) -> Iterator[None]:
+    """Run the enclosed forwards with only ``adapter`` active (``None``: no adapter, i.e.
+    the base model), then make ``default`` active again.
+
+    PEFT's ``set_adapter`` also flips ``requires_grad`` (on for the active adapter, off for
+    the others); every flag is put back as it was, so the parameters FSDP2 sharded keep
+    the flags they were sharded with. An inactive adapter simply gets no gradient.
+    """
+    if adapter is None:
+        with model.disable_adapter():
+            yield
+        return
+    flags = [(param, param.requires_grad) for param in model.parameters()]
+    model.base_model.set_adapter(adapter)
+    for param, flag in flags:
+        param.requires_grad_(flag)
+    try:
+        yield
+    finally:
+        model.base_model.set_adapter(ADAPTER_NAME)
+        for param, flag in flags:
+            param.requires_grad_(flag)
+
+
+def adapter_params(model: nn.Module, adapter: str) -> list[nn.Parameter]:
+    """The LoRA parameters of one named adapter."""
+    return [
+        param
+        for name, param in model.named_parameters()
+        if is_lora_param(name) and f".{adapter}." in name
+    ]
 
 
 def hf_module_path(name: str) -> str:
@@ -85,15 +133,15 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return full_tensor() if full_tensor is not None else tensor
 
 
-def adapter_weights(model: nn.Module) -> AdapterWeights:
+def adapter_weights(model: nn.Module, adapter: str = ADAPTER_NAME) -> AdapterWeights:
     """LoRA weights per module path in PEFT layout (``A [r, in]``, ``B [out, r]``), float32.
 
     Collective under FSDP: every rank must call it.
     """
     weights = {}
     for path, module in lora_modules(model).items():
-        a = full_tensor(module.lora_A[ADAPTER_NAME].weight.detach())
-        b = full_tensor(module.lora_B[ADAPTER_NAME].weight.detach())
+        a = full_tensor(module.lora_A[adapter].weight.detach())
+        b = full_tensor(module.lora_B[adapter].weight.detach())
         # np.array copies: the caller gets values, never a view of the live parameters
         weights[path] = (
             np.array(a.float().cpu(), np.float32),
@@ -102,7 +150,9 @@ def adapter_weights(model: nn.Module) -> AdapterWeights:
     return weights
 
 
-def set_adapter_weights(model: nn.Module, weights: AdapterWeights, source: str) -> None:
+def set_adapter_weights(
+    model: nn.Module, weights: AdapterWeights, source: str, adapter: str = ADAPTER_NAME
+) -> None:
     """Overwrite the model's LoRA weights with PEFT-layout ``weights``."""
     modules = lora_modules(model)
     if set(weights) != set(modules):
@@ -114,8 +164,8 @@ def set_adapter_weights(model: nn.Module, weights: AdapterWeights, source: str) 
     for path, (a, b) in weights.items():
         module = modules[path]
         for param, value in (
-            (module.lora_A[ADAPTER_NAME].weight, a),
-            (module.lora_B[ADAPTER_NAME].weight, b),
+            (module.lora_A[adapter].weight, a),
+            (module.lora_B[adapter].weight, b),
         ):
             if tuple(value.shape) != tuple(param.shape):
                 raise ConfigError(

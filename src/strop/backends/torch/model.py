@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,8 +68,10 @@ def build_model(
     lora: LoraConfig | None = None,
     seed: int = 0,
     trust_remote_code: bool = False,
+    extra_adapters: Sequence[str] = (),
 ) -> LoadedModel:
-    """Load the checkpoint at ``path`` (with LoRA adapters if ``lora.enabled``).
+    """Load the checkpoint at ``path`` (with LoRA adapters if ``lora.enabled``: ``default``
+    plus ``extra_adapters``, see :func:`apply_lora`).
 
     Weights are stored in ``param_dtype`` and computed in ``dtype``. LoRA adapters get a
     seeded initialisation that does not depend on the world size.
@@ -88,7 +90,7 @@ def build_model(
             hf_config, dtype=stored_dtype, trust_remote_code=trust_remote_code
         )
     if lora is not None and lora.enabled:
-        model = apply_lora(model, lora)
+        model = apply_lora(model, lora, extra_adapters)
     if placement.distributed:
         shard_model(model, placement.mesh, TORCH_DTYPES[dtype])
     tied = _shared_parameters(model)

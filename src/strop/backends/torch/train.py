@@ -15,7 +15,7 @@ update, so a resumed run draws exactly what an uninterrupted one would.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from strop.backends.torch.fsdp import all_reduce_sum
+from strop.backends.torch.fsdp import Placement, all_reduce_sum
 from strop.backends.torch.model import LoadedModel, forward_logits
 from strop.config import OptimConfig
 from strop.errors import ConfigError
@@ -70,37 +70,95 @@ def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-class Trainer:
-    """Owns the optimizer over the trainable parameters of ``loaded`` and runs updates."""
+def rank_rows(
+    batch: Mapping[str, np.ndarray], names: Sequence[str], micro_batches: int, placement: Placement
+) -> dict[str, torch.Tensor]:
+    """This rank's contiguous share of the global ``[B, ...]`` batch as device tensors
+    ``[micro, rows, ...]`` (integer arrays as int64, floating ones as float32)."""
+    rows = np.asarray(batch[names[0]]).shape[0]
+    if rows % (placement.world_size * micro_batches):
+        raise ConfigError(
+            f"batch of {rows} rows does not split into {placement.world_size} process(es) "
+            f"x {micro_batches} micro-batches"
+        )
+    share = rows // placement.world_size
+    begin = placement.rank * share
+    out = {}
+    for name in names:
+        array = np.asarray(batch[name])[begin : begin + share]
+        array = array.astype(np.float32 if array.dtype.kind == "f" else np.int64)
+        tensor = torch.from_numpy(array).to(placement.device)
+        out[name] = tensor.reshape(micro_batches, share // micro_batches, *array.shape[1:])
+    return out
 
-    def __init__(self, loaded: LoadedModel, optim: OptimConfig, *, total_steps: int, seed: int = 0):
+
+class Trainer:
+    """Owns an optimizer over trainable parameters and runs updates.
+
+    ``params`` defaults to every parameter of ``loaded.model`` that requires grad;
+    ``modules`` (default: the model) are the FSDP roots whose gradient sync is deferred to
+    the last micro-batch.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        optim: OptimConfig,
+        *,
+        total_steps: int,
+        seed: int = 0,
+        params: list[torch.nn.Parameter] | None = None,
+        modules: Sequence[torch.nn.Module] | None = None,
+    ):
         self.loaded = loaded
         self.optim = optim
         self.total_steps = total_steps
         self.seed = seed
-        self.params = [p for p in loaded.model.parameters() if p.requires_grad]
+        if params is None:
+            params = [p for p in loaded.model.parameters() if p.requires_grad]
+        self.params = params
         if not self.params:
             raise ConfigError("the model has no trainable parameters")
+        self.modules = list(modules) if modules is not None else [loaded.model]
         self.optimizer = make_optimizer(self.params, optim)
         self.updates = 0  # optimizer updates applied so far: the schedule's clock
 
     def _rank_rows(self, batch: Mapping[str, np.ndarray], micro_batches: int) -> dict:
-        """This rank's contiguous share of the global batch, as device tensors."""
-        placement = self.loaded.placement
-        rows = np.asarray(batch["input_ids"]).shape[0]
-        if rows % (placement.world_size * micro_batches):
-            raise ConfigError(
-                f"batch of {rows} rows does not split into {placement.world_size} process(es) "
-                f"x {micro_batches} micro-batches"
-            )
-        share = rows // placement.world_size
-        begin = placement.rank * share
-        return {
-            name: torch.from_numpy(np.asarray(batch[name])[begin : begin + share].astype(np.int64))
-            .to(placement.device)
-            .reshape(micro_batches, share // micro_batches, -1)
-            for name in BATCH_KEYS
-        }
+        return rank_rows(batch, BATCH_KEYS, micro_batches, self.loaded.placement)
+
+    def _reseed(self) -> None:
+        """Seed in-step randomness (dropout) from (seed, update, rank)."""
+        seed = np.random.SeedSequence([self.seed, self.updates, self.loaded.placement.rank])
+        torch.manual_seed(int(seed.generate_state(1)[0]))
+
+    def _sync_gradients(self, now: bool) -> None:
+        for module in self.modules:
+            if isinstance(module, FSDPModule):  # reduce-scatter once, after the last one
+                module.set_requires_gradient_sync(now)
+
+    def accumulate_weighted(
+        self,
+        batch: Mapping[str, np.ndarray],
+        names: Sequence[str],
+        micro_batches: int,
+        loss_fn: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    ) -> dict[str, float]:
+        """Backpropagate ``loss_fn`` over this rank's micro-batches of ``batch``.
+
+        ``loss_fn(micro) -> (loss, stats)`` returns sums already weighted for the whole
+        global batch (PPO's ``loss_weights``), so gradients and stats just add up over
+        micro-batches and ranks. Returns the global sums of ``loss`` and every stat.
+        """
+        local = rank_rows(batch, names, micro_batches, self.loaded.placement)
+        self._reseed()
+        sums: dict[str, float] = {}
+        for micro in range(micro_batches):
+            self._sync_gradients(micro == micro_batches - 1)
+            loss, stats = loss_fn({name: value[micro] for name, value in local.items()})
+            loss.backward()
+            for name, value in {"loss": loss, **stats}.items():
+                sums[name] = sums.get(name, 0.0) + float(value.detach())
+        return {name: all_reduce_sum(v, self.loaded.placement) for name, v in sums.items()}
 
     def accumulate(
         self, batch: Mapping[str, np.ndarray], micro_batches: int = 1
@@ -114,13 +172,11 @@ class Trainer:
         local = self._rank_rows(batch, micro_batches)
         local_count = float(local["loss_mask"][..., 1:].sum())
         count = max(all_reduce_sum(local_count, placement), 1.0)
-        seed = np.random.SeedSequence([self.seed, self.updates, placement.rank])
-        torch.manual_seed(int(seed.generate_state(1)[0]))
+        self._reseed()
         model.train()
         loss_sum = 0.0
         for micro in range(micro_batches):
-            if isinstance(model, FSDPModule):  # reduce-scatter once, after the last one
-                model.set_requires_gradient_sync(micro == micro_batches - 1)
+            self._sync_gradients(micro == micro_batches - 1)
             ids, mask = local["input_ids"][micro], local["attention_mask"][micro]
             logits = forward_logits(self.loaded, ids, mask)
             micro_sum, _ = token_loss_sum(logits, ids, local["loss_mask"][micro])

@@ -1,0 +1,268 @@
+"""The torch backend's PPO models: actor, critic and reference over one base, numpy in/out.
+
+The same surface as :class:`strop.backends.jax.actor_critic.JaxActorCritic`.
+
+- **LoRA on**: one PEFT model holds the base once and two adapters over it, ``default``
+  (the actor) and ``critic``; a third, frozen ``reference`` adapter is added when the
+  reference is an SFT adapter (``ppo.reference_adapter`` / ``lora.restore_path``),
+  otherwise the reference is the base with adapters disabled. :func:`use_adapter` picks
+  the adapter per forward. The critic's float32 value head trains in full.
+- **LoRA off**: three models: the actor, the critic (from ``critic.model_path`` or
+  ``model.path``) and a frozen reference copy of the actor's initial weights.
+
+Under ``torchrun`` every model is FSDP2-sharded (DTensor parameters), the value head
+included, and each rank runs its share of every batch's rows. Updates run the model in
+eval mode (no dropout), as do the rollout's forwards, so the old and new
+log-probabilities of an unchanged policy agree exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from strop.backends.torch.checkpoint import TrainCheckpoints
+from strop.backends.torch.fsdp import all_gather_rows, place, shard_module
+from strop.backends.torch.generate import generate
+from strop.backends.torch.lora import (
+    ADAPTER_NAME,
+    adapter_params,
+    adapter_weights,
+    set_adapter_weights,
+    use_adapter,
+)
+from strop.backends.torch.model import build_model, forward_logits
+from strop.backends.torch.ppo_steps import critic_micro_loss, policy_micro_loss, token_logprobs
+from strop.backends.torch.train import Trainer, rank_rows
+from strop.backends.torch.value import ValueModel
+from strop.config import Config
+from strop.errors import ConfigError
+from strop.generation import Decoder, Generation, SamplingParams
+from strop.io.peft import read_adapter_for, save_adapter_for
+from strop.io.run_identity import run_identity
+from strop.rl.objectives import PolicyObjective, ValueObjective
+
+logger = logging.getLogger(__name__)
+
+POLICY_BATCH = ("input_ids", "attention_mask", "loss_weights", "old_logprobs", "advantages")
+CRITIC_BATCH = ("input_ids", "attention_mask", "loss_weights", "old_values", "returns")
+CRITIC_ADAPTER, REFERENCE_ADAPTER = "critic", "reference"
+CRITIC_SEED_OFFSET = 1
+_UPDATES_KEY = "optimizer_updates"
+
+
+class TorchActorCritic:
+    """Actor, critic and reference for PPO, FSDP2-sharded under ``torchrun``."""
+
+    backend = "torch"
+
+    def __init__(
+        self, config: Config, *, total_updates: int, checkpoint_dir: str | os.PathLike | None
+    ):
+        if config.model.path is None:
+            raise ConfigError("model.path: set it to a Hugging Face checkpoint directory")
+        self.config = config
+        self.placement = place(config.mesh)
+        self.policy_objective = PolicyObjective.from_config(config)
+        self.value_objective = ValueObjective.from_config(config)
+        reference_path = config.reference_adapter_path()
+        lora = config.lora.enabled
+
+        def build(path: str, *, extra_adapters: Sequence[str] = (), seed: int = config.seed):
+            return build_model(
+                path, self.placement, dtype=config.model.dtype,
+                param_dtype=config.model.param_dtype, lora=config.lora if lora else None,
+                seed=seed, trust_remote_code=config.model.trust_remote_code,
+                extra_adapters=extra_adapters,
+            )  # fmt: skip
+
+        critic_seed = config.seed + CRITIC_SEED_OFFSET
+        if lora:
+            extra = (CRITIC_ADAPTER,) + ((REFERENCE_ADAPTER,) if reference_path else ())
+            self.loaded = build(config.model.path, extra_adapters=extra)
+            self.critic_loaded = self.loaded
+            self.reference_loaded = None
+            if reference_path:
+                weights = read_adapter_for(reference_path, config.lora)
+                set_adapter_weights(
+                    self.loaded.model, weights, str(reference_path), REFERENCE_ADAPTER
+                )
+                for param in adapter_params(self.loaded.model, REFERENCE_ADAPTER):
+                    param.requires_grad_(False)
+                logger.info("reference policy: the adapter at %s (frozen)", reference_path)
+            actor_params = adapter_params(self.loaded.model, ADAPTER_NAME)
+            critic_params = adapter_params(self.loaded.model, CRITIC_ADAPTER)
+        else:
+            self.loaded = build(config.model.path)
+            self.critic_loaded = build(config.critic.model_path or config.model.path)
+            self.reference_loaded = build(config.model.path)
+            self.reference_loaded.model.requires_grad_(False)
+            actor_params = list(self.loaded.model.parameters())
+            critic_params = list(self.critic_loaded.model.parameters())
+
+        self.critic = ValueModel(self.critic_loaded, seed=critic_seed)
+        if self.placement.distributed:
+            shard_module(self.critic.value_head, self.placement.mesh, torch.float32)
+        head_params = list(self.critic.value_head.parameters())
+        self.actor_trainer = Trainer(
+            self.loaded, config.optim, total_steps=total_updates, seed=config.seed,
+            params=actor_params,
+        )  # fmt: skip
+        self.critic_trainer = Trainer(
+            self.critic_loaded, config.critic_optim(), total_steps=total_updates,
+            seed=critic_seed, params=critic_params + head_params,
+            modules=[self.critic_loaded.model, self.critic.value_head],
+        )  # fmt: skip
+        # what a checkpoint holds: the trainable parameters of these, and both optimizers
+        self._state = nn.ModuleDict(
+            {"actor": self.loaded.model, "value_head": self.critic.value_head}
+        )
+        if not lora:
+            self._state["critic"] = self.critic_loaded.model
+        self.checkpoints = (
+            None
+            if checkpoint_dir is None
+            else TrainCheckpoints(
+                checkpoint_dir,
+                {**run_identity(config.model.path, config.lora, backend="torch"), "job": "ppo"},
+                self.placement,
+                keep=config.checkpoint.keep,
+            )
+        )
+
+    # roles -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _role(self, role: str) -> Iterator[Any]:
+        """The loaded model to run for ``role`` (actor / critic / reference), with the
+        right adapter active."""
+        if self.reference_loaded is not None or not self.config.lora.enabled:
+            yield {"actor": self.loaded, "critic": self.critic_loaded,
+                   "reference": self.reference_loaded}[role]  # fmt: skip
+            return
+        adapter = {
+            "actor": ADAPTER_NAME,
+            "critic": CRITIC_ADAPTER,
+            "reference": REFERENCE_ADAPTER if self.config.reference_adapter_path() else None,
+        }[role]
+        with use_adapter(self.loaded.model, adapter):
+            yield self.loaded
+
+    def _forward_rows(self, batch: dict[str, np.ndarray], fn) -> np.ndarray:
+        """``fn(ids, mask)`` on this rank's rows in micro-batch chunks, gathered whole."""
+        rows = len(batch["input_ids"])
+        world = self.placement.world_size
+        chunk = min(self.config.ppo.rows_per_micro_batch, rows // world) or 1
+        local = rank_rows(batch, ("input_ids", "attention_mask"), 1, self.placement)
+        ids, mask = local["input_ids"][0], local["attention_mask"][0]
+        with torch.no_grad():
+            out = torch.cat(
+                [fn(ids[b : b + chunk], mask[b : b + chunk]) for b in range(0, len(ids), chunk)]
+            )
+        return all_gather_rows(out.float(), self.placement).cpu().numpy()
+
+    # the ActorCritic surface -------------------------------------------------------------
+
+    @property
+    def is_main(self) -> bool:
+        return self.placement.is_main
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        seed: int,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        tokenizer: Decoder | None = None,
+    ) -> Generation:
+        """Sample a response to each prompt from the actor."""
+        with self._role("actor") as loaded:
+            return generate(
+                loaded.model, prompts, params, eos_ids=eos_ids, pad_id=pad_id, seed=seed,
+                tokenizer=tokenizer,
+            )  # fmt: skip
+
+    def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:
+        temperature = self.policy_objective.temperature
+        with self._role("reference" if reference else "actor") as loaded:
+            return self._forward_rows(
+                batch,
+                lambda ids, mask: token_logprobs(
+                    forward_logits(loaded, ids, mask), ids, temperature
+                ),
+            )
+
+    def values(self, batch: dict[str, np.ndarray]) -> np.ndarray:
+        with self._role("critic"):
+            return self._forward_rows(batch, self.critic.values)
+
+    def train_policy(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
+        names = POLICY_BATCH + (("ref_logprobs",) if self.policy_objective.kl_in_loss else ())
+        with self._role("actor") as loaded:
+
+            def loss_fn(micro):
+                logits = forward_logits(loaded, micro["input_ids"], micro["attention_mask"])
+                return policy_micro_loss(logits, micro, self.policy_objective)
+
+            stats = self.actor_trainer.accumulate_weighted(batch, names, micro_batches, loss_fn)
+        stats["grad_norm"] = self.actor_trainer.apply()
+        return stats
+
+    def train_critic(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
+        with self._role("critic"):
+
+            def loss_fn(micro):
+                values = self.critic.values(micro["input_ids"], micro["attention_mask"])
+                return critic_micro_loss(values, micro, self.value_objective)
+
+            trainer = self.critic_trainer
+            stats = trainer.accumulate_weighted(batch, CRITIC_BATCH, micro_batches, loss_fn)
+        stats["grad_norm"] = self.critic_trainer.apply()
+        stats["loss"] = stats.pop("value_loss")
+        return stats
+
+    # checkpoints -------------------------------------------------------------------------
+
+    def latest_checkpoint(self) -> int | None:
+        return None if self.checkpoints is None else self.checkpoints.latest_step()
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.actor_trainer.optimizer, self.critic_trainer.optimizer]
+
+    def save_checkpoint(self, step: int, extra: dict[str, Any]) -> None:
+        updates = [self.actor_trainer.updates, self.critic_trainer.updates]
+        self.checkpoints.save(
+            step, self._state, self._optimizers(), {**extra, _UPDATES_KEY: updates}
+        )
+
+    def restore_checkpoint(self, step: int) -> dict[str, Any]:
+        extra = self.checkpoints.restore(step, self._state, self._optimizers())
+        self.actor_trainer.updates, self.critic_trainer.updates = extra.pop(_UPDATES_KEY)
+        return extra
+
+    # adapters and exports ----------------------------------------------------------------
+
+    def load_adapter(self, path: str | os.PathLike) -> None:
+        """Seed the actor's LoRA weights from a PEFT adapter directory."""
+        set_adapter_weights(self.loaded.model, read_adapter_for(path, self.config.lora), str(path))
+
+    def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the actor's LoRA weights as a PEFT adapter directory."""
+        if not self.config.lora.enabled:
+            raise ConfigError("export_adapter needs lora.enabled=true")
+        weights = adapter_weights(self.loaded.model)  # collective: every rank gathers
+        if not self.is_main:
+            return Path(path)
+        return save_adapter_for(
+            path, weights, self.config.lora, base_model=self.config.model.path, overwrite=overwrite
+        )

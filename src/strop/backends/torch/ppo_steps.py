@@ -1,0 +1,73 @@
+"""The torch backend's PPO computations: log-probabilities and the two micro-batch losses.
+
+The same functions as :mod:`strop.backends.jax.ppo_steps`, in torch. Per-token arrays
+follow :mod:`strop.rl.gae` (column ``t`` is about ``x_t``, read from column ``t - 1``;
+column 0 is 0). Losses are ``sum(per_token * loss_weights)`` (see
+:mod:`strop.rl.objectives`), so micro-batch and rank sums add up to the mini-batch loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from strop.backends.torch.losses import entropy_from_logits, kl_penalty, policy_terms, value_terms
+from strop.rl.objectives import PolicyObjective, ValueObjective
+
+Stats = dict[str, torch.Tensor]
+
+
+def _shift(per_column: torch.Tensor) -> torch.Tensor:
+    """``[B, L-1]`` values about ``x_1..x_{L-1}`` -> ``[B, L]`` with column 0 = 0."""
+    return F.pad(per_column, (1, 0))
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """``[B, L]``: ``log softmax(logits / T)`` of ``x_t`` from the logits at ``t - 1``."""
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    chosen = torch.gather(logp, -1, input_ids[:, 1:, None].long())[..., 0]
+    return _shift(chosen)
+
+
+def policy_micro_loss(
+    logits: torch.Tensor, micro: dict[str, torch.Tensor], objective: PolicyObjective
+) -> tuple[torch.Tensor, Stats]:
+    """The actor's weighted loss over one micro-batch and its weighted statistics."""
+    ids, weights = micro["input_ids"], micro["loss_weights"]
+    logp = token_logprobs(logits, ids, objective.temperature)
+    per_token, terms = policy_terms(
+        logp, micro["old_logprobs"], micro["advantages"],
+        objective.clip_low, objective.clip_high, objective.dual_clip,
+    )  # fmt: skip
+    entropy = _shift(entropy_from_logits(logits[:, :-1].float() / objective.temperature))
+    pg_loss = (per_token * weights).sum()
+    entropy_sum = (entropy * weights).sum()
+    loss = pg_loss - objective.entropy_coef * entropy_sum
+    stats = {name: (term * weights).sum().detach() for name, term in terms.items()}
+    stats["pg_loss"] = pg_loss.detach()
+    stats["entropy"] = entropy_sum.detach()
+    if objective.kl_in_loss:
+        kl = (kl_penalty(logp, micro["ref_logprobs"], objective.kl_estimator) * weights).sum()
+        stats["kl_loss"] = kl.detach()
+        loss = loss + objective.kl_coef * kl
+    return loss, stats
+
+
+def critic_micro_loss(
+    values: torch.Tensor, micro: dict[str, torch.Tensor], objective: ValueObjective
+) -> tuple[torch.Tensor, Stats]:
+    """The critic's weighted (scaled) loss over one micro-batch; stat ``value_loss`` is the
+    unscaled one, plus ``vf_clipfrac`` and ``value_mean``."""
+    weights = micro["loss_weights"]
+    per_token, clipped = value_terms(
+        values, micro["old_values"], micro["returns"], objective.value_clip
+    )
+    loss = (per_token * weights).sum()
+    stats = {
+        "value_loss": loss.detach(),
+        "vf_clipfrac": (clipped * weights).sum().detach(),
+        "value_mean": (values.detach() * weights).sum(),
+    }
+    return objective.coef * loss, stats
