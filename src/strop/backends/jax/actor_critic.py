@@ -97,8 +97,9 @@ class JaxActorCritic:
             lm, nnx.LoRAParam if config.lora.enabled else nnx.Param, ...
         )
         critic = ValueModel(critic_lm, seed=critic_seed, mesh=self.mesh)
+        self.critic_filter = critic_trainable_filter(config.lora.enabled)
         self.critic_graph, self.critic, self.critic_frozen = nnx.split(
-            critic, critic_trainable_filter(config.lora.enabled), ...
+            critic, self.critic_filter, ...
         )
         self.reference = self._initial_reference()
 
@@ -273,6 +274,34 @@ class JaxActorCritic:
         module = self.actor_module()
         set_adapter_weights(module, read_adapter_for(path, self.config.lora), str(path))
         self.actor = nnx.state(module, nnx.LoRAParam)
+
+    def critic_module(self) -> ValueModel:
+        """The critic as a module (over the live arrays: no copy)."""
+        return nnx.merge(self.critic_graph, self.critic, self.critic_frozen)
+
+    def lora_weights(self) -> dict[str, Any]:
+        """Host copies: ``actor`` and ``critic`` adapters (PEFT layout) and ``value_head``
+        ``(kernel [E], bias)``."""
+        critic = self.critic_module()
+        return {
+            "actor": adapter_weights(self.actor_module()),
+            "critic": adapter_weights(critic.lm),
+            "value_head": critic.head_weights(),
+        }
+
+    def set_lora_weights(self, *, actor=None, critic=None, value_head=None) -> None:
+        """Overwrite any of the weights :meth:`lora_weights` returns."""
+        if actor is not None:
+            module = self.actor_module()
+            set_adapter_weights(module, actor, "actor weights")
+            self.actor = nnx.state(module, nnx.LoRAParam)
+        if critic is not None or value_head is not None:
+            module = self.critic_module()
+            if critic is not None:
+                set_adapter_weights(module.lm, critic, "critic weights")
+            if value_head is not None:
+                module.set_head(*value_head)
+            self.critic = nnx.state(module, self.critic_filter)
 
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the actor's LoRA weights as a PEFT adapter directory."""

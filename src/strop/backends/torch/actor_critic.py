@@ -256,6 +256,24 @@ class TorchActorCritic:
         """Seed the actor's LoRA weights from a PEFT adapter directory."""
         set_adapter_weights(self.loaded.model, read_adapter_for(path, self.config.lora), str(path))
 
+    def lora_weights(self) -> dict[str, Any]:
+        """Host copies: ``actor`` and ``critic`` adapters (PEFT layout) and ``value_head``
+        ``(kernel [E], bias)``."""
+        return {
+            "actor": adapter_weights(self.loaded.model),
+            "critic": adapter_weights(self.loaded.model, CRITIC_ADAPTER),
+            "value_head": self.critic.head_weights(),
+        }
+
+    def set_lora_weights(self, *, actor=None, critic=None, value_head=None) -> None:
+        """Overwrite any of the weights :meth:`lora_weights` returns."""
+        if actor is not None:
+            set_adapter_weights(self.loaded.model, actor, "actor weights")
+        if critic is not None:
+            set_adapter_weights(self.loaded.model, critic, "critic weights", CRITIC_ADAPTER)
+        if value_head is not None:
+            self.critic.set_head(*value_head)
+
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the actor's LoRA weights as a PEFT adapter directory."""
         if not self.config.lora.enabled:

@@ -68,24 +68,31 @@ def use_adapter(model: nn.Module, adapter: str | None) -> Iterator[None]:
     """Run the enclosed forwards with only ``adapter`` active (``None``: no adapter, i.e.
     the base model), then make ``default`` active again.
 
-    PEFT's ``set_adapter`` also flips ``requires_grad`` (on for the active adapter, off for
-    the others); every flag is put back as it was, so the parameters FSDP2 sharded keep
+    PEFT's ``set_adapter`` (also called when adapters are re-enabled) flips
+    ``requires_grad`` (on for the active adapter, off for the others); every flag is put
+    back as it was, so the parameters FSDP2 sharded keep
     the flags they were sharded with. An inactive adapter simply gets no gradient.
     """
-    if adapter is None:
-        with model.disable_adapter():
-            yield
-        return
     flags = [(param, param.requires_grad) for param in model.parameters()]
+
+    def restore_flags() -> None:
+        for param, flag in flags:
+            param.requires_grad_(flag)
+
+    if adapter is None:
+        try:
+            with model.disable_adapter():  # re-enabling also calls set_adapter
+                yield
+        finally:
+            restore_flags()
+        return
     model.base_model.set_adapter(adapter)
-    for param, flag in flags:
-        param.requires_grad_(flag)
+    restore_flags()
     try:
         yield
     finally:
         model.base_model.set_adapter(ADAPTER_NAME)
-        for param, flag in flags:
-            param.requires_grad_(flag)
+        restore_flags()
 
 
 def adapter_params(model: nn.Module, adapter: str) -> list[nn.Parameter]:
@@ -142,11 +149,8 @@ def adapter_weights(model: nn.Module, adapter: str = ADAPTER_NAME) -> AdapterWei
     for path, module in lora_modules(model).items():
         a = full_tensor(module.lora_A[adapter].weight.detach())
         b = full_tensor(module.lora_B[adapter].weight.detach())
-        # np.array copies: the caller gets values, never a view of the live parameters
-        weights[path] = (
-            np.array(a.float().cpu(), np.float32),
-            np.array(b.float().cpu(), np.float32),
-        )
+        # copies: the caller gets values, never a view of the live parameters
+        weights[path] = (a.float().cpu().numpy().copy(), b.float().cpu().numpy().copy())
     return weights
 
 
