@@ -36,6 +36,7 @@ from strop.backends.torch.lora import (
     ADAPTER_NAME,
     adapter_params,
     adapter_weights,
+    hf_module_path,
     set_adapter_weights,
     use_adapter,
 )
@@ -99,7 +100,14 @@ class TorchActorCritic:
                     param.requires_grad_(False)
                 logger.info("reference policy: the adapter at %s (frozen)", reference_path)
             actor_params = adapter_params(self.loaded.model, ADAPTER_NAME)
-            critic_params = adapter_params(self.loaded.model, CRITIC_ADAPTER)
+            # The critic reads hidden states, never logits: a critic adapter on the LM head
+            # gets no gradient, so it is frozen (and left out of optimizer and checkpoint).
+            for name, param in self.loaded.model.named_parameters():
+                if f".{CRITIC_ADAPTER}." in name and hf_module_path(name).startswith("lm_head"):
+                    param.requires_grad_(False)
+            critic_params = [
+                p for p in adapter_params(self.loaded.model, CRITIC_ADAPTER) if p.requires_grad
+            ]
         else:
             self.loaded = build(config.model.path)
             self.critic_loaded = build(config.critic.model_path or config.model.path)
