@@ -171,7 +171,7 @@ def _print_ppo_summary(title: str, result) -> None:
             table.add_row("validation/accuracy (last)", f"{accuracies[-1]:.1%}")
         seconds = sum(r["timing/step"] for r in result.history)
         table.add_row("time per iteration", f"{seconds / len(result.history):.2f} s")
-    table.add_row("actor adapter", str(result.adapter_path or "-"))
+    table.add_row("exported actor", str(result.export_path or "-"))
     Console().print(table)
 
 

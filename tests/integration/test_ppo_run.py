@@ -87,7 +87,7 @@ def test_reward_rises_on_both_backends(task, tmp_path, backend):
     assert result.history[-1].keys() >= REQUIRED_METRICS
     # nothing was changed between sampling and the first forward
     assert abs(result.history[0]["token_mult_prob_error"] - 1.0) < 1e-4
-    assert (result.adapter_path / "adapter_config.json").is_file()
+    assert (result.export_path / "adapter_config.json").is_file()
 
 
 def comparable(record: dict) -> dict:

@@ -251,3 +251,25 @@ def test_lora_ppo_keeps_the_base_trains_the_head_and_holds_one_base(qwen2, backe
         # every base weight exists once: no parameter holds a second copy of another
         pointers = [p.data_ptr() for n, p in model.named_parameters() if "lora_" not in n]
         assert len(pointers) == len(set(pointers))
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+def test_full_parameter_ppo_keeps_a_frozen_reference_and_a_separate_critic(qwen2, backend):
+    config = make_config(qwen2, "lora.enabled=false", "optim.lr=1e-3", "optim.warmup_steps=0")
+    engine = ENGINES[backend](config, total_updates=2, checkpoint_dir=None)
+    batch = rollout_batch(read_model_spec(qwen2).vocab_size, seed=7)
+    old, ref, values = (
+        engine.logprobs(batch),
+        engine.logprobs(batch, reference=True),
+        engine.values(batch),
+    )
+    np.testing.assert_array_equal(old, ref)  # the reference starts as the actor
+    arrays, _ = build_experience(
+        batch, np.array([1.0, 0.0, 1.0, 0.0]), old, ref, values, config.ppo
+    )
+    mini = next(minibatches(arrays, 4, "token_mean", np.random.default_rng(0)))
+    engine.train_critic(mini, 2)
+    engine.train_policy(mini, 2)
+    assert not np.allclose(engine.logprobs(batch), old, atol=1e-5)  # the actor moved
+    np.testing.assert_array_equal(engine.logprobs(batch, reference=True), ref)  # it did not
+    assert not np.allclose(engine.values(batch), values, atol=1e-5)

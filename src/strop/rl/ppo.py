@@ -98,7 +98,7 @@ class PpoResult:
     final_step: int
     resumed_from: int | None
     history: list[dict[str, float]]  # one metrics record per iteration run in this call
-    adapter_path: Path | None
+    export_path: Path | None  # the actor: <run_dir>/adapter (LoRA) or <run_dir>/model
     is_main: bool = True
 
 
@@ -161,11 +161,14 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
                 acc=record.get("validation/accuracy", bar.tasks[task].fields["acc"]),
             )
 
-    adapter_path = None
-    if end == ppo.steps and config.lora.enabled:
-        adapter_path = engine.export_adapter(run_dir / "adapter", overwrite=True)
-        logger.info("exported the actor's adapter to %s", adapter_path)
-    return PpoResult(run_dir, end, resumed_from, history, adapter_path, engine.is_main)
+    export_path = None
+    if end == ppo.steps:
+        if config.lora.enabled:
+            export_path = engine.export_adapter(run_dir / "adapter", overwrite=True)
+        else:
+            export_path = engine.export_model(run_dir / "model", overwrite=True)
+        logger.info("exported the actor to %s", export_path)
+    return PpoResult(run_dir, end, resumed_from, history, export_path, engine.is_main)
 
 
 def _check(config: Config) -> None:

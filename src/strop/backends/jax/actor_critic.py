@@ -38,7 +38,7 @@ from strop.backends.jax.lora import adapter_weights, apply_lora, set_adapter_wei
 from strop.backends.jax.sharding import batch_sharding, make_mesh
 from strop.backends.jax.train import make_optimizer, put_micro_batches
 from strop.backends.jax.value import ValueModel
-from strop.backends.jax.weights import load_hf_model
+from strop.backends.jax.weights import load_hf_model, save_hf_model
 from strop.config import Config
 from strop.errors import ConfigError
 from strop.generation import Decoder, Generation, SamplingParams
@@ -302,6 +302,14 @@ class JaxActorCritic:
             if value_head is not None:
                 module.set_head(*value_head)
             self.critic = nnx.state(module, self.critic_filter)
+
+    def export_model(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the actor (full fine-tuning) as a HF checkpoint directory."""
+        if self.config.lora.enabled:
+            raise ConfigError("export_model is for full fine-tuning; use export_adapter")
+        return save_hf_model(
+            self.actor_module(), path, source_dir=self.config.model.path, overwrite=overwrite
+        )
 
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the actor's LoRA weights as a PEFT adapter directory."""

@@ -32,6 +32,7 @@ from torch import nn
 from strop.backends.torch.checkpoint import TrainCheckpoints
 from strop.backends.torch.fsdp import all_gather_rows, place, shard_module
 from strop.backends.torch.generate import generate
+from strop.backends.torch.handle import save_hf_model
 from strop.backends.torch.lora import (
     ADAPTER_NAME,
     adapter_params,
@@ -281,6 +282,14 @@ class TorchActorCritic:
             set_adapter_weights(self.loaded.model, critic, "critic weights", CRITIC_ADAPTER)
         if value_head is not None:
             self.critic.set_head(*value_head)
+
+    def export_model(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the actor (full fine-tuning) as a HF checkpoint directory."""
+        if self.config.lora.enabled:
+            raise ConfigError("export_model is for full fine-tuning; use export_adapter")
+        return save_hf_model(
+            self.loaded, path, source_dir=self.config.model.path, overwrite=overwrite
+        )
 
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the actor's LoRA weights as a PEFT adapter directory."""
