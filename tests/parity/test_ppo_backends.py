@@ -273,3 +273,12 @@ def test_full_parameter_ppo_keeps_a_frozen_reference_and_a_separate_critic(qwen2
     assert not np.allclose(engine.logprobs(batch), old, atol=1e-5)  # the actor moved
     np.testing.assert_array_equal(engine.logprobs(batch, reference=True), ref)  # it did not
     assert not np.allclose(engine.values(batch), values, atol=1e-5)
+
+
+def test_both_engines_implement_the_actor_critic_protocol():
+    from strop.backends.base import ActorCritic
+
+    for engine in ENGINES.values():
+        missing = [name for name in dir(ActorCritic)
+                   if not name.startswith("_") and not hasattr(engine, name)]  # fmt: skip
+        assert not missing, (engine.__name__, missing)

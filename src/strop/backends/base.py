@@ -1,9 +1,9 @@
 """The protocols a backend implements. The core talks to backends only through these.
 
 Arrays cross the boundary as numpy: the core never sees a jax or torch array.
-Each backend package exposes ``load_model(path, ...) -> ModelHandle`` and
-``build_policy(config, total_steps=, checkpoint_dir=) -> Policy``. The PPO issue adds
-log-probabilities to ``Policy`` and a ``Critic`` here.
+Each backend package exposes ``load_model(path, ...) -> ModelHandle``,
+``build_policy(config, total_steps=, checkpoint_dir=) -> Policy`` (SFT, eval) and
+``build_actor_critic(config, total_updates=, checkpoint_dir=) -> ActorCritic`` (PPO).
 """
 
 from __future__ import annotations
@@ -126,3 +126,66 @@ class Policy(Protocol):
     def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write a HF checkpoint with the adapters merged in (or the fine-tuned model)."""
         ...
+
+
+@runtime_checkable
+class ActorCritic(Protocol):
+    """PPO's models: the actor, the critic (value head included) and the frozen reference.
+
+    With LoRA all three share one frozen base in device memory. Per-token arrays are
+    ``[B, L]`` in the layout of :mod:`strop.rl.gae` (column ``t`` is about ``x_t``).
+    Update batches carry ``loss_weights`` (:mod:`strop.rl.objectives`) so that losses are
+    weighted sums, exact under micro-batching and data parallelism.
+    """
+
+    backend: str
+
+    @property
+    def is_main(self) -> bool: ...
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        seed: int,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        tokenizer: Decoder | None = None,
+    ) -> Generation:
+        """Sample from the actor."""
+        ...
+
+    def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:
+        """``log pi(x_t | x_<t)`` at the rollout temperature, actor or reference."""
+        ...
+
+    def values(self, batch: dict[str, np.ndarray]) -> np.ndarray:
+        """``V(x_<t)``: the value head on the hidden state at column ``t - 1``."""
+        ...
+
+    def train_critic(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
+        """One critic update: ``loss`` (unscaled value loss), ``vf_clipfrac``,
+        ``value_mean``, ``grad_norm``."""
+        ...
+
+    def train_policy(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
+        """One actor update: ``loss``, ``pg_loss``, ``clipfrac``, ``approx_kl``,
+        ``entropy``, ``grad_norm`` (and ``kl_loss``, ``dual_clip_frac`` when on)."""
+        ...
+
+    def latest_checkpoint(self) -> int | None: ...
+
+    def save_checkpoint(self, step: int, extra: dict[str, Any]) -> None:
+        """Actor and critic trainable weights, both optimizers and ``extra``, atomically."""
+        ...
+
+    def restore_checkpoint(self, step: int) -> dict[str, Any]: ...
+
+    def load_adapter(self, path: str | os.PathLike) -> None:
+        """Seed the actor's adapter from a PEFT directory."""
+        ...
+
+    def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path: ...
+
+    def export_model(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path: ...
