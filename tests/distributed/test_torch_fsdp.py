@@ -167,3 +167,52 @@ def test_strop_sft_under_torchrun_equals_a_single_process(tmp_path):
     for module, (a, b) in one.items():
         _close(two[module][0], a, module, atol=1e-5)
         _close(two[module][1], b, module, atol=1e-5)
+
+
+def test_strop_ppo_under_torchrun_equals_a_single_process(tmp_path):
+    """LoRA-PPO with FSDP2 (two adapters on one sharded base, a sharded value head) in two
+    processes gives the rewards, losses and actor adapter of a single process."""
+    import json
+
+    from strop.io.peft import load_adapter
+    from strop.io.tiny import make_tiny_checkpoint
+
+    rng = np.random.default_rng(0)
+    with (tmp_path / "train.jsonl").open("w") as f:
+        for _ in range(32):
+            a, b = (int(x) for x in rng.integers(0, 10, 2))
+            f.write(json.dumps({"question": f"What is {a} + {b}?", "answer": f"#### {a + b}"}))
+            f.write("\n")
+    texts = [f"Question: What is {a} + {b}?\nAnswer: {a + b}" for a in range(10) for b in range(10)]
+    make_tiny_checkpoint(tmp_path / "model", texts, seed=0)
+    overrides = [
+        "backend=torch", f"model.path={tmp_path / 'model'}",
+        f"data.train_path={tmp_path / 'train.jsonl'}", "ppo.steps=2", "ppo.prompts_per_step=4",
+        "ppo.num_generations_per_prompt=2", "ppo.mini_batch_size=8", "ppo.micro_batch_size=2",
+        "ppo.validate_every=0", "generation.max_new_tokens=8", "checkpoint.every_steps=2",
+        "logging.tensorboard=false",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("WORLD_SIZE", None)
+    runs = {
+        "two": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "-m", "strop"],
+        "one": [sys.executable, "-m", "strop"],
+    }  # fmt: skip
+    records = {}
+    for name, launcher in runs.items():
+        command = [*launcher, "ppo", "ppo-lora-tiny", *overrides, f"run_dir={tmp_path / name}"]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        records[name] = [json.loads(line) for line in lines]
+    assert len(records["two"]) == 2, "each iteration must be logged once (by rank 0 only)"
+    for two, one in zip(records["two"], records["one"], strict=True):
+        for key in ("train/reward", "train/response_length", "policy/loss", "critic/loss",
+                    "critic/grad_norm", "policy/grad_norm", "critic/value_mean"):  # fmt: skip
+            _close(two[key], one[key], key, rtol=1e-4, atol=1e-5)
+    _, two = load_adapter(tmp_path / "two" / "adapter")
+    _, one = load_adapter(tmp_path / "one" / "adapter")
+    for module, (a, b) in one.items():
+        _close(two[module][0], a, module, atol=1e-5)
+        _close(two[module][1], b, module, atol=1e-5)
