@@ -1,0 +1,67 @@
+"""The PPO loop's numpy pieces: loss weights, column padding, prompt draws, experience."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from strop.config import PpoConfig
+from strop.rl.experience import build_experience, minibatches, pad_columns
+from strop.rl.losses_reference import aggregate
+from strop.rl.objectives import aggregation_weights
+from strop.rl.ppo import PromptSet
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize("seed", range(5))
+def test_weighted_sums_equal_the_aggregate(mode, seed):
+    rng = np.random.default_rng(seed)
+    mask = (rng.random((6, 9)) < 0.5).astype(np.float32)
+    mask[2] = 0  # a row without response tokens counts for nothing
+    values = rng.normal(size=mask.shape)
+    weights = aggregation_weights(mask, mode)
+    assert np.isclose((values * weights).sum(), aggregate(values, mask, mode), atol=1e-6)
+    # split over rows (micro-batches, ranks): the parts add up to the whole
+    halves = (values[:3] * weights[:3]).sum() + (values[3:] * weights[3:]).sum()
+    assert np.isclose(halves, aggregate(values, mask, mode), atol=1e-6)
+
+
+def test_weights_of_an_empty_batch_are_zero():
+    assert not aggregation_weights(np.zeros((2, 3)), "token_mean").any()
+
+
+def test_pad_columns_pads_every_array_with_masked_zeros():
+    batch = {"input_ids": np.ones((2, 17), np.int32), "response_mask": np.ones((2, 17))}
+    padded = pad_columns(batch, 16)
+    assert {v.shape for v in padded.values()} == {(2, 32)}
+    assert not padded["response_mask"][:, 17:].any()
+    assert pad_columns(padded, 16) is padded
+
+
+def test_prompt_draws_cover_each_prompt_once_per_pass_and_repeat_exactly():
+    prompts = PromptSet(ids=[[i] for i in range(10)], golds=["0"] * 10, texts=[""] * 10)
+    first_pass = [i for step in range(5) for i in prompts.draw(step, 2, seed=3)]
+    assert sorted(first_pass) == list(range(10))
+    assert prompts.draw(7, 4, seed=3) == prompts.draw(7, 4, seed=3)  # resumable
+    assert len(prompts.draw(2, 4, seed=3)) == 4  # a draw that crosses a pass boundary
+    assert prompts.draw(0, 2, seed=3) != prompts.draw(0, 2, seed=4)
+
+
+def test_experience_puts_the_score_on_the_last_token_and_whitens():
+    mask = np.array([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1]], np.float32)
+    batch = {"input_ids": np.ones((2, 5), np.int32), "attention_mask": np.ones((2, 5)),
+             "response_mask": mask}  # fmt: skip
+    zeros = np.zeros((2, 5), np.float32)
+    ppo = PpoConfig(prompts_per_step=1, num_generations_per_prompt=2, mini_batch_size=2,
+                    kl_coef=0.0, gamma=1.0, lam=1.0, whiten_advantages=False)  # fmt: skip
+    arrays, stats = build_experience(batch, np.array([1.0, 0.0]), zeros, zeros, zeros, ppo)
+    np.testing.assert_allclose(arrays["returns"], np.array([[0, 0, 1, 1, 0], [0, 0, 0, 0, 0]]))
+    assert stats["policy/kl"] == 0.0
+    whitened, _ = build_experience(
+        batch, np.array([1.0, 0.0]), zeros, zeros, zeros,
+        ppo.model_copy(update={"whiten_advantages": True}),
+    )  # fmt: skip
+    on = mask > 0
+    assert abs(whitened["advantages"][on].mean()) < 1e-6
+    minis = list(minibatches(arrays, 1, "token_mean", np.random.default_rng(0)))
+    assert len(minis) == 2 and all(m["loss_weights"].sum() == pytest.approx(1.0) for m in minis)
