@@ -31,7 +31,7 @@ import numpy as np
 from strop.errors import ConfigError
 from strop.io.atomic import atomic_directory
 
-MAX_VALUE = 1000  # every value in a problem is in [0, MAX_VALUE)
+MAX_VALUE = 200  # every value in a problem is in [0, MAX_VALUE)
 OPS = ("+", "-", "*")
 
 # (name, subject pronoun, object pronoun)
@@ -157,25 +157,25 @@ def make_problem(rng: np.random.Generator, num_steps: int) -> Problem:
     sentences, steps = [], []
     # A product start is one of the steps; a plain start is none.
     if rng.random() < 0.3:
-        a, b = _int(rng, 2, 9), _int(rng, 2, 12)
+        a, b = _int(rng, 2, 6), _int(rng, 2, 10)
         sentences.append(say(_pick(rng, START_PRODUCT), a=a, b=b))
         steps.append(Step(a, "*", b, a * b))
         value = a * b
     else:
-        value = _int(rng, 2, 40)
+        value = _int(rng, 2, 30)
         sentences.append(say(_pick(rng, START), a=value))
     while len(steps) < num_steps:
         op = _pick(rng, OPS)
-        if op == "*" and value > 60:
+        if op == "*" and value > 25:
             op = "+"
         if op == "-" and value < 2:
             op = "+"
         if op == "+":
-            right = _int(rng, 1, min(30, MAX_VALUE - 1 - value))
+            right = _int(rng, 1, min(20, MAX_VALUE - 1 - value))
         elif op == "-":
             right = _int(rng, 1, value - 1)
         else:
-            right = _int(rng, 2, min(5, (MAX_VALUE - 1) // value))
+            right = _int(rng, 2, min(4, (MAX_VALUE - 1) // value))
         result = apply_op(value, op, right)
         sentences.append(say(_pick(rng, STEP[op]), b=right))
         steps.append(Step(value, op, right, result))
