@@ -197,6 +197,19 @@ def evaluate(recipe: Recipe, overrides: Overrides = None) -> None:
 
 
 @app.command()
+def plot(
+    run_dir: Annotated[str, typer.Argument(help="A run directory with metrics.jsonl.")],
+    out: Annotated[
+        str, typer.Option("--out", help="PNG to write (default RUN_DIR/plot.png).")
+    ] = "",
+) -> None:
+    """Plot train/reward and validation/accuracy over steps of a run as a PNG."""
+    from strop.plot import plot_run
+
+    typer.echo(f"wrote {plot_run(run_dir, out or None)}")
+
+
+@app.command()
 def demo(overrides: Overrides = None) -> None:
     """LoRA SFT on CPU in about a minute: tiny model and synthetic data made on the spot."""
     from strop.demo import run_demo

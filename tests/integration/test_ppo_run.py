@@ -123,6 +123,10 @@ def test_cli_ppo_writes_metrics_checkpoints_and_the_adapter(task, tmp_path):
     assert "validation/accuracy" in records[0] and "train/reward" in records[2]
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["1", "2"]
+    plotted = subprocess.run([sys.executable, "-m", "strop", "plot", str(run_dir)],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert plotted.returncode == 0, plotted.stderr[-2000:]
+    assert (run_dir / "plot.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
 def test_ppo_refuses_greedy_rollouts_before_loading_anything(task, tmp_path):
