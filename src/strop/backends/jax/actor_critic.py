@@ -29,14 +29,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from strop.backends.jax import ppo_steps
 from strop.backends.jax.checkpoint import TrainCheckpoints
 from strop.backends.jax.generate import generate
 from strop.backends.jax.lora import adapter_weights, apply_lora, set_adapter_weights
 from strop.backends.jax.sharding import batch_sharding, make_mesh
-from strop.backends.jax.train import make_optimizer, put_micro_batches
+from strop.backends.jax.train import make_optimizer, put_micro_batches, replicate_unplaced
 from strop.backends.jax.value import ValueModel
 from strop.backends.jax.weights import load_hf_model, save_hf_model
 from strop.config import Config
@@ -105,8 +104,8 @@ class JaxActorCritic:
 
         actor_tx = make_optimizer(config.optim, total_updates)
         critic_tx = make_optimizer(config.critic_optim(), total_updates)
-        self.actor_opt = self._replicate_unplaced(actor_tx.init(self.actor))
-        self.critic_opt = self._replicate_unplaced(critic_tx.init(self.critic))
+        self.actor_opt = replicate_unplaced(actor_tx.init(self.actor), self.mesh)
+        self.critic_opt = replicate_unplaced(critic_tx.init(self.critic), self.mesh)
         self._policy_update = jax.jit(
             partial(ppo_steps.policy_update, self.actor_graph, self.policy_objective, actor_tx),
             donate_argnums=(0, 1),
@@ -146,18 +145,6 @@ class JaxActorCritic:
             reference = nnx.state(module, nnx.LoRAParam)
             logger.info("reference policy: the adapter at %s (frozen)", path)
         return reference
-
-    def _replicate_unplaced(self, tree: Any) -> Any:
-        """Put arrays created off the mesh (optimizer counters) on it, replicated, so the
-        second update does not compile again for a different input sharding."""
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-
-        def place(x):
-            if isinstance(x, jax.Array) and not isinstance(x.sharding, NamedSharding):
-                return jax.device_put(x, replicated)
-            return x
-
-        return jax.tree.map(place, tree)
 
     def _put(self, batch: dict[str, np.ndarray], names: Sequence[str]) -> dict[str, jax.Array]:
         return {

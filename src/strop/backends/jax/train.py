@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,22 @@ def put_micro_batches(
         spec = logical_to_partition_spec(axes, array.shape, mesh)
         out[name] = jax.device_put(array, NamedSharding(mesh, spec))
     return out
+
+
+def replicate_unplaced(tree: Any, mesh: Mesh) -> Any:
+    """``tree`` with arrays created off the mesh (optimizer counters) put on it, replicated.
+
+    Otherwise the first step's outputs come back with a different sharding than its
+    inputs and the second step compiles again.
+    """
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(x):
+        if isinstance(x, jax.Array) and not isinstance(x.sharding, NamedSharding):
+            return jax.device_put(x, replicated)
+        return x
+
+    return jax.tree.map(place, tree)
 
 
 def learning_rate_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -139,24 +156,10 @@ class Trainer:
         self.mesh = mesh
         self.trainable = trainable
         self.optimizer = nnx.Optimizer(model, make_optimizer(optim, total_steps), wrt=trainable)
-        self._replicate_unplaced(self.optimizer)
+        state = nnx.state(self.optimizer)
+        nnx.update(self.optimizer, replicate_unplaced(state, mesh))
         self.traces = TraceCounter()
         self._step = nnx.jit(_train_step, donate_argnums=(0, 1), static_argnums=(3, 4))
-
-    def _replicate_unplaced(self, node: nnx.Object) -> None:
-        """Put state created off the mesh (optimizer counters) on it, replicated.
-
-        Otherwise the first step's outputs come back with a different sharding than its
-        inputs and the second step compiles again.
-        """
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-
-        def place(x):
-            if isinstance(x, jax.Array) and not isinstance(x.sharding, NamedSharding):
-                return jax.device_put(x, replicated)
-            return x
-
-        nnx.update(node, jax.tree.map(place, nnx.state(node)))
 
     def step(self, batch: Mapping[str, np.ndarray], micro_batches: int = 1) -> dict[str, float]:
         """One optimizer step over ``batch`` (``[B, L]`` numpy), in ``micro_batches`` passes.
