@@ -29,7 +29,7 @@ format: $(STAMP)
 test: lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-# The main job on the built-in default: LoRA SFT of a tiny model made on the spot (CPU).
+# The main job on the built-in default: LoRA-PPO on the shipped tiny math model (CPU).
 demo: $(STAMP)
 	$(BIN)/strop demo
 

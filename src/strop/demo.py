@@ -1,52 +1,71 @@
-"""`strop demo`: LoRA SFT end to end on a laptop CPU, with nothing but strop installed.
+"""`strop demo`: LoRA-PPO on the tiny math model shipped with strop, on a laptop CPU.
 
-Makes synthetic "What is a + b?" data and a tiny random Qwen2 (with a tokenizer trained on
-that data), then runs the ``sft-lora-tiny`` recipe and reports the loss before and after.
+Writes seeded synthetic word problems (:mod:`strop.data.synthetic`) under
+``<run_dir>/data``, then runs the built-in ``demo`` recipe, PPO with a critic on LoRA
+adapters over the shipped model (:func:`strop.assets.tiny_math_path`), and draws the plot
+of ``train/reward`` and ``validation/accuracy``. ``model.path`` or ``data.train_path`` given
+as overrides replace the shipped model or the synthetic problems.
 """
 
 from __future__ import annotations
 
-import json
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
+from strop.assets import tiny_math_path
 from strop.config import load_config
-from strop.io.tiny import make_tiny_checkpoint
-from strop.sft.loop import SftResult, run_sft
+from strop.data.synthetic import write_splits
+from strop.metrics.sinks import read_metrics
+from strop.plot import plot_run
+from strop.rl.ppo import PpoResult, run_ppo
+
+RECIPE = "demo"
+N_TRAIN = 2000  # training prompts (PPO draws 16 per iteration)
+N_VALIDATION = 256  # held-out problems for the greedy validation accuracy
 
 
-def write_sum_problems(path: Path, count: int, seed: int) -> list[str]:
-    """``count`` prompt/completion lines ``What is a + b?`` -> `` a+b``; returns the texts."""
-    rng = np.random.default_rng(seed)
-    texts = []
-    with path.open("w", encoding="utf-8") as f:
-        for _ in range(count):
-            a, b = (int(x) for x in rng.integers(0, 50, 2))
-            record = {"prompt": f"What is {a} + {b}?", "completion": f" {a + b}"}
-            f.write(json.dumps(record) + "\n")
-            texts.append(record["prompt"] + record["completion"])
-    return texts
+@dataclass(frozen=True)
+class DemoResult:
+    """What `strop demo` reports: the PPO run and its before/after figures."""
+
+    ppo: PpoResult
+    backend: str
+    accuracy_before: float | None  # greedy validation accuracy at step 0
+    accuracy_after: float | None  # ... at the last validated step
+    seconds: float  # wall time of this call's PPO iterations (validation included)
+    tokens_per_s: float  # sampled response tokens per second of this call's iterations
+    plot_path: Path | None
 
 
-def run_demo(overrides: Sequence[str] = ()) -> SftResult:
-    """Prepare data and model under the run directory and train; returns the SFT result."""
-    config = load_config("sft-lora-tiny", overrides)
-    work = Path(config.run_dir) / "inputs"
-    work.mkdir(parents=True, exist_ok=True)
-    texts = write_sum_problems(work / "train.jsonl", 1024, seed=config.seed)
-    write_sum_problems(work / "eval.jsonl", 64, seed=config.seed + 1)
-    model_dir = work / "tiny-qwen2"
-    if not (model_dir / "config.json").exists():
-        make_tiny_checkpoint(model_dir, texts, seed=config.seed)
-    config = load_config(
-        "sft-lora-tiny",
-        [
-            f"model.path={model_dir}",
-            f"data.train_path={work / 'train.jsonl'}",
-            f"data.eval_path={work / 'eval.jsonl'}",
-            *overrides,
-        ],
+def run_demo(overrides: Sequence[str] = ()) -> DemoResult:
+    """Write the inputs the config leaves empty, run PPO, plot; a rerun resumes."""
+    config = load_config(RECIPE, overrides)
+    inputs: list[str] = []
+    if config.model.path is None:
+        inputs.append(f"model.path={tiny_math_path()}")
+    if config.data.train_path is None:
+        splits = write_splits(Path(config.run_dir) / "data", config.seed, N_TRAIN, N_VALIDATION)
+        inputs += [f"data.train_path={splits['train']}", f"data.eval_path={splits['validation']}"]
+    config = load_config(RECIPE, [*inputs, *overrides])
+
+    began = time.perf_counter()
+    result = run_ppo(config)
+    seconds = time.perf_counter() - began
+    if not result.is_main:
+        return DemoResult(result, config.backend, None, None, seconds, 0.0, None)
+
+    records = read_metrics(Path(config.run_dir) / "metrics.jsonl")
+    accuracies = [r["validation/accuracy"] for r in records if "validation/accuracy" in r]
+    rollouts = config.ppo.rollouts_per_step
+    tokens = sum(r["train/response_length"] * rollouts for r in result.history)
+    return DemoResult(
+        ppo=result,
+        backend=config.backend,
+        accuracy_before=accuracies[0] if accuracies else None,
+        accuracy_after=accuracies[-1] if accuracies else None,
+        seconds=seconds,
+        tokens_per_s=tokens / seconds if result.history else 0.0,
+        plot_path=plot_run(config.run_dir),
     )
-    return run_sft(config)

@@ -135,7 +135,7 @@ def test_report_gloo_average_canary(two_process_run):
 
 def test_strop_sft_under_torchrun_equals_a_single_process(tmp_path):
     """``torchrun -m strop sft ...`` just works; rank 0 alone writes metrics and the adapter."""
-    from strop.demo import write_sum_problems
+    from strop.data.synthetic import write_sum_problems
     from strop.io.peft import load_adapter
     from strop.io.tiny import make_tiny_checkpoint
 

@@ -1,4 +1,4 @@
-"""`strop demo` (shortened) and a real SIGKILL in the middle of `strop sft`."""
+"""`strop demo` (shortened, both backends) and a real SIGKILL in the middle of `strop sft`."""
 
 from __future__ import annotations
 
@@ -8,19 +8,70 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+from strop.cli import main
+from strop.data.synthetic import write_sum_problems
 from strop.demo import run_demo
+from strop.io.tiny import make_tiny_checkpoint
 from strop.metrics.sinks import read_metrics
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SHORT = [
+    "ppo.steps=2",
+    "ppo.validate_every=2",
+    "ppo.validation_size=16",
+    "checkpoint.every_steps=2",
+]
 
-def test_demo_trains_and_writes_outputs(tmp_path):
-    run_dir = tmp_path / "demo"
-    result = run_demo([f"run_dir={run_dir}", "sft.steps=30", "sft.eval_every=30"])
-    assert result.final_step == 30
-    assert result.losses[-1] < result.losses[0] - 1.0
+
+def _check_demo_outputs(run_dir) -> None:
     records = read_metrics(run_dir / "metrics.jsonl")
-    assert records[-1]["step"] == 30 and "eval/loss" in records[-1]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert "validation/accuracy" in records[0] and "validation/accuracy" in records[-1]
+    assert all(0.0 <= r["train/reward"] <= 1.0 for r in records[1:])
+    plot = (run_dir / "plot.png").read_bytes()
+    assert plot.startswith(PNG_SIGNATURE) and len(plot) > 10_000
     assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
+    assert (run_dir / "adapter" / "adapter_config.json").exists()
     assert any((run_dir / "tensorboard").iterdir())
+    assert (run_dir / "data" / "train.jsonl").exists()
+
+
+def test_shortened_demo_writes_metrics_plot_and_adapter(tmp_path):
+    run_dir = tmp_path / "demo"
+    result = run_demo([f"run_dir={run_dir}", *SHORT])
+    assert result.ppo.final_step == 2 and result.backend == "jax"
+    _check_demo_outputs(run_dir)
+    # Before is the shipped model's greedy accuracy on the first 16 problems; after, the
+    # actor's after two iterations: both real fractions of 16.
+    assert result.accuracy_before is not None and result.accuracy_after is not None
+    assert (16 * result.accuracy_before).is_integer() and 0 < result.accuracy_before < 1
+    assert result.plot_path == run_dir / "plot.png"
+    assert result.tokens_per_s > 0
+
+
+def test_shortened_demo_on_the_torch_backend_from_the_cli(tmp_path, capsys):
+    run_dir = tmp_path / "demo-torch"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "backend=torch", f"run_dir={run_dir}", *SHORT])
+    assert exit_info.value.code == 0
+    _check_demo_outputs(run_dir)
+    out = capsys.readouterr().out
+    assert "strop demo" in out and "validation accuracy" in out and "torch" in out
+
+
+@pytest.fixture
+def sum_inputs(tmp_path):
+    """A tiny random Qwen2 and "What is a + b?" SFT data for it."""
+    texts = write_sum_problems(tmp_path / "train.jsonl", 1024, seed=0)
+    write_sum_problems(tmp_path / "eval.jsonl", 64, seed=1)
+    make_tiny_checkpoint(tmp_path / "model", texts, seed=0)
+    return [
+        f"model.path={tmp_path / 'model'}",
+        f"data.train_path={tmp_path / 'train.jsonl'}",
+        f"data.eval_path={tmp_path / 'eval.jsonl'}",
+    ]
 
 
 def _losses_by_step(run_dir) -> dict[int, float]:
@@ -28,19 +79,14 @@ def _losses_by_step(run_dir) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
 
 
-def test_sigkill_mid_run_then_resume_gives_the_same_losses(tmp_path):
-    common = ["sft.steps=60", "checkpoint.every_steps=10", "logging.every_steps=1"]
-    straight = run_demo([f"run_dir={tmp_path / 'straight'}", *common])
-    assert straight.final_step == 60
+def test_sigkill_mid_run_then_resume_gives_the_same_losses(tmp_path, sum_inputs):
+    common = ["sft.steps=60", "checkpoint.every_steps=10", "logging.every_steps=1", *sum_inputs]
+    sft = [sys.executable, "-m", "strop", "sft", "sft-lora-tiny"]
+    straight = subprocess.run([*sft, f"run_dir={tmp_path / 'straight'}", *common], check=False)
+    assert straight.returncode == 0
 
     run_dir = tmp_path / "killed"
-    # Share the straight run's inputs so both runs see the same model and data.
-    cmd = [
-        sys.executable, "-m", "strop", "sft", "sft-lora-tiny", f"run_dir={run_dir}",
-        f"model.path={tmp_path / 'straight' / 'inputs' / 'tiny-qwen2'}",
-        f"data.train_path={tmp_path / 'straight' / 'inputs' / 'train.jsonl'}",
-        f"data.eval_path={tmp_path / 'straight' / 'inputs' / 'eval.jsonl'}", *common,
-    ]  # fmt: skip
+    cmd = [*sft, f"run_dir={run_dir}", *common]
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not (run_dir / "checkpoints" / "20").exists() and process.poll() is None:
@@ -55,12 +101,5 @@ def test_sigkill_mid_run_then_resume_gives_the_same_losses(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "resumed from checkpoint step" in done.stderr
     assert _losses_by_step(run_dir) == _losses_by_step(tmp_path / "straight")
-
-
-def test_demo_runs_on_the_torch_backend(tmp_path):
-    run_dir = tmp_path / "demo-torch"
-    result = run_demo(["backend=torch", f"run_dir={run_dir}", "sft.steps=30", "sft.eval_every=30"])
-    assert result.final_step == 30
-    assert result.losses[-1] < result.losses[0] - 1.0
-    assert read_metrics(run_dir / "metrics.jsonl")[-1]["step"] == 30
-    assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
+    first, last = _losses_by_step(run_dir)[1], _losses_by_step(run_dir)[60]
+    assert last < first - 1.0  # and it learned: the sums are easy

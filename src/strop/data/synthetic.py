@@ -116,10 +116,15 @@ class Problem:
     def result(self) -> int:
         return self.steps[-1].result
 
-    def to_record(self) -> dict[str, str]:
-        """The GSM8K record: ``{"question": ..., "answer": "<steps>\\n#### N"}``."""
+    def to_record(self, early_answer: bool = False) -> dict[str, str]:
+        """The GSM8K record: ``{"question": ..., "answer": "<steps>\\n#### N"}``.
+
+        ``early_answer`` writes a flawed demonstration: every step is worked out correctly,
+        but ``#### N`` gives the *first* step's result (wrong when there are several steps).
+        """
         lines = [step.line() for step in self.steps]
-        return {"question": self.question, "answer": "\n".join([*lines, f"#### {self.result}"])}
+        final = self.steps[0].result if early_answer else self.result
+        return {"question": self.question, "answer": "\n".join([*lines, f"#### {final}"])}
 
 
 def apply_op(left: int, op: str, right: int) -> int:
@@ -221,6 +226,7 @@ def write_splits(
     n_validation: int,
     *,
     max_steps: int = 3,
+    early_answer_fraction: float = 0.0,
     overwrite: bool = True,
 ) -> dict[str, Path]:
     """Write ``train.jsonl`` and ``validation.jsonl`` into ``out_dir``; return their paths.
@@ -228,14 +234,39 @@ def write_splits(
     Each split has its own random stream derived from ``seed``; train problems skip every
     validation question, so the splits are disjoint and the validation split does not
     change with ``n_train``. ``out_dir`` appears only when both files are complete.
+
+    ``early_answer_fraction`` makes the *train* split noisy demonstrations for SFT: that
+    fraction of its records (a seeded choice) state the first step's result as the final
+    answer (:meth:`Problem.to_record`). The questions stay the same and the validation
+    split stays correct. Never train PPO on such a split: its golds would be wrong.
     """
+    if not 0.0 <= early_answer_fraction <= 1.0:
+        raise ConfigError(f"early_answer_fraction must be in [0, 1], got {early_answer_fraction}")
     validation = _problems(n_validation, [seed, 1], max_steps)
     train = _problems(
         n_train, [seed, 2], max_steps, exclude=frozenset(p.question for p in validation)
     )
+    flawed = np.random.default_rng([seed, 3]).random(len(train)) < early_answer_fraction
     out = Path(out_dir)
     with atomic_directory(out, overwrite=overwrite) as staging:
-        for name, problems in (("train", train), ("validation", validation)):
-            lines = "".join(json.dumps(p.to_record()) + "\n" for p in problems)
+        for name, records in (
+            ("train", [p.to_record(bool(f)) for p, f in zip(train, flawed, strict=True)]),
+            ("validation", [p.to_record() for p in validation]),
+        ):
+            lines = "".join(json.dumps(record) + "\n" for record in records)
             (staging / f"{name}.jsonl").write_text(lines, encoding="utf-8")
     return {"train": out / "train.jsonl", "validation": out / "validation.jsonl"}
+
+
+def write_sum_problems(path: str | os.PathLike, count: int, seed: int) -> list[str]:
+    """``count`` prompt/completion lines ``What is a + b?`` -> `` a+b`` (``a, b < 50``) into
+    ``path``, a quick SFT task for tiny random models; returns the full texts."""
+    rng = np.random.default_rng(seed)
+    texts, lines = [], []
+    for _ in range(count):
+        a, b = (int(x) for x in rng.integers(0, 50, 2))
+        record = {"prompt": f"What is {a} + {b}?", "completion": f" {a + b}"}
+        lines.append(json.dumps(record) + "\n")
+        texts.append(record["prompt"] + record["completion"])
+    Path(path).write_text("".join(lines), encoding="utf-8")
+    return texts
