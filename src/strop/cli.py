@@ -231,7 +231,8 @@ def demo(overrides: Overrides = None) -> None:
     table.add_row("time", f"{result.seconds:.0f} s ({result.tokens_per_s:,.0f} sampled tok/s)")
     table.add_row("adapter (PEFT)", str(result.ppo.export_path or "-"))
     table.add_row("plot", str(result.plot_path or "-"))
-    table.add_row("metrics", f"{result.ppo.run_dir / 'metrics.jsonl'} (+ tensorboard/)")
+    table.add_row("metrics", str(result.ppo.run_dir / "metrics.jsonl"))
+    table.add_row("tensorboard", str(result.ppo.run_dir / "tensorboard"))
     Console().print(table)
 
 

@@ -108,3 +108,32 @@ def test_splits_are_disjoint_deterministic_and_read_as_gsm8k(tmp_path):
     assert examples[0].prompt == f"Question: {first['question']}\nAnswer:"
     assert examples[0].completion == " " + first["answer"]
     assert examples[0].reference == str(solve(first["answer"])[2])
+
+
+def test_early_answer_fraction_flaws_only_multi_step_train_answers(tmp_path):
+    clean = write_splits(tmp_path / "clean", seed=0, n_train=3000, n_validation=50)
+    noisy = write_splits(
+        tmp_path / "noisy", seed=0, n_train=3000, n_validation=50, early_answer_fraction=0.7
+    )
+    assert noisy["validation"].read_text() == clean["validation"].read_text()
+    flawed = multi_step = 0
+    for a, b in zip(
+        clean["train"].read_text().splitlines(),
+        noisy["train"].read_text().splitlines(),
+        strict=True,
+    ):
+        good, bad = json.loads(a), json.loads(b)
+        assert bad["question"] == good["question"]
+        count, _, final = solve(good["answer"])
+        good_lines, bad_lines = good["answer"].split("\n"), bad["answer"].split("\n")
+        assert bad_lines[:-1] == good_lines[:-1]  # every step still worked out correctly
+        first_result = int(LINE.fullmatch(good_lines[0]).group(4))
+        assert int(bad_lines[-1].removeprefix("#### ")) in (final, first_result)
+        multi_step += count > 1
+        flawed += bad != good
+    assert 0.65 < flawed / multi_step < 0.75
+
+
+def test_early_answer_fraction_out_of_range_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="early_answer_fraction"):
+        write_splits(tmp_path / "x", seed=0, n_train=10, n_validation=5, early_answer_fraction=1.5)

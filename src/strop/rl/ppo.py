@@ -141,9 +141,11 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
         ) as writer,
         _progress(disable=not engine.is_main) as bar,
     ):
+        accuracy = float("nan")
         if validation is not None and start == 0:
-            writer.write(0, {"validation/accuracy": validate()})
-        task = bar.add_task("ppo", total=ppo.steps, completed=start, reward=0.0, acc=float("nan"))
+            accuracy = validate()
+            writer.write(0, {"validation/accuracy": accuracy})
+        task = bar.add_task("ppo", total=ppo.steps, completed=start, reward=0.0, acc=accuracy)
         for step in range(start, end):
             context = (engine, train, tokenizer, reward, sampling, eos_ids, config)
             record = ppo_iteration(step, *context)
