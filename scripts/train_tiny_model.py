@@ -12,8 +12,11 @@ Steps, all seeded by ``--seed``:
 5. greedy accuracy on the validation split with strop's evaluation (``strop eval``);
 6. the exported weights, tokenizer and a model card written into the asset directory.
 
-The SFT is deliberately short: the model should be clearly imperfect (20-50% validation
-accuracy) so that PPO has room to improve it. Extra ``key=value`` arguments override the
+The model should be clearly imperfect so that PPO has room to improve it, and the way it
+is imperfect is chosen: 70% of its SFT demonstrations answer too early (every step worked
+out, then the first step's result after ``####``), so the model learns that shortcut and
+gets many multi-step problems wrong it has actually solved. A verifiable reward can
+unlearn exactly that; plain SFT on the same demonstrations cannot. Extra ``key=value`` arguments override the
 recipe (``sft.steps=300``). On a CPU shared with other jobs, ``OMP_NUM_THREADS=1`` keeps
 torch from oversubscribing the cores (which can make steps ten times slower).
 """
@@ -48,21 +51,15 @@ VOCAB_SIZE = 384
 N_TRAIN = 20000
 N_VALIDATION = 256
 MAX_STEPS = 3  # arithmetic steps per problem
+# Flawed demonstrations: this fraction of the SFT solutions work out every step but give the
+# first step's result after "####" (strop.data.synthetic.write_splits). The model imitates
+# the shortcut; a verifiable reward is exactly what can unlearn it, which the demo's PPO shows.
+EARLY_ANSWER_FRACTION = 0.7
 PASS_K = 8
-# Greedy validation accuracy after N steps of one long constant-LR run of the recipe (torch,
-# resumed every 200 steps): how the recipe's sft.steps was chosen.
-CURVE = {
-    200: 0.039,
-    400: 0.055,
-    600: 0.094,
-    800: 0.125,
-    1000: 0.184,
-    1200: 0.176,
-    1400: 0.355,
-    1600: 0.340,
-    1800: 0.387,
-    2000: 0.422,
-}
+# Greedy validation accuracy after N steps of the recipe (torch), from the checkpoints one
+# run writes every 500 steps (exported with `strop export --merged`, then `strop eval`):
+# how the recipe's sft.steps was chosen.
+CURVE = {500: 0.090, 1000: 0.230, 1500: 0.363, 2000: 0.449, 2500: 0.445, 3000: 0.523}
 PROMPT_TEMPLATE = "Question: {question}\nAnswer:"  # strop's default data.prompt_template
 
 
@@ -128,7 +125,7 @@ def write_card(path: Path, facts: dict) -> None:
     text = f"""# tiny-math
 
 A tiny Qwen2-architecture model ({f["parameters"]:,} parameters, float32, {f["size_mb"]:.1f} MB)
-that solves short arithmetic word problems — badly on purpose. It is strop's built-in
+that solves short arithmetic word problems, with a flaw put in on purpose. It is strop's built-in
 default: `strop demo` runs LoRA-PPO on it and watches the validation accuracy rise.
 `strop.assets.tiny_math_path()` gives this directory; it loads like any HF checkpoint
 (`strop.load_model`, `transformers.AutoModelForCausalLM.from_pretrained`).
@@ -156,9 +153,21 @@ Greedy validation accuracy (`strop eval`, reward `gsm8k`, {N_VALIDATION} problem
 `write_splits(seed={f["seed"]}, n_validation={N_VALIDATION})`, `validation.jsonl`):
 **{f["accuracy"]:.1%}** ({f["solved"]} / {N_VALIDATION}) on the {f["backend"]} backend, {f["other_accuracy"]:.1%} on {f["other"]}
 ({"the same responses" if f["other_same"] else "responses differ"}); {f["stopped"]:.0%} of the responses end with EOS.
-Deliberately imperfect, so that PPO has room to improve it: sampled at temperature 1, a
-response is right {f["sampled_accuracy"]:.1%} of the time and one of {PASS_K} is right for
-{f["pass_at_k"]:.1%} of the problems (`eval.num_samples={PASS_K} eval.temperature=1.0`).
+Sampled at temperature 1, a response is right {f["sampled_accuracy"]:.1%} of the time and one
+of {PASS_K} is right for {f["pass_at_k"]:.1%} of the problems (`eval.num_samples={PASS_K}
+eval.temperature=1.0`).
+
+## Imperfect on purpose
+
+The model is meant to be improved by PPO, so its supervised data was made flawed in one
+known way: {EARLY_ANSWER_FRACTION:.0%} of the training solutions (a seeded choice,
+`write_splits(..., early_answer_fraction={EARLY_ANSWER_FRACTION})`) work out every step
+correctly and then give the *first* step's result after `####` — an annotator's shortcut.
+The model imitates it: of its {f["wrong"]} wrong greedy answers above, {f["early"]} are
+multi-step problems whose `####` answer begins with the first step's result's leading
+digit instead of the final result's (the shortcut, whole or mixed digit by digit with the
+right answer), which a correct reward can teach it out of. The validation
+split, and the train split `strop demo` runs PPO on, have correct answers.
 
 ## How it was made
 
@@ -171,7 +180,7 @@ jax for this SFT on a CPU) in {f["seconds"]:.0f} s, {f["sft_seconds"]:.0f} s of 
 {f["cpu"]}{f["load_note"]}:
 
 1. data: `strop.data.synthetic.write_splits(seed={f["seed"]}, n_train={N_TRAIN},
-   n_validation={N_VALIDATION})`;
+   n_validation={N_VALIDATION}, early_answer_fraction={EARLY_ANSWER_FRACTION})`;
 2. tokenizer: byte-level BPE (`tokenizers`), {f["vocab_size"]} tokens, trained on the train
    split, digits split one per token (as in Qwen2); ChatML chat template; EOS
    `<|im_end|>`, pad `<|endoftext|>`;
@@ -184,15 +193,16 @@ jax for this SFT on a CPU) in {f["seconds"]:.0f} s, {f["sft_seconds"]:.0f} s of 
 5. evaluation: `strop eval` as above (greedy, `generation.max_new_tokens={f["max_new_tokens"]}`).
 
 The step count: with the learning rate constant after warmup, the model after N steps does
-not depend on `sft.steps`, so N was read off one long run of this recipe (torch, evaluated
-every 200 steps; greedy validation accuracy):
+not depend on `sft.steps`, so N was read off one run of this recipe (torch; its checkpoints
+every 500 steps exported with `strop export --merged` and evaluated greedily):
 
 | steps | {" | ".join(str(k) for k in CURVE)} |
 |---|{"---|" * len(CURVE)}
 | accuracy | {" | ".join(f"{v:.0%}" for v in CURVE.values())} |
 
-{f["steps"]} steps lands in the 20-50% band the demo wants. Another backend, thread count or
-machine rounds differently, and over {f["steps"]} steps that moves the accuracy by a few points.
+By {f["steps"]} steps the model works most problems out correctly, so the shortcut is the
+main thing left to fix. Another backend, thread count or machine rounds differently, and
+over {f["steps"]} steps that moves the accuracy by a few points.
 
 Reproduce the evaluation (`scripts/train_tiny_model.py` writes the splits under `--work`):
 
@@ -223,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     work: Path = args.work
     if work.exists():
         shutil.rmtree(work)  # a fresh run every time: SFT would otherwise resume
-    splits = write_splits(work / "data", args.seed, N_TRAIN, N_VALIDATION, max_steps=MAX_STEPS)
+    splits = write_splits(
+        work / "data", args.seed, N_TRAIN, N_VALIDATION,
+        max_steps=MAX_STEPS, early_answer_fraction=EARLY_ANSWER_FRACTION,
+    )  # fmt: skip
     records = [json.loads(line) for line in splits["train"].read_text().splitlines()]
     texts = [PROMPT_TEMPLATE.format(question=r["question"]) + " " + r["answer"] for r in records]
     init_dir = work / "init"
@@ -308,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                 "solved": round(summary.pass_at_k * summary.examples),
                 "stopped": summary.stopped_fraction,
                 "sampled_accuracy": sampled.accuracy,
+                "wrong": N_VALIDATION - round(summary.pass_at_k * summary.examples),
+                "early": _early_answers(summary.results_path, splits["validation"]),
                 "pass_at_k": sampled.pass_at_k,
                 "other": other,
                 "other_accuracy": other_summary.accuracy,
@@ -341,6 +356,22 @@ def _command() -> str:
 
     env = [f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"] * ("OMP_NUM_THREADS" in os.environ)
     return shlex.join([*env, "python", "scripts/train_tiny_model.py", *sys.argv[1:]])
+
+
+def _early_answers(results_path: str, validation_path: Path) -> int:
+    """Wrong greedy answers to multi-step problems that start like the first step's result
+    (the learned shortcut, whole or digit-mixed): the first digit after ``####`` is the
+    first step's, not the final result's."""
+    lines = Path(results_path).read_text(encoding="utf-8").splitlines()
+    golds = validation_path.read_text(encoding="utf-8").splitlines()
+    count = 0
+    for line, gold_line in zip(lines, golds, strict=True):
+        result, gold = json.loads(line), json.loads(gold_line)["answer"].split("\n")
+        first, final = gold[0].rsplit("= ", 1)[1], gold[-1].removeprefix("#### ")
+        got = result["extracted"][0] or ""
+        if len(gold) > 2 and not result["solved"] and got[:1] == first[:1] != final[:1]:
+            count += 1
+    return count
 
 
 def _responses(results_path: str) -> list[list[str]]:

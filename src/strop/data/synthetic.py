@@ -235,8 +235,8 @@ def write_splits(
     validation question, so the splits are disjoint and the validation split does not
     change with ``n_train``. ``out_dir`` appears only when both files are complete.
 
-    ``early_answer_fraction`` makes the *train* split noisy demonstrations for SFT: that
-    fraction of its records (a seeded choice) state the first step's result as the final
+    ``early_answer_fraction`` makes the *train* split flawed demonstrations for SFT: that
+    fraction of its records (a seeded choice) give the first step's result as the final
     answer (:meth:`Problem.to_record`). The questions stay the same and the validation
     split stays correct. Never train PPO on such a split: its golds would be wrong.
     """
