@@ -102,8 +102,16 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
     try:
         with os.fdopen(fd, "wb") as f:
             figure.savefig(f, format="png", dpi=100)
+        os.chmod(staging, 0o666 & ~_umask())  # mkstemp makes it private; a plot is not
         os.replace(staging, target)
     except BaseException:
         Path(staging).unlink(missing_ok=True)
         raise
     return target
+
+
+def _umask() -> int:
+    """The process umask (read by setting it and putting it back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
