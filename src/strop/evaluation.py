@@ -30,6 +30,7 @@ from strop.data import Tokenizer, read_examples
 from strop.data.prompts import gold_answer, prompt_ids
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
+from strop.io.hf import read_model_spec
 from strop.io.peft import load_adapter
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,9 @@ def _config_with_adapter(config: Config) -> Config:
     """``config`` with its ``lora:`` section describing ``eval.adapter`` (if one is given)."""
     if config.eval.adapter is None:
         return config
-    adapter_config, _ = load_adapter(config.eval.adapter)
+    # Checked against the base model before its r and targets size the model built for it.
+    spec = read_model_spec(config.model.path)
+    adapter_config, _ = load_adapter(config.eval.adapter, spec)
     targets = adapter_config.get("target_modules")
     lora = config.lora.model_copy(
         update={
@@ -167,8 +170,6 @@ def run_eval(config: Config) -> EvalResult:
 
 def _model_eos_ids(config: Config) -> list[int]:
     """EOS ids from the model's config (``generation_config`` may list several)."""
-    from strop.io.hf import read_model_spec
-
     return list(read_model_spec(config.model.path).eos_token_ids)
 
 

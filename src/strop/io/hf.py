@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-from collections.abc import Iterable
+import struct
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +22,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from strop.errors import ModelError
+from strop.errors import ModelError, StropError
 from strop.io.atomic import atomic_directory
 
 CONFIG_FILE = "config.json"
@@ -41,6 +43,50 @@ _SUPPORTED_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalL
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Tensors some checkpoints carry that are recomputed, never loaded.
 _DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
+# Pickle checkpoints strop refuses to read (unpickling can run code); named in errors.
+PICKLE_WEIGHTS_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+# The dtypes a weight (or adapter) tensor may have. Integer, boolean, complex and 8-bit
+# float tensors are not weights of the models strop supports: refused, never cast.
+WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
+# The largest safetensors header strop parses. safetensors' own cap is 100 MB of JSON,
+# parsed in full before anything can be checked; real checkpoints' headers are well under
+# 1 MB (a 70B-parameter shard: ~100 KB), so a header claiming more is rejected unread.
+MAX_HEADER_BYTES = 16 * 1024**2
+# A tensor name is a dotted module path (``model.layers.0.mlp.up_proj.weight``): no
+# slashes, "..", spaces or control characters.
+_TENSOR_NAME = re.compile(r"[A-Za-z0-9_\-]+(?:\.[A-Za-z0-9_\-]+)*")
+
+
+# The largest JSON file (config.json, an index, adapter_config.json) strop parses; real
+# ones are a few KB (an index of a 400B-parameter model: ~100 KB).
+MAX_JSON_BYTES = 16 * 1024**2
+
+
+def read_json(path: Path, error: type[StropError] = ModelError) -> Any:
+    """The JSON value in ``path``; a missing, huge, unreadable or malformed file is ``error``."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise error(
+                f"{path}: {size} bytes is too large for a JSON config (limit {MAX_JSON_BYTES})"
+            )
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise error(f"{path}: not valid JSON ({err})") from None
+    except RecursionError:
+        raise error(f"{path}: not valid JSON (nested too deeply)") from None
+    except OSError as err:
+        raise error(f"{path}: cannot read ({err.strerror or err})") from None
+
+
+def shown_name(name: str, limit: int = 80) -> str:
+    """``name`` for a one-line error message: quoted, escaped, and cut to ``limit``."""
+    text = repr(name)
+    return text if len(text) <= limit else text[: limit - 5] + "...'" + f" ({len(name)} chars)"
+
+
+_LAYER_LINEAR = re.compile(r"model\.layers\.(?P<layer>0|[1-9][0-9]{0,5})\.(?P<linear>\w+\.\w+)")
 
 
 @dataclass(frozen=True)
@@ -86,6 +132,27 @@ class ModelSpec:
         """The transformers class name, e.g. ``Qwen2ForCausalLM``."""
         return _SUPPORTED_MODEL_TYPES[self.model_type]
 
+    def linear_shape(self, module: str) -> tuple[int, int] | None:
+        """The HF ``nn.Linear.weight`` shape ``(out, in)`` of ``module`` (a dotted path such
+        as ``model.layers.3.self_attn.q_proj``), or ``None`` if the model has no such linear
+        layer. What a LoRA adapter on ``module`` must fit: A ``[r, in]``, B ``[out, r]``."""
+        if module == "lm_head":
+            return (self.vocab_size, self.hidden_size)
+        found = _LAYER_LINEAR.fullmatch(module)
+        if found is None or int(found["layer"]) >= self.num_layers:
+            return None
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes = {
+            "self_attn.q_proj": (q_out, self.hidden_size),
+            "self_attn.k_proj": (kv_out, self.hidden_size),
+            "self_attn.v_proj": (kv_out, self.hidden_size),
+            "self_attn.o_proj": (self.hidden_size, q_out),
+            "mlp.gate_proj": (self.intermediate_size, self.hidden_size),
+            "mlp.up_proj": (self.intermediate_size, self.hidden_size),
+            "mlp.down_proj": (self.hidden_size, self.intermediate_size),
+        }
+        return shapes.get(found["linear"])
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], *, source: str = "config.json") -> ModelSpec:
         """Parse a HF config dict; raise :class:`ModelError` for anything unsupported."""
@@ -95,11 +162,19 @@ class ModelSpec:
                 f"{source}: model_type {model_type!r} is not supported; strop supports "
                 f"{', '.join(sorted(_SUPPORTED_MODEL_TYPES))} (Qwen2/Qwen2.5, Llama 2/3)"
             )
-        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
-            if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
-                raise ModelError(
-                    f"{source}: {key} must be a positive integer, got {cfg.get(key)!r}"
-                )
+        required = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+        )
+        for key in (*required, "num_key_value_heads", "head_dim"):
+            value = cfg.get(key)
+            if value is None and key not in required:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelError(f"{source}: {key} must be a positive integer, got {value!r}")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ModelError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
@@ -116,7 +191,12 @@ class ModelSpec:
                 f"num_key_value_heads={kv_heads}"
             )
         head_dim = cfg.get("head_dim") or hidden // heads
-        theta, scaling = _parse_rope(cfg, source)
+        try:
+            theta, scaling = _parse_rope(cfg, source)
+            eps = float(cfg.get("rms_norm_eps", 1e-6))
+            max_positions = int(cfg.get("max_position_embeddings", 32768))
+        except (AttributeError, KeyError, TypeError, ValueError) as err:
+            raise ModelError(f"{source}: malformed RoPE or size field ({err!r})") from None
         attention_bias = bool(cfg.get("attention_bias", False))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -129,14 +209,14 @@ class ModelSpec:
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"],
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=eps,
             rope_theta=theta,
             rope_scaling=scaling,
             # Qwen2 always has q/k/v biases; Llama's attention_bias covers q/k/v/o.
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type == "llama" and attention_bias,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            max_position_embeddings=max_positions,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             raw=dict(cfg),
@@ -172,21 +252,63 @@ def read_model_spec(path: str | os.PathLike) -> ModelSpec:
     config_path = directory / CONFIG_FILE
     if not config_path.is_file():
         raise ModelError(f"{config_path}: not found; a HF checkpoint directory needs config.json")
-    try:
-        cfg = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ModelError(f"{config_path}: not valid JSON ({err})") from None
+    cfg = read_json(config_path, ModelError)
     if not isinstance(cfg, dict):
         raise ModelError(f"{config_path}: expected a JSON object")
     return ModelSpec.from_hf_config(cfg, source=str(config_path))
+
+
+def open_safetensors(file: Path, error: type[StropError] = ModelError) -> Any:
+    """A ``safe_open`` handle on ``file`` whose header has been checked; else ``error``.
+
+    safetensors itself rejects malformed header JSON, unknown dtypes, negative dims and
+    data offsets that overlap or run past the end of the file. On top of that, every
+    tensor name must be a dotted module path and every dtype one of ``WEIGHT_DTYPES``.
+    Nothing but the header is read: tensors stay memory-mapped until asked for.
+    """
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            head = f.read(8)
+    except OSError as err:
+        raise error(f"{file}: cannot read ({err.strerror or err})") from None
+    if len(head) < 8:
+        raise error(f"{file}: not a safetensors file ({size} bytes; too short for a header)")
+    # The 8-byte little-endian header length is read here, before safe_open, only to cap
+    # it at MAX_HEADER_BYTES (safetensors would parse up to 100 MB of JSON first).
+    (header_bytes,) = struct.unpack("<Q", head)
+    if header_bytes > size - 8:
+        raise error(
+            f"{file}: safetensors header claims {header_bytes} bytes, more than the file "
+            f"holds ({size} bytes); the file is truncated or not safetensors"
+        )
+    if header_bytes > MAX_HEADER_BYTES:
+        raise error(
+            f"{file}: safetensors header of {header_bytes} bytes exceeds strop's limit of "
+            f"{MAX_HEADER_BYTES} bytes"
+        )
+    try:
+        handle = safe_open(str(file), framework="numpy")
+    except (SafetensorError, OSError) as err:
+        raise error(f"{file}: not a valid safetensors file ({err})") from None
+    for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+        if not _TENSOR_NAME.fullmatch(name):
+            raise error(f"{file}: tensor name {shown_name(name)} is not a dotted module path")
+        dtype = handle.get_slice(name).get_dtype()
+        if dtype not in WEIGHT_DTYPES:
+            raise error(
+                f"{file}: tensor {shown_name(name)} has dtype {dtype}; weights must be one "
+                f"of {', '.join(WEIGHT_DTYPES)}"
+            )
+    return handle
 
 
 class SafetensorsReader:
     """Read tensors by name from a checkpoint directory, one tensor at a time, as numpy.
 
     Handles a single ``model.safetensors`` and a sharded ``model.safetensors.index.json``.
-    Files are opened lazily and memory-mapped by safetensors, so reading one tensor does
-    not load the others.
+    Every file's header is checked when the reader is made (see :func:`open_safetensors`);
+    tensors are memory-mapped by safetensors, so reading one does not load the others.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -196,31 +318,33 @@ class SafetensorsReader:
         index_path = self.directory / WEIGHTS_INDEX_FILE
         single_path = self.directory / SINGLE_WEIGHTS_FILE
         if index_path.is_file():
-            try:
-                weight_map = json.loads(index_path.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise ModelError(f"{index_path}: not a valid safetensors index ({err})") from None
-            files = {name: self.directory / fname for name, fname in weight_map.items()}
-            for file in set(files.values()):
-                if file.parent != self.directory or not file.is_file():
-                    raise ModelError(f"{index_path}: names a missing or outside file {file.name!r}")
-            self._file_of = files
+            self._file_of = _read_index(index_path)
+            for file in sorted(set(self._file_of.values())):
+                stored = set(self._open(file).keys())
+                absent = sorted(
+                    n for n, f in self._file_of.items() if f == file and n not in stored
+                )
+                if absent:
+                    raise ModelError(
+                        f"{index_path}: maps {shown_name(absent[0])} to {file.name}, which "
+                        f"does not hold it ({len(absent)} such tensors)"
+                    )
         elif single_path.is_file():
             for name in self._open(single_path).keys():  # noqa: SIM118 (safe_open has no __iter__)
                 self._file_of[name] = single_path
         else:
+            pickles = [n for n in PICKLE_WEIGHTS_FILES if (self.directory / n).is_file()]
+            found = f"found {pickles[0]}, but " if pickles else ""
             raise ModelError(
-                f"{self.directory}: no {SINGLE_WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} "
-                "(strop reads weights only from safetensors)"
+                f"{self.directory}: no {SINGLE_WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}; {found}"
+                "strop reads weights only from safetensors (pickle files can run code); "
+                "convert the checkpoint to safetensors with a loader you trust"
             )
 
     def _open(self, file: Path) -> Any:
-        """The (cached) safetensors handle of ``file``."""
+        """The (cached, header-checked) safetensors handle of ``file``."""
         if file not in self._handles:
-            try:
-                self._handles[file] = safe_open(str(file), framework="numpy")
-            except (SafetensorError, OSError) as err:
-                raise ModelError(f"{file}: cannot read safetensors file ({err})") from None
+            self._handles[file] = open_safetensors(file, ModelError)
         return self._handles[file]
 
     def names(self) -> list[str]:
@@ -234,28 +358,93 @@ class SafetensorsReader:
         """The stored shape of ``name``, read from the header only."""
         return tuple(self._open(self._file_of[name]).get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The stored safetensors dtype of ``name`` (``F32``, ``BF16``, ...), from the header."""
+        return self._open(self._file_of[name]).get_slice(name).get_dtype()
+
     def get(self, name: str) -> np.ndarray:
         """The tensor ``name`` as a host numpy array (bfloat16 as ``ml_dtypes.bfloat16``)."""
         try:
             return self._open(self._file_of[name]).get_tensor(name)
         except SafetensorError as err:
             raise ModelError(
-                f"{self._file_of[name]}: cannot read tensor {name!r} ({err})"
+                f"{self._file_of[name]}: cannot read tensor {shown_name(name)} ({err})"
             ) from None
 
 
-def check_tensor_names(reader: SafetensorsReader, expected: set[str], *, tied: bool) -> None:
-    """Raise a :class:`ModelError` listing missing and unexpected tensor names."""
+def _read_index(index_path: Path) -> dict[str, Path]:
+    """Tensor name -> shard file, from ``model.safetensors.index.json``, every file a plain
+    name in the same directory."""
+    index = read_json(index_path, ModelError)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelError(f'{index_path}: needs a non-empty "weight_map" object')
+    files = {}
+    directory = index_path.parent
+    for name, file_name in weight_map.items():
+        if not _TENSOR_NAME.fullmatch(name):
+            raise ModelError(
+                f"{index_path}: tensor name {shown_name(name)} is not a dotted module path"
+            )
+        if (
+            not isinstance(file_name, str)
+            or Path(file_name).name != file_name
+            or file_name in ("", ".", "..")
+            or "\\" in file_name
+            or not file_name.endswith(".safetensors")
+        ):
+            raise ModelError(
+                f"{index_path}: {shown_name(name)} maps to {shown_name(str(file_name))}; "
+                "shards must be .safetensors files in the same directory"
+            )
+        if not (directory / file_name).is_file():
+            raise ModelError(f"{index_path}: names a missing file {shown_name(file_name)}")
+        files[name] = directory / file_name
+    return files
+
+
+def open_checkpoint(path: str | os.PathLike) -> tuple[ModelSpec, SafetensorsReader]:
+    """The spec and a header-checked reader of the checkpoint directory ``path``.
+
+    Before any backend builds a model from the spec, the two must plausibly agree: the
+    embedding has the shape config.json implies and there are at least as many tensors
+    as layers, so a config.json claiming a huge model over small weights is refused
+    before anything is built or allocated.
+    """
+    spec = read_model_spec(path)
+    reader = SafetensorsReader(path)
+    embed = "model.embed_tokens.weight"
+    expected = (spec.vocab_size, spec.hidden_size)
+    if embed not in reader:
+        raise ModelError(f"{reader.directory}: weights do not match config.json; no {embed}")
+    if reader.shape(embed) != expected:
+        raise ModelError(
+            f"{reader.directory}: tensor {embed!r} has shape {list(reader.shape(embed))}, "
+            f"config.json implies {list(expected)}"
+        )
+    if spec.num_layers > len(reader.names()):
+        raise ModelError(
+            f"{reader.directory}: config.json says num_hidden_layers={spec.num_layers}, but "
+            f"the weights hold only {len(reader.names())} tensors"
+        )
+    return spec, reader
+
+
+def check_tensors(
+    reader: SafetensorsReader, expected: Mapping[str, tuple[int, ...]], *, tied: bool
+) -> None:
+    """Raise a :class:`ModelError` unless the checkpoint holds exactly the ``expected``
+    tensors (name -> shape), read from the headers only: call it before allocating."""
     present = set(reader.names())
     ignorable = {n for n in present if n.endswith(_DERIVED_SUFFIXES)}
     if tied:
         ignorable.add("lm_head.weight")  # some tied checkpoints store the copy anyway
-    missing = sorted(expected - present)
-    unexpected = sorted(present - expected - ignorable)
+    missing = sorted(set(expected) - present)
+    unexpected = sorted(present - set(expected) - ignorable)
     if missing or unexpected:
 
         def listing(names: list[str]) -> str:
-            shown = ", ".join(names[:8])
+            shown = ", ".join(shown_name(n, 60).strip("'") for n in names[:8])
             return shown + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
 
         problems = []
@@ -266,6 +455,13 @@ def check_tensor_names(reader: SafetensorsReader, expected: set[str], *, tied: b
         raise ModelError(
             f"{reader.directory}: weights do not match config.json; {'; '.join(problems)}"
         )
+    for name, shape in expected.items():
+        stored = reader.shape(name)
+        if stored != tuple(shape):
+            raise ModelError(
+                f"{reader.directory}: tensor {name!r} has shape {list(stored)}, "
+                f"config.json implies {list(shape)}"
+            )
 
 
 def write_checkpoint(

@@ -10,19 +10,28 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from strop.config import LoraConfig
 from strop.errors import CheckpointError, ConfigError
 from strop.io.atomic import atomic_directory
+from strop.io.hf import ModelSpec, open_safetensors, read_json, shown_name
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PICKLE_ADAPTER_WEIGHTS = "adapter_model.bin"
+# Upper bounds on what adapter_config.json may claim, whatever the base model: a rank no
+# base model strop supports needs (the real check is against the model's hidden size),
+# and target patterns far longer than any module path.
+MAX_RANK = 65536
+MAX_ALPHA = 1e9
+MAX_PATTERN_CHARS = 1000
 _PREFIX = "base_model.model."
 _SUFFIXES = {"A": ".lora_A.weight", "B": ".lora_B.weight"}
 
@@ -74,50 +83,154 @@ def save_adapter(
     return target
 
 
-def load_adapter(path: str | os.PathLike) -> tuple[dict[str, Any], AdapterWeights]:
-    """Read and validate a PEFT LoRA adapter directory: (config, weights by module)."""
+def load_adapter(
+    path: str | os.PathLike, spec: ModelSpec | None = None
+) -> tuple[dict[str, Any], AdapterWeights]:
+    """Read and validate a PEFT LoRA adapter directory: (config, weights by module).
+
+    ``adapter_config.json`` and the safetensors header are checked before any tensor is
+    read: a LoRA config strop can apply, plain module names, float dtypes, and A ``[r, in]``
+    / B ``[out, r]`` for every module. With ``spec`` (the base model) each module must be
+    one of its linear layers with those ``in`` / ``out`` sizes, and ``r`` at most its
+    hidden size. Every problem is a :class:`CheckpointError` naming the file.
+    """
     directory = Path(path)
     config_path, weights_path = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
+    if not directory.is_dir():
+        raise CheckpointError(f"adapter path {str(directory)!r} is not a directory")
+    if not weights_path.is_file() and (directory / PICKLE_ADAPTER_WEIGHTS).is_file():
+        raise CheckpointError(
+            f"{directory}: has {PICKLE_ADAPTER_WEIGHTS} but no {ADAPTER_WEIGHTS}; strop reads "
+            "adapters only from safetensors (pickle files can run code)"
+        )
     if not config_path.is_file() or not weights_path.is_file():
         raise CheckpointError(
             f"{directory}: not a PEFT adapter (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})"
         )
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{config_path}: not valid JSON ({err})") from None
-    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-        raise CheckpointError(f"{config_path}: peft_type must be LORA")
-    rank = config.get("r")
-    if not isinstance(rank, int) or rank < 1:
-        raise CheckpointError(f"{config_path}: r must be a positive integer, got {rank!r}")
-    if config.get("use_rslora") or config.get("use_dora"):
-        raise CheckpointError(f"{config_path}: rsLoRA and DoRA adapters are not supported")
-    try:
-        tensors = load_file(str(weights_path))
-    except (SafetensorError, OSError) as err:
-        raise CheckpointError(f"{weights_path}: cannot read safetensors ({err})") from None
-    pairs: dict[str, dict[str, np.ndarray]] = {}
-    for name, value in tensors.items():
+    config = read_adapter_config(config_path)
+    rank = config["r"]
+    if spec is not None and rank > spec.hidden_size:
+        raise CheckpointError(
+            f"{config_path}: r={rank} is larger than the base model's hidden_size="
+            f"{spec.hidden_size}"
+        )
+    handle = open_safetensors(weights_path, CheckpointError)
+    pairs: dict[str, dict[str, str]] = {}
+    for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
         for kind, suffix in _SUFFIXES.items():
             if name.startswith(_PREFIX) and name.endswith(suffix):
                 module = name[len(_PREFIX) : -len(suffix)]
-                pairs.setdefault(module, {})[kind] = value
+                pairs.setdefault(module, {})[kind] = name
                 break
         else:
-            raise CheckpointError(f"{weights_path}: unexpected tensor {name!r}")
+            raise CheckpointError(
+                f"{weights_path}: unexpected tensor {shown_name(name)} (a LoRA adapter holds "
+                f"only {_PREFIX}<module>.lora_A.weight / .lora_B.weight)"
+            )
+    if not pairs:
+        raise CheckpointError(f"{weights_path}: holds no LoRA tensors")
+    base = config.get("base_model_name_or_path")
+    made_for = f" (was it made for another base model? it names {base!r})" if base else ""
+    for module, pair in sorted(pairs.items()):
+        if "A" not in pair or "B" not in pair:
+            raise CheckpointError(f"{weights_path}: {module} needs both lora_A and lora_B")
+        a = tuple(handle.get_slice(pair["A"]).get_shape())
+        b = tuple(handle.get_slice(pair["B"]).get_shape())
+        if len(a) != 2 or len(b) != 2:
+            raise CheckpointError(
+                f"{weights_path}: {module} needs 2-D lora_A and lora_B, got A {list(a)}, "
+                f"B {list(b)}"
+            )
+        if a[0] != rank or b[1] != rank:
+            raise CheckpointError(
+                f"{weights_path}: {module} has A {list(a)}, B {list(b)}; expected rank r={rank}"
+            )
+        if spec is not None:
+            linear = spec.linear_shape(module)
+            if linear is None:
+                raise CheckpointError(
+                    f"{weights_path}: {module} is not a linear layer of the base model" + made_for
+                )
+            out_features, in_features = linear
+            if (b[0], a[1]) != (out_features, in_features):
+                raise CheckpointError(
+                    f"{weights_path}: {module} has A {list(a)}, B {list(b)}; the base model "
+                    f"needs A [{rank}, {in_features}], B [{out_features}, {rank}]" + made_for
+                )
     weights: AdapterWeights = {}
     for module, pair in pairs.items():
-        a, b = pair.get("A"), pair.get("B")
-        if a is None or b is None or a.ndim != 2 or b.ndim != 2:
-            raise CheckpointError(f"{weights_path}: {module} needs 2-D lora_A and lora_B")
-        if a.shape[0] != rank or b.shape[1] != rank:
-            raise CheckpointError(
-                f"{weights_path}: {module} has A {list(a.shape)}, B {list(b.shape)}; "
-                f"expected rank r={rank}"
-            )
-        weights[module] = (a, b)
+        try:
+            weights[module] = (handle.get_tensor(pair["A"]), handle.get_tensor(pair["B"]))
+        except SafetensorError as err:
+            raise CheckpointError(f"{weights_path}: cannot read {module} ({err})") from None
     return config, weights
+
+
+def read_adapter_config(config_path: Path) -> dict[str, Any]:
+    """``adapter_config.json``, checked to be a LoRA config strop applies as PEFT would."""
+    config = read_json(config_path, CheckpointError)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path}: expected a JSON object")
+
+    def bad(key: str, what: str) -> CheckpointError:
+        value = repr(config.get(key))
+        value = value if len(value) <= 60 else value[:55] + "..."
+        return CheckpointError(f"{config_path}: {key} must be {what}, got {value}")
+
+    if config.get("peft_type") != "LORA":
+        raise bad("peft_type", '"LORA" (the only adapter type strop applies)')
+    rank = config.get("r")
+    if not _is_int(rank) or rank < 1:
+        raise bad("r", "a positive integer")
+    if rank > MAX_RANK:
+        raise bad("r", f"at most {MAX_RANK}")
+    alpha = config.get("lora_alpha", rank)
+    if not _is_number(alpha) or not 0 < alpha <= MAX_ALPHA:
+        raise bad("lora_alpha", f"a positive number (at most {MAX_ALPHA:g})")
+    targets = config.get("target_modules")
+    patterns = [targets] if isinstance(targets, str) else targets
+    if not isinstance(patterns, list) or not patterns:
+        raise bad("target_modules", "a module-name regex or a non-empty list of them")
+    for pattern in patterns:
+        if not isinstance(pattern, str) or not _plain_pattern(pattern):
+            raise CheckpointError(
+                f"{config_path}: target_modules entry {shown_name(str(pattern), 60)} is not a "
+                "module name or regex (no '/' or control characters; at most "
+                f"{MAX_PATTERN_CHARS} characters)"
+            )
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise CheckpointError(
+                f"{config_path}: target_modules entry {shown_name(pattern, 60)} is not a "
+                f"valid regex ({err})"
+            ) from None
+    if config.get("use_rslora") or config.get("use_dora"):
+        raise CheckpointError(f"{config_path}: rsLoRA and DoRA adapters are not supported")
+    for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
+        if config.get(key):
+            raise CheckpointError(
+                f"{config_path}: {key} is not supported (strop applies one "
+                "rank and alpha to every targeted module)"
+            )
+    if config.get("fan_in_fan_out"):
+        raise CheckpointError(f"{config_path}: fan_in_fan_out=true is not supported")
+    if config.get("bias", "none") not in ("none", None):
+        raise bad("bias", '"none" (strop adapters carry no bias terms)')
+    return config
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _plain_pattern(pattern: str) -> bool:
+    """A module name or regex: not a path, no control characters, not absurdly long."""
+    return 0 < len(pattern) <= MAX_PATTERN_CHARS and "/" not in pattern and pattern.isprintable()
 
 
 def read_adapter_for(path: str | os.PathLike, lora: LoraConfig) -> AdapterWeights:

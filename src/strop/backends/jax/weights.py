@@ -24,8 +24,7 @@ from rich.progress import track
 
 from strop.backends.jax.model import CausalLM, Dense, Embedding, RMSNorm
 from strop.backends.jax.sharding import logical_to_sharding
-from strop.errors import ModelError
-from strop.io.hf import SafetensorsReader, check_tensor_names, read_model_spec, write_checkpoint
+from strop.io.hf import check_tensors, open_checkpoint, write_checkpoint
 
 
 @dataclass(frozen=True)
@@ -88,24 +87,18 @@ def load_hf_model(
     path: str | os.PathLike, mesh: Mesh, *, dtype: str = "float32", param_dtype: str = "float32"
 ) -> CausalLM:
     """Load a HF checkpoint directory into a :class:`CausalLM` sharded over ``mesh``."""
-    spec = read_model_spec(path)
-    reader = SafetensorsReader(path)
+    spec, reader = open_checkpoint(path)
     model = nnx.eval_shape(
         lambda: CausalLM(spec, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
     )
     bindings = weight_bindings(model)
-    check_tensor_names(reader, {b.hf_name for b in bindings}, tied=spec.tie_word_embeddings)
+    # Names and shapes from the headers, before a single weight is read or placed.
+    check_tensors(reader, {b.hf_name: b.hf_shape for b in bindings}, tied=spec.tie_word_embeddings)
     for binding in track(
         bindings, description="loading weights", transient=True, disable=not sys.stderr.isatty()
     ):
         variable = binding.variable
         abstract = variable.get_value()
-        stored = reader.shape(binding.hf_name)
-        if stored != binding.hf_shape:
-            raise ModelError(
-                f"{reader.directory}: tensor {binding.hf_name!r} has shape {list(stored)}, "
-                f"config.json implies {list(binding.hf_shape)}"
-            )
         host = binding.to_model(reader.get(binding.hf_name)).astype(abstract.dtype)
         sharding = logical_to_sharding(
             variable.get_metadata()["out_sharding"], abstract.shape, mesh

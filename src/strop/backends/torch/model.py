@@ -32,7 +32,7 @@ from strop.backends.torch.lora import (
 )
 from strop.config import LoraConfig
 from strop.errors import ModelError
-from strop.io.hf import ModelSpec, SafetensorsReader, check_tensor_names, read_model_spec
+from strop.io.hf import ModelSpec, SafetensorsReader, check_tensors, open_checkpoint
 
 
 @dataclass
@@ -76,8 +76,7 @@ def build_model(
     Weights are stored in ``param_dtype`` and computed in ``dtype``. LoRA adapters get a
     seeded initialisation that does not depend on the world size.
     """
-    spec = read_model_spec(path)
-    reader = SafetensorsReader(path)
+    spec, reader = open_checkpoint(path)
     try:
         hf_config = transformers.AutoConfig.from_pretrained(
             path, trust_remote_code=trust_remote_code
@@ -89,6 +88,9 @@ def build_model(
         model = transformers.AutoModelForCausalLM.from_config(
             hf_config, dtype=stored_dtype, trust_remote_code=trust_remote_code
         )
+    # Names and shapes from the headers, against the meta model, before any allocation.
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    check_tensors(reader, expected, tied=spec.tie_word_embeddings)
     if lora is not None and lora.enabled:
         model = apply_lora(model, lora, extra_adapters)
     if placement.distributed:
@@ -96,7 +98,7 @@ def build_model(
     tied = _shared_parameters(model)
     model.to_empty(device=placement.device)
     _retie(tied)
-    _load_weights(model, reader, seed, tied=spec.tie_word_embeddings)
+    _load_weights(model, reader, seed)
     _reset_rotary_buffers(model, placement.device)
     model.eval()
     return LoadedModel(model, spec, placement, TORCH_DTYPES[dtype])
@@ -124,11 +126,9 @@ def _to_torch(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
-def _load_weights(model: nn.Module, reader: SafetensorsReader, seed: int, tied: bool) -> None:
+def _load_weights(model: nn.Module, reader: SafetensorsReader, seed: int) -> None:
     """Fill every parameter: base weights from the checkpoint, adapters from the seed."""
     params = dict(model.named_parameters())  # tied weights appear once
-    base = {hf_module_path(name) for name in params if not is_lora_param(name)}
-    check_tensor_names(reader, base, tied=tied)
     generator = torch.Generator().manual_seed(seed)
     for name, param in params.items():
         if is_lora_param(name):
