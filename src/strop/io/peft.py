@@ -237,13 +237,13 @@ def read_adapter_for(path: str | os.PathLike, lora: LoraConfig) -> AdapterWeight
     """The weights of the adapter at ``path``, checked against a run's ``lora:`` section."""
     if not lora.enabled:
         raise ConfigError("lora.restore_path is set but lora.enabled is false")
-    adapter_config, weights = load_adapter(path)
-    if adapter_config["r"] != lora.rank:
+    config_path = Path(path) / ADAPTER_CONFIG
+    rank = read_adapter_config(config_path)["r"] if config_path.is_file() else lora.rank
+    if rank != lora.rank:  # before any tensor is read
         raise ConfigError(
-            f"lora.restore_path {path}: adapter rank r={adapter_config['r']} differs from "
-            f"lora.rank={lora.rank}"
+            f"lora.restore_path {path}: adapter rank r={rank} differs from lora.rank={lora.rank}"
         )
-    return weights
+    return load_adapter(path)[1]
 
 
 def save_adapter_for(

@@ -92,15 +92,18 @@ def set_adapter_weights(
         )
     for path, (a, b) in weights.items():
         module = modules[path]
-        for variable, value, shape in (
-            (module.kernel_lora_a, a.T, (*module.in_shape, -1)),
-            (module.kernel_lora_b, b.T, (-1, *module.out_shape)),
+        n_in, n_out = math.prod(module.in_shape), math.prod(module.out_shape)
+        rank = module.kernel_lora_a.get_value().shape[-1]
+        for variable, value, peft_shape, shape in (
+            (module.kernel_lora_a, a, (rank, n_in), (*module.in_shape, rank)),
+            (module.kernel_lora_b, b, (n_out, rank), (rank, *module.out_shape)),
         ):
-            current = variable.get_value()
-            new = value.reshape(shape)
-            if new.shape != current.shape:
+            # Compared in the PEFT layout (as the torch backend does) before any reshape.
+            if tuple(value.shape) != peft_shape:
                 raise ConfigError(
-                    f"{source}: adapter for {path} has shape {list(new.shape)}, the model "
-                    f"expects {list(current.shape)} (is lora.rank the adapter's rank?)"
+                    f"{source}: adapter for {path} has shape {list(value.shape)}, the model "
+                    f"expects {list(peft_shape)} (is lora.rank the adapter's rank?)"
                 )
+            current = variable.get_value()
+            new = value.T.reshape(shape)
             variable.set_value(jnp.asarray(new, dtype=current.dtype, device=current.sharding))
