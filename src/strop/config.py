@@ -171,6 +171,15 @@ class SftConfig(_Section):
         return self
 
 
+class TrainConfig(_Section):
+    """Numerical safety of every optimizer step (SFT steps, PPO policy and critic updates)."""
+
+    skip_nonfinite: bool = Field(
+        False,
+        description="Skip an optimizer step whose loss or gradient norm is NaN/Inf instead of stopping the run.",
+    )
+
+
 class PpoConfig(_Section):
     """PPO with a learned critic: rollouts, advantages, clipping, KL and value losses."""
 
@@ -405,6 +414,9 @@ class Config(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and schedule.")
     data: DataConfig = Field(
         default_factory=DataConfig, description="Training and evaluation data."
+    )
+    train: TrainConfig = Field(
+        default_factory=TrainConfig, description="Numerical safety of optimizer steps."
     )
     sft: SftConfig = Field(default_factory=SftConfig, description="Supervised fine-tuning loop.")
     ppo: PpoConfig = Field(default_factory=PpoConfig, description="PPO loop.")

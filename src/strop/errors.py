@@ -2,6 +2,9 @@
 
 The CLI catches :class:`StropError`, prints its message on one line and exits with
 ``exit_code``; anything else is a bug in strop and keeps its traceback.
+
+Exit codes: 2 for every mistake in input (config, paths, data, checkpoints, options);
+3 for :class:`NonFiniteError`, a run stopped because a loss or gradient went NaN/Inf.
 """
 
 from __future__ import annotations
@@ -35,3 +38,28 @@ class OutputExistsError(StropError):
 
 class BackendUnavailableError(StropError):
     """The requested backend's packages are not installed."""
+
+
+class NonFiniteError(StropError):
+    """An optimizer step's loss or gradient norm was NaN/Inf and ``train.skip_nonfinite``
+    is off. The step was not applied and nothing was saved after it; the message names the
+    step (``where``), the values, and the last complete checkpoint, which is kept."""
+
+    exit_code = 3
+
+    def __init__(
+        self,
+        where: str,
+        values: dict[str, float],
+        kept_step: int | None,
+        checkpoint_dir: str | None = None,
+    ):
+        self.where, self.values, self.kept_step = where, dict(values), kept_step
+        shown = " ".join(f"{name}={value:.6g}" for name, value in values.items())
+        kept = "none yet" if kept_step is None else f"step {kept_step}"
+        in_dir = f" in {checkpoint_dir}" if checkpoint_dir else ""
+        super().__init__(
+            f"{where}: non-finite {shown}; the update was not applied and no checkpoint was "
+            f"written after it (last complete checkpoint: {kept}{in_dir}, kept); fix the data "
+            "or lower the learning rate, or set train.skip_nonfinite=true to skip such steps"
+        )

@@ -66,7 +66,8 @@ def main() -> None:
     set_adapter_weights(policy.model, seeded_adapter(policy.model), "test")
     loss_sum, count = policy.trainer.accumulate(batch, micro_batches=2)
     grads = named_grads(policy.model)
-    norm = policy.trainer.apply()
+    norm, applied = policy.trainer.apply(loss_sum / count)
+    assert applied
     after = {f"{k}/{i}": v[i] for k, v in adapter_weights(policy.model).items() for i in (0, 1)}
     policy.save_checkpoint(1, {"step": 1})
     second = policy.train_step(batch, 2)

@@ -69,7 +69,8 @@ def test_lora_two_processes_equal_one(two_process_run, tmp_path):
     set_adapter_weights(policy.model, seeded_adapter(policy.model), "test")
     loss_sum, count = policy.trainer.accumulate(global_batch(), micro_batches=2)
     grads = named_grads(policy.model)
-    norm = policy.trainer.apply()
+    norm, applied = policy.trainer.apply(loss_sum / count)
+    assert applied
 
     assert float(sharded["count"]) == count
     _close(sharded["loss_sum"], loss_sum, "summed loss")

@@ -39,6 +39,7 @@ from strop.errors import ConfigError
 from strop.generation import SamplingParams
 from strop.io.hf import read_model_spec
 from strop.metrics import MetricsWriter
+from strop.nonfinite import CHECKPOINT_KEY, count_skipped
 from strop.rl.experience import build_experience, minibatches, pad_columns
 from strop.rl.rollout import Rollout, token_mult_prob_error
 
@@ -115,14 +116,16 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     eos_ids = sorted({tokenizer.eos_token_id, *read_model_spec(config.model.path).eos_token_ids})
     sampling = SamplingParams.from_config(config.generation)
 
+    checkpoint_dir = config.checkpoint.dir or run_dir / "checkpoints"
     engine = get_backend(config.backend).build_actor_critic(
-        config,
-        total_updates=ppo.optimizer_updates(),
-        checkpoint_dir=config.checkpoint.dir or run_dir / "checkpoints",
+        config, total_updates=ppo.optimizer_updates(), checkpoint_dir=checkpoint_dir
     )
     start, resumed_from = 0, engine.latest_checkpoint()
+    skipped = {"policy": 0, "critic": 0}  # non-finite updates skipped, cumulative
     if resumed_from is not None:
-        start = int(engine.restore_checkpoint(resumed_from)["step"])
+        extra = engine.restore_checkpoint(resumed_from)
+        start = int(extra["step"])
+        skipped.update(extra.get(CHECKPOINT_KEY, {}))
         logger.info("resumed from checkpoint step %d in %s", start, run_dir)
         if config.lora.restore_path:
             logger.info("ignoring lora.restore_path for the actor on a resumed run")
@@ -148,14 +151,15 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
         task = bar.add_task("ppo", total=ppo.steps, completed=start, reward=0.0, acc=accuracy)
         for step in range(start, end):
             context = (engine, train, tokenizer, reward, sampling, eos_ids, config)
-            record = ppo_iteration(step, *context)
+            record = ppo_iteration(step, *context, skipped=skipped)
             done = step + 1
             if validation is not None and done % ppo.validate_every == 0:
                 record["validation/accuracy"] = validate()
             history.append(record)
             writer.write(done, record)
             if done % config.checkpoint.every_steps == 0 or done == ppo.steps:
-                engine.save_checkpoint(done, {"step": done, "seed": config.seed})
+                extra = {"step": done, "seed": config.seed, CHECKPOINT_KEY: dict(skipped)}
+                engine.save_checkpoint(done, extra)
             bar.update(
                 task,
                 completed=done,
@@ -185,9 +189,20 @@ def _check(config: Config) -> None:
         raise ConfigError("ppo.validate_every > 0 needs data.eval_path (held-out prompts)")
 
 
-def ppo_iteration(step, engine, train, tokenizer, reward, sampling, eos_ids, config):
-    """Run iteration ``step`` (0-based) and return its metrics."""
+def ppo_iteration(
+    step, engine, train, tokenizer, reward, sampling, eos_ids, config, *, skipped=None
+):
+    """Run iteration ``step`` (0-based) and return its metrics.
+
+    An update whose loss or gradient norm is NaN/Inf is not applied by the engine; it
+    raises :class:`~strop.errors.NonFiniteError`, or with ``train.skip_nonfinite`` is
+    counted in ``skipped`` (``{"policy": n, "critic": n}``, updated in place, cumulative
+    over the run), which the metrics ``policy/nonfinite_skipped`` and
+    ``critic/nonfinite_skipped`` report.
+    """
     ppo, seed = config.ppo, config.seed
+    skipped = {"policy": 0, "critic": 0} if skipped is None else skipped
+    checkpoint_dir = str(config.checkpoint.dir or Path(config.run_dir) / "checkpoints")
     timings: dict[str, float] = {}
     began = time.perf_counter()
 
@@ -218,18 +233,28 @@ def ppo_iteration(step, engine, train, tokenizer, reward, sampling, eos_ids, con
     updates: dict[str, list[float]] = defaultdict(list)
     micro_batches = ppo.mini_batch_size // ppo.rows_per_micro_batch
     train_policy = step >= ppo.critic_warmup_steps
+
+    def update(role: str, fn, mini, epoch: int, index: int) -> None:
+        stats = timed(f"train_{role}", fn, mini, micro_batches)
+        skipped[role] += count_skipped(
+            stats,
+            where=f"ppo iteration {step + 1} {role} update (epoch {epoch + 1}, "
+            f"mini-batch {index + 1})",
+            skip=config.train.skip_nonfinite,
+            latest_checkpoint=engine.latest_checkpoint,
+            checkpoint_dir=checkpoint_dir,
+        )
+        for name, value in stats.items():
+            updates[f"{role}/{name}"].append(value)
+
     for epoch in range(ppo.ppo_epochs):
         rng = np.random.default_rng([seed, step, epoch])
-        for mini in minibatches(arrays, ppo.mini_batch_size, ppo.loss_aggregation, rng):
-            for name, value in timed(
-                "train_critic", engine.train_critic, mini, micro_batches
-            ).items():
-                updates[f"critic/{name}"].append(value)
+        for index, mini in enumerate(
+            minibatches(arrays, ppo.mini_batch_size, ppo.loss_aggregation, rng)
+        ):
+            update("critic", engine.train_critic, mini, epoch, index)
             if train_policy:
-                for name, value in timed(
-                    "train_policy", engine.train_policy, mini, micro_batches
-                ).items():
-                    updates[f"policy/{name}"].append(value)
+                update("policy", engine.train_policy, mini, epoch, index)
 
     seconds = time.perf_counter() - began
     tokens = float(rollout.lengths.sum())
@@ -240,6 +265,8 @@ def ppo_iteration(step, engine, train, tokenizer, reward, sampling, eos_ids, con
         "token_mult_prob_error": token_mult_prob_error(sampled, old, batch["response_mask"]),
         **stats,
         **{name: float(np.mean(values)) for name, values in updates.items()},
+        "critic/nonfinite_skipped": skipped["critic"],
+        "policy/nonfinite_skipped": skipped["policy"],
         **timings,
         "timing/step": seconds,
         "throughput/tokens_per_s": tokens / seconds,

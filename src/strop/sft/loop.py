@@ -19,6 +19,7 @@ from strop.config import Config
 from strop.data import Tokenizer, load_sft_examples, make_sft_batcher
 from strop.errors import ConfigError
 from strop.metrics import MetricsWriter
+from strop.nonfinite import CHECKPOINT_KEY, count_skipped
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,11 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
     """Train ``config.sft.steps`` steps (or until ``stop_after``), resuming if possible.
 
     Writes ``metrics.jsonl``, TensorBoard logs and checkpoints under ``config.run_dir``;
-    at the end exports the adapter (LoRA) or the model (full fine-tuning).
+    at the end exports the adapter (LoRA) or the model (full fine-tuning). A step whose
+    loss or gradient norm is NaN/Inf is never applied: it stops the run with
+    :class:`~strop.errors.NonFiniteError` before anything is saved, or with
+    ``train.skip_nonfinite`` is skipped and counted in ``train/nonfinite_skipped``
+    (cumulative over the run, resumes included); see :mod:`strop.nonfinite`.
     """
     if config.model.path is None or config.data.train_path is None:
         raise ConfigError("strop sft needs model.path and data.train_path")
@@ -60,15 +65,15 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
             eval_examples, config.data, tokenizer, sft.micro_batch_size, config.seed
         )
 
+    checkpoint_dir = config.checkpoint.dir or run_dir / "checkpoints"
     policy = get_backend(config.backend).build_policy(
-        config,
-        total_steps=sft.steps,
-        checkpoint_dir=config.checkpoint.dir or run_dir / "checkpoints",
+        config, total_steps=sft.steps, checkpoint_dir=checkpoint_dir
     )
-    start, resumed_from = 0, policy.latest_checkpoint()
+    start, resumed_from, skipped = 0, policy.latest_checkpoint(), 0
     if resumed_from is not None:
         extra = policy.restore_checkpoint(resumed_from)
         start = int(extra["step"])
+        skipped = int(extra.get(CHECKPOINT_KEY, 0))
         logger.info("resumed from checkpoint step %d in %s", start, run_dir)
         if config.lora.restore_path:
             logger.info(
@@ -91,13 +96,21 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
             began = time.perf_counter()
             metrics = policy.train_step(batcher.batch(step), micro_batches)
             seconds = time.perf_counter() - began
-            losses.append(metrics["loss"])
             done = step + 1
+            skipped += count_skipped(
+                metrics,
+                where=f"sft step {done}",
+                skip=config.train.skip_nonfinite,
+                latest_checkpoint=policy.latest_checkpoint,
+                checkpoint_dir=str(checkpoint_dir),
+            )
+            losses.append(metrics["loss"])
             record = {
                 "train/loss": metrics["loss"],
                 "train/grad_norm": metrics["grad_norm"],
                 "train/tokens": metrics["tokens"],
                 "train/epoch": batcher.epoch_of(step),
+                "train/nonfinite_skipped": skipped,  # cumulative over the run
                 "timing/step_s": seconds,
                 "throughput/tokens_per_s": metrics["tokens"] / seconds,
             }
@@ -106,7 +119,8 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
             if done % config.logging.every_steps == 0 or done == end or "eval/loss" in record:
                 writer.write(done, record)
             if done % config.checkpoint.every_steps == 0 or done == sft.steps:
-                policy.save_checkpoint(done, {"step": done, "seed": config.seed})
+                extra = {"step": done, "seed": config.seed, CHECKPOINT_KEY: skipped}
+                policy.save_checkpoint(done, extra)
             bar.update(
                 task, completed=done, loss=metrics["loss"], tps=record["throughput/tokens_per_s"]
             )

@@ -30,6 +30,7 @@ from strop.backends.jax.losses import (
     policy_terms,
     value_terms,
 )
+from strop.backends.jax.train import is_finite_step
 from strop.rl.objectives import PolicyObjective, ValueObjective
 
 F32 = jnp.float32
@@ -84,9 +85,19 @@ def _accumulate(micro_loss: Callable, trainable, batch: dict[str, jax.Array]):
     return grads, loss, stats
 
 
-def _apply(tx: optax.GradientTransformation, trainable, opt_state, grads):
-    updates, opt_state = tx.update(grads, opt_state, trainable)
-    return optax.apply_updates(trainable, updates), opt_state, optax.global_norm(grads)
+def _apply(tx: optax.GradientTransformation, trainable, opt_state, grads, loss):
+    """The optimizer step, applied only if ``loss`` and the gradient norm are finite
+    (:func:`~strop.backends.jax.train.is_finite_step`); otherwise ``trainable`` and
+    ``opt_state`` come back unchanged. Returns them, the norm and ``skipped`` (0 or 1)."""
+    norm = optax.tree.norm(grads)
+    applied = is_finite_step(loss, norm)
+
+    def update(trainable, opt_state):
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state
+
+    trainable, opt_state = jax.lax.cond(applied, update, lambda *state: state, trainable, opt_state)
+    return trainable, opt_state, norm, jnp.logical_not(applied).astype(F32)
 
 
 def policy_update(
@@ -99,7 +110,8 @@ def policy_update(
     batch: dict[str, jax.Array],
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """One actor update over a mini-batch; returns the new trainable part, optimizer state
-    and the summed statistics (``loss``, ``clipfrac``, ``approx_kl``, ``entropy``, ...)."""
+    and the summed statistics (``loss``, ``clipfrac``, ``approx_kl``, ``entropy``, ...,
+    ``skipped``: 1 when a non-finite loss or gradient norm left everything unchanged)."""
 
     def micro_loss(trainable, micro):
         ids, weights = micro["input_ids"], micro["loss_weights"]
@@ -122,8 +134,8 @@ def policy_update(
         return loss, jax.tree.map(jax.lax.stop_gradient, stats)
 
     grads, loss, stats = _accumulate(micro_loss, trainable, batch)
-    trainable, opt_state, norm = _apply(tx, trainable, opt_state, grads)
-    return trainable, opt_state, {"loss": loss, "grad_norm": norm, **stats}
+    trainable, opt_state, norm, skipped = _apply(tx, trainable, opt_state, grads, loss)
+    return trainable, opt_state, {"loss": loss, "grad_norm": norm, "skipped": skipped, **stats}
 
 
 def critic_update(
@@ -136,7 +148,7 @@ def critic_update(
     batch: dict[str, jax.Array],
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """One critic update over a mini-batch; stats ``loss`` (the unscaled value loss),
-    ``vf_clipfrac``, ``value_mean`` and ``grad_norm``."""
+    ``vf_clipfrac``, ``value_mean``, ``grad_norm`` and ``skipped`` (as in the policy's)."""
 
     def micro_loss(trainable, micro):
         weights = micro["loss_weights"]
@@ -154,6 +166,6 @@ def critic_update(
         }
         return objective.coef * loss, jax.tree.map(jax.lax.stop_gradient, stats)
 
-    grads, _, stats = _accumulate(micro_loss, trainable, batch)
-    trainable, opt_state, norm = _apply(tx, trainable, opt_state, grads)
-    return trainable, opt_state, {"grad_norm": norm, **stats}
+    grads, scaled_loss, stats = _accumulate(micro_loss, trainable, batch)
+    trainable, opt_state, norm, skipped = _apply(tx, trainable, opt_state, grads, scaled_loss)
+    return trainable, opt_state, {"grad_norm": norm, "skipped": skipped, **stats}

@@ -105,12 +105,34 @@ def token_loss_sum(
     return -(token_logprobs * mask).sum(), mask.sum()
 
 
+def is_finite_step(loss: jax.Array, grad_norm: jax.Array) -> jax.Array:
+    """Whether an optimizer step may be applied: its loss and global gradient norm are
+    finite (a NaN/Inf anywhere in the gradients makes the norm non-finite).
+
+    A step that fails this is not applied at all: parameters, optimizer state and its step
+    counter (the schedule's clock) stay exactly as they were. The loops then stop the run
+    or, with ``train.skip_nonfinite``, count the skip (``strop.errors.NonFiniteError``).
+    ``optax.apply_if_finite`` is not used: it looks at the gradients only, adds counters
+    to the optimizer state (older checkpoints would no longer restore) and applies the
+    update anyway after ``max_consecutive_errors``.
+    """
+    return jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+
 @dataclass(eq=False)  # hashed by identity: it is a static argument of the jitted step
 class TraceCounter:
     """Counts how often the train step is traced (= compiled), for tests and logs."""
 
     count: int = 0
     shapes: list[tuple[int, ...]] = field(default_factory=list)
+
+
+def _update(model, optimizer, grads) -> None:
+    optimizer.update(model, grads)
+
+
+def _keep(model, optimizer, grads) -> None:
+    """The branch of a non-finite step: nothing changes."""
 
 
 def _train_step(model, optimizer, batch, trainable, counter):
@@ -136,8 +158,11 @@ def _train_step(model, optimizer, batch, trainable, counter):
     (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, batch)
     count = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / count, grads)
-    optimizer.update(model, grads)
-    return {"loss": loss_sum / count, "tokens": count, "grad_norm": optax.tree.norm(grads)}
+    loss, norm = loss_sum / count, optax.tree.norm(grads)
+    applied = is_finite_step(loss, norm)
+    nnx.cond(applied, _update, _keep, model, optimizer, grads)
+    skipped = jnp.logical_not(applied).astype(jnp.float32)
+    return {"loss": loss, "tokens": count, "grad_norm": norm, "skipped": skipped}
 
 
 class Trainer:
@@ -164,7 +189,9 @@ class Trainer:
     def step(self, batch: Mapping[str, np.ndarray], micro_batches: int = 1) -> dict[str, float]:
         """One optimizer step over ``batch`` (``[B, L]`` numpy), in ``micro_batches`` passes.
 
-        Returns host floats: ``loss`` (mean over target tokens), ``tokens``, ``grad_norm``.
+        Returns host floats: ``loss`` (mean over target tokens), ``tokens``, ``grad_norm``
+        and ``skipped`` (1.0 when the loss or gradient norm was not finite and the step was
+        not applied: see :func:`is_finite_step`).
         """
         metrics = self._step(
             self.model,

@@ -224,7 +224,8 @@ class TorchActorCritic:
                 return policy_micro_loss(logits, micro, self.policy_objective)
 
             stats = self.actor_trainer.accumulate_weighted(batch, names, micro_batches, loss_fn)
-        stats["grad_norm"] = self.actor_trainer.apply()
+        stats["grad_norm"], applied = self.actor_trainer.apply(stats["loss"])
+        stats["skipped"] = float(not applied)
         return stats
 
     def train_critic(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
@@ -236,7 +237,8 @@ class TorchActorCritic:
 
             trainer = self.critic_trainer
             stats = trainer.accumulate_weighted(batch, CRITIC_BATCH, micro_batches, loss_fn)
-        stats["grad_norm"] = self.critic_trainer.apply()
+        stats["grad_norm"], applied = self.critic_trainer.apply(stats["loss"])
+        stats["skipped"] = float(not applied)
         stats["loss"] = stats.pop("value_loss")
         return stats
 

@@ -15,6 +15,7 @@ update, so a resumed run draws exactly what an uninterrupted one would.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -185,9 +186,20 @@ class Trainer:
         model.eval()
         return all_reduce_sum(loss_sum, placement), count
 
-    def apply(self) -> float:
-        """Clip, set the scheduled learning rate, step the optimizer; return the grad norm."""
+    def apply(self, loss: float) -> tuple[float, bool]:
+        """Clip, set the scheduled learning rate, step the optimizer; return the grad norm
+        (before clipping) and whether the step was applied.
+
+        A step whose ``loss`` (the global one, the same on every rank) or gradient norm is
+        not finite is not applied: the gradients are dropped and parameters, optimizer
+        state and the schedule's clock stay exactly as they were (as ``is_finite_step`` in
+        the JAX backend). The loops then stop the run or count the skip.
+        """
         norm = grad_norm(self.params)
+        host_norm = float(norm)
+        if not (math.isfinite(loss) and math.isfinite(host_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            return host_norm, False
         if self.optim.max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.optim.max_grad_norm, norm)
         for group in self.optimizer.param_groups:
@@ -195,14 +207,16 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.updates += 1
-        return float(norm)
+        return host_norm, True
 
     def step(self, batch: Mapping[str, np.ndarray], micro_batches: int = 1) -> dict[str, float]:
         """One optimizer update over the global ``batch`` (``[B, L]`` numpy, same on every rank).
 
         Returns host floats: ``loss`` (mean over all target tokens), ``tokens``,
-        ``grad_norm`` (before clipping).
+        ``grad_norm`` (before clipping) and ``skipped`` (1.0 when the loss or gradient norm
+        was not finite and the step was not applied: see :meth:`apply`).
         """
         loss_sum, count = self.accumulate(batch, micro_batches)
-        norm = self.apply()
-        return {"loss": loss_sum / count, "tokens": count, "grad_norm": norm}
+        loss = loss_sum / count
+        norm, applied = self.apply(loss)
+        return {"loss": loss, "tokens": count, "grad_norm": norm, "skipped": float(not applied)}
