@@ -20,9 +20,12 @@ directory. Only the last ``keep`` steps are kept.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
+import pathlib
+import pickle
 import shutil
 import warnings
 from collections.abc import Iterator, Mapping
@@ -31,6 +34,10 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner uses
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -49,6 +56,67 @@ _OPTIONS = StateDictOptions(ignore_frozen_params=True)
 # Frozen (base) weights are not in a checkpoint, so loading cannot be strict about them;
 # the trainable keys are still enforced: DCP refuses a checkpoint that lacks one.
 _LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+# DCP's own reader unpickles ``.metadata`` with plain ``pickle.load`` and its default
+# planner reads non-tensor entries (optimizer hyper-parameters) with
+# ``torch.load(weights_only=False)``: a crafted checkpoint directory could run code on
+# resume. strop reads both restricted: the metadata may only name DCP's metadata classes,
+# ``torch.Size``, dtypes, layouts and paths; other entries go through ``weights_only=True``
+# (tensor shards already do, in DCP itself).
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}, refused")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` is unpickled with an allow-list."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = pathlib.Path(self.path) / (
+            ".metadata" if kwargs.get("rank") is None else f"__{kwargs['rank']}.metadata"
+        )
+        with path.open("rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if type(metadata).__name__ != "Metadata":
+            raise pickle.UnpicklingError(f"{path} holds a {type(metadata).__name__}, not Metadata")
+        if metadata.storage_meta is None:
+            metadata.storage_meta = dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` reading non-tensor entries with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 @contextlib.contextmanager
@@ -159,7 +227,7 @@ class TrainCheckpoints:
                 _write_json(staging / "identity.json", self.identity)
                 os.replace(staging, final)
                 self._prune()
-        except Exception as err:  # I/O failures surface as assorted types
+        except (Exception, CheckpointException) as err:  # I/O failures: assorted types
             if self.placement.is_main:
                 shutil.rmtree(staging, ignore_errors=True)
             raise CheckpointError(
@@ -204,9 +272,13 @@ class TrainCheckpoints:
         model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
         state = {"model": model_state, "optim": optim_state}
         try:
+            _SafeReader(path / "state").read_metadata()  # refuse a bad one before DCP logs it
             with _dcp_quietly():
                 dcp.load(
-                    state, checkpoint_id=path / "state", no_dist=not self.placement.distributed
+                    state,
+                    storage_reader=_SafeReader(path / "state"),
+                    planner=_SafeLoadPlanner(),
+                    no_dist=not self.placement.distributed,
                 )
             set_state_dict(
                 model,
@@ -216,7 +288,9 @@ class TrainCheckpoints:
                 options=_LOAD_OPTIONS,
             )
             extra = json.loads((path / "extra.json").read_text())
-        except Exception as err:  # structure/shape mismatch or unreadable files
+        # structure/shape mismatch or unreadable files; DCP's CheckpointException is a
+        # BaseException, so it is named here.
+        except (Exception, CheckpointException) as err:
             raise CheckpointError(f"cannot restore checkpoint {path}: {err}") from err
         logger.info("restored checkpoint step %d from %s", step, self.directory)
         return extra
@@ -224,7 +298,10 @@ class TrainCheckpoints:
     def stored_params(self, step: int) -> list[str]:
         """HF-style names of the parameters stored in checkpoint ``step``."""
         self._require(step)
-        metadata = dcp.FileSystemReader(self.directory / str(step) / "state").read_metadata()
+        try:
+            metadata = _SafeReader(self.directory / str(step) / "state").read_metadata()
+        except (OSError, pickle.UnpicklingError) as err:
+            raise CheckpointError(f"cannot read checkpoint step {step}: {err}") from None
         return sorted(
             hf_module_path(key.removeprefix("model."))
             for key in metadata.state_dict_metadata

@@ -1,0 +1,79 @@
+"""Torch training checkpoints (DCP) are read without unrestricted unpickling.
+
+DCP itself unpickles ``.metadata`` with ``pickle.load`` and reads non-tensor entries with
+``torch.load(weights_only=False)``; strop's reader and planner must refuse anything but
+DCP's own metadata classes and plain values, and still restore real checkpoints exactly.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from strop.backends.torch.checkpoint import TrainCheckpoints, _SafeLoadPlanner
+from strop.backends.torch.fsdp import Placement
+from strop.errors import CheckpointError
+
+
+def trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.9))
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def saved(tmp_path) -> TrainCheckpoints:
+    checkpoints = TrainCheckpoints(tmp_path, {"run": 1}, Placement(torch.device("cpu")))
+    model, optimizer = trained(0)
+    checkpoints.save(1, model, optimizer, {"step": 1})
+    return checkpoints
+
+
+def test_real_checkpoint_restores_exactly(tmp_path):
+    checkpoints = saved(tmp_path)
+    reference, _ = trained(0)
+    model, optimizer = trained(1)
+    assert checkpoints.restore(1, model, optimizer) == {"step": 1}
+    torch.testing.assert_close(model.weight, reference.weight, rtol=0, atol=0)
+    assert optimizer.param_groups[0]["betas"] == (0.8, 0.9)  # a non-tensor (bytes) entry
+    assert checkpoints.stored_params(1) == ["bias", "weight"]
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_crafted_metadata_pickle_is_refused_without_running(tmp_path, monkeypatch):
+    checkpoints = saved(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "1" / "state" / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    model, optimizer = trained(1)
+    with pytest.raises(CheckpointError, match=r"metadata names (posix|os)\.system, refused"):
+        checkpoints.restore(1, model, optimizer)
+    with pytest.raises(CheckpointError, match="refused"):
+        checkpoints.stored_params(1)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_non_tensor_entries_are_loaded_weights_only():
+    planner = _SafeLoadPlanner(flatten_state_dict=False)
+    planner.state_dict = {}
+    item = SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr"))
+    buffer = io.BytesIO()
+    torch.save(0.5, buffer)
+    buffer.seek(0)
+    planner.load_bytes(item, buffer)
+    assert planner.state_dict["optim.param_groups.0.lr"] == 0.5
+    buffer = io.BytesIO()
+    torch.save(_RunsCode(), buffer)  # pickles os.system
+    buffer.seek(0)
+    with pytest.raises(pickle.UnpicklingError):
+        planner.load_bytes(item, buffer)
