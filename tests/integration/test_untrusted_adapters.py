@@ -167,3 +167,16 @@ def test_cli_sft_with_a_hostile_restore_path_is_one_line_exit_2(inputs, tmp_path
     assert "Traceback" not in done.stderr  # log lines come first; the error is one line
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: {bad}") and EXPECTED["path-like-target"] in last
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_eval_with_a_sound_adapter_still_runs(inputs, tmp_path, backend):
+    from strop.evaluation import run_eval
+
+    good = adapter(inputs, "sound")
+    config = load_config("tiny", [
+        f"backend={backend}", f"model.path={inputs / 'model'}",
+        f"eval.path={inputs / 'data.jsonl'}", f"run_dir={tmp_path}", f"eval.adapter={good}",
+        "eval.max_examples=2", "generation.max_new_tokens=4", "mesh.fsdp=1", "mesh.data=-1",
+    ])  # fmt: skip
+    assert run_eval(config).examples == 2
