@@ -141,9 +141,9 @@ def _trainable_and_optimizer(policy) -> dict[str, np.ndarray]:
             for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
         }
     out = {f"param/{n}": p.detach().cpu().numpy().copy() for n, p in _torch_trainable(policy)}
-    for index, state in policy.trainer.optimizer.state.items():
+    for index, state in enumerate(policy.trainer.optimizer.state.values()):
         for name, value in state.items():
-            out[f"opt/{id(index)}/{name}"] = value.detach().cpu().numpy().copy()
+            out[f"opt/{index}/{name}"] = value.detach().cpu().numpy().copy()
     out["updates"] = np.array(policy.trainer.updates)
     return out
 
@@ -295,3 +295,79 @@ def _flat(tree) -> list[np.ndarray]:
     if isinstance(tree, list | tuple):
         return [x for v in tree for x in _flat(v)]
     return [np.asarray(tree)]
+
+
+@BACKENDS
+def test_skipped_ppo_updates_leave_weights_and_optimizers_bit_identical(
+    ppo_task, tmp_path, backend
+):
+    from strop.backends import get_backend
+
+    _, token = ppo_task
+    config = load_config("ppo-lora-tiny", ppo_overrides(ppo_task, tmp_path, backend))
+    engine = get_backend(backend).build_actor_critic(config, total_updates=4, checkpoint_dir=None)
+    clean, poisoned = update_batch(engine, seed=0), update_batch(engine, seed=1, poison=token)
+    for train in (engine.train_critic, engine.train_policy):  # optimizer state is not zero
+        assert train(clean, 1)["skipped"] == 0.0
+    before = ppo_state(engine)
+    for train in (engine.train_critic, engine.train_policy):
+        stats = train(poisoned, 1)
+        assert stats["skipped"] == 1.0 and not np.isfinite(stats["loss"]), stats
+    _assert_bit_identical(before, ppo_state(engine), backend)
+    assert engine.train_critic(clean, 1)["skipped"] == 0.0  # clean updates still apply
+    assert any(not np.array_equal(v, ppo_state(engine)[k]) for k, v in before.items())
+
+
+def update_batch(engine, *, seed: int, poison: int | None = None, rows: int = 8, length: int = 16):
+    """A mini-batch for ``train_critic`` and ``train_policy``; row 0 holds ``poison``."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(40, 200, (rows, length)).astype(np.int32)
+    if poison is not None:
+        ids[0, 3] = poison
+    batch = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    weights = np.zeros((rows, length), np.float32)
+    weights[:, 8:] = 1.0 / (rows * (length - 8))
+    batch |= {
+        "loss_weights": weights,
+        "old_values": np.zeros((rows, length), np.float32),
+        "returns": rng.standard_normal((rows, length)).astype(np.float32),
+        "advantages": rng.standard_normal((rows, length)).astype(np.float32),
+    }
+    batch["old_logprobs"] = engine.logprobs(batch) + 0.01 * rng.standard_normal((rows, length))
+    return batch
+
+
+def ppo_state(engine) -> dict[str, np.ndarray]:
+    """Host copies of actor, critic and value head weights and of both optimizers' state."""
+    out = {
+        f"weights/{key}": np.array(value)
+        for key, value in _flat_named(engine.lora_weights(), "").items()
+    }
+    if engine.backend == "jax":
+        import jax
+
+        trees = {"actor_opt": engine.actor_opt, "critic_opt": engine.critic_opt}
+        for kind, tree in trees.items():
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+                out[f"{kind}{jax.tree_util.keystr(path)}"] = np.array(leaf)
+        return out
+    for role, trainer in (("actor", engine.actor_trainer), ("critic", engine.critic_trainer)):
+        for index, state in enumerate(trainer.optimizer.state.values()):
+            for name, value in state.items():
+                out[f"{role}_opt/{index}/{name}"] = value.detach().cpu().numpy().copy()
+        out[f"{role}_updates"] = np.array(trainer.updates)
+    return out
+
+
+def _flat_named(tree, prefix: str) -> dict[str, np.ndarray]:
+    if isinstance(tree, dict):
+        return {
+            k: v
+            for key, sub in tree.items()
+            for k, v in _flat_named(sub, f"{prefix}/{key}").items()
+        }
+    if isinstance(tree, list | tuple):
+        return {
+            k: v for i, sub in enumerate(tree) for k, v in _flat_named(sub, f"{prefix}/{i}").items()
+        }
+    return {prefix: np.asarray(tree)}
