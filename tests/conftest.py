@@ -29,3 +29,19 @@ def tiny_model_dir(tmp_path_factory):
         return cache[kind]
 
     return make
+
+
+@pytest.fixture
+def sum_inputs(tmp_path):
+    """A tiny random Qwen2 and "What is a + b?" SFT data for it, as CLI overrides."""
+    from strop.data.synthetic import write_sum_problems
+    from strop.io.tiny import make_tiny_checkpoint
+
+    texts = write_sum_problems(tmp_path / "train.jsonl", 1024, seed=0)
+    write_sum_problems(tmp_path / "eval.jsonl", 64, seed=1)
+    make_tiny_checkpoint(tmp_path / "model", texts, seed=0)
+    return [
+        f"model.path={tmp_path / 'model'}",
+        f"data.train_path={tmp_path / 'train.jsonl'}",
+        f"data.eval_path={tmp_path / 'eval.jsonl'}",
+    ]

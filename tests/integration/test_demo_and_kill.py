@@ -11,9 +11,7 @@ import time
 import pytest
 
 from strop.cli import main
-from strop.data.synthetic import write_sum_problems
 from strop.demo import run_demo
-from strop.io.tiny import make_tiny_checkpoint
 from strop.metrics.sinks import read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -59,19 +57,6 @@ def test_shortened_demo_on_the_torch_backend_from_the_cli(tmp_path, capsys):
     _check_demo_outputs(run_dir)
     out = capsys.readouterr().out
     assert "strop demo" in out and "validation accuracy" in out and "torch" in out
-
-
-@pytest.fixture
-def sum_inputs(tmp_path):
-    """A tiny random Qwen2 and "What is a + b?" SFT data for it."""
-    texts = write_sum_problems(tmp_path / "train.jsonl", 1024, seed=0)
-    write_sum_problems(tmp_path / "eval.jsonl", 64, seed=1)
-    make_tiny_checkpoint(tmp_path / "model", texts, seed=0)
-    return [
-        f"model.path={tmp_path / 'model'}",
-        f"data.train_path={tmp_path / 'train.jsonl'}",
-        f"data.eval_path={tmp_path / 'eval.jsonl'}",
-    ]
 
 
 def _losses_by_step(run_dir) -> dict[int, float]:

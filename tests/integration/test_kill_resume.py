@@ -1,0 +1,150 @@
+"""SIGKILL at seeded-random moments of `strop sft` (some mid-save), and failing saves.
+
+Each backend's run is killed many times, resuming after every kill: each resume must
+start from the newest *complete* checkpoint on disk (never a half-written one: Orbax's
+``*.orbax-checkpoint-tmp*`` or DCP's ``.tmp-<step>``), and the final losses must equal
+an uninterrupted run's. A save that fails (file size limit, so writes fail with EFBIG as
+on a full disk; a file where the checkpoint directory should be) must end the run with
+one line, exit code 2, and leave the previous checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from strop.metrics.sinks import read_metrics
+
+pytestmark = pytest.mark.slow
+
+SFT = [sys.executable, "-m", "strop", "sft", "sft-lora-tiny"]
+STEPS = {"jax": 30, "torch": 40}
+KILLS = {"jax": 8, "torch": 8}
+MAX_DELAY_S = {"jax": 0.8, "torch": 0.4}  # about three steps (each one with a save)
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("jax-cache")
+
+
+def _env(jax_cache: Path) -> dict[str, str]:
+    # One host device and a persistent compilation cache: a restart costs seconds, not tens.
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "JAX_COMPILATION_CACHE_DIR": str(jax_cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+
+
+def _partial(entry: str) -> bool:
+    return ".orbax-checkpoint-tmp" in entry or entry.startswith(".tmp-")
+
+
+def _complete_steps(checkpoints: Path, backend: str) -> list[int]:
+    """Steps the test itself judges complete (not via strop's own listing)."""
+    marker = "commit_success.txt" if backend == "jax" else "identity.json"
+    if not checkpoints.is_dir():
+        return []
+    return sorted(
+        int(e.name) for e in checkpoints.iterdir() if e.name.isdigit() and (e / marker).is_file()
+    )
+
+
+def _partials(checkpoints: Path) -> list[str]:
+    try:
+        return [name for name in os.listdir(checkpoints) if _partial(name)]
+    except FileNotFoundError:
+        return []
+
+
+def _losses_by_step(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
+
+
+def _resumed_from(log: str) -> int | None:
+    for line in log.splitlines():
+        if "resumed from checkpoint step" in line:
+            return int(line.split("resumed from checkpoint step")[1].split()[0])
+    return None
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_repeated_sigkill_then_resume_gives_the_same_losses(
+    tmp_path, sum_inputs, jax_cache, backend
+):
+    env = _env(jax_cache)
+    common = [
+        f"backend={backend}",
+        f"sft.steps={STEPS[backend]}",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep=2",
+        "logging.every_steps=1",
+        *sum_inputs,
+    ]
+    straight = subprocess.run(
+        [*SFT, f"run_dir={tmp_path / 'straight'}", *common], env=env, capture_output=True
+    )
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    run_dir = tmp_path / "killed"
+    checkpoints = run_dir / "checkpoints"
+    cmd = [*SFT, f"run_dir={run_dir}", *common]
+    rng = random.Random(f"kill-{backend}")
+    expected_resume: int | None = None
+    kills = mid_save = resumes = 0
+    for attempt in range(KILLS[backend] + 1):
+        log_path = tmp_path / f"log-{attempt}.txt"
+        with log_path.open("w") as log:
+            process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        before = _complete_steps(checkpoints, backend)
+        if attempt < KILLS[backend]:
+            # Wait for progress past the checkpoint we started from, then kill: half the
+            # time at a random delay, half the time as soon as a save is seen in flight.
+            deadline = time.monotonic() + 90
+            while (
+                process.poll() is None
+                and _complete_steps(checkpoints, backend)[-1:] == (before[-1:])
+            ):
+                assert time.monotonic() < deadline, "no new checkpoint appeared"
+                time.sleep(0.005)
+            if rng.random() < 0.5:
+                time.sleep(rng.uniform(0.0, MAX_DELAY_S[backend]))
+            else:
+                deadline = time.monotonic() + 5
+                while process.poll() is None and not _partials(checkpoints):
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.001)
+                time.sleep(rng.uniform(0.0, 0.02))
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGKILL)
+        code = process.wait()
+        log = log_path.read_text()
+        resumed = _resumed_from(log)
+        # Every resume starts from the newest complete checkpoint on disk at its start.
+        assert resumed == expected_resume, (attempt, resumed, expected_resume, log[-2000:])
+        resumes += resumed is not None
+        if code == 0:
+            break
+        assert code == -signal.SIGKILL, log[-2000:]
+        kills += 1
+        mid_save += bool(_partials(checkpoints))  # a save was cut: its temp dir is left
+        complete = _complete_steps(checkpoints, backend)
+        expected_resume = complete[-1] if complete else None
+    assert code == 0, "the run did not finish after the last kill"
+    assert kills >= KILLS[backend] - 1, f"only {kills} kills landed before the run finished"
+    assert not _partials(checkpoints), "a finished run left a half-written checkpoint"
+    print(f"{backend}: {kills} kills, {mid_save} mid-save, {resumes} resumes")
+    assert _losses_by_step(run_dir) == _losses_by_step(tmp_path / "straight")
