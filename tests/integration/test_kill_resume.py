@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import random
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,3 +150,105 @@ def test_repeated_sigkill_then_resume_gives_the_same_losses(
     assert not _partials(checkpoints), "a finished run left a half-written checkpoint"
     print(f"{backend}: {kills} kills, {mid_save} mid-save, {resumes} resumes")
     assert _losses_by_step(run_dir) == _losses_by_step(tmp_path / "straight")
+
+
+def _limit_file_size() -> None:  # in the child, before exec: writes past 64 KiB fail (EFBIG)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+
+
+def _error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("error: "), stderr[-3000:]
+    return lines[-1]
+
+
+def _make_unwritable(directory: Path) -> str:
+    """Read-only for this user; the OS error text a write there gives."""
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        return "Permission denied"
+    # root ignores permission bits; the immutable attribute (ext4 and others) stops it
+    if not shutil.which("chattr"):
+        pytest.skip("root ignores directory permissions and chattr is missing")
+    if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode:
+        pytest.skip("root ignores directory permissions and chattr +i is refused here")
+    return "Operation not permitted"
+
+
+def _make_writable(directory: Path) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(directory)], check=True)
+    else:
+        directory.chmod(0o755)
+
+
+@pytest.mark.parametrize("fault", ["file-size-limit", "read-only-dir"])
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_a_failing_save_is_one_line_and_keeps_the_previous_checkpoint(
+    tmp_path, sum_inputs, jax_cache, backend, fault
+):
+    env = _env(jax_cache)
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
+    cmd = [*SFT, f"backend={backend}", f"run_dir={run_dir}", "checkpoint.every_steps=2"]
+    first = subprocess.run([*cmd, "sft.steps=2", *sum_inputs], env=env, capture_output=True)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert _complete_steps(checkpoints, backend) == [2]
+
+    if fault == "read-only-dir":
+        expected_os_error = _make_unwritable(checkpoints)
+    try:
+        failing = subprocess.run(
+            [*cmd, "sft.steps=4", *sum_inputs],
+            env=env,
+            capture_output=True,
+            text=True,
+            preexec_fn=_limit_file_size if fault == "file-size-limit" else None,
+        )
+    finally:
+        if fault == "read-only-dir":
+            _make_writable(checkpoints)
+    assert failing.returncode == 2, failing.stderr[-3000:]
+    line = _error_line(failing.stderr)
+    assert f"saving checkpoint step 4 to {checkpoints} failed" in line, line
+    assert "the previous checkpoint (2) is intact" in line, line
+    print(f"{backend} {fault}: {line}")
+    if backend == "jax" and fault == "file-size-limit":
+        assert "File too large" in line, line  # the OS error, as tensorstore reports it
+    if fault == "read-only-dir":
+        assert expected_os_error in line, line
+    assert _complete_steps(checkpoints, backend) == [2]
+
+    resumed = subprocess.run(
+        [*cmd, "sft.steps=4", *sum_inputs], env=env, capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _resumed_from(resumed.stderr) == 2
+    assert _complete_steps(checkpoints, backend) == [2, 4]
+    assert not _partials(checkpoints)
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_a_file_where_the_checkpoint_directory_should_be_is_one_line(
+    tmp_path, sum_inputs, jax_cache, backend
+):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file\n")
+    result = subprocess.run(
+        [
+            *SFT,
+            f"backend={backend}",
+            f"run_dir={tmp_path / 'run'}",
+            f"checkpoint.dir={blocker / 'checkpoints'}",
+            "sft.steps=2",
+            *sum_inputs,
+        ],
+        env=_env(jax_cache),
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = _error_line(result.stderr)
+    assert f"cannot use checkpoint directory {blocker / 'checkpoints'}" in line, line
+    assert "Not a directory" in line, line
+    assert blocker.read_text() == "a file\n"

@@ -17,10 +17,11 @@ the directory again. Saves are blocking, so a returned ``save`` is on disk.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,28 @@ def from_pure(like: Any, pure: dict) -> Any:
 def _abstract(tree: Any) -> Any:
     """Shape/dtype/sharding targets so restored arrays land where the live ones are."""
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+
+
+@contextlib.contextmanager
+def _orbax_errors_quiet() -> Iterator[None]:
+    """Orbax logs a failed write's traceback from each writer thread (absl, ERROR) before
+    raising it; the raised error becomes one CheckpointError line, so those are kept to
+    DEBUG-level detail instead of pages on stderr."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
+
+
+def _free_space(directory: Path) -> str:
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return ""
+    return f" ({stat.f_bavail * stat.f_frsize / 2**20:.0f} MiB free there)"
 
 
 class TrainCheckpoints:
@@ -163,14 +186,16 @@ class TrainCheckpoints:
             identity=ocp.args.JsonSave(self.identity),
         )
         try:
-            self._manager.save(step, args=args, force=True)
-            self._manager.wait_until_finished()
+            with _orbax_errors_quiet():
+                self._manager.save(step, args=args, force=True)
+                self._manager.wait_until_finished()
         except Exception as err:  # orbax surfaces I/O failures as assorted types
             self._manager.reload()  # forget the failed step; re-read what is on disk
             raise CheckpointError(
-                f"saving checkpoint step {step} to {self.directory} failed: {err!r}; the "
-                f"previous checkpoint ({self.latest_step()}) is intact. Check free space and "
-                "permissions of the run directory."
+                f"saving checkpoint step {step} to {self.directory} failed: "
+                f"{type(err).__name__}: {' '.join(str(err).split())}; the previous checkpoint "
+                f"({self.latest_step()}) is intact. Check free space{_free_space(self.directory)}"
+                " and permissions of the run directory."
             ) from err
         logger.info("saved checkpoint step %d to %s", step, self.directory)
 

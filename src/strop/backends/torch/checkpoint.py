@@ -127,6 +127,30 @@ def _dcp_quietly() -> Iterator[None]:
         yield
 
 
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _describe_failure(err: BaseException) -> str:
+    """``err`` on one line; DCP's CheckpointException as its ranks' own errors (its
+    ``str`` is a multi-line traceback per rank)."""
+    if isinstance(err, CheckpointException):
+        return "; ".join(
+            f"rank {rank}: {_one_line(failure[0] if isinstance(failure, tuple) else failure)}"
+            for rank, failure in sorted(err.failures.items())
+        )
+    return _one_line(err)
+
+
+def _free_space(directory: Path) -> str:
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return ""
+    return f" ({stat.f_bavail * stat.f_frsize / 2**20:.0f} MiB free there)"
+
+
 def _write_json(path: Path, value: Any) -> None:
     with path.open("w") as f:
         json.dump(value, f, indent=2)
@@ -231,9 +255,10 @@ class TrainCheckpoints:
             if self.placement.is_main:
                 shutil.rmtree(staging, ignore_errors=True)
             raise CheckpointError(
-                f"saving checkpoint step {step} to {self.directory} failed: {err!r}; the "
-                f"previous checkpoint ({self.latest_step()}) is intact. Check free space and "
-                "permissions of the run directory."
+                f"saving checkpoint step {step} to {self.directory} failed: "
+                f"{_describe_failure(err)}; the previous checkpoint ({self.latest_step()}) is "
+                f"intact. Check free space{_free_space(self.directory)} and permissions of "
+                "the run directory."
             ) from err
         barrier(self.placement)
         logger.info("saved checkpoint step %d to %s", step, self.directory)
