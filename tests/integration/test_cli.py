@@ -47,3 +47,34 @@ def test_info_reports_versions_and_backends(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "jax" in result.stdout and "torch" in result.stdout and "safetensors" in result.stdout
     assert "backend jax" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "overrides", "key"),
+    [
+        ("sft", ["optim.lr=-1"], "optim.lr"),
+        ("sft", ["lora.rank=0"], "lora.rank"),
+        ("sft", ["lora.rank=abc"], "lora.rank"),
+        ("sft", ["optim.warmup_steps=-5"], "optim.warmup_steps"),
+        ("sft", ["sft.batch_size=6", "sft.micro_batch_size=4"], "sft.batch_size"),
+        ("sft", ["lora.target_modules=['(']"], "lora.target_modules"),
+        ("sft", ["train.skip_nonfinite=maybe"], "train.skip_nonfinite"),
+        ("ppo", ["ppo.clip_low=-0.1"], "ppo.clip_low"),
+        ("ppo", ["ppo.mini_batch_size=5"], "ppo.mini_batch_size"),
+        ("ppo", ["ppo.reference_adapter=x", "lora.enabled=false"], "ppo.reference_adapter"),
+        ("ppo", ["critic.model_path=x", "lora.enabled=true"], "critic.model_path"),
+        ("eval", ["eval.num_samples=0"], "eval.num_samples"),
+    ],
+)
+def test_bad_values_fail_before_any_model_loads(command, overrides, key, capsys) -> None:
+    """model.path points nowhere: had anything been loaded first, the error would name it."""
+    from strop.cli import main
+
+    recipe = "ppo-lora-tiny" if command == "ppo" else "tiny"
+    missing = ["model.path=/nonexistent/model", "data.train_path=/nonexistent/train.jsonl"]
+    with pytest.raises(SystemExit) as info:
+        main([command, recipe, *missing, *overrides])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {key}"), lines
+    assert "nonexistent" not in lines[0]
