@@ -159,6 +159,7 @@ def _limit_file_size() -> None:  # in the child, before exec: writes past 64 KiB
 def _error_line(stderr: str) -> str:
     lines = stderr.strip().splitlines()
     assert lines and lines[-1].startswith("error: "), stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]  # not before the line, nor after it
     return lines[-1]
 
 

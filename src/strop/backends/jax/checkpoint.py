@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -79,11 +80,60 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
 
 
+class _StragglerFilter(logging.Filter):
+    """Drops asyncio's "exception was never retrieved" reports of a failed save's other
+    writes (they name the checkpoint directory), logging them at DEBUG instead."""
+
+    def __init__(self, directory: Path):
+        super().__init__()
+        self.directory = str(directory)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()  # "... never retrieved\nfuture: <... exception=...>"
+        error = record.exc_info[1] if record.exc_info else None
+        if "never retrieved" in message and self.directory in f"{message} {error}":
+            logger.debug("a failed save's other write failed too: %s", error)
+            return False
+        return True
+
+
+_straggler_directories: set[Path] = set()
+
+
+def _quiet_stragglers_of_failed_saves(directory: Path) -> None:
+    """Orbax raises a failed save's first write error while TensorStore's other writes
+    are still in flight. They finish later, even after the save has returned: each one's
+    callback hits Orbax's closed event loop (printed through ``sys.unraisablehook``) and
+    asyncio reports the gathered errors as never retrieved. That is a page of tracebacks
+    around the one CheckpointError line, so both kinds are kept to DEBUG (the asyncio ones
+    only when they name this checkpoint directory); anything else still reaches the
+    previous hooks. Installed once per directory by the first save."""
+    if directory in _straggler_directories:
+        return
+    _straggler_directories.add(directory)
+    logging.getLogger("asyncio").addFilter(_StragglerFilter(directory))
+    if getattr(sys.unraisablehook, "_strop_straggler_hook", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            logger.debug("a failed save's write finished after its event loop closed")
+            return
+        previous(unraisable)
+
+    hook._strop_straggler_hook = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
 @contextlib.contextmanager
-def _orbax_errors_quiet() -> Iterator[None]:
+def _orbax_errors_quiet(directory: Path) -> Iterator[None]:
     """Orbax logs a failed write's traceback from each writer thread (absl, ERROR) before
     raising it; the raised error becomes one CheckpointError line, so those are kept to
-    DEBUG-level detail instead of pages on stderr."""
+    DEBUG-level detail instead of pages on stderr (and so are the stragglers, see
+    :func:`_quiet_stragglers_of_failed_saves`)."""
+    _quiet_stragglers_of_failed_saves(directory)
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.CRITICAL)
@@ -186,7 +236,7 @@ class TrainCheckpoints:
             identity=ocp.args.JsonSave(self.identity),
         )
         try:
-            with _orbax_errors_quiet():
+            with _orbax_errors_quiet(self.directory):
                 self._manager.save(step, args=args, force=True)
                 self._manager.wait_until_finished()
         except Exception as err:  # orbax surfaces I/O failures as assorted types
