@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from strop.config import load_config
+from strop.errors import CheckpointError
 from strop.metrics.sinks import read_metrics
 from strop.sft.loop import run_sft
 from tests.tiny_models import save_tiny_model
@@ -147,3 +149,66 @@ def test_cli_sft_bad_data_is_one_line_error(sft_inputs, tmp_path):
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "bad.jsonl:2" in lines[0]
+
+
+def _tree_digest(directory) -> dict[str, bytes]:
+    return {
+        str(path.relative_to(directory)): path.read_bytes()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+def test_a_run_directory_of_the_other_backend_is_refused(sft_inputs, tmp_path):
+    """Each backend refuses a run directory the other one checkpointed, before anything
+    loads, and leaves the other run's checkpoints as they were."""
+    runs = {}
+    for backend in ("jax", "torch"):
+        run_dir = tmp_path / backend
+        run_sft(config_for(sft_inputs, run_dir, backend=backend, **{"sft.steps": 3}))
+        runs[backend] = (run_dir, _tree_digest(run_dir / "checkpoints"))
+    for wrote, resumes in (("jax", "torch"), ("torch", "jax")):
+        run_dir, before = runs[wrote]
+        config = config_for(sft_inputs, run_dir, backend=resumes, **{"sft.steps": 6})
+        with pytest.raises(CheckpointError) as err:
+            run_sft(config)
+        message = str(err.value)
+        assert f"holds checkpoints the {wrote} backend wrote (steps 3)" in message, message
+        assert f"Resume with backend={wrote}, or start this run in a new run" in message
+        assert _tree_digest(run_dir / "checkpoints") == before  # not a byte changed
+    model_dir, train = sft_inputs
+    done = subprocess.run(
+        [sys.executable, "-m", "strop", "sft", "tiny", f"model.path={model_dir}",
+         f"data.train_path={train}", f"run_dir={runs['torch'][0]}", "backend=jax"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-2000:]
+    assert "the torch backend wrote" in lines[0]
+
+
+def test_torch_resume_with_another_identity_is_refused(sft_inputs, tmp_path):
+    """The torch twin of test_jax_checkpoint's identity test, through `run_sft`: another
+    LoRA rank, other targets, LoRA off, another base model; each refused by name."""
+    run_dir = tmp_path / "run"
+    run_sft(config_for(sft_inputs, run_dir, backend="torch", **{"sft.steps": 3}))
+    before = _tree_digest(run_dir / "checkpoints")
+    other_base = tmp_path / "other-base"
+    shutil.copytree(sft_inputs[0], other_base)
+    weights = next(other_base.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # the same config, other weights
+    weights.write_bytes(bytes(data))
+    cases = {
+        "lora.rank is 4 in the checkpoint but 8 now": {"lora.rank": 8},
+        "lora.targets": {"lora.target_modules": "[.*q_proj]"},
+        "lora.enabled is True in the checkpoint but False now": {"lora.enabled": False},
+        "base model weights differ": {"model.path": other_base},
+    }
+    for expected, overrides in cases.items():
+        config = config_for(sft_inputs, run_dir, backend="torch", **{"sft.steps": 6, **overrides})
+        with pytest.raises(CheckpointError, match="new run directory") as err:
+            run_sft(config)
+        assert expected in str(err.value), str(err.value)
+    assert _tree_digest(run_dir / "checkpoints") == before

@@ -38,6 +38,7 @@ from strop.data.prompts import gold_answer, prompt_ids
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
 from strop.io.hf import read_model_spec
+from strop.io.run_identity import refuse_other_backends_checkpoints
 from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY, count_skipped
 from strop.rl.experience import build_experience, minibatches, pad_columns
@@ -107,6 +108,8 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     """Train for ``ppo.steps`` iterations (or until ``stop_after``), resuming if possible."""
     _check(config)
     ppo, run_dir = config.ppo, Path(config.run_dir)
+    checkpoint_dir = config.checkpoint.dir or run_dir / "checkpoints"
+    refuse_other_backends_checkpoints(checkpoint_dir, config.backend)  # before anything loads
     tokenizer = Tokenizer.from_pretrained(config.model.path)
     train = PromptSet.read(config.data.train_path, config, tokenizer)
     validation = None
@@ -116,7 +119,6 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     eos_ids = sorted({tokenizer.eos_token_id, *read_model_spec(config.model.path).eos_token_ids})
     sampling = SamplingParams.from_config(config.generation)
 
-    checkpoint_dir = config.checkpoint.dir or run_dir / "checkpoints"
     engine = get_backend(config.backend).build_actor_critic(
         config, total_updates=ppo.optimizer_updates(), checkpoint_dir=checkpoint_dir
     )

@@ -31,7 +31,11 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from strop.errors import CheckpointError
-from strop.io.run_identity import flatten, identity_differences
+from strop.io.run_identity import (
+    flatten,
+    identity_differences,
+    refuse_other_backends_checkpoints,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +170,7 @@ class TrainCheckpoints:
             raise CheckpointError(f"checkpoint keep must be at least 1, got {keep}")
         self.directory = Path(directory).absolute()
         self.identity = dict(identity)
+        refuse_other_backends_checkpoints(self.directory, "jax")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             create=True,

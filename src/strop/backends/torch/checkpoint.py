@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 from strop.backends.torch.fsdp import Placement, barrier
 from strop.backends.torch.lora import hf_module_path
 from strop.errors import CheckpointError
-from strop.io.run_identity import identity_differences
+from strop.io.run_identity import identity_differences, refuse_other_backends_checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +182,7 @@ class TrainCheckpoints:
         self.identity = dict(identity)
         self.placement = placement
         self.keep = keep
+        refuse_other_backends_checkpoints(self.directory, "torch")
         if placement.is_main:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
