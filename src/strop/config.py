@@ -116,7 +116,9 @@ class DataConfig(_Section):
         "auto", description="Record layout; auto detects it from the first record."
     )
     max_length: int = Field(
-        512, gt=0, description="Maximum tokens per sequence (prompt + completion)."
+        512,
+        gt=0,
+        description="Maximum tokens per sequence (prompt + completion); for PPO, per prompt (longer ones are dropped, or refused with truncation=error; responses are bounded by generation.max_new_tokens).",
     )
     truncation: Literal["right", "left", "error"] = Field(
         "right", description="Which end to cut from a too-long sequence, or error."

@@ -32,6 +32,7 @@ from strop.errors import ConfigError
 from strop.generation import SamplingParams
 from strop.io.hf import read_model_spec
 from strop.io.peft import load_adapter
+from strop.preflight import preflight
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ def run_eval(config: Config) -> EvalResult:
     if config.model.path is None or path is None:
         raise ConfigError("strop eval needs model.path and eval.path (or data.eval_path)")
     reward = rewards.get(config.eval.reward)
+    preflight(config, "eval", checkpoint_dir=None)  # before anything loads
     config = _config_with_adapter(config)
     tokenizer = Tokenizer.from_pretrained(config.model.path)
     examples, _ = read_examples(

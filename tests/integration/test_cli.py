@@ -64,6 +64,12 @@ def test_info_reports_versions_and_backends(tmp_path: Path) -> None:
         ("ppo", ["ppo.reference_adapter=x", "lora.enabled=false"], "ppo.reference_adapter"),
         ("ppo", ["critic.model_path=x", "lora.enabled=true"], "critic.model_path"),
         ("eval", ["eval.num_samples=0"], "eval.num_samples"),
+        # against the devices (jax sees 8 in tests; torch is one process here)
+        ("sft", ["mesh.data=3"], "mesh sizes data=3"),
+        ("sft", ["sft.micro_batch_size=4", "mesh.fsdp=-1"], "sft.micro_batch_size=4"),
+        ("sft", ["backend=torch", "mesh.data=2", "mesh.fsdp=1"], "mesh sizes data=2"),
+        ("ppo", ["ppo.micro_batch_size=4", "ppo.validate_every=0"], "ppo.micro_batch_size=4"),
+        ("eval", ["mesh.tensor=3", "mesh.fsdp=1", "eval.path=/nonexistent/eval.jsonl"], "mesh"),
     ],
 )
 def test_bad_values_fail_before_any_model_loads(command, overrides, key, capsys) -> None:

@@ -27,7 +27,8 @@ from safetensors.numpy import load_file, save_file
 from strop.config import load_config
 from strop.io.tiny import make_tiny_checkpoint
 from strop.metrics.sinks import read_metrics
-from strop.rl.ppo import PromptSet, run_ppo
+from strop.rl.ppo import run_ppo
+from strop.rl.prompts import PromptSet
 from strop.sft.loop import run_sft
 
 BACKENDS = pytest.mark.parametrize("backend", ["jax", "torch"])
@@ -92,7 +93,7 @@ def sft_overrides(task, run_dir, backend, *extra):
         "data.shuffle=false", "data.pad_to_multiple=16", f"run_dir={run_dir}",
         "sft.steps=6", f"sft.batch_size={SFT_BATCH}", "sft.micro_batch_size=2",
         "checkpoint.every_steps=2", "logging.every_steps=1", "logging.tensorboard=false",
-        "optim.lr=1e-2", "mesh.fsdp=1", "mesh.data=-1", *extra,
+        "optim.lr=1e-2", "mesh.fsdp=1", "mesh.tensor=-1", *extra,
     ]  # fmt: skip
 
 
@@ -231,7 +232,7 @@ def ppo_overrides(task, run_dir, backend, *extra):
     return [
         f"backend={backend}", f"model.path={root / 'model'}",
         f"data.train_path={root / 'train.jsonl'}", f"run_dir={run_dir}", "mesh.fsdp=1",
-        "mesh.data=-1", f"ppo.steps={PPO_STEPS}", f"ppo.prompts_per_step={PPO_PER_STEP}",
+        "mesh.tensor=-1", f"ppo.steps={PPO_STEPS}", f"ppo.prompts_per_step={PPO_PER_STEP}",
         "ppo.num_generations_per_prompt=2", "ppo.mini_batch_size=8", "ppo.validate_every=0",
         "ppo.reward=format", "generation.max_new_tokens=8",
         "checkpoint.every_steps=1", "logging.tensorboard=false", *extra,

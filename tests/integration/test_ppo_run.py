@@ -65,7 +65,7 @@ def config_for(task, run_dir, backend, *overrides):
             f"run_dir={run_dir}",
             f"backend={backend}",
             "mesh.fsdp=1",
-            "mesh.data=-1",
+            "mesh.tensor=-1",
             "generation.max_new_tokens=16",
             "lora.target_modules=['.*_proj','lm_head']",
             *overrides,

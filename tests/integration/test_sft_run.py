@@ -50,7 +50,7 @@ def config_for(sft_inputs, run_dir, **overrides):
         "logging.tensorboard": False,
         "optim.lr": 1e-2,
         "mesh.fsdp": 1,
-        "mesh.data": -1,
+        "mesh.tensor": -1,  # jax: 8 test devices; rows stay whole (micro-batches < 8)
     }
     base.update(overrides)
     return load_config("tiny", [f"{k}={v}" for k, v in base.items()])
@@ -111,6 +111,8 @@ def test_cli_sft_then_export_merged_matches_peft(sft_inputs, tmp_path, backend):
         "sft.batch_size=4",
         "sft.micro_batch_size=2",
         "optim.lr=1e-2",
+        "mesh.fsdp=1",
+        "mesh.tensor=-1",  # jax: 8 test devices; rows stay whole (micro-batches < 8)
     ]
     cmd = [sys.executable, "-m", "strop"]
     done = subprocess.run([*cmd, "sft", "tiny", *overrides], capture_output=True, text=True)
@@ -143,7 +145,8 @@ def test_cli_sft_bad_data_is_one_line_error(sft_inputs, tmp_path):
     bad.write_text('{"prompt": "a", "completion": " b"}\n{"prompt": 3}\n')
     done = subprocess.run(
         [sys.executable, "-m", "strop", "sft", "tiny", f"model.path={model_dir}",
-         f"data.train_path={bad}", f"run_dir={tmp_path / 'run'}"],
+         f"data.train_path={bad}", f"run_dir={tmp_path / 'run'}", "mesh.fsdp=1",
+         "mesh.tensor=-1"],
         capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 2

@@ -127,7 +127,7 @@ def sft_config(inputs: Path, run_dir: Path, backend: str, restore: Path):
         "sft.micro_batch_size": 4,
         "logging.tensorboard": False,
         "mesh.fsdp": 1,
-        "mesh.data": -1,
+        "mesh.tensor": -1,  # jax: 8 test devices; rows stay whole (micro-batches < 8)
         "lora.restore_path": restore,
     }
     return load_config("tiny", [f"{k}={v}" for k, v in overrides.items()])
@@ -162,7 +162,7 @@ def test_cli_sft_with_a_hostile_restore_path_is_one_line_exit_2(inputs, tmp_path
     done = strop_cli("sft", "tiny", f"model.path={inputs / 'model'}",
                      f"data.train_path={inputs / 'sft.jsonl'}", f"run_dir={tmp_path}",
                      "sft.steps=1", "sft.batch_size=4", "sft.micro_batch_size=4",
-                     "mesh.fsdp=1", "mesh.data=-1", f"lora.restore_path={bad}")  # fmt: skip
+                     "mesh.fsdp=1", "mesh.tensor=-1", f"lora.restore_path={bad}")  # fmt: skip
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr  # log lines come first; the error is one line
     last = done.stderr.strip().splitlines()[-1]

@@ -9,7 +9,7 @@ from strop.config import PpoConfig
 from strop.rl.experience import build_experience, minibatches, pad_columns
 from strop.rl.losses_reference import aggregate
 from strop.rl.objectives import aggregation_weights
-from strop.rl.ppo import PromptSet
+from strop.rl.prompts import PromptSet
 
 
 @pytest.mark.parametrize("mode", ["token_mean", "sequence_mean"])

@@ -33,63 +33,20 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from strop import rewards
 from strop.backends import get_backend
 from strop.config import Config
-from strop.data import Tokenizer, read_examples
-from strop.data.prompts import gold_answer, prompt_ids
+from strop.data import Tokenizer
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
 from strop.io.hf import read_model_spec
-from strop.io.run_identity import refuse_other_backends_checkpoints
 from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY, count_skipped
+from strop.preflight import preflight
 from strop.rl.experience import build_experience, minibatches, pad_columns
+from strop.rl.prompts import PromptSet
 from strop.rl.rollout import Rollout, token_mult_prob_error
 
 logger = logging.getLogger(__name__)
 
 COLUMN_MULTIPLE = 16  # rollout batches are padded to this many columns (fewer compiles)
-
-
-@dataclass(frozen=True)
-class PromptSet:
-    """Prompts (token ids), their gold answers and texts, read from a data file."""
-
-    ids: list[list[int]]
-    golds: list[str]
-    texts: list[str]
-
-    @classmethod
-    def read(cls, path: str, config: Config, tokenizer: Tokenizer, limit: int = 0) -> PromptSet:
-        examples, _ = read_examples(
-            path,
-            config.data.format,
-            skip_bad_lines=config.data.skip_bad_lines,
-            prompt_template=config.data.prompt_template,
-        )
-        if limit:
-            examples = examples[:limit]
-        if not examples:
-            raise ConfigError(f"{path}: no prompts to train or validate on")
-        return cls(
-            ids=[prompt_ids(example, tokenizer) for example in examples],
-            golds=[gold_answer(example) for example in examples],
-            texts=[example.prompt or "" for example in examples],
-        )
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def draw(self, step: int, count: int, seed: int) -> list[int]:
-        """Indices of the ``count`` prompts of iteration ``step``: consecutive slices of a
-        permutation that is reshuffled (seeded) for every pass over the data."""
-        out: list[int] = []
-        position = step * count
-        while len(out) < count:
-            epoch, offset = divmod(position, len(self))
-            order = np.random.default_rng([seed, epoch]).permutation(len(self))
-            take = min(count - len(out), len(self) - offset)
-            out.extend(int(i) for i in order[offset : offset + take])
-            position += take
-        return out
 
 
 @dataclass(frozen=True)
@@ -109,7 +66,7 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     _check(config)
     ppo, run_dir = config.ppo, Path(config.run_dir)
     checkpoint_dir = config.checkpoint.dir or run_dir / "checkpoints"
-    refuse_other_backends_checkpoints(checkpoint_dir, config.backend)  # before anything loads
+    preflight(config, "ppo", checkpoint_dir)  # before anything loads
     tokenizer = Tokenizer.from_pretrained(config.model.path)
     train = PromptSet.read(config.data.train_path, config, tokenizer)
     validation = None

@@ -18,9 +18,9 @@ from strop.backends import get_backend
 from strop.config import Config
 from strop.data import Tokenizer, load_sft_examples, make_sft_batcher
 from strop.errors import ConfigError
-from strop.io.run_identity import refuse_other_backends_checkpoints
 from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY, count_skipped
+from strop.preflight import preflight
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
     sft = config.sft
     micro_batches = sft.batch_size // sft.micro_batch_size
     checkpoint_dir = config.checkpoint.dir or run_dir / "checkpoints"
-    refuse_other_backends_checkpoints(checkpoint_dir, config.backend)  # before anything loads
+    preflight(config, "sft", checkpoint_dir)  # before anything loads
 
     tokenizer = Tokenizer.from_pretrained(config.model.path)
     train_examples, stats = load_sft_examples(config.data.train_path, config.data, tokenizer)

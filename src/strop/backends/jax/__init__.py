@@ -3,6 +3,7 @@
 from strop.backends.jax.actor_critic import JaxActorCritic
 from strop.backends.jax.handle import JaxModelHandle, load_model
 from strop.backends.jax.policy import JaxPolicy
+from strop.backends.jax.sharding import device_count
 
 build_policy = JaxPolicy
 build_actor_critic = JaxActorCritic
@@ -13,5 +14,6 @@ __all__ = [
     "JaxPolicy",
     "build_actor_critic",
     "build_policy",
+    "device_count",
     "load_model",
 ]

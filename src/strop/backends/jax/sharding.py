@@ -41,6 +41,11 @@ LOGICAL_AXIS_RULES: Mapping[str, MeshAxes] = {
 }
 
 
+def device_count() -> int:
+    """The devices a mesh spans: every device of every process."""
+    return jax.device_count()
+
+
 def make_mesh(
     sizes: MeshConfig | Mapping[str, int] | None = None,
     devices: Sequence[jax.Device] | None = None,

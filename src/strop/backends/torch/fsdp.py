@@ -59,6 +59,13 @@ def launched_distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized()
 
 
+def device_count() -> int:
+    """The devices a mesh spans: one per process (``WORLD_SIZE`` under ``torchrun``)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def place(mesh_config: MeshConfig) -> Placement:
     """Join the process group if launched distributed, pick the device, build the mesh.
 

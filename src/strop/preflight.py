@@ -1,0 +1,68 @@
+"""Checks a job runs before it reads anything large: config against devices and run dir.
+
+:func:`preflight` is the first thing ``strop sft``, ``ppo`` and ``eval`` do after the
+config validates: it refuses a checkpoint directory another backend wrote
+(:func:`~strop.io.run_identity.refuse_other_backends_checkpoints`) and a mesh or batch
+layout that does not fit the devices (:func:`check_parallel_layout`).
+
+How a batch splits over the devices: both backends lay the batch's rows over the mesh's ``data`` x ``fsdp`` axes (``data``
+replicates the weights, ``fsdp`` shards them; both split the rows), and tensor
+parallelism splits no rows. A forward/backward pass of ``rows`` rows therefore needs
+``rows`` to be a multiple of ``data x fsdp``: torch hands each rank its own rows, and JAX
+would otherwise replicate the whole micro-batch on every device (right numbers, the work
+done ``data x fsdp`` times over). Both are caught here, from the config and the device
+count alone, so a layout mistake costs seconds, not a model load.
+
+Backend-neutral: the device count comes from the backend (``device_count()``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from strop.backends import get_backend
+from strop.config import Config
+from strop.errors import ConfigError
+from strop.io.run_identity import refuse_other_backends_checkpoints
+
+
+def preflight(config: Config, job: str, checkpoint_dir: str | os.PathLike | None) -> None:
+    """Everything ``job`` (``"sft"``, ``"ppo"`` or ``"eval"``) can refuse before loading a
+    tokenizer, data or weights; raises :class:`~strop.errors.StropError` subclasses."""
+    if checkpoint_dir is not None:
+        refuse_other_backends_checkpoints(checkpoint_dir, config.backend)
+    devices = get_backend(config.backend).device_count()
+    check_parallel_layout(config, devices, rows_per_pass(config, job))
+
+
+def rows_per_pass(config: Config, job: str) -> dict[str, int]:
+    """The config keys that set how many rows one forward/backward pass holds."""
+    if job == "sft":
+        return {"sft.micro_batch_size": config.sft.micro_batch_size}
+    if job == "ppo":
+        ppo = config.ppo
+        if ppo.micro_batch_size is None:
+            return {"ppo.mini_batch_size": ppo.mini_batch_size}
+        return {"ppo.micro_batch_size": ppo.micro_batch_size}
+    return {}  # eval: generation batches of any size run (rows shard where they divide)
+
+
+def check_parallel_layout(
+    config: Config, num_devices: int, rows: Mapping[str, int] | None = None
+) -> dict[str, int]:
+    """Resolve ``config.mesh`` over ``num_devices`` and check each of ``rows`` (config key
+    -> rows per pass) splits over the data-parallel devices; return the mesh sizes.
+
+    Raises :class:`ConfigError` naming the keys, their values and what would fit.
+    """
+    sizes = config.mesh.resolve(num_devices)  # mesh sizes that do not fit: ConfigError
+    parallel = sizes["data"] * sizes["fsdp"]
+    for key, count in (rows or {}).items():
+        if count % parallel:
+            raise ConfigError(
+                f"{key}={count} rows do not split over the {parallel} data-parallel devices "
+                f"(mesh data={sizes['data']} x fsdp={sizes['fsdp']} on {num_devices} "
+                f"device(s)): make {key} a multiple of {parallel}"
+            )
+    return sizes
