@@ -150,6 +150,9 @@ def test_repeated_sigkill_then_resume_gives_the_same_losses(
     assert not _partials(checkpoints), "a finished run left a half-written checkpoint"
     print(f"{backend}: {kills} kills, {mid_save} mid-save, {resumes} resumes")
     assert _losses_by_step(run_dir) == _losses_by_step(tmp_path / "straight")
+    # each step logged once, in order: a resume drops the killed attempt's later records
+    steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")]
+    assert steps == sorted(set(steps)) == list(_losses_by_step(tmp_path / "straight")), steps
 
 
 def _limit_file_size() -> None:  # in the child, before exec: writes past 64 KiB fail (EFBIG)

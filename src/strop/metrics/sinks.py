@@ -2,6 +2,10 @@
 
 Metric names are ``group/name`` (``train/loss``, ``eval/loss``, ``throughput/tokens_per_s``).
 One JSON object per logged step: ``{"step": 10, "train/loss": 1.23, ...}``.
+
+A resumed run continues the same file: records past the checkpoint it resumed from (the
+killed attempt's, which the resume recomputes) and a line a kill cut short are removed
+first, so the file holds each step once, in order (see ``MetricsWriter(keep_through=)``).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +25,21 @@ class MetricsWriter:
 
     With ``enabled=False`` (every process but the first of a distributed run) it writes
     nothing.
+
+    ``keep_through``: for a run that (re)starts after step ``keep_through`` (its resumed
+    checkpoint, or ``-1`` for a fresh start), earlier records of later steps are dropped
+    from ``metrics.jsonl`` and hidden in TensorBoard (``purge_step``); ``None`` appends to
+    whatever is there.
     """
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, enabled: bool = True):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        tensorboard: bool = True,
+        enabled: bool = True,
+        keep_through: int | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self._file = None
@@ -30,6 +47,8 @@ class MetricsWriter:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if keep_through is not None and self.path.exists():
+            _drop_records_after(self.path, keep_through)
         self._file = self.path.open("a", encoding="utf-8")
         if tensorboard:
             try:
@@ -37,7 +56,8 @@ class MetricsWriter:
             except ImportError:  # optional: JSONL is always written
                 logger.warning("tensorboardX is not installed; TensorBoard logs are off")
             else:
-                self._tb = SummaryWriter(logdir=str(self.run_dir / "tensorboard"))
+                purge = None if keep_through is None else keep_through + 1
+                self._tb = SummaryWriter(logdir=str(self.run_dir / "tensorboard"), purge_step=purge)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         """Record ``metrics`` at ``step`` (non-finite floats are written as null in JSON)."""
@@ -73,3 +93,34 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """All records of a ``metrics.jsonl`` file, in order."""
     with Path(path).open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Rewrite ``path`` (atomically) without records of steps after ``step`` and without a
+    last line a kill cut short; say what was dropped."""
+    lines = path.read_bytes().split(b"\n")
+    torn = lines.pop()  # b"" when the file ends with a newline
+    kept, dropped = [], 0
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # not ours to judge: keep what we cannot read
+            kept.append(line)
+            continue
+        if (
+            isinstance(record, dict)
+            and isinstance(record.get("step"), int)
+            and (record["step"] > step)
+        ):
+            dropped += 1
+        else:
+            kept.append(line)
+    if not dropped and not torn:
+        return
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_bytes(b"".join(line + b"\n" for line in kept))
+    os.replace(staging, path)
+    logger.info(
+        "%s: dropped %d record(s) after step %d%s (the resume recomputes them)",
+        path, dropped, step, " and a torn last line" if torn else "",
+    )  # fmt: skip

@@ -99,7 +99,10 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     history: list[dict[str, float]] = []
     with (
         MetricsWriter(
-            run_dir, tensorboard=config.logging.tensorboard, enabled=engine.is_main
+            run_dir,
+            tensorboard=config.logging.tensorboard,
+            enabled=engine.is_main,
+            keep_through=-1 if resumed_from is None else resumed_from,
         ) as writer,
         _progress(disable=not engine.is_main) as bar,
     ):

@@ -89,7 +89,10 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
     losses: list[float] = []
     with (
         MetricsWriter(
-            run_dir, tensorboard=config.logging.tensorboard, enabled=policy.is_main
+            run_dir,
+            tensorboard=config.logging.tensorboard,
+            enabled=policy.is_main,
+            keep_through=-1 if resumed_from is None else resumed_from,
         ) as writer,
         _progress(disable=not policy.is_main) as bar,
     ):
