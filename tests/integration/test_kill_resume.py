@@ -1,4 +1,5 @@
-"""SIGKILL at seeded-random moments of `strop sft` (some mid-save), and failing saves.
+"""SIGKILL at seeded-random moments of `strop sft` and `strop ppo` (some mid-save), and
+failing saves.
 
 Each backend's run is killed many times, resuming after every kill: each resume must
 start from the newest *complete* checkpoint on disk (never a half-written one: Orbax's
@@ -27,6 +28,7 @@ from strop.metrics.sinks import read_metrics
 pytestmark = pytest.mark.slow
 
 SFT = [sys.executable, "-m", "strop", "sft", "sft-lora-tiny"]
+PPO = [sys.executable, "-m", "strop", "ppo", "ppo-lora-tiny"]
 STEPS = {"jax": 30, "torch": 40}
 KILLS = {"jax": 8, "torch": 8}
 MAX_DELAY_S = {"jax": 0.8, "torch": 0.4}  # about three steps (each one with a save)
@@ -82,36 +84,22 @@ def _resumed_from(log: str) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("backend", ["jax", "torch"])
-def test_repeated_sigkill_then_resume_gives_the_same_losses(
-    tmp_path, sum_inputs, jax_cache, backend
-):
-    env = _env(jax_cache)
-    common = [
-        f"backend={backend}",
-        f"sft.steps={STEPS[backend]}",
-        "checkpoint.every_steps=1",
-        "checkpoint.keep=2",
-        "logging.every_steps=1",
-        *sum_inputs,
-    ]
-    straight = subprocess.run(
-        [*SFT, f"run_dir={tmp_path / 'straight'}", *common], env=env, capture_output=True
-    )
-    assert straight.returncode == 0, straight.stderr[-2000:]
-
-    run_dir = tmp_path / "killed"
-    checkpoints = run_dir / "checkpoints"
-    cmd = [*SFT, f"run_dir={run_dir}", *common]
-    rng = random.Random(f"kill-{backend}")
+def _kill_and_resume(
+    cmd: list[str], env: dict, checkpoints: Path, backend: str, kills_wanted: int,
+    max_delay_s: float, rng: random.Random, logs: Path,
+) -> tuple[int, int, int]:  # fmt: skip
+    """Run ``cmd`` until it finishes, SIGKILLing it ``kills_wanted`` times at seeded-random
+    moments (half of them as soon as a save is seen in flight); after every kill the next
+    run must resume from the newest checkpoint complete on disk. Returns (kills, kills
+    mid-save, resumes)."""
     expected_resume: int | None = None
     kills = mid_save = resumes = 0
-    for attempt in range(KILLS[backend] + 1):
-        log_path = tmp_path / f"log-{attempt}.txt"
+    for attempt in range(kills_wanted + 1):
+        log_path = logs / f"log-{attempt}.txt"
         with log_path.open("w") as log:
             process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
         before = _complete_steps(checkpoints, backend)
-        if attempt < KILLS[backend]:
+        if attempt < kills_wanted:
             # Wait for progress past the checkpoint we started from, then kill: half the
             # time at a random delay, half the time as soon as a save is seen in flight.
             deadline = time.monotonic() + 90
@@ -122,7 +110,7 @@ def test_repeated_sigkill_then_resume_gives_the_same_losses(
                 assert time.monotonic() < deadline, "no new checkpoint appeared"
                 time.sleep(0.005)
             if rng.random() < 0.5:
-                time.sleep(rng.uniform(0.0, MAX_DELAY_S[backend]))
+                time.sleep(rng.uniform(0.0, max_delay_s))
             else:
                 deadline = time.monotonic() + 5
                 while process.poll() is None and not _partials(checkpoints):
@@ -146,13 +134,89 @@ def test_repeated_sigkill_then_resume_gives_the_same_losses(
         complete = _complete_steps(checkpoints, backend)
         expected_resume = complete[-1] if complete else None
     assert code == 0, "the run did not finish after the last kill"
-    assert kills >= KILLS[backend] - 1, f"only {kills} kills landed before the run finished"
+    assert kills >= kills_wanted - 1, f"only {kills} kills landed before the run finished"
     assert not _partials(checkpoints), "a finished run left a half-written checkpoint"
+    return kills, mid_save, resumes
+
+
+def _metric_steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_repeated_sigkill_then_resume_gives_the_same_losses(
+    tmp_path, sum_inputs, jax_cache, backend
+):
+    env = _env(jax_cache)
+    common = [
+        f"backend={backend}",
+        f"sft.steps={STEPS[backend]}",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep=2",
+        "logging.every_steps=1",
+        *sum_inputs,
+    ]
+    straight = subprocess.run(
+        [*SFT, f"run_dir={tmp_path / 'straight'}", *common], env=env, capture_output=True
+    )
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    run_dir = tmp_path / "killed"
+    kills, mid_save, resumes = _kill_and_resume(
+        [*SFT, f"run_dir={run_dir}", *common], env, run_dir / "checkpoints", backend,
+        KILLS[backend], MAX_DELAY_S[backend], random.Random(f"kill-{backend}"), tmp_path,
+    )  # fmt: skip
     print(f"{backend}: {kills} kills, {mid_save} mid-save, {resumes} resumes")
     assert _losses_by_step(run_dir) == _losses_by_step(tmp_path / "straight")
     # each step logged once, in order: a resume drops the killed attempt's later records
-    steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")]
+    steps = _metric_steps(run_dir)
     assert steps == sorted(set(steps)) == list(_losses_by_step(tmp_path / "straight")), steps
+
+
+@pytest.fixture(scope="module")
+def ppo_inputs(tmp_path_factory):
+    """The shipped tiny math model and a few of its synthetic problems, as overrides."""
+    from strop.assets import tiny_math_path
+    from strop.data.synthetic import write_splits
+
+    paths = write_splits(tmp_path_factory.mktemp("ppo-data"), seed=0, n_train=64, n_validation=8)
+    return [
+        f"model.path={tiny_math_path()}",
+        f"data.train_path={paths['train']}",
+        f"data.eval_path={paths['validation']}",
+    ]
+
+
+def _comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(("timing/", "throughput/"))}
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_ppo_sigkill_then_resume_gives_the_same_metrics(tmp_path, ppo_inputs, jax_cache, backend):
+    """`strop ppo` (LoRA actor + critic, two optimizers, RNG and data position in the
+    checkpoint) killed 3 times: every iteration's metrics equal an uninterrupted run's."""
+    env = _env(jax_cache)
+    common = [
+        f"backend={backend}", "ppo.steps=6", "ppo.prompts_per_step=4",
+        "ppo.num_generations_per_prompt=2", "ppo.mini_batch_size=8", "ppo.validate_every=3",
+        "ppo.validation_size=8", "generation.max_new_tokens=16", "checkpoint.every_steps=1",
+        "checkpoint.keep=2", "logging.tensorboard=false", *ppo_inputs,
+    ]  # fmt: skip
+    straight = subprocess.run(
+        [*PPO, f"run_dir={tmp_path / 'straight'}", *common], env=env, capture_output=True
+    )
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    run_dir = tmp_path / "killed"
+    kills, mid_save, resumes = _kill_and_resume(
+        [*PPO, f"run_dir={run_dir}", *common], env, run_dir / "checkpoints", backend,
+        3, MAX_DELAY_S[backend], random.Random(f"ppo-kill-{backend}"), tmp_path,
+    )  # fmt: skip
+    print(f"ppo {backend}: {kills} kills, {mid_save} mid-save, {resumes} resumes")
+    want = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    got = read_metrics(run_dir / "metrics.jsonl")
+    assert _metric_steps(run_dir) == [r["step"] for r in want]
+    assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
 
 
 def _limit_file_size() -> None:  # in the child, before exec: writes past 64 KiB fail (EFBIG)
