@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -40,6 +41,7 @@ from strop.io.run_identity import (
 logger = logging.getLogger(__name__)
 
 ITEMS = ("params", "optimizer", "extra", "identity")
+_ORBAX_TMP = ".orbax-checkpoint-tmp"  # in the name of a step Orbax has not finished writing
 
 
 def _key_name(key: Any) -> str:
@@ -174,10 +176,17 @@ class TrainCheckpoints:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             create=True,
-            cleanup_tmp_directories=True,  # remove steps a killed run left half-written
+            # Orbax would remove a killed save's leftovers in a background thread that only
+            # save() waits for: a run stopping before its first save (a bad adapter, bad
+            # data) exited with it still running, and it printed a traceback at interpreter
+            # shutdown. So they are removed here, before the manager opens, as on torch.
+            cleanup_tmp_directories=False,
             enable_async_checkpointing=False,
         )
         try:
+            if jax.process_index() == 0 and self.directory.is_dir():
+                for leftover in self.directory.glob(f"*{_ORBAX_TMP}*"):
+                    shutil.rmtree(leftover, ignore_errors=True)  # a save killed half-way
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         except OSError as err:
             raise CheckpointError(
