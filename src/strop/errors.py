@@ -63,3 +63,21 @@ class NonFiniteError(StropError):
             f"written after it (last complete checkpoint: {kept}{in_dir}, kept); fix the data "
             "or lower the learning rate, or set train.skip_nonfinite=true to skip such steps"
         )
+
+
+class NonFiniteStateError(NonFiniteError):
+    """Trainable weights or optimizer state held NaN/Inf when a checkpoint was due (an
+    update with a finite loss and gradient norm can still overflow a weight). The
+    checkpoint is not written; the last complete one is kept. Exit code 3, as for a
+    non-finite step."""
+
+    def __init__(self, step: int, names: list[str], kept_step: int | None, checkpoint_dir: str):
+        self.where, self.values, self.kept_step = f"checkpoint step {step}", {}, kept_step
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        kept = "none yet" if kept_step is None else f"step {kept_step}"
+        StropError.__init__(
+            self,
+            f"checkpoint step {step}: non-finite values in {shown}; this state was not saved "
+            f"(last complete checkpoint: {kept} in {checkpoint_dir}, kept); lower the learning "
+            "rate or fix the data, then resume",
+        )

@@ -8,6 +8,10 @@ counted (metrics ``train/nonfinite_skipped``, ``policy/nonfinite_skipped``,
 ``critic/nonfinite_skipped``: cumulative over the whole run, kept in checkpoints so a
 resumed run goes on counting), otherwise the run stops with
 :class:`~strop.errors.NonFiniteError` (exit code 3) before any checkpoint is written.
+
+As a last guard, each backend's checkpoint ``save`` refuses state holding NaN/Inf
+(:class:`~strop.errors.NonFiniteStateError`, also exit 3), so a poisoned checkpoint is
+never written even when a finite step overflowed a weight.
 """
 
 from __future__ import annotations

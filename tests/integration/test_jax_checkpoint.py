@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -17,7 +18,7 @@ from strop.backends.jax.lora import BASE_WEIGHTS, apply_lora, trainable_filter
 from strop.backends.jax.sharding import make_mesh
 from strop.backends.jax.train import Trainer
 from strop.config import LoraConfig, OptimConfig
-from strop.errors import CheckpointError
+from strop.errors import CheckpointError, NonFiniteStateError
 from strop.io.run_identity import identity_differences, run_identity
 from tests.tiny_models import TINY
 
@@ -250,3 +251,23 @@ def test_unusable_directory_and_bad_extra(tiny_model_dir, tmp_path):
     assert saver.latest_step() is None
     with pytest.raises(CheckpointError, match="cannot identify base model"):
         run_identity(tmp_path / "nowhere", LORA, backend="jax")
+
+
+def test_non_finite_state_is_never_saved(tmp_path):
+    """A weight or optimizer moment gone NaN/Inf after a finite step: the checkpoint is
+    refused (NonFiniteStateError, exit 3) and the last complete one kept."""
+    saver = TrainCheckpoints(tmp_path, {"run": 1})
+    params = {"layer": {"kernel": jnp.ones((2, 3)), "count": jnp.arange(3)}}
+    moments = {"mu": jnp.zeros((2, 3)), "step": jnp.asarray(1)}
+    saver.save_trees(1, params, moments, {"step": 1})
+    poisoned = {
+        "layer": {**params["layer"], "kernel": params["layer"]["kernel"].at[0, 2].set(jnp.inf)}
+    }
+    with pytest.raises(NonFiniteStateError, match=r"checkpoint step 2: non-finite values in "
+                       r"params\.layer\.kernel; this state was not saved \(last complete "
+                       r"checkpoint: step 1"):  # fmt: skip
+        saver.save_trees(2, poisoned, moments, {"step": 2})
+    with pytest.raises(NonFiniteStateError, match=r"optimizer\.mu"):
+        saver.save_trees(2, params, {**moments, "mu": moments["mu"].at[1, 1].set(jnp.nan)})
+    assert saver.all_steps() == [1]
+    assert not [p.name for p in tmp_path.iterdir() if "tmp" in p.name]

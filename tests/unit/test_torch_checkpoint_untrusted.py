@@ -17,7 +17,7 @@ import torch
 
 from strop.backends.torch.checkpoint import TrainCheckpoints, _SafeLoadPlanner
 from strop.backends.torch.fsdp import Placement
-from strop.errors import CheckpointError
+from strop.errors import CheckpointError, NonFiniteStateError
 
 
 def trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -77,3 +77,22 @@ def test_non_tensor_entries_are_loaded_weights_only():
     buffer.seek(0)
     with pytest.raises(pickle.UnpicklingError):
         planner.load_bytes(item, buffer)
+
+
+def test_non_finite_state_is_never_saved(tmp_path):
+    """A weight (or optimizer moment) gone NaN/Inf after a finite step: the checkpoint is
+    refused with NonFiniteStateError (exit 3) and the last complete one kept."""
+    checkpoints = saved(tmp_path)
+    model, optimizer = trained(0)
+    with torch.no_grad():
+        model.weight[0, 1] = float("inf")
+    with pytest.raises(NonFiniteStateError, match=r"checkpoint step 2: non-finite values in "
+                       r"model\.weight; this state was not saved \(last complete checkpoint: "
+                       r"step 1"):  # fmt: skip
+        checkpoints.save(2, model, optimizer, {"step": 2})
+    assert checkpoints.all_steps() == [1] and not list(tmp_path.glob(".tmp-*"))
+    model, optimizer = trained(0)
+    optimizer.state[model.bias]["exp_avg_sq"][0] = float("nan")
+    with pytest.raises(NonFiniteStateError, match=r"optim\.state\.bias\.exp_avg_sq"):
+        checkpoints.save(2, model, optimizer, {"step": 2})
+    assert NonFiniteStateError.exit_code == 3

@@ -28,10 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from strop.errors import CheckpointError
+from strop.errors import CheckpointError, NonFiniteStateError
 from strop.io.run_identity import (
     flatten,
     identity_differences,
@@ -149,6 +150,15 @@ def _orbax_errors_quiet(directory: Path) -> Iterator[None]:
         absl.setLevel(level)
 
 
+def _nonfinite_paths(tree: dict) -> list[str]:
+    """Dotted paths of the floating-point arrays in ``tree`` holding a NaN or an Inf."""
+    return [
+        path
+        for path, leaf in flatten(tree).items()
+        if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) and not bool(jnp.isfinite(leaf).all())
+    ]
+
+
 def _free_space(directory: Path) -> str:
     try:
         stat = os.statvfs(directory)
@@ -243,6 +253,9 @@ class TrainCheckpoints:
                 f"checkpoint step {step} already exists in {self.directory}; resume from it "
                 "or use a new run directory"
             )
+        poisoned = _nonfinite_paths({"params": params, "optimizer": optimizer})
+        if poisoned:
+            raise NonFiniteStateError(step, poisoned, self.latest_step(), str(self.directory))
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(params),
             optimizer=ocp.args.StandardSave(optimizer),

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner uses
 from torch.distributed.checkpoint.api import CheckpointException
@@ -43,10 +44,11 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from strop.backends.torch.fsdp import Placement, barrier
 from strop.backends.torch.lora import hf_module_path
-from strop.errors import CheckpointError
+from strop.errors import CheckpointError, NonFiniteStateError
 from strop.io.run_identity import identity_differences, refuse_other_backends_checkpoints
 
 logger = logging.getLogger(__name__)
@@ -143,6 +145,33 @@ def _describe_failure(err: BaseException) -> str:
     return _one_line(err)
 
 
+def _nonfinite_names(state: Mapping[str, Any], placement: Placement) -> list[str]:
+    """Dotted names of the floating-point tensors in ``state`` holding a NaN or an Inf
+    (each rank checks its shards; the verdict is agreed over all ranks)."""
+    names = []
+    for name, value in _tensors(state):
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            names.append(name)
+    if placement.distributed:
+        flag = torch.tensor([float(bool(names))], device=placement.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and not names:
+            names = ["state held by another rank"]
+    return names
+
+
+def _tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from _tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(tree, list | tuple):
+        for index, value in enumerate(tree):
+            yield from _tensors(value, f"{prefix}.{index}")
+
+
 def _free_space(directory: Path) -> str:
     try:
         stat = os.statvfs(directory)
@@ -235,6 +264,9 @@ class TrainCheckpoints:
         staging = self.directory / f"{_TMP_PREFIX}{step}"
         final = self.directory / str(step)
         model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+        poisoned = _nonfinite_names({"model": model_state, "optim": optim_state}, self.placement)
+        if poisoned:
+            raise NonFiniteStateError(step, poisoned, self.latest_step(), str(self.directory))
         try:
             if self.placement.is_main:
                 shutil.rmtree(staging, ignore_errors=True)
