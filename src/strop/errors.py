@@ -65,19 +65,20 @@ class NonFiniteError(StropError):
         )
 
 
-class NonFiniteStateError(NonFiniteError):
+class NonFiniteStateError(StropError):
     """Trainable weights or optimizer state held NaN/Inf when a checkpoint was due (an
     update with a finite loss and gradient norm can still overflow a weight). The
     checkpoint is not written; the last complete one is kept. Exit code 3, as for a
     non-finite step."""
 
+    exit_code = 3
+
     def __init__(self, step: int, names: list[str], kept_step: int | None, checkpoint_dir: str):
-        self.where, self.values, self.kept_step = f"checkpoint step {step}", {}, kept_step
+        self.step, self.names, self.kept_step = step, list(names), kept_step
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         kept = "none yet" if kept_step is None else f"step {kept_step}"
-        StropError.__init__(
-            self,
+        super().__init__(
             f"checkpoint step {step}: non-finite values in {shown}; this state was not saved "
             f"(last complete checkpoint: {kept} in {checkpoint_dir}, kept); lower the learning "
-            "rate or fix the data, then resume",
+            "rate or fix the data, then resume"
         )

@@ -2,7 +2,7 @@
 
 :func:`preflight` is the first thing ``strop sft``, ``ppo`` and ``eval`` do after the
 config validates: it refuses a checkpoint directory another backend wrote
-(:func:`~strop.io.run_identity.refuse_other_backends_checkpoints`) and a mesh or batch
+(:func:`~strop.io.checkpoint_dir.refuse_other_backends_checkpoints`) and a mesh or batch
 layout that does not fit the devices (:func:`check_parallel_layout`).
 
 How a batch splits over the devices: both backends lay the batch's rows over the mesh's ``data`` x ``fsdp`` axes (``data``
@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from strop.backends import get_backend
 from strop.config import Config
 from strop.errors import ConfigError
-from strop.io.run_identity import refuse_other_backends_checkpoints
+from strop.io.checkpoint_dir import refuse_other_backends_checkpoints
 
 
 def preflight(config: Config, job: str, checkpoint_dir: str | os.PathLike | None) -> None:

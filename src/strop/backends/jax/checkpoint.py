@@ -33,11 +33,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from strop.errors import CheckpointError, NonFiniteStateError
-from strop.io.run_identity import (
-    flatten,
-    identity_differences,
-    refuse_other_backends_checkpoints,
-)
+from strop.io.checkpoint_dir import refuse_other_backends_checkpoints, save_failed
+from strop.io.run_identity import flatten, identity_differences
 
 logger = logging.getLogger(__name__)
 
@@ -159,14 +156,6 @@ def _nonfinite_paths(tree: dict) -> list[str]:
     ]
 
 
-def _free_space(directory: Path) -> str:
-    try:
-        stat = os.statvfs(directory)
-    except OSError:
-        return ""
-    return f" ({stat.f_bavail * stat.f_frsize / 2**20:.0f} MiB free there)"
-
-
 class TrainCheckpoints:
     """The checkpoints of one run, in ``directory`` (e.g. ``<run_dir>/checkpoints``).
 
@@ -268,12 +257,8 @@ class TrainCheckpoints:
                 self._manager.wait_until_finished()
         except Exception as err:  # orbax surfaces I/O failures as assorted types
             self._manager.reload()  # forget the failed step; re-read what is on disk
-            raise CheckpointError(
-                f"saving checkpoint step {step} to {self.directory} failed: "
-                f"{type(err).__name__}: {' '.join(str(err).split())}; the previous checkpoint "
-                f"({self.latest_step()}) is intact. Check free space{_free_space(self.directory)}"
-                " and permissions of the run directory."
-            ) from err
+            reason = f"{type(err).__name__}: {' '.join(str(err).split())}"
+            raise save_failed(step, self.directory, reason, self.latest_step()) from err
         logger.info("saved checkpoint step %d to %s", step, self.directory)
 
     def check_identity(self, step: int) -> None:

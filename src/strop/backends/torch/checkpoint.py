@@ -49,7 +49,8 @@ from torch.distributed.tensor import DTensor
 from strop.backends.torch.fsdp import Placement, barrier
 from strop.backends.torch.lora import hf_module_path
 from strop.errors import CheckpointError, NonFiniteStateError
-from strop.io.run_identity import identity_differences, refuse_other_backends_checkpoints
+from strop.io.checkpoint_dir import refuse_other_backends_checkpoints, save_failed
+from strop.io.run_identity import identity_differences
 
 logger = logging.getLogger(__name__)
 
@@ -172,14 +173,6 @@ def _tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
             yield from _tensors(value, f"{prefix}.{index}")
 
 
-def _free_space(directory: Path) -> str:
-    try:
-        stat = os.statvfs(directory)
-    except OSError:
-        return ""
-    return f" ({stat.f_bavail * stat.f_frsize / 2**20:.0f} MiB free there)"
-
-
 def _write_json(path: Path, value: Any) -> None:
     with path.open("w") as f:
         json.dump(value, f, indent=2)
@@ -287,12 +280,8 @@ class TrainCheckpoints:
         except (Exception, CheckpointException) as err:  # I/O failures: assorted types
             if self.placement.is_main:
                 shutil.rmtree(staging, ignore_errors=True)
-            raise CheckpointError(
-                f"saving checkpoint step {step} to {self.directory} failed: "
-                f"{_describe_failure(err)}; the previous checkpoint ({self.latest_step()}) is "
-                f"intact. Check free space{_free_space(self.directory)} and permissions of "
-                "the run directory."
-            ) from err
+            reason = _describe_failure(err)
+            raise save_failed(step, self.directory, reason, self.latest_step()) from err
         barrier(self.placement)
         logger.info("saved checkpoint step %d to %s", step, self.directory)
 

@@ -1,0 +1,71 @@
+"""A run's checkpoint directory, backend-neutral: which backend wrote it, and the one
+message a failed save gives on every backend.
+
+Each backend keeps its own format (Orbax, DCP) under ``<checkpoint dir>/<step>/``; what
+they share (refusing the other's directory, reporting a failed save with the free
+space) lives here so the two stay alike.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from strop.errors import CheckpointError
+
+# Where each backend keeps a checkpoint's identity, relative to the step's directory
+# (``<checkpoint dir>/<step>/``): Orbax's JsonSave item, DCP checkpoints' plain file.
+IDENTITY_FILES = {"jax": Path("identity") / "metadata", "torch": Path("identity.json")}
+
+
+def backends_with_checkpoints(directory: str | os.PathLike) -> dict[str, list[int]]:
+    """The steps each backend has written to ``directory``, judged by where the step keeps
+    its identity (complete or not: a foreign half-written step is not ours to clean)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return {}
+    found: dict[str, list[int]] = {}
+    for entry in sorted(directory.iterdir(), key=lambda e: (len(e.name), e.name)):
+        if not entry.name.isdigit():
+            continue
+        for backend, identity in IDENTITY_FILES.items():
+            if (entry / identity).is_file():
+                found.setdefault(backend, []).append(int(entry.name))
+    return found
+
+
+def refuse_other_backends_checkpoints(directory: str | os.PathLike, backend: str) -> None:
+    """Raise :class:`CheckpointError` if another backend wrote checkpoints to ``directory``.
+
+    The backends store checkpoints in their own formats (Orbax, DCP) and do not convert
+    between them, so resuming there with ``backend`` would either fail on files it cannot
+    read or silently start over next to the other run's steps. Cheap (a directory
+    listing), so it runs before any model loads.
+    """
+    for other, steps in backends_with_checkpoints(directory).items():
+        if other != backend:
+            listed = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
+            raise CheckpointError(
+                f"{Path(directory).absolute()} holds checkpoints the {other} backend wrote "
+                f"(steps {listed}) and this run uses backend={backend}; checkpoints are not "
+                f"converted between backends. Resume with backend={other}, or start this "
+                "run in a new run directory."
+            )
+
+
+def save_failed(step: int, directory: Path, reason: str, previous: int | None) -> CheckpointError:
+    """The error for a save of ``step`` that failed with ``reason`` (one line), naming the
+    intact ``previous`` checkpoint and the free space where the save went."""
+    return CheckpointError(
+        f"saving checkpoint step {step} to {directory} failed: {reason}; the previous "
+        f"checkpoint ({previous}) is intact. Check free space{_free_space(directory)} and "
+        "permissions of the run directory."
+    )
+
+
+def _free_space(directory: Path) -> str:
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return ""
+    return f" ({stat.f_bavail * stat.f_frsize / 2**20:.0f} MiB free there)"
