@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 import strop
+from strop.backends import shut_down_loaded_backends
 from strop.config import dump_config, load_config
 from strop.errors import StropError
 
@@ -276,3 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except StropError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         raise SystemExit(e.exit_code) from None
+    except SystemExit as e:  # Typer ends every command with SystemExit, 0 on success
+        if e.code in (0, None):
+            shut_down_loaded_backends()
+        raise

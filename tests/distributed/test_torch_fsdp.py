@@ -217,3 +217,41 @@ def test_strop_ppo_under_torchrun_equals_a_single_process(tmp_path):
     for module, (a, b) in one.items():
         _close(two[module][0], a, module, atol=1e-5)
         _close(two[module][1], b, module, atol=1e-5)
+
+
+PROCESS_GROUP_AFTER_CLI = """
+import os, sys
+import torch.distributed as dist
+import strop.backends.torch  # imported, as every torch command does
+from strop.cli import main
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+try:
+    main(sys.argv[2:])
+except SystemExit as e:
+    print(f"exit={e.code} joined={dist.is_initialized()}")
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [(["config", "show", "tiny"], "exit=0 joined=False"),
+     (["config", "show", "no-such-recipe"], "exit=2 joined=True")],
+)  # fmt: skip
+def test_the_cli_leaves_the_process_group_only_after_success(argv, expected, tmp_path):
+    """A rank that exits without ``destroy_process_group`` can abort in interpreter
+    finalization (gloo threads still hold tensors: "terminate called without an active
+    exception", seen in CI after a PPO run under torchrun had finished). On an error the
+    group is left alone: the other ranks may be stuck in a collective, torchrun stops them."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    done = subprocess.run(
+        [sys.executable, "-c", PROCESS_GROUP_AFTER_CLI, port, *argv],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == expected

@@ -7,6 +7,7 @@ with either framework missing.
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
 
 from strop.errors import BackendUnavailableError
@@ -33,3 +34,15 @@ def get_backend(name: str) -> ModuleType:
             f"backend {name!r} needs {_PACKAGES[name]} (missing: {err.name}); "
             f"install with: pip install 'strop[{name}]'"
         ) from None
+
+
+def shut_down_loaded_backends() -> None:
+    """Call ``shut_down()`` of each backend this process imported (leave process groups).
+
+    For the end of a successful command: a rank that exits without leaving its torch
+    process group can abort during interpreter finalization.
+    """
+    for name in BACKENDS:
+        backend = sys.modules.get(f"strop.backends.{name}")
+        if backend is not None:
+            backend.shut_down()

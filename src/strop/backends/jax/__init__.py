@@ -3,7 +3,7 @@
 from strop.backends.jax.actor_critic import JaxActorCritic
 from strop.backends.jax.handle import JaxModelHandle, load_model
 from strop.backends.jax.policy import JaxPolicy
-from strop.backends.jax.sharding import device_count
+from strop.backends.jax.sharding import device_count, shut_down
 
 build_policy = JaxPolicy
 build_actor_critic = JaxActorCritic
@@ -16,4 +16,5 @@ __all__ = [
     "build_policy",
     "device_count",
     "load_model",
+    "shut_down",
 ]

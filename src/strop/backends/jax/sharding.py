@@ -46,6 +46,12 @@ def device_count() -> int:
     return jax.device_count()
 
 
+def shut_down() -> None:
+    """Leave JAX's distributed system if this process joined one (multi-host), once its
+    work has finished; a no-op in a single process."""
+    jax.distributed.shutdown()
+
+
 def make_mesh(
     sizes: MeshConfig | Mapping[str, int] | None = None,
     devices: Sequence[jax.Device] | None = None,

@@ -1,7 +1,7 @@
 """The torch backend: ``transformers`` models, PEFT LoRA, FSDP2/DTensor sharding, DCP."""
 
 from strop.backends.torch.actor_critic import TorchActorCritic
-from strop.backends.torch.fsdp import device_count
+from strop.backends.torch.fsdp import device_count, shut_down
 from strop.backends.torch.handle import TorchModelHandle, load_model
 from strop.backends.torch.policy import TorchPolicy
 
@@ -16,4 +16,5 @@ __all__ = [
     "build_policy",
     "device_count",
     "load_model",
+    "shut_down",
 ]

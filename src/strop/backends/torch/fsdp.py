@@ -66,6 +66,18 @@ def device_count() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def shut_down() -> None:
+    """Leave the process group, once a process's work has finished on every rank.
+
+    Without this, gloo's worker threads can still hold tensors when the interpreter
+    finalizes, and a rank aborts at exit ("terminate called without an active exception",
+    SIGABRT) after a run that succeeded. Only for a successful exit: on an error the other
+    ranks may sit in a collective that would never finish, and ``torchrun`` stops them.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def place(mesh_config: MeshConfig) -> Placement:
     """Join the process group if launched distributed, pick the device, build the mesh.
 

@@ -50,7 +50,10 @@ class ValueHead(nn.Module):
             self.linear.bias.zero_()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear(hidden.float())
+        # ``linear`` of a [B, L, E] input returns a view of its 2-D matmul; FSDP2 warns
+        # that in-place ops on a view returned by a sharded module would skip its
+        # pre-backward hook. ``clone`` ([B, L] floats) returns a tensor of its own.
+        return self.linear(hidden.float()).clone()
 
 
 class ValueModel(nn.Module):
