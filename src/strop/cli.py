@@ -247,27 +247,17 @@ def export(
         bool, typer.Option("--merged", help="Write a HF checkpoint with adapters merged in.")
     ] = False,
 ) -> None:
-    """Export the latest checkpoint of RECIPE's run as a PEFT adapter or a merged model."""
-    from pathlib import Path
-
-    from strop.backends import get_backend
+    """Export the latest checkpoint of RECIPE's run (SFT: the policy; PPO: the actor) as a
+    PEFT adapter or a merged model."""
+    from strop.export import run_export
 
     if adapter == merged:
         raise StropError("choose exactly one of --adapter or --merged")
     if not out:
         raise StropError("--out DIRECTORY is required")
-    config = load_config(recipe, overrides or ())
-    policy = get_backend(config.backend).build_policy(
-        config,
-        total_steps=config.sft.steps,
-        checkpoint_dir=config.checkpoint.dir or Path(config.run_dir) / "checkpoints",
-    )
-    step = policy.latest_checkpoint()
-    if step is None:
-        raise StropError(f"no checkpoint in run directory {config.run_dir}; train first")
-    policy.restore_checkpoint(step)
-    path = policy.export_adapter(out) if adapter else policy.export_merged(out)
-    typer.echo(f"exported step {step} to {path}")
+    result = run_export(load_config(recipe, overrides or ()), out, merged=merged)
+    what = "the actor of PPO" if result.job == "ppo" else "SFT"
+    typer.echo(f"exported {what} step {result.step} to {result.path}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

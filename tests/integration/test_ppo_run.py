@@ -109,14 +109,19 @@ def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(task, tmp_path, b
 
 def test_cli_ppo_writes_metrics_checkpoints_and_the_adapter(task, tmp_path):
     run_dir = tmp_path / "cli"
-    command = [
-        sys.executable, "-m", "strop", "ppo", "ppo-lora-tiny",
+    strop = [sys.executable, "-m", "strop"]
+    recipe = [
+        "ppo-lora-tiny",
         f"model.path={task / 'model'}", f"data.train_path={task / 'train.jsonl'}",
         f"data.eval_path={task / 'val.jsonl'}", f"run_dir={run_dir}", "backend=torch",
         "ppo.steps=2", "ppo.validate_every=1", "checkpoint.every_steps=1",
         "generation.max_new_tokens=8",
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    export = [*strop, "export", *recipe, "--adapter", "--out", str(tmp_path / "exported")]
+    nothing_yet = subprocess.run(export, capture_output=True, text=True, timeout=300)
+    assert nothing_yet.returncode == 2, nothing_yet.stderr[-2000:]
+    assert nothing_yet.stderr.splitlines()[-1].startswith("error: no torch checkpoint in ")
+    done = subprocess.run([*strop, "ppo", *recipe], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
@@ -127,6 +132,46 @@ def test_cli_ppo_writes_metrics_checkpoints_and_the_adapter(task, tmp_path):
                              capture_output=True, text=True, timeout=120)  # fmt: skip
     assert plotted.returncode == 0, plotted.stderr[-2000:]
     assert (run_dir / "plot.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    exported = subprocess.run(export, capture_output=True, text=True, timeout=300)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert "exported the actor of PPO step 2" in exported.stdout
+    assert (tmp_path / "exported" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_export_of_a_ppo_run_is_its_actor(task, tmp_path, backend):
+    """`strop export` on a PPO run restores the newest checkpoint and writes the actor: the
+    adapter PPO itself exported, or a merged model whose logits (in `transformers`) are
+    the base + that adapter's (in PEFT); the critic's adapter and head stay out."""
+    import torch
+    from peft import PeftModel
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    from strop.export import run_export
+
+    run_dir = tmp_path / "run"
+    config = config_for(
+        task, run_dir, backend, "ppo.steps=2", "ppo.validate_every=0", "optim.lr=1e-2"
+    )
+    run_ppo(config)
+    adapter = run_export(config, tmp_path / "adapter", merged=False)
+    assert (adapter.job, adapter.step) == ("ppo", 2)
+    ours = load_file(adapter.path / "adapter_model.safetensors")
+    at_the_end = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    assert ours.keys() == at_the_end.keys()
+    assert all(np.array_equal(ours[k], at_the_end[k]) for k in ours)
+
+    merged = run_export(config, tmp_path / "merged", merged=True)
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3]])
+    load = AutoModelForCausalLM.from_pretrained
+    with torch.no_grad():
+        plain = load(task / "model", dtype=torch.float32)(ids).logits
+        via_peft = PeftModel.from_pretrained(load(task / "model", dtype=torch.float32),
+                                             run_dir / "adapter").eval()(ids).logits  # fmt: skip
+        via_merged = load(merged.path, dtype=torch.float32)(ids).logits
+    assert (via_peft - via_merged).abs().max() < 1e-4
+    assert (via_peft - plain).abs().max() > 1e-4, "the actor did not move; the test shows nothing"
 
 
 def test_ppo_refuses_greedy_rollouts_before_loading_anything(task, tmp_path):

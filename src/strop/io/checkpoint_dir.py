@@ -8,6 +8,7 @@ space) lives here so the two stay alike.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -32,6 +33,24 @@ def backends_with_checkpoints(directory: str | os.PathLike) -> dict[str, list[in
             if (entry / identity).is_file():
                 found.setdefault(backend, []).append(int(entry.name))
     return found
+
+
+def stored_job(directory: str | os.PathLike, backend: str) -> str | None:
+    """The job (``"sft"`` or ``"ppo"``) that wrote ``backend``'s newest checkpoint in
+    ``directory``, from its identity; ``None`` when there is no checkpoint.
+
+    Every step of a run directory has the same job (a resume with another identity is
+    refused), so the newest step with a readable identity speaks for the run.
+    """
+    for step in reversed(backends_with_checkpoints(directory).get(backend, [])):
+        path = Path(directory) / str(step) / IDENTITY_FILES[backend]
+        try:
+            identity = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # a step cut short by a kill; an older one will do
+        if isinstance(identity, dict):
+            return str(identity.get("job", "sft"))  # SFT checkpoints predate the key
+    return None
 
 
 def refuse_other_backends_checkpoints(directory: str | os.PathLike, backend: str) -> None:

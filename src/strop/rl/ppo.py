@@ -134,7 +134,7 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
         if config.lora.enabled:
             export_path = engine.export_adapter(run_dir / "adapter", overwrite=True)
         else:
-            export_path = engine.export_model(run_dir / "model", overwrite=True)
+            export_path = engine.export_merged(run_dir / "model", overwrite=True)
         logger.info("exported the actor to %s", export_path)
     return PpoResult(run_dir, end, resumed_from, history, export_path, engine.is_main)
 

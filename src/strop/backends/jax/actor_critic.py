@@ -33,7 +33,12 @@ from flax import nnx
 from strop.backends.jax import ppo_steps
 from strop.backends.jax.checkpoint import TrainCheckpoints
 from strop.backends.jax.generate import generate
-from strop.backends.jax.lora import adapter_weights, apply_lora, set_adapter_weights
+from strop.backends.jax.lora import (
+    adapter_weights,
+    apply_lora,
+    set_adapter_weights,
+    with_adapters_merged,
+)
 from strop.backends.jax.sharding import batch_sharding, make_mesh
 from strop.backends.jax.train import make_optimizer, put_micro_batches, replicate_unplaced
 from strop.backends.jax.value import ValueModel
@@ -290,13 +295,11 @@ class JaxActorCritic:
                 module.set_head(*value_head)
             self.critic = nnx.state(module, self.critic_filter)
 
-    def export_model(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        """Write the actor (full fine-tuning) as a HF checkpoint directory."""
-        if self.config.lora.enabled:
-            raise ConfigError("export_model is for full fine-tuning; use export_adapter")
-        return save_hf_model(
-            self.actor_module(), path, source_dir=self.config.model.path, overwrite=overwrite
-        )
+    def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the actor as a HF checkpoint: its adapter folded into the base (LoRA), or
+        the fine-tuned model."""
+        actor = with_adapters_merged(self.actor_module(), self.config.lora)
+        return save_hf_model(actor, path, source_dir=self.config.model.path, overwrite=overwrite)
 
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the actor's LoRA weights as a PEFT adapter directory."""

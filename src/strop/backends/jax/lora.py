@@ -59,6 +59,23 @@ def apply_lora(model: CausalLM, config: LoraConfig, seed: int) -> CausalLM:
     return qwix.apply_lora_to_model(model, provider, dummy_ids, rngs=nnx.Rngs(seed))
 
 
+def with_adapters_merged(model: CausalLM, config: LoraConfig) -> CausalLM:
+    """``model`` with each adapter folded into its kernel (``W + alpha / rank * A @ B``),
+    as a copy; ``model`` itself when LoRA is off (nothing to fold)."""
+    if not config.enabled:
+        return model
+    merged = nnx.clone(model)
+    scale = config.alpha / config.rank
+    for module in dense_modules(merged).values():
+        lora_a = getattr(module, "kernel_lora_a", None)
+        if lora_a is None:
+            continue
+        kernel = module.kernel.get_value()
+        delta = jnp.tensordot(lora_a.get_value(), module.kernel_lora_b.get_value(), axes=1)
+        module.kernel.set_value((kernel + scale * delta).astype(kernel.dtype))
+    return merged
+
+
 def adapter_weights(model: CausalLM) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """LoRA weights per module path as PEFT lays them out: ``A [r, in]``, ``B [out, r]``.
 

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -21,9 +20,9 @@ from strop.backends.jax.generate import generate
 from strop.backends.jax.lora import (
     adapter_weights,
     apply_lora,
-    dense_modules,
     set_adapter_weights,
     trainable_filter,
+    with_adapters_merged,
 )
 from strop.backends.jax.sharding import batch_sharding, make_mesh
 from strop.backends.jax.train import Trainer, token_loss_sum
@@ -145,13 +144,5 @@ class JaxPolicy:
 
     def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """A HF checkpoint with the adapters folded into the kernels (or the full model)."""
-        merged = nnx.clone(self.model)
-        scale = self.config.lora.alpha / self.config.lora.rank
-        for module in dense_modules(merged).values():
-            lora_a = getattr(module, "kernel_lora_a", None)
-            if lora_a is None:
-                continue
-            kernel = module.kernel.get_value()
-            delta = jnp.tensordot(lora_a.get_value(), module.kernel_lora_b.get_value(), axes=1)
-            module.kernel.set_value((kernel + scale * delta).astype(kernel.dtype))
+        merged = with_adapters_merged(self.model, self.config.lora)
         return save_hf_model(merged, path, source_dir=self.config.model.path, overwrite=overwrite)

@@ -285,12 +285,16 @@ class TorchActorCritic:
         if value_head is not None:
             self.critic.set_head(*value_head)
 
-    def export_model(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        """Write the actor (full fine-tuning) as a HF checkpoint directory."""
-        if self.config.lora.enabled:
-            raise ConfigError("export_model is for full fine-tuning; use export_adapter")
+    def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the actor as a HF checkpoint: its adapter folded into the base (LoRA), or
+        the fine-tuned model. The critic's and reference's adapters are left out."""
+        lora = self.config.lora
         return save_hf_model(
-            self.loaded, path, source_dir=self.config.model.path, overwrite=overwrite
+            self.loaded,
+            path,
+            source_dir=self.config.model.path,
+            lora_scale=lora.alpha / lora.rank if lora.enabled else None,
+            overwrite=overwrite,
         )
 
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
