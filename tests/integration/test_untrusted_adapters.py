@@ -4,6 +4,7 @@ one line, ``error: ...`` naming the file, exit 2, on both backends, and no trace
 from __future__ import annotations
 
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -75,6 +76,10 @@ def wide_a(weights) -> None:
     weights["model.layers.0.self_attn.q_proj"] = (np.zeros((RANK, a.shape[1] + 1), a.dtype), b)
 
 
+def layer_9_of_2(weights) -> None:
+    weights["model.layers.9.self_attn.q_proj"] = weights["model.layers.0.self_attn.q_proj"]
+
+
 def make(inputs: Path, case: str) -> Path:
     if case == "header-past-end":
         return header_past_end(adapter(inputs, case))
@@ -84,6 +89,8 @@ def make(inputs: Path, case: str) -> Path:
         return adapter(inputs, case, spoil_config=lambda c: c.update(r=50_000))
     if case == "wide-A":
         return adapter(inputs, case, spoil_tensors=wide_a)
+    if case == "layer-9-of-2":
+        return adapter(inputs, case, spoil_tensors=layer_9_of_2)
     raise AssertionError(case)
 
 
@@ -94,6 +101,7 @@ EXPECTED = {
     "r-huge": "r=50000 is larger than the base model's hidden_size=64",
     "wide-A": "model.layers.0.self_attn.q_proj has A [4, 65], B [64, 4]; the base model "
     "needs A [4, 64], B [64, 4]",
+    "layer-9-of-2": "model.layers.9.self_attn.q_proj is not a linear layer of the base model",
 }
 
 
@@ -133,17 +141,14 @@ def sft_config(inputs: Path, run_dir: Path, backend: str, restore: Path):
     return load_config("tiny", [f"{k}={v}" for k, v in overrides.items()])
 
 
-# restore_path goes through the same load_adapter; the model's own shape check (each
-# backend's set_adapter_weights) catches what needs the model.
+# restore_path goes through the same load_adapter and its check against the base model's
+# shapes, before any tensor is read; only the rank is held to the run's lora.rank first.
 SFT_CASES = {
     "header-past-end": (CheckpointError, EXPECTED["header-past-end"]),
     "path-like-target": (CheckpointError, EXPECTED["path-like-target"]),
     "r-huge": (ConfigError, "adapter rank r=50000 differs from lora.rank=4"),
-    "wide-A": (
-        ConfigError,
-        r"adapter for model.layers.0.self_attn.q_proj has shape \[4, 65\], the model expects "
-        r"\[4, 64\]",
-    ),
+    "wide-A": (CheckpointError, re.escape(EXPECTED["wide-A"])),
+    "layer-9-of-2": (CheckpointError, EXPECTED["layer-9-of-2"]),
 }
 
 

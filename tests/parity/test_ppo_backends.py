@@ -282,3 +282,65 @@ def test_both_engines_implement_the_actor_critic_protocol():
         missing = [name for name in dir(ActorCritic)
                    if not name.startswith("_") and not hasattr(engine, name)]  # fmt: skip
         assert not missing, (engine.__name__, missing)
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+def test_a_reference_adapter_is_the_reference_policy(qwen2, backend, tmp_path):
+    """``ppo.reference_adapter``: the reference log-probabilities are those of the base
+    plus that adapter in PEFT (`transformers`), and the actor's updates leave them alone."""
+    from peft import PeftModel
+
+    from strop.io.peft import save_adapter
+
+    spec = read_model_spec(qwen2)
+    rng = np.random.default_rng(3)
+    weights = {}
+    for layer in range(spec.num_layers):
+        for module in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ):
+            out_features, in_features = spec.linear_shape(f"model.layers.{layer}.{module}")
+            weights[f"model.layers.{layer}.{module}"] = (
+                rng.normal(0, 0.3, (8, in_features)).astype(np.float32),
+                rng.normal(0, 0.3, (out_features, 8)).astype(np.float32),
+            )
+    sft_adapter = save_adapter(
+        tmp_path / "sft", weights, rank=8, alpha=16.0, dropout=0.0,
+        target_modules=[".*_proj"], base_model=str(qwen2),
+    )  # fmt: skip
+    config = make_config(
+        qwen2, "lora.rank=8", "lora.alpha=16", f"ppo.reference_adapter={sft_adapter}",
+        "optim.lr=1e-2", "optim.warmup_steps=0", "generation.temperature=0.7",
+    )  # fmt: skip
+    engine = ENGINES[backend](config, total_updates=2, checkpoint_dir=None)
+    batch = rollout_batch(spec.vocab_size, seed=8)
+    mask = batch["response_mask"] > 0
+
+    ids = torch.from_numpy(batch["input_ids"]).long()
+    attention = torch.from_numpy(batch["attention_mask"]).long()
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    base = AutoModelForCausalLM.from_pretrained(qwen2, dtype=torch.float32)
+    with torch.no_grad():
+        peft = PeftModel.from_pretrained(base, sft_adapter).eval()
+        logits = peft(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+    logp = torch.log_softmax(logits[:, :-1].double() / 0.7, -1)
+    expected = np.zeros(ids.shape)
+    expected[:, 1:] = logp.gather(-1, ids[:, 1:, None])[..., 0].numpy()
+
+    ref = engine.logprobs(batch, reference=True)
+    np.testing.assert_allclose(ref[mask], expected[mask], atol=TOL, rtol=TOL)
+    actor = engine.logprobs(batch)
+    assert np.abs(actor[mask] - ref[mask]).max() > 0.01, "the actor starts from the base"
+
+    scores = np.array([1.0, 0.0, 0.5, 0.2])
+    arrays, _ = build_experience(batch, scores, actor, ref, engine.values(batch), config.ppo)
+    mini = next(minibatches(arrays, 4, "token_mean", np.random.default_rng(0)))
+    engine.train_policy(mini, 2)
+    assert not np.allclose(engine.logprobs(batch)[mask], actor[mask], atol=1e-5)
+    np.testing.assert_array_equal(engine.logprobs(batch, reference=True), ref)

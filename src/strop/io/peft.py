@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 from strop.config import LoraConfig
 from strop.errors import CheckpointError, ConfigError
 from strop.io.atomic import atomic_directory
-from strop.io.hf import ModelSpec, open_safetensors, read_json, shown_name
+from strop.io.hf import ModelSpec, open_safetensors, read_json, read_model_spec, shown_name
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -233,8 +233,12 @@ def _plain_pattern(pattern: str) -> bool:
     return 0 < len(pattern) <= MAX_PATTERN_CHARS and "/" not in pattern and pattern.isprintable()
 
 
-def read_adapter_for(path: str | os.PathLike, lora: LoraConfig) -> AdapterWeights:
-    """The weights of the adapter at ``path``, checked against a run's ``lora:`` section."""
+def read_adapter_for(
+    path: str | os.PathLike, lora: LoraConfig, base_model: str | os.PathLike
+) -> AdapterWeights:
+    """The weights of the adapter at ``path``, checked against a run's ``lora:`` section
+    and, before any tensor is read, against the shapes of ``base_model``'s linear layers
+    (the check ``strop eval`` applies to ``eval.adapter``)."""
     if not lora.enabled:
         raise ConfigError("lora.restore_path is set but lora.enabled is false")
     config_path = Path(path) / ADAPTER_CONFIG
@@ -243,7 +247,7 @@ def read_adapter_for(path: str | os.PathLike, lora: LoraConfig) -> AdapterWeight
         raise ConfigError(
             f"lora.restore_path {path}: adapter rank r={rank} differs from lora.rank={lora.rank}"
         )
-    return load_adapter(path)[1]
+    return load_adapter(path, read_model_spec(base_model))[1]
 
 
 def save_adapter_for(

@@ -146,7 +146,9 @@ class JaxActorCritic:
         path = config.reference_adapter_path()
         if path is not None:
             module = nnx.merge(self.actor_graph, reference, self.frozen)
-            set_adapter_weights(module, read_adapter_for(path, config.lora), str(path))
+            set_adapter_weights(
+                module, read_adapter_for(path, config.lora, config.model.path), str(path)
+            )
             reference = nnx.state(module, nnx.LoRAParam)
             logger.info("reference policy: the adapter at %s (frozen)", path)
         return reference
@@ -264,7 +266,9 @@ class JaxActorCritic:
     def load_adapter(self, path: str | os.PathLike) -> None:
         """Seed the actor's LoRA weights from a PEFT adapter directory."""
         module = self.actor_module()
-        set_adapter_weights(module, read_adapter_for(path, self.config.lora), str(path))
+        set_adapter_weights(
+            module, read_adapter_for(path, self.config.lora, self.config.model.path), str(path)
+        )
         self.actor = nnx.state(module, nnx.LoRAParam)
 
     def critic_module(self) -> ValueModel:

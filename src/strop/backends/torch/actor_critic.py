@@ -93,7 +93,7 @@ class TorchActorCritic:
             self.critic_loaded = self.loaded
             self.reference_loaded = None
             if reference_path:
-                weights = read_adapter_for(reference_path, config.lora)
+                weights = read_adapter_for(reference_path, config.lora, config.model.path)
                 set_adapter_weights(
                     self.loaded.model, weights, str(reference_path), REFERENCE_ADAPTER
                 )
@@ -265,7 +265,11 @@ class TorchActorCritic:
 
     def load_adapter(self, path: str | os.PathLike) -> None:
         """Seed the actor's LoRA weights from a PEFT adapter directory."""
-        set_adapter_weights(self.loaded.model, read_adapter_for(path, self.config.lora), str(path))
+        set_adapter_weights(
+            self.loaded.model,
+            read_adapter_for(path, self.config.lora, self.config.model.path),
+            str(path),
+        )
 
     def lora_weights(self) -> dict[str, Any]:
         """Host copies: ``actor`` and ``critic`` adapters (PEFT layout) and ``value_head``

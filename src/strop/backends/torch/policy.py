@@ -120,7 +120,9 @@ class TorchPolicy:
 
     def load_adapter(self, path: str | os.PathLike) -> None:
         """Seed the LoRA weights from a PEFT adapter directory."""
-        set_adapter_weights(self.model, read_adapter_for(path, self.config.lora), str(path))
+        set_adapter_weights(
+            self.model, read_adapter_for(path, self.config.lora, self.config.model.path), str(path)
+        )
 
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         weights = adapter_weights(self.model)  # collective: every rank gathers
