@@ -49,7 +49,7 @@ from strop.backends.jax.model import CausalLM
 from strop.backends.jax.sharding import make_mesh
 from strop.backends.jax.train import Trainer, make_optimizer
 from strop.config import LoraConfig, OptimConfig
-from strop.io.hf import ModelSpec
+from strop.io.model_spec import ModelSpec
 
 LORA = LoraConfig(enabled=True, rank=8, alpha=16)
 WARMUP_STEPS = 2

@@ -30,7 +30,7 @@ from strop.data import Tokenizer, read_examples
 from strop.data.prompts import gold_answer, prompt_ids
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
-from strop.io.hf import read_model_spec
+from strop.io.model_spec import read_model_spec
 from strop.io.peft import load_adapter
 from strop.preflight import preflight
 

@@ -13,7 +13,7 @@ from strop.assets import tiny_math_path
 from strop.data import Tokenizer, read_examples
 from strop.data.prompts import prompt_ids
 from strop.data.synthetic import make_problems
-from strop.io.hf import read_model_spec
+from strop.io.model_spec import read_model_spec
 
 MAX_BYTES = 5 * 1024 * 1024
 

@@ -15,7 +15,7 @@ import pytest
 
 from strop.config import load_config
 from strop.errors import CheckpointError, ConfigError
-from strop.io.hf import read_model_spec
+from strop.io.model_spec import read_model_spec
 from strop.io.peft import save_adapter
 from strop.io.tiny import make_tiny_checkpoint
 from strop.sft.loop import run_sft

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from strop.backends.jax.actor_critic import JaxActorCritic
 from strop.backends.torch.actor_critic import TorchActorCritic
 from strop.config import load_config
-from strop.io.hf import read_model_spec
+from strop.io.model_spec import read_model_spec
 from strop.rl.experience import build_experience, minibatches
 
 TOL = 1e-4

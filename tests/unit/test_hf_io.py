@@ -10,7 +10,8 @@ from safetensors.numpy import save_file
 
 import strop
 from strop.errors import BackendUnavailableError, ModelError, OutputExistsError
-from strop.io.hf import ModelSpec, SafetensorsReader, read_model_spec, write_checkpoint
+from strop.io.hf import SafetensorsReader, write_checkpoint
+from strop.io.model_spec import ModelSpec, read_model_spec
 from strop.io.peft import save_adapter
 from tests.tiny_models import QWEN25_CONFIG
 

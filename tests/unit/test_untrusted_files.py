@@ -19,7 +19,8 @@ import pytest
 
 import strop
 from strop.errors import CheckpointError, ModelError
-from strop.io.hf import MAX_HEADER_BYTES, SafetensorsReader, open_checkpoint, read_model_spec
+from strop.io.hf import MAX_HEADER_BYTES, SafetensorsReader, open_checkpoint
+from strop.io.model_spec import read_model_spec
 from strop.io.peft import load_adapter, read_adapter_config, save_adapter
 
 RawTensors = dict[str, tuple[str, list[int], bytes]]

@@ -17,7 +17,7 @@ import numpy as np
 
 from strop.errors import StropError
 from strop.generation import Decoder, Generation, SamplingParams
-from strop.io.hf import ModelSpec
+from strop.io.model_spec import ModelSpec
 
 
 def logits_inputs(

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint directories: the model spec, reading and writing safetensors.
+"""Hugging Face checkpoint directories: reading and writing safetensors weights.
 
 Backend-neutral (numpy only). A checkpoint directory holds ``config.json`` and either
 ``model.safetensors`` or a sharded set named by ``model.safetensors.index.json``. The
@@ -14,9 +14,8 @@ import re
 import shutil
 import struct
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -24,8 +23,9 @@ from safetensors.numpy import save_file
 
 from strop.errors import ModelError, StropError
 from strop.io.atomic import atomic_directory
+from strop.io.model_spec import CONFIG_FILE, ModelSpec, read_model_spec
+from strop.io.untrusted import read_json, shown_name
 
-CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 # Files a checkpoint directory may carry besides the weights; copied along on save.
@@ -39,8 +39,6 @@ SIDECAR_FILES = (
     "merges.txt",
 )
 
-_SUPPORTED_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Tensors some checkpoints carry that are recomputed, never loaded.
 _DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
 # Pickle checkpoints strop refuses to read (unpickling can run code); named in errors.
@@ -56,206 +54,6 @@ MAX_HEADER_BYTES = 16 * 1024**2
 # A tensor name is a dotted module path (``model.layers.0.mlp.up_proj.weight``): no
 # slashes, "..", spaces or control characters.
 _TENSOR_NAME = re.compile(r"[A-Za-z0-9_\-]+(?:\.[A-Za-z0-9_\-]+)*")
-
-
-# The largest JSON file (config.json, an index, adapter_config.json) strop parses; real
-# ones are a few KB (an index of a 400B-parameter model: ~100 KB).
-MAX_JSON_BYTES = 16 * 1024**2
-
-
-def read_json(path: Path, error: type[StropError] = ModelError) -> Any:
-    """The JSON value in ``path``; a missing, huge, unreadable or malformed file is ``error``."""
-    try:
-        size = path.stat().st_size
-        if size > MAX_JSON_BYTES:
-            raise error(
-                f"{path}: {size} bytes is too large for a JSON config (limit {MAX_JSON_BYTES})"
-            )
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise error(f"{path}: not valid JSON ({err})") from None
-    except RecursionError:
-        raise error(f"{path}: not valid JSON (nested too deeply)") from None
-    except OSError as err:
-        raise error(f"{path}: cannot read ({err.strerror or err})") from None
-
-
-def shown_name(name: str, limit: int = 80) -> str:
-    """``name`` for a one-line error message: quoted, escaped, and cut to ``limit``."""
-    text = repr(name)
-    return text if len(text) <= limit else text[: limit - 5] + "...'" + f" ({len(name)} chars)"
-
-
-_LAYER_LINEAR = re.compile(r"model\.layers\.(?P<layer>0|[1-9][0-9]{0,5})\.(?P<linear>\w+\.\w+)")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling. ``kind`` is ``linear`` or ``llama3`` (Llama 3.1+)."""
-
-    kind: Literal["linear", "llama3"]
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The architecture of a Qwen2/Llama decoder, parsed from a HF ``config.json``.
-
-    One dataclass for both families: Qwen2 is Llama with biases on q/k/v.
-    ``raw`` keeps the original config so a saved checkpoint round-trips unchanged.
-    """
-
-    model_type: Literal["qwen2", "llama"]
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling | None
-    qkv_bias: bool
-    o_bias: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
-
-    @property
-    def architecture(self) -> str:
-        """The transformers class name, e.g. ``Qwen2ForCausalLM``."""
-        return _SUPPORTED_MODEL_TYPES[self.model_type]
-
-    def linear_shape(self, module: str) -> tuple[int, int] | None:
-        """The HF ``nn.Linear.weight`` shape ``(out, in)`` of ``module`` (a dotted path such
-        as ``model.layers.3.self_attn.q_proj``), or ``None`` if the model has no such linear
-        layer. What a LoRA adapter on ``module`` must fit: A ``[r, in]``, B ``[out, r]``."""
-        if module == "lm_head":
-            return (self.vocab_size, self.hidden_size)
-        found = _LAYER_LINEAR.fullmatch(module)
-        if found is None or int(found["layer"]) >= self.num_layers:
-            return None
-        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        shapes = {
-            "self_attn.q_proj": (q_out, self.hidden_size),
-            "self_attn.k_proj": (kv_out, self.hidden_size),
-            "self_attn.v_proj": (kv_out, self.hidden_size),
-            "self_attn.o_proj": (self.hidden_size, q_out),
-            "mlp.gate_proj": (self.intermediate_size, self.hidden_size),
-            "mlp.up_proj": (self.intermediate_size, self.hidden_size),
-            "mlp.down_proj": (self.hidden_size, self.intermediate_size),
-        }
-        return shapes.get(found["linear"])
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], *, source: str = "config.json") -> ModelSpec:
-        """Parse a HF config dict; raise :class:`ModelError` for anything unsupported."""
-        model_type = cfg.get("model_type")
-        if model_type not in _SUPPORTED_MODEL_TYPES:
-            raise ModelError(
-                f"{source}: model_type {model_type!r} is not supported; strop supports "
-                f"{', '.join(sorted(_SUPPORTED_MODEL_TYPES))} (Qwen2/Qwen2.5, Llama 2/3)"
-            )
-        required = (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-        )
-        for key in (*required, "num_key_value_heads", "head_dim"):
-            value = cfg.get(key)
-            if value is None and key not in required:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ModelError(f"{source}: {key} must be a positive integer, got {value!r}")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
-        if cfg.get("mlp_bias"):
-            raise ModelError(f"{source}: mlp_bias=true is not supported")
-        if model_type == "qwen2" and cfg.get("use_sliding_window"):
-            raise ModelError(f"{source}: use_sliding_window=true is not supported")
-
-        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        if heads % kv_heads:
-            raise ModelError(
-                f"{source}: num_attention_heads={heads} is not a multiple of "
-                f"num_key_value_heads={kv_heads}"
-            )
-        head_dim = cfg.get("head_dim") or hidden // heads
-        try:
-            theta, scaling = _parse_rope(cfg, source)
-            eps = float(cfg.get("rms_norm_eps", 1e-6))
-            max_positions = int(cfg.get("max_position_embeddings", 32768))
-        except (AttributeError, KeyError, TypeError, ValueError) as err:
-            raise ModelError(f"{source}: malformed RoPE or size field ({err!r})") from None
-        attention_bias = bool(cfg.get("attention_bias", False))
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
-            model_type=model_type,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=hidden,
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            intermediate_size=cfg["intermediate_size"],
-            rms_norm_eps=eps,
-            rope_theta=theta,
-            rope_scaling=scaling,
-            # Qwen2 always has q/k/v biases; Llama's attention_bias covers q/k/v/o.
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type == "llama" and attention_bias,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=max_positions,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            raw=dict(cfg),
-        )
-
-
-def _parse_rope(cfg: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
-    """RoPE theta and scaling from either the transformers-5 ``rope_parameters`` layout or
-    the older top-level ``rope_theta`` + ``rope_scaling``."""
-    params = cfg.get("rope_parameters") or {}
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    scaling = cfg.get("rope_scaling") or params
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in _SUPPORTED_ROPE_TYPES:
-        raise ModelError(
-            f"{source}: rope type {kind!r} is not supported; supported: "
-            f"{', '.join(_SUPPORTED_ROPE_TYPES)}"
-        )
-    if kind == "default":
-        return float(theta), None
-    fields = {"kind": kind, "factor": float(scaling["factor"])}
-    for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-        if name in scaling:
-            fields[name] = scaling[name]
-    return float(theta), RopeScaling(**fields)
-
-
-def read_model_spec(path: str | os.PathLike) -> ModelSpec:
-    """Read ``config.json`` from a checkpoint directory into a :class:`ModelSpec`."""
-    directory = Path(path)
-    if not directory.is_dir():
-        raise ModelError(f"model path {str(directory)!r} is not a directory")
-    config_path = directory / CONFIG_FILE
-    if not config_path.is_file():
-        raise ModelError(f"{config_path}: not found; a HF checkpoint directory needs config.json")
-    cfg = read_json(config_path, ModelError)
-    if not isinstance(cfg, dict):
-        raise ModelError(f"{config_path}: expected a JSON object")
-    return ModelSpec.from_hf_config(cfg, source=str(config_path))
 
 
 def open_safetensors(file: Path, error: type[StropError] = ModelError) -> Any:

@@ -21,7 +21,9 @@ from safetensors.numpy import save_file
 from strop.config import LoraConfig
 from strop.errors import CheckpointError, ConfigError
 from strop.io.atomic import atomic_directory
-from strop.io.hf import ModelSpec, open_safetensors, read_json, read_model_spec, shown_name
+from strop.io.hf import open_safetensors
+from strop.io.model_spec import ModelSpec, read_model_spec
+from strop.io.untrusted import read_json, shown_name
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

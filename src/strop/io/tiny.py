@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from strop.io.hf import ModelSpec, write_checkpoint
+from strop.io.hf import write_checkpoint
+from strop.io.model_spec import ModelSpec
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

@@ -36,7 +36,7 @@ from strop.config import Config
 from strop.data import Tokenizer
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
-from strop.io.hf import read_model_spec
+from strop.io.model_spec import read_model_spec
 from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY, count_skipped
 from strop.preflight import preflight

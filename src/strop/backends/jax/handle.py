@@ -15,7 +15,7 @@ from strop.backends.base import logits_inputs
 from strop.backends.jax.model import CausalLM
 from strop.backends.jax.sharding import batch_sharding, make_mesh
 from strop.backends.jax.weights import load_hf_model, save_hf_model
-from strop.io.hf import ModelSpec
+from strop.io.model_spec import ModelSpec
 
 
 @nnx.jit

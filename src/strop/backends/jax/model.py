@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from strop.io.hf import ModelSpec
+from strop.io.model_spec import ModelSpec
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -13,7 +13,8 @@ from strop.backends.base import logits_inputs
 from strop.backends.torch.fsdp import place
 from strop.backends.torch.model import LoadedModel, build_model, forward_logits, hf_weights
 from strop.config import MeshConfig
-from strop.io.hf import ModelSpec, write_checkpoint
+from strop.io.hf import write_checkpoint
+from strop.io.model_spec import ModelSpec
 
 
 class TorchModelHandle:

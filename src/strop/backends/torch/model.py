@@ -32,7 +32,8 @@ from strop.backends.torch.lora import (
 )
 from strop.config import LoraConfig
 from strop.errors import ModelError
-from strop.io.hf import ModelSpec, SafetensorsReader, check_tensors, open_checkpoint
+from strop.io.hf import SafetensorsReader, check_tensors, open_checkpoint
+from strop.io.model_spec import ModelSpec
 
 
 @dataclass
