@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -59,3 +61,31 @@ def test_batch_shards_over_data_and_fsdp():
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     assert batch_sharding((8, 16), mesh).spec == P(("data", "fsdp"), None)
     assert batch_sharding((2, 16), mesh).spec == P("data", None)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [({"JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES='two' must be an integer of at least 1"),
+     ({"JAX_NUM_PROCESSES": "0"}, "JAX_NUM_PROCESSES='0' must be an integer of at least 1"),
+     ({"JAX_PROCESS_ID": "-1"}, "JAX_PROCESS_ID='-1' must be an integer of at least 0"),
+     ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"},
+      "JAX_PROCESS_ID=2 is not below JAX_NUM_PROCESSES=2")],
+)  # fmt: skip
+def test_a_bad_multi_process_launch_is_a_config_error(monkeypatch, env, message):
+    """Checked before JAX is asked to join anything (which would wait for peers)."""
+    from strop.backends.jax.sharding import join_processes
+
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        join_processes()
+
+
+def test_without_a_coordinator_address_there_is_one_process(monkeypatch):
+    from strop.backends.jax.sharding import join_processes
+
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "not read")
+    join_processes()
+    assert jax.process_count() == 1

@@ -39,7 +39,7 @@ from strop.backends.jax.lora import (
     set_adapter_weights,
     with_adapters_merged,
 )
-from strop.backends.jax.sharding import batch_sharding, make_mesh
+from strop.backends.jax.sharding import batch_sharding, make_mesh, to_host
 from strop.backends.jax.train import make_optimizer, put_micro_batches, replicate_unplaced
 from strop.backends.jax.value import ValueModel
 from strop.backends.jax.weights import load_hf_model, save_hf_model
@@ -169,9 +169,7 @@ class JaxActorCritic:
         for begin in range(0, rows, step):
             chunk = {k: batch[k][begin : begin + step] for k in ("input_ids", "attention_mask")}
             arrays = self._put(chunk, ("input_ids", "attention_mask"))
-            out.append(
-                np.asarray(jax.device_get(fn(arrays["input_ids"], arrays["attention_mask"])))
-            )
+            out.append(to_host(fn(arrays["input_ids"], arrays["attention_mask"])))
         return np.concatenate(out, axis=0).astype(np.float32)
 
     # the ActorCritic surface -------------------------------------------------------------

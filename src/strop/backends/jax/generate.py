@@ -65,7 +65,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from strop.backends.jax.model import CausalLM, KVCache
-from strop.backends.jax.sharding import batch_sharding, logical_to_sharding, make_mesh
+from strop.backends.jax.sharding import batch_sharding, logical_to_sharding, make_mesh, to_host
 from strop.generation import (
     Decoder,
     FinishReason,
@@ -152,7 +152,9 @@ def generate(
 
     eos = jax.device_put(_eos_array(eos_ids), replicated)
     pad = jax.device_put(np.int32(pad_id), replicated)
-    key = jax.device_put(jax.random.key(seed), replicated)
+    # Through the host: a device array cannot be put on other processes' devices.
+    key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
+    key = jax.random.wrap_key_data(jax.device_put(key_data, replicated))
     sampling = _Sampling(float(params.temperature), int(params.top_k), float(params.top_p))
 
     cache, state = _prefill(
@@ -163,7 +165,7 @@ def generate(
         _, state = _decode(model, cache, state, eos, pad, key, sampling, mesh)
 
     # Writable host copies without the dummy rows (stop strings edit them in place).
-    on_host = jax.device_get((state.tokens, state.logprobs, state.lengths))
+    on_host = (to_host(x) for x in (state.tokens, state.logprobs, state.lengths))
     tokens, logprobs, lengths = (np.array(x[: len(prompts)]) for x in on_host)
     eos_set = {int(e) for e in eos_ids}
     reasons: list[FinishReason] = [

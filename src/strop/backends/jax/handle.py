@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from strop.backends.base import logits_inputs
 from strop.backends.jax.model import CausalLM
-from strop.backends.jax.sharding import batch_sharding, make_mesh
+from strop.backends.jax.sharding import batch_sharding, make_mesh, to_host
 from strop.backends.jax.weights import load_hf_model, save_hf_model
 from strop.io.model_spec import ModelSpec
 
@@ -48,7 +48,7 @@ class JaxModelHandle:
     ) -> np.ndarray:
         arrays = logits_inputs(input_ids, attention_mask, positions)
         out = _logits(self.model, *(self._put(a.astype(np.int32)) for a in arrays))
-        return np.asarray(out, dtype=np.float32)
+        return to_host(out).astype(np.float32)
 
     def save(
         self, path: str | os.PathLike, *, overwrite: bool = False, max_shard_bytes: int = 4 << 30

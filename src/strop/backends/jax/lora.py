@@ -18,6 +18,7 @@ import qwix
 from flax import nnx
 
 from strop.backends.jax.model import CausalLM, Dense
+from strop.backends.jax.sharding import to_host
 from strop.config import LoraConfig
 from strop.errors import ConfigError
 from strop.lora_targets import match_targets
@@ -86,8 +87,8 @@ def adapter_weights(model: CausalLM) -> dict[str, tuple[np.ndarray, np.ndarray]]
         lora_a = getattr(module, "kernel_lora_a", None)
         if lora_a is None:
             continue
-        a = np.asarray(lora_a.get_value(), dtype=np.float32)
-        b = np.asarray(module.kernel_lora_b.get_value(), dtype=np.float32)
+        a = to_host(lora_a.get_value()).astype(np.float32)
+        b = to_host(module.kernel_lora_b.get_value()).astype(np.float32)
         rank = a.shape[-1]
         weights[path] = (
             a.reshape(math.prod(module.in_shape), rank).T,

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pydantic import ValidationError
 
@@ -41,8 +43,62 @@ LOGICAL_AXIS_RULES: Mapping[str, MeshAxes] = {
 }
 
 
+def join_processes() -> None:
+    """Join JAX's distributed system when launched as one of several processes.
+
+    A multi-process launch sets ``JAX_COORDINATOR_ADDRESS`` (``host:port`` of process 0)
+    and, unless a cluster manager JAX detects (Slurm, Open MPI, TPU pods, ...) says so,
+    ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``. Called before the first device query;
+    once joined, ``jax.devices()`` lists every process's devices and a mesh spans them.
+    Without ``JAX_COORDINATOR_ADDRESS`` this is a single process and nothing happens.
+    """
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if jax.distributed.is_initialized() or not address:
+        return
+    count, index = _env_int("JAX_NUM_PROCESSES", 1), _env_int("JAX_PROCESS_ID", 0)
+    if count is not None and index is not None and index >= count:
+        raise ConfigError(f"JAX_PROCESS_ID={index} is not below JAX_NUM_PROCESSES={count}")
+    # CPU processes exchange collectives over gloo (accelerators use their own links).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(num_processes=count, process_id=index)
+    except (RuntimeError, ValueError) as err:  # a coordinator that never answers, ...
+        text = " ".join(str(err).split())[:300]
+        raise ConfigError(
+            f"cannot join the JAX processes at JAX_COORDINATOR_ADDRESS={address} "
+            f"(process {index} of {count}): {text}"
+        ) from None
+    logger.info(
+        "process %d of %d, %d of %d devices here",
+        jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(),
+    )  # fmt: skip
+
+
+def to_host(array: jax.Array) -> np.ndarray:
+    """The full value of ``array`` on this host, also when it is sharded over devices of
+    other processes (multi-process: every process must call this, in the same order)."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def _env_int(name: str, minimum: int) -> int | None:
+    """The integer environment variable ``name`` (``None`` if unset: JAX detects it)."""
+    text = os.environ.get(name)
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ConfigError(f"{name}={text!r} must be an integer of at least {minimum}")
+    return value
+
+
 def device_count() -> int:
     """The devices a mesh spans: every device of every process."""
+    join_processes()
     return jax.device_count()
 
 
@@ -62,6 +118,8 @@ def make_mesh(
     ``-1`` means "all remaining devices" and missing axes take the config defaults
     (``fsdp=-1``, others 1).
     """
+    if devices is None:
+        join_processes()
     devices = list(jax.devices() if devices is None else devices)
     if not isinstance(sizes, MeshConfig):
         try:

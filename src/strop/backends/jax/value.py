@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 
 from strop.backends.jax.losses import shift_values
 from strop.backends.jax.model import CausalLM
-from strop.backends.jax.sharding import logical_to_sharding
+from strop.backends.jax.sharding import logical_to_sharding, to_host
 from strop.backends.jax.weights import load_hf_model
 
 KERNEL_AXES = ("embed", None)
@@ -110,8 +110,8 @@ class ValueModel(nnx.Module):
 
     def head_weights(self) -> tuple[np.ndarray, float]:
         """``(kernel [E] float32, bias)`` on the host."""
-        kernel = np.asarray(jax.device_get(self.value_head.kernel.get_value()))[:, 0]
-        bias = float(np.asarray(jax.device_get(self.value_head.bias.get_value()))[0])
+        kernel = to_host(self.value_head.kernel.get_value())[:, 0]
+        bias = float(to_host(self.value_head.bias.get_value())[0])
         return kernel.astype(np.float32), bias
 
 

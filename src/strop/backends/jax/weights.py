@@ -18,12 +18,11 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from rich.progress import track
 
 from strop.backends.jax.model import CausalLM, Dense, Embedding, RMSNorm
-from strop.backends.jax.sharding import logical_to_sharding
+from strop.backends.jax.sharding import logical_to_sharding, to_host
 from strop.io.hf import check_tensors, open_checkpoint, write_checkpoint
 
 
@@ -109,13 +108,6 @@ def load_hf_model(
     return model
 
 
-def _to_host(array: jax.Array) -> np.ndarray:
-    """The full value of a (possibly multi-host sharded) array on this host."""
-    if array.is_fully_addressable:
-        return np.asarray(array)
-    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
-
-
 def save_hf_model(
     model: CausalLM,
     path: str | os.PathLike,
@@ -134,7 +126,7 @@ def save_hf_model(
 
     def tensors() -> Iterator[tuple[str, np.ndarray]]:
         for binding in bindings:
-            yield binding.hf_name, binding.to_hf(_to_host(binding.variable.get_value()))
+            yield binding.hf_name, binding.to_hf(to_host(binding.variable.get_value()))
 
     if jax.process_index() != 0:
         for _ in tensors():

@@ -1,0 +1,141 @@
+"""JAX over several processes (multi-host, here on one machine's CPU) equals one process.
+
+Each run starts ``strop`` twice with ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``
+and ``JAX_PROCESS_ID`` set, two CPU devices per process, so the mesh spans four devices
+of which each process holds two (collectives over gloo). The same command in one process
+with four devices must give the same losses, metrics and adapter: only process 0 writes
+metrics and exports, every process takes part in each checkpoint, and a checkpoint two
+processes wrote restores in one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+STROP = [sys.executable, "-m", "strop"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env.update(
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        PYTHONDONTWRITEBYTECODE="1",
+    )
+    return env
+
+
+def run_processes(args: list[str], processes: int, devices_each: int) -> list[str]:
+    """Run ``strop ARGS`` as ``processes`` JAX processes; return each one's stderr."""
+    env = _env(devices_each)
+    if processes > 1:
+        env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}",
+                   JAX_NUM_PROCESSES=str(processes))  # fmt: skip
+    running = [
+        subprocess.Popen([*STROP, *args], env={**env, "JAX_PROCESS_ID": str(i)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(processes)
+    ]  # fmt: skip
+    try:
+        outputs = [p.communicate(timeout=600) for p in running]
+    finally:
+        for p in running:
+            p.kill()
+    for i, (p, (_, err)) in enumerate(zip(running, outputs, strict=True)):
+        assert p.returncode == 0, f"process {i}:\n{err[-3000:]}"
+    return [err for _, err in outputs]
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _close(actual, expected, what: str, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=what)
+
+
+def _adapters_close(left: Path, right: Path, atol: float) -> None:
+    from strop.io.peft import load_adapter
+
+    _, a = load_adapter(left)
+    _, b = load_adapter(right)
+    assert set(a) == set(b)
+    for module in a:
+        for x, y in zip(a[module], b[module], strict=True):
+            _close(x, y, module, atol=atol)
+
+
+def test_sft_over_two_jax_processes_equals_one(tmp_path):
+    from strop.data.synthetic import write_sum_problems
+    from strop.io.tiny import make_tiny_checkpoint
+
+    texts = write_sum_problems(tmp_path / "train.jsonl", 64, seed=0)
+    make_tiny_checkpoint(tmp_path / "model", texts, seed=0)
+    recipe = [
+        "tiny", "backend=jax", f"model.path={tmp_path / 'model'}",
+        f"data.train_path={tmp_path / 'train.jsonl'}", "sft.steps=4", "sft.batch_size=8",
+        "sft.micro_batch_size=4", "logging.every_steps=1", "checkpoint.every_steps=2",
+        "logging.tensorboard=false",
+    ]  # fmt: skip
+    logs = run_processes(["sft", *recipe, f"run_dir={tmp_path / 'two'}"], 2, 2)
+    assert "process 1 of 2, 2 of 4 devices here" in logs[1]
+    run_processes(["sft", *recipe, f"run_dir={tmp_path / 'one'}"], 1, 4)
+
+    two, one = _records(tmp_path / "two"), _records(tmp_path / "one")
+    assert [r["step"] for r in two] == [1, 2, 3, 4], "each step logged once, by process 0"
+    for a, b in zip(two, one, strict=True):
+        _close(a["train/loss"], b["train/loss"], f"loss at step {a['step']}", rtol=1e-5)
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["2", "4"]
+    _adapters_close(tmp_path / "two" / "adapter", tmp_path / "one" / "adapter", atol=1e-6)
+
+    # the two processes' checkpoint, restored in one process, is what they exported
+    exported = tmp_path / "exported"
+    run_processes(["export", *recipe, f"run_dir={tmp_path / 'two'}", "--adapter",
+                   "--out", str(exported)], 1, 4)  # fmt: skip
+    _adapters_close(exported, tmp_path / "two" / "adapter", atol=0.0)
+
+
+def test_ppo_over_two_jax_processes_equals_one(tmp_path):
+    from strop.io.tiny import make_tiny_checkpoint
+
+    rng = np.random.default_rng(0)
+    with (tmp_path / "train.jsonl").open("w") as f:
+        for _ in range(32):
+            a, b = (int(x) for x in rng.integers(0, 10, 2))
+            f.write(json.dumps({"question": f"What is {a} + {b}?", "answer": f"#### {a + b}"}))
+            f.write("\n")
+    texts = [f"Question: What is {a} + {b}?\nAnswer: {a + b}" for a in range(10) for b in range(10)]
+    make_tiny_checkpoint(tmp_path / "model", texts, seed=0)
+    recipe = [
+        "ppo-lora-tiny", "backend=jax", f"model.path={tmp_path / 'model'}",
+        f"data.train_path={tmp_path / 'train.jsonl'}", "ppo.steps=2", "ppo.prompts_per_step=4",
+        "ppo.num_generations_per_prompt=2", "ppo.mini_batch_size=8", "ppo.micro_batch_size=4",
+        "ppo.validate_every=0", "generation.max_new_tokens=8", "checkpoint.every_steps=2",
+        "logging.tensorboard=false",
+    ]  # fmt: skip
+    run_processes(["ppo", *recipe, f"run_dir={tmp_path / 'two'}"], 2, 2)
+    run_processes(["ppo", *recipe, f"run_dir={tmp_path / 'one'}"], 1, 4)
+
+    two, one = _records(tmp_path / "two"), _records(tmp_path / "one")
+    assert len(two) == 2, "each iteration logged once, by process 0"
+    for a, b in zip(two, one, strict=True):
+        assert a["train/reward"] == b["train/reward"]  # the same samples, the same rewards
+        for key in ("train/response_length", "policy/loss", "critic/loss", "critic/grad_norm",
+                    "policy/grad_norm", "critic/value_mean"):  # fmt: skip
+            _close(a[key], b[key], key)
+    _adapters_close(tmp_path / "two" / "adapter", tmp_path / "one" / "adapter", atol=1e-5)
