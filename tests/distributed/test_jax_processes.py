@@ -15,6 +15,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,24 +43,39 @@ def _env(devices: int) -> dict[str, str]:
 
 
 def run_processes(args: list[str], processes: int, devices_each: int) -> list[str]:
-    """Run ``strop ARGS`` as ``processes`` JAX processes; return each one's stderr."""
+    """Run ``strop ARGS`` as ``processes`` JAX processes; return each one's stderr. When
+    one fails the others are stopped (they would wait for it in a collective)."""
     env = _env(devices_each)
     if processes > 1:
         env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}",
                    JAX_NUM_PROCESSES=str(processes))  # fmt: skip
-    running = [
-        subprocess.Popen([*STROP, *args], env={**env, "JAX_PROCESS_ID": str(i)},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(processes)
-    ]  # fmt: skip
-    try:
-        outputs = [p.communicate(timeout=600) for p in running]
-    finally:
-        for p in running:
-            p.kill()
-    for i, (p, (_, err)) in enumerate(zip(running, outputs, strict=True)):
-        assert p.returncode == 0, f"process {i}:\n{err[-3000:]}"
-    return [err for _, err in outputs]
+    with tempfile.TemporaryDirectory() as logs:
+        files = [Path(logs) / f"{i}.err" for i in range(processes)]
+        running = []
+        for i, file in enumerate(files):
+            with file.open("w") as err:
+                running.append(subprocess.Popen(
+                    [*STROP, *args], env={**env, "JAX_PROCESS_ID": str(i)},
+                    stdout=subprocess.DEVNULL, stderr=err,
+                ))  # fmt: skip
+        deadline = time.monotonic() + 600
+        try:
+            while any(p.poll() is None for p in running):
+                if any(p.poll() not in (None, 0) for p in running):
+                    break
+                assert time.monotonic() < deadline, "the processes did not finish in 600 s"
+                time.sleep(0.2)
+        finally:
+            for p in running:
+                p.kill()
+                p.wait()
+        stderr = [file.read_text() for file in files]
+    failed = [i for i, p in enumerate(running) if p.returncode != 0]
+    failed.sort(key=lambda i: running[i].returncode == -9)  # the one we did not stop first
+    if failed:
+        i = failed[0]
+        raise AssertionError(f"process {i} exited {running[i].returncode}:\n{stderr[i][-3000:]}")
+    return stderr
 
 
 def _records(run_dir: Path) -> list[dict]:
