@@ -7,6 +7,7 @@ Usage: ``fsdp_worker.py OUT_DIR LORA_MODEL_DIR FULL_MODEL_DIR``. Rank 0 writes
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -99,6 +100,11 @@ def main() -> None:
         np.savez(out / "canary.npz", ratio=canary)
     dist.barrier()
     dist.destroy_process_group()
+    # End without interpreter finalization, as `strop` does (see strop.cli): a rank can
+    # otherwise abort there (SIGABRT) after its work is done, failing the run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

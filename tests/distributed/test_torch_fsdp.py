@@ -227,6 +227,13 @@ from strop.cli import main
 
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 dist.init_process_group("gloo", rank=0, world_size=1)
+real_exit = os._exit
+
+def exit_now(code):
+    print(f"os._exit({code}) joined={dist.is_initialized()}", flush=True)
+    real_exit(code)
+
+os._exit = exit_now
 try:
     main(sys.argv[2:])
 except SystemExit as e:
@@ -236,14 +243,15 @@ except SystemExit as e:
 
 @pytest.mark.parametrize(
     ("argv", "expected"),
-    [(["config", "show", "tiny"], "exit=0 joined=False"),
+    [(["config", "show", "tiny"], "os._exit(0) joined=False"),
      (["config", "show", "no-such-recipe"], "exit=2 joined=True")],
 )  # fmt: skip
 def test_the_cli_leaves_the_process_group_only_after_success(argv, expected, tmp_path):
-    """A rank that exits without ``destroy_process_group`` can abort in interpreter
-    finalization (gloo threads still hold tensors: "terminate called without an active
-    exception", seen in CI after a PPO run under torchrun had finished). On an error the
-    group is left alone: the other ranks may be stuck in a collective, torchrun stops them."""
+    """After success a rank leaves its process group and ends without interpreter
+    finalization, where gloo's threads made ranks abort in CI ("terminate called without an
+    active exception", SIGABRT) after a torchrun run had finished, even with the group
+    destroyed. On an error the group is left alone and the process ends normally: the
+    other ranks may be stuck in a collective, torchrun stops them."""
     import socket
 
     with socket.socket() as s:

@@ -36,13 +36,16 @@ def get_backend(name: str) -> ModuleType:
         ) from None
 
 
-def shut_down_loaded_backends() -> None:
-    """Call ``shut_down()`` of each backend this process imported (leave process groups).
+def shut_down_loaded_backends() -> bool:
+    """Call ``shut_down()`` of each backend this process imported (leave process groups);
+    return whether one asks that the process end without interpreter finalization.
 
-    For the end of a successful command: a rank that exits without leaving its torch
-    process group can abort during interpreter finalization.
+    For the end of a successful command: a torch rank can abort in finalization (gloo's
+    threads), turning a finished run into a failed one.
     """
+    skip_finalization = False
     for name in BACKENDS:
         backend = sys.modules.get(f"strop.backends.{name}")
         if backend is not None:
-            backend.shut_down()
+            skip_finalization |= bool(backend.shut_down())
+    return skip_finalization

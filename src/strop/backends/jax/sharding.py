@@ -102,10 +102,12 @@ def device_count() -> int:
     return jax.device_count()
 
 
-def shut_down() -> None:
+def shut_down() -> bool:
     """Leave JAX's distributed system if this process joined one (multi-host), once its
-    work has finished; a no-op in a single process."""
+    work has finished; a no-op in a single process. Returns ``False``: the process may
+    then end normally."""
     jax.distributed.shutdown()
+    return False
 
 
 def make_mesh(

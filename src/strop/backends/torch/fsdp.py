@@ -66,16 +66,20 @@ def device_count() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def shut_down() -> None:
-    """Leave the process group, once a process's work has finished on every rank.
+def shut_down() -> bool:
+    """Leave the process group, once a process's work has finished on every rank; return
+    whether there was one.
 
-    Without this, gloo's worker threads can still hold tensors when the interpreter
-    finalizes, and a rank aborts at exit ("terminate called without an active exception",
-    SIGABRT) after a run that succeeded. Only for a successful exit: on an error the other
-    ranks may sit in a collective that would never finish, and ``torchrun`` stops them.
+    Only for a successful exit: on an error the other ranks may sit in a collective that
+    would never finish, and ``torchrun`` stops them. Even after this, gloo's threads can
+    still hold tensors while the interpreter finalizes, and a rank then aborts at exit
+    ("terminate called without an active exception", SIGABRT) after a run that
+    succeeded; the CLI therefore ends such a process without finalizing it.
     """
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    dist.destroy_process_group()
+    return True
 
 
 def place(mesh_config: MeshConfig) -> Placement:
