@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.distributed.addition_task import write_addition_task
+
 pytestmark = pytest.mark.slow
 STROP = [sys.executable, "-m", "strop"]
 
@@ -128,16 +130,7 @@ def test_sft_over_two_jax_processes_equals_one(tmp_path):
 
 
 def test_ppo_over_two_jax_processes_equals_one(tmp_path):
-    from strop.io.tiny import make_tiny_checkpoint
-
-    rng = np.random.default_rng(0)
-    with (tmp_path / "train.jsonl").open("w") as f:
-        for _ in range(32):
-            a, b = (int(x) for x in rng.integers(0, 10, 2))
-            f.write(json.dumps({"question": f"What is {a} + {b}?", "answer": f"#### {a + b}"}))
-            f.write("\n")
-    texts = [f"Question: What is {a} + {b}?\nAnswer: {a + b}" for a in range(10) for b in range(10)]
-    make_tiny_checkpoint(tmp_path / "model", texts, seed=0)
+    write_addition_task(tmp_path)
     recipe = [
         "ppo-lora-tiny", "backend=jax", f"model.path={tmp_path / 'model'}",
         f"data.train_path={tmp_path / 'train.jsonl'}", "ppo.steps=2", "ppo.prompts_per_step=4",

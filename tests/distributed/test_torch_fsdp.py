@@ -19,6 +19,7 @@ import pytest
 
 from strop.backends.torch.lora import adapter_weights, set_adapter_weights
 from strop.backends.torch.policy import TorchPolicy
+from tests.distributed.addition_task import write_addition_task
 from tests.distributed.cases import (
     full_config,
     global_batch,
@@ -176,16 +177,8 @@ def test_strop_ppo_under_torchrun_equals_a_single_process(tmp_path):
     import json
 
     from strop.io.peft import load_adapter
-    from strop.io.tiny import make_tiny_checkpoint
 
-    rng = np.random.default_rng(0)
-    with (tmp_path / "train.jsonl").open("w") as f:
-        for _ in range(32):
-            a, b = (int(x) for x in rng.integers(0, 10, 2))
-            f.write(json.dumps({"question": f"What is {a} + {b}?", "answer": f"#### {a + b}"}))
-            f.write("\n")
-    texts = [f"Question: What is {a} + {b}?\nAnswer: {a + b}" for a in range(10) for b in range(10)]
-    make_tiny_checkpoint(tmp_path / "model", texts, seed=0)
+    write_addition_task(tmp_path)
     overrides = [
         "backend=torch", f"model.path={tmp_path / 'model'}",
         f"data.train_path={tmp_path / 'train.jsonl'}", "ppo.steps=2", "ppo.prompts_per_step=4",
