@@ -449,6 +449,10 @@ class Config(_Section):
             )
         return self
 
+    def checkpoint_path(self) -> Path:
+        """Where the run's checkpoints go: ``checkpoint.dir``, else ``<run_dir>/checkpoints``."""
+        return Path(self.checkpoint.dir or Path(self.run_dir) / "checkpoints")
+
     def reference_adapter_path(self) -> str | None:
         """The frozen SFT adapter that is PPO's reference policy, if any (ARCHITECTURE
         invariant 6): ``ppo.reference_adapter``, else the ``lora.restore_path`` the run

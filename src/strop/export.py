@@ -30,7 +30,7 @@ class ExportResult:
 def run_export(config: Config, out: str | os.PathLike, *, merged: bool) -> ExportResult:
     """Restore the newest checkpoint of ``config.run_dir`` (or ``checkpoint.dir``) and write
     the trained model to ``out``: a merged HF checkpoint, or else a PEFT adapter."""
-    checkpoint_dir = config.checkpoint.dir or Path(config.run_dir) / "checkpoints"
+    checkpoint_dir = config.checkpoint_path()
     job = stored_job(checkpoint_dir, config.backend)
     if job is None:
         raise CheckpointError(

@@ -65,7 +65,7 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     """Train for ``ppo.steps`` iterations (or until ``stop_after``), resuming if possible."""
     _check(config)
     ppo, run_dir = config.ppo, Path(config.run_dir)
-    checkpoint_dir = config.checkpoint.dir or run_dir / "checkpoints"
+    checkpoint_dir = config.checkpoint_path()
     preflight(config, "ppo", checkpoint_dir)  # before anything loads
     tokenizer = Tokenizer.from_pretrained(config.model.path)
     train = PromptSet.read(config.data.train_path, config, tokenizer)
@@ -164,7 +164,7 @@ def ppo_iteration(
     """
     ppo, seed = config.ppo, config.seed
     skipped = {"policy": 0, "critic": 0} if skipped is None else skipped
-    checkpoint_dir = str(config.checkpoint.dir or Path(config.run_dir) / "checkpoints")
+    checkpoint_dir = str(config.checkpoint_path())
     timings: dict[str, float] = {}
     began = time.perf_counter()
 

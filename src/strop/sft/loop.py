@@ -52,7 +52,7 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
     run_dir = Path(config.run_dir)
     sft = config.sft
     micro_batches = sft.batch_size // sft.micro_batch_size
-    checkpoint_dir = config.checkpoint.dir or run_dir / "checkpoints"
+    checkpoint_dir = config.checkpoint_path()
     preflight(config, "sft", checkpoint_dir)  # before anything loads
 
     tokenizer = Tokenizer.from_pretrained(config.model.path)
