@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from strop.assets import tiny_math_path
+from strop.backends import get_backend
 from strop.config import load_config
-from strop.data.synthetic import write_splits
+from strop.data.synthetic import split_paths, write_splits
 from strop.metrics.sinks import read_metrics
 from strop.plot import plot_run
 from strop.rl.ppo import PpoResult, run_ppo
@@ -42,19 +43,26 @@ class DemoResult:
 def run_demo(overrides: Sequence[str] = ()) -> DemoResult:
     """Write the inputs the config leaves empty, run PPO, plot; a rerun resumes."""
     config = load_config(RECIPE, overrides)
+    backend = get_backend(config.backend)
     inputs: list[str] = []
     if config.model.path is None:
         inputs.append(f"model.path={tiny_math_path()}")
     if config.data.train_path is None:
-        splits = write_splits(Path(config.run_dir) / "data", config.seed, N_TRAIN, N_VALIDATION)
+        out = Path(config.run_dir) / "data"
+        backend.write_once(
+            lambda: write_splits(out, config.seed, N_TRAIN, N_VALIDATION), f"the problems in {out}"
+        )
+        splits = split_paths(out)
         inputs += [f"data.train_path={splits['train']}", f"data.eval_path={splits['validation']}"]
     config = load_config(RECIPE, [*inputs, *overrides])
 
     began = time.perf_counter()
     result = run_ppo(config)
     seconds = time.perf_counter() - began
+    plot_path = Path(config.run_dir) / "plot.png"
+    backend.write_once(lambda: plot_run(config.run_dir, plot_path), f"the plot {plot_path}")
     if not result.is_main:
-        return DemoResult(result, config.backend, None, None, seconds, 0.0, None)
+        return DemoResult(result, config.backend, None, None, seconds, 0.0, plot_path)
 
     records = read_metrics(Path(config.run_dir) / "metrics.jsonl")
     accuracies = [r["validation/accuracy"] for r in records if "validation/accuracy" in r]
@@ -67,5 +75,5 @@ def run_demo(overrides: Sequence[str] = ()) -> DemoResult:
         accuracy_after=accuracies[-1] if accuracies else None,
         seconds=seconds,
         tokens_per_s=tokens / seconds if result.history else 0.0,
-        plot_path=plot_run(config.run_dir),
+        plot_path=plot_path,
     )

@@ -94,7 +94,8 @@ def run_eval(config: Config) -> EvalResult:
     prompts = [prompt_ids(example, tokenizer) for example in examples]
     golds = [gold_answer(example) for example in examples]
 
-    policy = get_backend(config.backend).build_policy(config, total_steps=1, checkpoint_dir=None)
+    backend = get_backend(config.backend)
+    policy = backend.build_policy(config, total_steps=1, checkpoint_dir=None)
     if config.eval.adapter is not None:
         policy.load_adapter(config.eval.adapter)
     # generation: supplies length, top-k/top-p and stop strings; eval: the temperature
@@ -163,10 +164,13 @@ def run_eval(config: Config) -> EvalResult:
         tokens_per_s=tokens / max(seconds, 1e-9),
         results_path=str(out_dir / "results.jsonl"),
     )
-    if policy.is_main:
+
+    def write() -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         _write_atomically(out_dir / "results.jsonl", "".join(json.dumps(r) + "\n" for r in records))
         _write_atomically(out_dir / "summary.json", json.dumps(asdict(result), indent=2) + "\n")
+
+    backend.write_once(write, f"the results in {out_dir}")
     return result
 
 

@@ -4,8 +4,10 @@ Each run starts ``strop`` twice with ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROC
 and ``JAX_PROCESS_ID`` set, two CPU devices per process, so the mesh spans four devices
 of which each process holds two (collectives over gloo). The same command in one process
 with four devices must give the same losses, metrics and adapter: only process 0 writes
-metrics and exports, every process takes part in each checkpoint, and a checkpoint two
-processes wrote restores in one.
+metrics and exports, and every process returns only once the export exists (the two
+processes run under :mod:`tests.distributed.write_recorder`, which delays process 0's
+writes); every process takes part in each checkpoint, and a checkpoint two processes
+wrote restores in one.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ import numpy as np
 import pytest
 
 from tests.distributed.addition_task import write_addition_task
+from tests.distributed.write_recorder import assert_each_output_written_once
 
 pytestmark = pytest.mark.slow
 STROP = [sys.executable, "-m", "strop"]
+RECORDED = [sys.executable, "-m", "tests.distributed.write_recorder"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
@@ -44,9 +49,13 @@ def _env(devices: int) -> dict[str, str]:
     return env
 
 
-def run_processes(args: list[str], processes: int, devices_each: int) -> list[str]:
+def run_processes(
+    args: list[str], processes: int, devices_each: int, record_to: Path | None = None
+) -> list[str]:
     """Run ``strop ARGS`` as ``processes`` JAX processes; return each one's stderr. When
-    one fails the others are stopped (they would wait for it in a collective)."""
+    one fails the others are stopped (they would wait for it in a collective). With
+    ``record_to``, each runs under the write recorder, which logs there."""
+    command = STROP if record_to is None else [*RECORDED, str(record_to)]
     env = _env(devices_each)
     if processes > 1:
         env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}",
@@ -57,8 +66,8 @@ def run_processes(args: list[str], processes: int, devices_each: int) -> list[st
         for i, file in enumerate(files):
             with file.open("w") as err:
                 running.append(subprocess.Popen(
-                    [*STROP, *args], env={**env, "JAX_PROCESS_ID": str(i)},
-                    stdout=subprocess.DEVNULL, stderr=err,
+                    [*command, *args], env={**env, "JAX_PROCESS_ID": str(i)},
+                    stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT,
                 ))  # fmt: skip
         deadline = time.monotonic() + 600
         try:
@@ -111,8 +120,11 @@ def test_sft_over_two_jax_processes_equals_one(tmp_path):
         "sft.micro_batch_size=4", "logging.every_steps=1", "checkpoint.every_steps=2",
         "logging.tensorboard=false",
     ]  # fmt: skip
-    logs = run_processes(["sft", *recipe, f"run_dir={tmp_path / 'two'}"], 2, 2)
+    writes = tmp_path / "writes"
+    writes.mkdir()
+    logs = run_processes(["sft", *recipe, f"run_dir={tmp_path / 'two'}"], 2, 2, writes)
     assert "process 1 of 2, 2 of 4 devices here" in logs[1]
+    assert_each_output_written_once(writes, 2, ["adapter"])
     run_processes(["sft", *recipe, f"run_dir={tmp_path / 'one'}"], 1, 4)
 
     two, one = _records(tmp_path / "two"), _records(tmp_path / "one")
@@ -121,6 +133,14 @@ def test_sft_over_two_jax_processes_equals_one(tmp_path):
         _close(a["train/loss"], b["train/loss"], f"loss at step {a['step']}", rtol=1e-5)
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["2", "4"]
     _adapters_close(tmp_path / "two" / "adapter", tmp_path / "one" / "adapter", atol=1e-6)
+
+    # strop eval over two processes: process 0 alone writes the results, the other waits
+    evaluated = tmp_path / "evaluated"
+    evaluated.mkdir()
+    run_processes(["eval", *recipe, f"run_dir={tmp_path / 'eval'}", "eval.max_examples=8",
+                   f"eval.path={tmp_path / 'train.jsonl'}", f"eval.adapter={tmp_path / 'two' / 'adapter'}",
+                   "generation.max_new_tokens=4"], 2, 2, evaluated)  # fmt: skip
+    assert_each_output_written_once(evaluated, 2, ["eval/results.jsonl", "eval/summary.json"])
 
     # the two processes' checkpoint, restored in one process, is what they exported
     exported = tmp_path / "exported"
@@ -138,7 +158,10 @@ def test_ppo_over_two_jax_processes_equals_one(tmp_path):
         "ppo.validate_every=0", "generation.max_new_tokens=8", "checkpoint.every_steps=2",
         "logging.tensorboard=false",
     ]  # fmt: skip
-    run_processes(["ppo", *recipe, f"run_dir={tmp_path / 'two'}"], 2, 2)
+    writes = tmp_path / "writes"
+    writes.mkdir()
+    run_processes(["ppo", *recipe, f"run_dir={tmp_path / 'two'}"], 2, 2, writes)
+    assert_each_output_written_once(writes, 2, ["adapter"])
     run_processes(["ppo", *recipe, f"run_dir={tmp_path / 'one'}"], 1, 4)
 
     two, one = _records(tmp_path / "two"), _records(tmp_path / "one")

@@ -28,6 +28,7 @@ from tests.distributed.cases import (
     sample_prompts,
     seeded_adapter,
 )
+from tests.distributed.write_recorder import assert_each_output_written_once
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -135,6 +136,28 @@ def test_report_gloo_average_canary(two_process_run):
     assert ratio == pytest.approx(1.0, rel=1e-5) or ratio == pytest.approx(2.0, rel=1e-5)
 
 
+def _run_two_ranks_and_one(tmp_path: Path, args: list[str]) -> None:
+    """``strop ARGS`` under ``torchrun`` with two ranks into ``tmp_path/two`` (through the
+    write recorder, which delays rank 0's writes) and as one process into ``tmp_path/one``;
+    rank 0 alone must write the adapter, and no rank return before it exists."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("WORLD_SIZE", None)
+    writes = tmp_path / "writes"
+    writes.mkdir()
+    runs = {
+        "two": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "-m", "tests.distributed.write_recorder", str(writes)],
+        "one": [sys.executable, "-m", "strop"],
+    }  # fmt: skip
+    for name, launcher in runs.items():
+        command = [*launcher, *args, f"run_dir={tmp_path / name}"]
+        done = subprocess.run(
+            command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert_each_output_written_once(writes, 2, ["adapter"])
+
+
 def test_strop_sft_under_torchrun_equals_a_single_process(tmp_path):
     """``torchrun -m strop sft ...`` just works; rank 0 alone writes metrics and the adapter."""
     from strop.data.synthetic import write_sum_problems
@@ -149,17 +172,7 @@ def test_strop_sft_under_torchrun_equals_a_single_process(tmp_path):
         "sft.micro_batch_size=2", "logging.every_steps=1", "checkpoint.every_steps=2",
         "logging.tensorboard=false",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    env.pop("WORLD_SIZE", None)
-    runs = {
-        "two": [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2", "-m", "strop"],
-        "one": [sys.executable, "-m", "strop"],
-    }  # fmt: skip
-    for name, launcher in runs.items():
-        command = [*launcher, "sft", "tiny", *overrides, f"run_dir={tmp_path / name}"]
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
+    _run_two_ranks_and_one(tmp_path, ["sft", "tiny", *overrides])
     lines = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 4, "each step must be logged once (by rank 0 only)"
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["2", "4"]
@@ -186,18 +199,9 @@ def test_strop_ppo_under_torchrun_equals_a_single_process(tmp_path):
         "ppo.validate_every=0", "generation.max_new_tokens=8", "checkpoint.every_steps=2",
         "logging.tensorboard=false",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    env.pop("WORLD_SIZE", None)
-    runs = {
-        "two": [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2", "-m", "strop"],
-        "one": [sys.executable, "-m", "strop"],
-    }  # fmt: skip
+    _run_two_ranks_and_one(tmp_path, ["ppo", "ppo-lora-tiny", *overrides])
     records = {}
-    for name, launcher in runs.items():
-        command = [*launcher, "ppo", "ppo-lora-tiny", *overrides, f"run_dir={tmp_path / name}"]
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("two", "one"):
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         records[name] = [json.loads(line) for line in lines]
     assert len(records["two"]) == 2, "each iteration must be logged once (by rank 0 only)"
@@ -210,6 +214,26 @@ def test_strop_ppo_under_torchrun_equals_a_single_process(tmp_path):
     for module, (a, b) in one.items():
         _close(two[module][0], a, module, atol=1e-5)
         _close(two[module][1], b, module, atol=1e-5)
+
+
+def test_strop_demo_under_torchrun_writes_each_output_once(tmp_path):
+    """The demo's data splits (written before PPO), the actor's adapter and the plot
+    (after it): rank 0 alone writes each, and no rank returns before they exist."""
+    writes = tmp_path / "writes"
+    writes.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("WORLD_SIZE", None)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "tests.distributed.write_recorder", str(writes), "demo", "backend=torch",
+        f"run_dir={tmp_path / 'demo'}", "ppo.steps=1", "ppo.validate_every=1",
+        "ppo.validation_size=8", "ppo.prompts_per_step=4", "ppo.mini_batch_size=8",
+        "generation.max_new_tokens=16", "logging.tensorboard=false",
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    outputs = ["data", "data/train.jsonl", "data/validation.jsonl", "adapter", "plot.png"]
+    assert_each_output_written_once(writes, 2, outputs)
 
 
 PROCESS_GROUP_AFTER_CLI = """

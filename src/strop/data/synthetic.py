@@ -255,6 +255,12 @@ def write_splits(
         ):
             lines = "".join(json.dumps(record) + "\n" for record in records)
             (staging / f"{name}.jsonl").write_text(lines, encoding="utf-8")
+    return split_paths(out)
+
+
+def split_paths(out_dir: str | os.PathLike) -> dict[str, Path]:
+    """The files :func:`write_splits` writes into ``out_dir``, by split name."""
+    out = Path(out_dir)
     return {"train": out / "train.jsonl", "validation": out / "validation.jsonl"}
 
 

@@ -1,15 +1,16 @@
-"""Outputs that appear only when complete: write into a staging directory, then rename."""
+"""Outputs that appear only when complete (a staging directory, then a rename), written by
+one process of several."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from strop.errors import OutputExistsError
+from strop.errors import OutputExistsError, StropError
 
 
 @contextmanager
@@ -39,3 +40,28 @@ def atomic_directory(target: str | os.PathLike, *, overwrite: bool = False) -> I
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def write_on_one_process(
+    write: Callable[[], object], what: str, *, is_main: bool, share: Callable[[str], str]
+) -> None:
+    """Run ``write`` in the main process only; every process returns once it has ended.
+
+    For a file a run of several processes writes (an export, a plot, data splits): one
+    process writes it, and none goes on before it exists. ``share(text)`` is the backend's
+    broadcast from the main process (a collective: every process calls it once); it carries
+    the outcome, so a failed write raises in every process, not only in the main one,
+    whose original error propagates. Collectives the write needs (gathering sharded
+    weights) are the caller's, in every process.
+    """
+    failure: Exception | None = None
+    if is_main:
+        try:
+            write()
+        except Exception as err:  # shared first, then raised: the others must not wait forever
+            failure = err
+    message = share("" if failure is None else " ".join(str(failure).split()) or repr(failure))
+    if failure is not None:
+        raise failure
+    if message:
+        raise StropError(f"the main process could not write {what}: {message}")

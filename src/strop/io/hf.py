@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -291,6 +291,35 @@ def write_checkpoint(
                 if (Path(source_dir) / name).is_file():
                     shutil.copy2(Path(source_dir) / name, staging / name)
     return target
+
+
+def write_checkpoint_once(
+    path: str | os.PathLike,
+    hf_config: dict[str, Any],
+    tensors: Iterator[tuple[str, np.ndarray]],
+    *,
+    is_main: bool,
+    write_once: Callable[[Callable[[], object], str], None],
+    **options: Any,
+) -> Path:
+    """:func:`write_checkpoint` in a run of several processes: every process iterates
+    ``tensors`` (each step may gather a sharded weight, a collective), the main process
+    writes them, and ``write_once`` (the backend's) returns in every process once the
+    directory is complete. A failed write still iterates to the end, so that the other
+    processes' gathers finish and the failure reaches them."""
+
+    def write() -> None:
+        try:
+            write_checkpoint(path, hf_config, tensors, **options)
+        finally:
+            for _ in tensors:  # stay in step with the other processes' gathers
+                pass
+
+    if not is_main:
+        for _ in tensors:
+            pass
+    write_once(write, f"the model {path}")
+    return Path(path)
 
 
 def _write_shards(

@@ -3,7 +3,7 @@
 from strop.backends.jax.actor_critic import JaxActorCritic
 from strop.backends.jax.handle import JaxModelHandle, load_model
 from strop.backends.jax.policy import JaxPolicy
-from strop.backends.jax.sharding import device_count, shut_down
+from strop.backends.jax.sharding import device_count, shut_down, write_once
 
 build_policy = JaxPolicy
 build_actor_critic = JaxActorCritic
@@ -17,4 +17,5 @@ __all__ = [
     "device_count",
     "load_model",
     "shut_down",
+    "write_once",
 ]

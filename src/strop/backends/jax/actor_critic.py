@@ -36,17 +36,18 @@ from strop.backends.jax.generate import generate
 from strop.backends.jax.lora import (
     adapter_weights,
     apply_lora,
+    export_adapter,
     set_adapter_weights,
     with_adapters_merged,
 )
-from strop.backends.jax.sharding import batch_sharding, make_mesh, to_host
+from strop.backends.jax.sharding import batch_sharding, is_main_process, make_mesh, to_host
 from strop.backends.jax.train import make_optimizer, put_micro_batches, replicate_unplaced
 from strop.backends.jax.value import ValueModel
 from strop.backends.jax.weights import load_hf_model, save_hf_model
 from strop.config import Config
 from strop.errors import ConfigError
 from strop.generation import Decoder, Generation, SamplingParams
-from strop.io.peft import read_adapter_for, save_adapter_for
+from strop.io.peft import read_adapter_for
 from strop.io.run_identity import run_identity
 from strop.rl.objectives import PolicyObjective, ValueObjective
 
@@ -177,7 +178,7 @@ class JaxActorCritic:
     @property
     def is_main(self) -> bool:
         """Process 0 writes files, logs and progress bars."""
-        return jax.process_index() == 0
+        return is_main_process()
 
     def actor_module(self) -> nnx.Module:
         """The actor as a module (over the live arrays: no copy)."""
@@ -305,15 +306,10 @@ class JaxActorCritic:
 
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the actor's LoRA weights as a PEFT adapter directory."""
-        if not self.config.lora.enabled:
-            raise ConfigError("export_adapter needs lora.enabled=true")
-        return save_adapter_for(
-            path,
-            adapter_weights(self.actor_module()),
-            self.config.lora,
-            base_model=self.config.model.path,
+        return export_adapter(
+            self.actor_module(), path, self.config.lora, base_model=self.config.model.path,
             overwrite=overwrite,
-        )
+        )  # fmt: skip
 
 
 def _host(stats: dict[str, jax.Array]) -> dict[str, float]:

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from strop.backends.jax.sharding import write_once
 from strop.errors import CheckpointError, NonFiniteStateError
 from strop.io.checkpoint_dir import refuse_other_backends_checkpoints, save_failed
 from strop.io.run_identity import flatten, identity_differences
@@ -183,15 +184,19 @@ class TrainCheckpoints:
             enable_async_checkpointing=False,
         )
         try:
-            if jax.process_index() == 0 and self.directory.is_dir():
-                for leftover in self.directory.glob(f"*{_ORBAX_TMP}*"):
-                    shutil.rmtree(leftover, ignore_errors=True)  # a save killed half-way
+            write_once(self._remove_leftovers, f"the checkpoint directory {self.directory}")
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         except OSError as err:
             raise CheckpointError(
                 f"cannot use checkpoint directory {self.directory}: {err}; choose a writable "
                 "run directory"
             ) from None
+
+    def _remove_leftovers(self) -> None:
+        """Delete what saves killed half-way left (one process; the others wait)."""
+        if self.directory.is_dir():
+            for leftover in self.directory.glob(f"*{_ORBAX_TMP}*"):
+                shutil.rmtree(leftover, ignore_errors=True)
 
     def all_steps(self) -> list[int]:
         """Steps with a complete checkpoint, oldest first."""

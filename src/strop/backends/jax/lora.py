@@ -10,7 +10,9 @@ of its own ``/``-joined paths. Qwix intercepts each targeted
 from __future__ import annotations
 
 import math
+import os
 import re
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,9 +20,10 @@ import qwix
 from flax import nnx
 
 from strop.backends.jax.model import CausalLM, Dense
-from strop.backends.jax.sharding import to_host
+from strop.backends.jax.sharding import to_host, write_once
 from strop.config import LoraConfig
 from strop.errors import ConfigError
+from strop.io.peft import save_adapter_for
 from strop.lora_targets import match_targets
 
 # nnx.LoRAParam subclasses nnx.Param: "base weights" must exclude it explicitly.
@@ -125,3 +128,23 @@ def set_adapter_weights(
             current = variable.get_value()
             new = value.T.reshape(shape)
             variable.set_value(jnp.asarray(new, dtype=current.dtype, device=current.sharding))
+
+
+def export_adapter(
+    model: CausalLM,
+    path: str | os.PathLike,
+    lora: LoraConfig,
+    *,
+    base_model: str | os.PathLike,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``model``'s LoRA weights as a PEFT adapter directory: every process gathers
+    them, process 0 writes, and every process returns once the directory is complete."""
+    if not lora.enabled:
+        raise ConfigError("export --adapter needs lora.enabled=true")
+    weights = adapter_weights(model)
+    write_once(
+        lambda: save_adapter_for(path, weights, lora, base_model=base_model, overwrite=overwrite),
+        f"the adapter {path}",
+    )
+    return Path(path)

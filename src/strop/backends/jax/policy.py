@@ -18,19 +18,19 @@ from flax import nnx
 from strop.backends.jax.checkpoint import TrainCheckpoints
 from strop.backends.jax.generate import generate
 from strop.backends.jax.lora import (
-    adapter_weights,
     apply_lora,
+    export_adapter,
     set_adapter_weights,
     trainable_filter,
     with_adapters_merged,
 )
-from strop.backends.jax.sharding import batch_sharding, make_mesh
+from strop.backends.jax.sharding import batch_sharding, is_main_process, make_mesh
 from strop.backends.jax.train import Trainer, token_loss_sum
 from strop.backends.jax.weights import load_hf_model, save_hf_model
 from strop.config import Config
 from strop.errors import ConfigError
 from strop.generation import Decoder, Generation, SamplingParams
-from strop.io.peft import read_adapter_for, save_adapter_for
+from strop.io.peft import read_adapter_for
 from strop.io.run_identity import run_identity
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class JaxPolicy:
     @property
     def is_main(self) -> bool:
         """Process 0 writes files, logs and progress bars."""
-        return jax.process_index() == 0
+        return is_main_process()
 
     def train_step(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
         return self.trainer.step(batch, micro_batches)
@@ -136,13 +136,10 @@ class JaxPolicy:
         )
 
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        return save_adapter_for(
-            path,
-            adapter_weights(self.model),
-            self.config.lora,
-            base_model=self.config.model.path,
+        return export_adapter(
+            self.model, path, self.config.lora, base_model=self.config.model.path,
             overwrite=overwrite,
-        )
+        )  # fmt: skip
 
     def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """A HF checkpoint with the adapters folded into the kernels (or the full model)."""

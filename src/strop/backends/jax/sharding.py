@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from strop.config import MeshConfig
 from strop.errors import ConfigError
+from strop.io.atomic import write_on_one_process
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,31 @@ def to_host(array: jax.Array) -> np.ndarray:
     if array.is_fully_addressable:
         return np.asarray(array)
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def is_main_process() -> bool:
+    """Process 0 writes files, logs and progress bars."""
+    return jax.process_index() == 0
+
+
+def write_once(write: Callable[[], object], what: str) -> None:
+    """Run ``write`` (which writes ``what``) in process 0 only; every process returns once
+    it has ended, and raises if it failed (:func:`strop.io.atomic.write_on_one_process`)."""
+    join_processes()
+    if jax.process_count() == 1:
+        write()
+        return
+    write_on_one_process(write, what, is_main=is_main_process(), share=_broadcast_text)
+
+
+_TEXT_BYTES = 1024
+
+
+def _broadcast_text(text: str) -> str:
+    """Process 0's ``text`` (at most 1 KiB of UTF-8 of it) in every process."""
+    data = text.encode()[:_TEXT_BYTES].ljust(_TEXT_BYTES, b"\0")
+    shared = multihost_utils.broadcast_one_to_all(np.frombuffer(data, dtype=np.uint8))
+    return bytes(np.asarray(shared, dtype=np.uint8)).rstrip(b"\0").decode(errors="replace")
 
 
 def _env_int(name: str, minimum: int) -> int | None:

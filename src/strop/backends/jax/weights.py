@@ -22,8 +22,8 @@ from jax.sharding import Mesh
 from rich.progress import track
 
 from strop.backends.jax.model import CausalLM, Dense, Embedding, RMSNorm
-from strop.backends.jax.sharding import logical_to_sharding, to_host
-from strop.io.hf import check_tensors, open_checkpoint, write_checkpoint
+from strop.backends.jax.sharding import is_main_process, logical_to_sharding, to_host, write_once
+from strop.io.hf import check_tensors, open_checkpoint, write_checkpoint_once
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,8 @@ def save_hf_model(
     """Write ``model`` as a HF checkpoint directory (config.json + safetensors).
 
     Weights keep their parameter dtype. Every process takes part in gathering sharded
-    weights; process 0 writes. Tokenizer files are copied from ``source_dir``.
+    weights; process 0 writes, and every process returns once the directory is complete.
+    Tokenizer files are copied from ``source_dir``.
     """
     bindings = weight_bindings(model)
     dtype_name = np.dtype(bindings[0].variable.get_value().dtype).name
@@ -128,14 +129,12 @@ def save_hf_model(
         for binding in bindings:
             yield binding.hf_name, binding.to_hf(to_host(binding.variable.get_value()))
 
-    if jax.process_index() != 0:
-        for _ in tensors():
-            pass
-        return Path(path)
-    return write_checkpoint(
+    return write_checkpoint_once(
         path,
         model.spec.raw,
         tensors(),
+        is_main=is_main_process(),
+        write_once=write_once,
         dtype_name=dtype_name,
         source_dir=source_dir,
         max_shard_bytes=max_shard_bytes,

@@ -1,7 +1,7 @@
 """The torch backend: ``transformers`` models, PEFT LoRA, FSDP2/DTensor sharding, DCP."""
 
 from strop.backends.torch.actor_critic import TorchActorCritic
-from strop.backends.torch.fsdp import device_count, shut_down
+from strop.backends.torch.fsdp import device_count, shut_down, write_once
 from strop.backends.torch.handle import TorchModelHandle, load_model
 from strop.backends.torch.policy import TorchPolicy
 
@@ -17,4 +17,5 @@ __all__ = [
     "device_count",
     "load_model",
     "shut_down",
+    "write_once",
 ]

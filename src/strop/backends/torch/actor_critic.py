@@ -37,6 +37,7 @@ from strop.backends.torch.lora import (
     ADAPTER_NAME,
     adapter_params,
     adapter_weights,
+    export_adapter,
     hf_module_path,
     set_adapter_weights,
     use_adapter,
@@ -48,7 +49,7 @@ from strop.backends.torch.value import ValueModel
 from strop.config import Config
 from strop.errors import ConfigError
 from strop.generation import Decoder, Generation, SamplingParams
-from strop.io.peft import read_adapter_for, save_adapter_for
+from strop.io.peft import read_adapter_for
 from strop.io.run_identity import run_identity
 from strop.rl.objectives import PolicyObjective, ValueObjective
 
@@ -303,11 +304,7 @@ class TorchActorCritic:
 
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the actor's LoRA weights as a PEFT adapter directory."""
-        if not self.config.lora.enabled:
-            raise ConfigError("export_adapter needs lora.enabled=true")
-        weights = adapter_weights(self.loaded.model)  # collective: every rank gathers
-        if not self.is_main:
-            return Path(path)
-        return save_adapter_for(
-            path, weights, self.config.lora, base_model=self.config.model.path, overwrite=overwrite
-        )
+        return export_adapter(
+            self.loaded.model, path, self.config.lora, base_model=self.config.model.path,
+            overwrite=overwrite,
+        )  # fmt: skip

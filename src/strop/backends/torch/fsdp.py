@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from strop.config import MeshConfig
 from strop.errors import ConfigError
+from strop.io.atomic import write_on_one_process
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,40 @@ def shut_down() -> bool:
     return True
 
 
+def join_process_group() -> int:
+    """Join the launcher's process group (NCCL on CUDA, gloo on CPU) unless joined; on
+    CUDA the device is ``LOCAL_RANK``'s. Returns the local rank."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    return local_rank
+
+
+def is_main_process() -> bool:
+    """Rank 0 (or a process launched alone) writes files, logs and progress bars."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def write_once(write: Callable[[], object], what: str) -> None:
+    """Run ``write`` (which writes ``what``) on rank 0 only; every rank returns once it has
+    ended, and raises if it failed (:func:`strop.io.atomic.write_on_one_process`)."""
+    if launched_distributed():
+        join_process_group()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        write()
+        return
+    write_on_one_process(write, what, is_main=is_main_process(), share=_broadcast_text)
+
+
+def _broadcast_text(text: str) -> str:
+    """Rank 0's ``text`` on every rank."""
+    box = [text]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
 def place(mesh_config: MeshConfig) -> Placement:
     """Join the process group if launched distributed, pick the device, build the mesh.
 
@@ -94,11 +130,7 @@ def place(mesh_config: MeshConfig) -> Placement:
         sizes = mesh_config.resolve(1)
         _refuse_tensor_parallel(sizes)
         return Placement(torch.device("cuda" if cuda else "cpu"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    local_rank = join_process_group()
     world = dist.get_world_size()
     sizes = mesh_config.resolve(world)
     _refuse_tensor_parallel(sizes)

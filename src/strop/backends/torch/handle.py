@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 from strop.backends.base import logits_inputs
-from strop.backends.torch.fsdp import place
+from strop.backends.torch.fsdp import place, write_once
 from strop.backends.torch.model import LoadedModel, build_model, forward_logits, hf_weights
 from strop.config import MeshConfig
-from strop.io.hf import write_checkpoint
+from strop.io.hf import write_checkpoint_once
 from strop.io.model_spec import ModelSpec
 
 
@@ -69,18 +69,16 @@ def save_hf_model(
 ) -> Path:
     """Write the model (adapters merged with ``lora_scale``) as a HF checkpoint.
 
-    Every rank takes part in gathering the shards; rank 0 writes.
+    Every rank takes part in gathering the shards; rank 0 writes, and every rank returns
+    once the directory is complete.
     """
-    tensors = hf_weights(loaded, lora_scale=lora_scale)
-    if not loaded.placement.is_main:
-        for _ in tensors:
-            pass
-        return Path(path)
     dtype_name = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
-    return write_checkpoint(
+    return write_checkpoint_once(
         path,
         loaded.spec.raw,
-        tensors,
+        hf_weights(loaded, lora_scale=lora_scale),
+        is_main=loaded.placement.is_main,
+        write_once=write_once,
         dtype_name=dtype_name,
         source_dir=source_dir,
         max_shard_bytes=max_shard_bytes,

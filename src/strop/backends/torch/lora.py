@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import peft
 import torch
 from torch import nn
 
-from strop.backends.torch.fsdp import copy_full_into
+from strop.backends.torch.fsdp import copy_full_into, write_once
 from strop.config import LoraConfig
 from strop.errors import ConfigError
-from strop.io.peft import AdapterWeights, target_regex
+from strop.io.peft import AdapterWeights, save_adapter_for, target_regex
 from strop.lora_targets import match_targets
 
 ADAPTER_NAME = "default"
@@ -177,3 +179,23 @@ def set_adapter_weights(
                     f"expects {list(param.shape)} (is lora.rank the adapter's rank?)"
                 )
             copy_full_into(param, torch.from_numpy(np.ascontiguousarray(value, np.float32)))
+
+
+def export_adapter(
+    model: nn.Module,
+    path: str | os.PathLike,
+    lora: LoraConfig,
+    *,
+    base_model: str | os.PathLike,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``model``'s LoRA weights as a PEFT adapter directory: every rank gathers
+    them, rank 0 writes, and every rank returns once the directory is complete."""
+    if not lora.enabled:
+        raise ConfigError("export --adapter needs lora.enabled=true")
+    weights = adapter_weights(model)
+    write_once(
+        lambda: save_adapter_for(path, weights, lora, base_model=base_model, overwrite=overwrite),
+        f"the adapter {path}",
+    )
+    return Path(path)

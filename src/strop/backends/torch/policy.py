@@ -18,13 +18,13 @@ from strop.backends.torch.checkpoint import TrainCheckpoints
 from strop.backends.torch.fsdp import place
 from strop.backends.torch.generate import generate
 from strop.backends.torch.handle import save_hf_model
-from strop.backends.torch.lora import adapter_weights, set_adapter_weights
+from strop.backends.torch.lora import export_adapter, set_adapter_weights
 from strop.backends.torch.model import build_model, forward_logits
 from strop.backends.torch.train import BATCH_KEYS, Trainer, token_loss_sum
 from strop.config import Config
 from strop.errors import ConfigError
 from strop.generation import Decoder, Generation, SamplingParams
-from strop.io.peft import read_adapter_for, save_adapter_for
+from strop.io.peft import read_adapter_for
 from strop.io.run_identity import run_identity
 
 _UPDATES_KEY = "optimizer_updates"  # the schedule's clock, kept in the checkpoint's extra
@@ -125,12 +125,10 @@ class TorchPolicy:
         )
 
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        weights = adapter_weights(self.model)  # collective: every rank gathers
-        if not self.is_main:
-            return Path(path)
-        return save_adapter_for(
-            path, weights, self.config.lora, base_model=self.config.model.path, overwrite=overwrite
-        )
+        return export_adapter(
+            self.model, path, self.config.lora, base_model=self.config.model.path,
+            overwrite=overwrite,
+        )  # fmt: skip
 
     def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """A HF checkpoint with the adapters folded into the kernels (or the full model)."""
