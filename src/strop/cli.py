@@ -57,16 +57,39 @@ PACKAGES = (
 )
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        typer.echo(f"strop {strop.__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _setup() -> None:
+def _setup(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", is_eager=True, callback=_print_version, help="Print the version."
+        ),
+    ] = False,
+) -> None:
     """Post-training for language models: LoRA fine-tuning and PPO on JAX or torch."""
     # strop's own INFO messages; other libraries (jax's backend probing) only from WARNING.
     logging.basicConfig(
         level=logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s {_process_tag()}%(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
     logging.getLogger("strop").setLevel(logging.INFO)
+
+
+def _process_tag() -> str:
+    """``[rank N] `` under torchrun, ``[process N] `` in a JAX run of several processes,
+    else nothing: which process of a run a log or error line comes from."""
+    for count, index, name in (("WORLD_SIZE", "RANK", "rank"),
+                               ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "process")):  # fmt: skip
+        if os.environ.get(count, "1").strip() not in ("", "1"):
+            return f"[{name} {os.environ.get(index, '?')}] "
+    return ""
 
 
 @config_app.command("show")
@@ -183,6 +206,8 @@ def evaluate(recipe: Recipe, overrides: Overrides = None) -> None:
     from strop.evaluation import run_eval
 
     result = run_eval(load_config(recipe, overrides or ()))
+    if not result.is_main:
+        return
     table = Table(title="strop eval", show_header=False)
     table.add_row("data", f"{result.path} ({result.examples} examples)")
     k = result.samples_per_example
@@ -266,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         app(args=list(argv) if argv is not None else None, prog_name="strop")
     except StropError as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"{_process_tag()}error: {' '.join(str(e).split())}", file=sys.stderr)
         raise SystemExit(e.exit_code) from None
     except SystemExit as e:  # Typer ends every command with SystemExit, 0 on success
         if e.code in (0, None) and shut_down_loaded_backends():

@@ -249,7 +249,9 @@ class PpoConfig(_Section):
         description="Rollouts per forward/backward pass; must divide mini_batch_size; null = mini_batch_size.",
     )
     validate_every: int = Field(
-        0, ge=0, description="Run validation every this many iterations; 0 = never."
+        0,
+        ge=0,
+        description="Run validation every this many iterations and at the last; 0 = never.",
     )
     validation_size: int = Field(
         64, ge=0, description="Held-out prompts (from data.eval_path) per validation; 0 = all."

@@ -4,7 +4,8 @@ Writes seeded synthetic word problems (:mod:`strop.data.synthetic`) under
 ``<run_dir>/data``, then runs the built-in ``demo`` recipe, PPO with a critic on LoRA
 adapters over the shipped model (:func:`strop.assets.tiny_math_path`), and draws the plot
 of ``train/reward`` and ``validation/accuracy``. ``model.path`` or ``data.train_path`` given
-as overrides replace the shipped model or the synthetic problems.
+as overrides replace the shipped model or the synthetic problems. Without a ``run_dir``
+override each backend has its own run directory, ``runs/demo-jax`` or ``runs/demo-torch``.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from pathlib import Path
 
 from strop.assets import tiny_math_path
 from strop.backends import get_backend
-from strop.config import load_config
+from strop.config import Config, load_config
 from strop.data.synthetic import split_paths, write_splits
 from strop.metrics.sinks import read_metrics
 from strop.plot import plot_run
+from strop.preflight import holding_run_dir
 from strop.rl.ppo import PpoResult, run_ppo
 
 RECIPE = "demo"
@@ -43,6 +45,15 @@ class DemoResult:
 def run_demo(overrides: Sequence[str] = ()) -> DemoResult:
     """Write the inputs the config leaves empty, run PPO, plot; a rerun resumes."""
     config = load_config(RECIPE, overrides)
+    if not any(o.partition("=")[0].strip() == "run_dir" for o in overrides):
+        # one default run directory per backend: a torch demo does not resume a JAX one
+        overrides = [*overrides, f"run_dir={config.run_dir}-{config.backend}"]
+        config = load_config(RECIPE, overrides)
+    with holding_run_dir(config):  # PPO inside takes it again: the same job
+        return _demo(config, overrides)
+
+
+def _demo(config: Config, overrides: Sequence[str]) -> DemoResult:
     backend = get_backend(config.backend)
     inputs: list[str] = []
     if config.model.path is None:
@@ -50,7 +61,8 @@ def run_demo(overrides: Sequence[str] = ()) -> DemoResult:
     if config.data.train_path is None:
         out = Path(config.run_dir) / "data"
         backend.write_once(
-            lambda: write_splits(out, config.seed, N_TRAIN, N_VALIDATION), f"the problems in {out}"
+            lambda: write_splits(out, config.seed, N_TRAIN, N_VALIDATION),
+            f"writing the problems in {out}",
         )
         splits = split_paths(out)
         inputs += [f"data.train_path={splits['train']}", f"data.eval_path={splits['validation']}"]
@@ -60,7 +72,7 @@ def run_demo(overrides: Sequence[str] = ()) -> DemoResult:
     result = run_ppo(config)
     seconds = time.perf_counter() - began
     plot_path = Path(config.run_dir) / "plot.png"
-    backend.write_once(lambda: plot_run(config.run_dir, plot_path), f"the plot {plot_path}")
+    backend.write_once(lambda: plot_run(config.run_dir, plot_path), f"writing the plot {plot_path}")
     if not result.is_main:
         return DemoResult(result, config.backend, None, None, seconds, 0.0, plot_path)
 

@@ -82,3 +82,7 @@ class NonFiniteStateError(StropError):
             f"(last complete checkpoint: {kept} in {checkpoint_dir}, kept); lower the learning "
             "rate or fix the data, then resume"
         )
+
+
+class RunDirInUseError(StropError):
+    """Another strop job holds the run directory's lock (:mod:`strop.io.run_lock`)."""

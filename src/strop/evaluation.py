@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,9 +29,10 @@ from strop.data import Tokenizer, read_examples
 from strop.data.prompts import gold_answer, prompt_ids
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
+from strop.io.atomic import write_text_atomically
 from strop.io.model_spec import read_model_spec
 from strop.io.peft import load_adapter
-from strop.preflight import preflight
+from strop.preflight import holding_run_dir, preflight
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class EvalResult:
     seconds: float
     tokens_per_s: float
     results_path: str
+    is_main: bool = True  # False on every process but the first of a distributed run
 
 
 def _config_with_adapter(config: Config) -> Config:
@@ -81,6 +82,11 @@ def run_eval(config: Config) -> EvalResult:
         raise ConfigError("strop eval needs model.path and eval.path (or data.eval_path)")
     reward = rewards.get(config.eval.reward)
     preflight(config, "eval", checkpoint_dir=None)  # before anything loads
+    with holding_run_dir(config):
+        return _evaluate(config, path, reward)
+
+
+def _evaluate(config: Config, path: str, reward) -> EvalResult:
     config = _config_with_adapter(config)
     tokenizer = Tokenizer.from_pretrained(config.model.path)
     examples, _ = read_examples(
@@ -163,26 +169,23 @@ def run_eval(config: Config) -> EvalResult:
         seconds=seconds,
         tokens_per_s=tokens / max(seconds, 1e-9),
         results_path=str(out_dir / "results.jsonl"),
+        is_main=policy.is_main,
     )
+    summary = {k: v for k, v in asdict(result).items() if k != "is_main"}
 
     def write() -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomically(out_dir / "results.jsonl", "".join(json.dumps(r) + "\n" for r in records))
-        _write_atomically(out_dir / "summary.json", json.dumps(asdict(result), indent=2) + "\n")
+        write_text_atomically(
+            out_dir / "results.jsonl", "".join(json.dumps(r) + "\n" for r in records)
+        )
+        write_text_atomically(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
 
-    backend.write_once(write, f"the results in {out_dir}")
+    backend.write_once(write, f"writing the results in {out_dir}")
     return result
 
 
 def _model_eos_ids(config: Config) -> list[int]:
     """EOS ids from the model's config (``generation_config`` may list several)."""
     return list(read_model_spec(config.model.path).eos_token_ids)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    staging = path.with_name(f".{path.name}.tmp")
-    staging.write_text(text, encoding="utf-8")
-    os.replace(staging, path)
 
 
 def _progress(disable: bool = False) -> Progress:

@@ -1,4 +1,5 @@
-"""`strop plot RUN_DIR`: training reward and validation accuracy of a run, as a PNG.
+"""`strop plot RUN_DIR`: a run's curves as a PNG (PPO: reward and validation accuracy; SFT:
+training and eval loss).
 
 Reads ``<run_dir>/metrics.jsonl`` (one JSON object per logged step, ``{"step": 10,
 "train/reward": 0.31, ...}``, see :mod:`strop.metrics.sinks`) and draws each of
@@ -21,6 +22,8 @@ from strop.errors import StropError
 PANELS = (
     ("train/reward", "train/reward", "mean reward"),
     ("validation/accuracy", "validation/accuracy", "accuracy"),
+    ("train/loss", "train/loss (SFT)", "loss per token"),
+    ("eval/loss", "eval/loss (SFT)", "loss per token"),
 )
 PLOT_FILE = "plot.png"
 
@@ -61,20 +64,20 @@ def read_series(path: Path) -> dict[str, tuple[list[int], list[float]]]:
 
 
 def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
-    """Draw ``train/reward`` and ``validation/accuracy`` of a run; return the PNG's path.
+    """Draw each metric of :data:`PANELS` a run logged; return the PNG's path.
 
     Args:
       run_dir: a run directory holding ``metrics.jsonl``.
       out: where to write the PNG; default ``<run_dir>/plot.png``.
 
     Raises:
-      PlotError: ``metrics.jsonl`` is missing or malformed, or has neither metric.
+      PlotError: ``metrics.jsonl`` is missing or malformed, or has none of the metrics.
     """
     run_dir = Path(run_dir)
     path = run_dir / "metrics.jsonl"
     series = read_series(path)
     if not series:
-        wanted = " or ".join(name for name, _, _ in PANELS)
+        wanted = ", ".join(name for name, _, _ in PANELS[:-1]) + f" or {PANELS[-1][0]}"
         raise PlotError(f"{path} has no {wanted} values to plot")
     target = Path(out) if out is not None else run_dir / PLOT_FILE
 

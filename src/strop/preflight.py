@@ -1,9 +1,13 @@
-"""Checks a job runs before it reads anything large: config against devices and run dir.
+"""Checks a job runs before it reads anything large: launch, run dir, config vs devices.
 
 :func:`preflight` is the first thing ``strop sft``, ``ppo`` and ``eval`` do after the
-config validates: it refuses a checkpoint directory another backend wrote
+config validates: it refuses a launch the backend cannot serve (``torchrun`` with the JAX
+backend), a checkpoint directory another backend wrote
 (:func:`~strop.io.checkpoint_dir.refuse_other_backends_checkpoints`) and a mesh or batch
-layout that does not fit the devices (:func:`check_parallel_layout`).
+layout that does not fit the devices (:func:`check_parallel_layout`). Then, still before
+any tokenizer, data or weights load, the job takes its run directory
+(:func:`holding_run_dir`: one job per run directory, a second one refused at once; the
+demo takes it first, as it writes its data there).
 
 How a batch splits over the devices: both backends lay the batch's rows over the mesh's ``data`` x ``fsdp`` axes (``data``
 replicates the weights, ``fsdp`` shards them; both split the rows), and tensor
@@ -19,17 +23,52 @@ Backend-neutral: the device count comes from the backend (``device_count()``).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
 
 from strop.backends import get_backend
 from strop.config import Config
 from strop.errors import ConfigError
+from strop.io import run_lock
 from strop.io.checkpoint_dir import refuse_other_backends_checkpoints
+from strop.io.run_record import CONFIG_FILE, record_run
+
+
+@contextmanager
+def holding_run_dir(config: Config, job: str | None = None) -> Iterator[None]:
+    """Hold ``config.run_dir`` for the job's life (:mod:`strop.io.run_lock`); the main
+    process takes the lock and every process learns whether it could. A training ``job``
+    (``"sft"``, ``"ppo"``) also records its config and versions there
+    (:mod:`strop.io.run_record`)."""
+    refuse_launcher_of_another_backend(config)
+    backend = get_backend(config.backend)
+    backend.write_once(lambda: run_lock.acquire(config.run_dir), f"locking {config.run_dir}")
+    try:
+        if job is not None:
+            where = Path(config.run_dir) / CONFIG_FILE
+            backend.write_once(lambda: record_run(config, job), f"writing {where}")
+        yield
+    finally:
+        run_lock.release(config.run_dir)  # a no-op where the lock was not taken
+
+
+def refuse_launcher_of_another_backend(config: Config) -> None:
+    """``torchrun`` (``TORCHELASTIC_RUN_ID`` / ``WORLD_SIZE`` > 1) starts processes that
+    only the torch backend joins: with JAX each would be an independent job."""
+    launched = os.environ.get("TORCHELASTIC_RUN_ID") or int(os.environ.get("WORLD_SIZE") or 1) > 1
+    if config.backend == "jax" and launched:
+        raise ConfigError(
+            "launched by torchrun (WORLD_SIZE / TORCHELASTIC_RUN_ID are set) with backend=jax: "
+            "use backend=torch under torchrun, or run JAX over several processes with "
+            "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (see the README)"
+        )
 
 
 def preflight(config: Config, job: str, checkpoint_dir: str | os.PathLike | None) -> None:
     """Everything ``job`` (``"sft"``, ``"ppo"`` or ``"eval"``) can refuse before loading a
     tokenizer, data or weights; raises :class:`~strop.errors.StropError` subclasses."""
+    refuse_launcher_of_another_backend(config)
     if checkpoint_dir is not None:
         refuse_other_backends_checkpoints(checkpoint_dir, config.backend)
     devices = get_backend(config.backend).device_count()

@@ -155,6 +155,10 @@ def _run_two_ranks_and_one(tmp_path: Path, args: list[str]) -> None:
             command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600
         )
         assert done.returncode == 0, done.stderr[-3000:]
+        if name == "two":  # which rank a log line comes from
+            logged = [line for line in done.stderr.splitlines() if " INFO strop." in line]
+            assert logged and all("[rank " in line for line in logged), logged
+            assert any("[rank 1] INFO" in line for line in logged)
     assert_each_output_written_once(writes, 2, ["adapter"])
 
 

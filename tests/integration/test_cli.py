@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+import strop as strop_package
+
 
 def strop(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -40,6 +42,11 @@ def test_config_show_prints_resolved_yaml(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     shown = yaml.safe_load(result.stdout)
     assert shown["optim"]["lr"] == 3e-5 and shown["run_dir"] == "runs/tiny"
+
+
+def test_version(tmp_path: Path) -> None:
+    result = strop("--version", cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout == f"strop {strop_package.__version__}\n"
 
 
 def test_info_reports_versions_and_backends(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+import strop
 from strop.config import load_config
 from strop.errors import CheckpointError
 from strop.metrics.sinks import read_metrics
@@ -60,9 +62,15 @@ BACKENDS = pytest.mark.parametrize("backend", ["jax", "torch"])
 
 
 @BACKENDS
-def test_resume_continues_exactly_and_restore_path_rules(sft_inputs, tmp_path, backend):
-    straight = run_sft(config_for(sft_inputs, tmp_path / "straight", backend=backend))
+def test_resume_continues_exactly_and_restore_path_rules(sft_inputs, tmp_path, backend, caplog):
+    config = config_for(sft_inputs, tmp_path / "straight", backend=backend)
+    straight = run_sft(config)
     assert straight.final_step == 6 and len(straight.losses) == 6
+    # the run directory says what ran: the resolved config (a recipe) and the versions
+    assert load_config(tmp_path / "straight" / "config.yaml") == config
+    versions = json.loads((tmp_path / "straight" / "versions.json").read_text())
+    assert versions["strop"] == strop.__version__ and versions["job"] == "sft"
+    assert versions["packages"][backend] == importlib.metadata.version(backend)
     assert (straight.export_path / "adapter_model.safetensors").exists()
     records = read_metrics(tmp_path / "straight" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
@@ -84,6 +92,10 @@ def test_resume_continues_exactly_and_restore_path_rules(sft_inputs, tmp_path, b
     )
     assert resumed.resumed_from == 3
     assert interrupted.losses + resumed.losses == straight.losses
+    changed = [r.message for r in caplog.records if "ran before with another config" in r.message]
+    assert (
+        len(changed) == 1 and f"lora.restore_path: None -> '{straight.export_path}'" in (changed[0])
+    )
 
     # A fresh run honours lora.restore_path: it starts from the trained adapter.
     seeded = run_sft(

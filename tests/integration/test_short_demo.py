@@ -14,7 +14,7 @@ from strop.metrics.sinks import read_metrics
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SHORT = [
     "ppo.steps=2",
-    "ppo.validate_every=2",
+    "ppo.validate_every=10",  # validation at 0 and at the last iteration all the same
     "ppo.validation_size=16",
     "checkpoint.every_steps=2",
 ]
@@ -39,17 +39,20 @@ def test_shortened_demo_writes_metrics_plot_and_adapter(tmp_path):
     assert result.ppo.final_step == 2 and result.backend == "jax"
     _check_demo_outputs(run_dir)
     # Before is the shipped model's greedy accuracy on the first 16 problems; after, the
-    # actor's after two iterations: both real fractions of 16.
+    # actor's after two iterations (not step 0's again): both real fractions of 16.
     assert result.accuracy_before is not None and result.accuracy_after is not None
     assert (16 * result.accuracy_before).is_integer() and 0 < result.accuracy_before < 1
     assert result.plot_path == run_dir / "plot.png"
     assert result.tokens_per_s > 0
 
 
-def test_shortened_demo_on_the_torch_backend_from_the_cli(tmp_path, capsys):
-    run_dir = tmp_path / "demo-torch"
+def test_shortened_demo_on_the_torch_backend_from_the_cli(tmp_path, capsys, monkeypatch):
+    """Without run_dir, each backend has its own default (a torch demo does not try to
+    resume a JAX one's checkpoints)."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "runs" / "demo-torch"
     with pytest.raises(SystemExit) as exit_info:
-        main(["demo", "backend=torch", f"run_dir={run_dir}", *SHORT])
+        main(["demo", "backend=torch", *SHORT])
     assert exit_info.value.code == 0
     _check_demo_outputs(run_dir)
     out = capsys.readouterr().out

@@ -50,9 +50,19 @@ def test_missing_metrics_file_is_a_strop_error(tmp_path):
         plot_run(tmp_path / "no-such-run")
 
 
-def test_metrics_without_reward_or_accuracy_is_a_strop_error(tmp_path):
-    write_metrics(tmp_path, [(1, {"train/loss": 2.0}), (2, {"train/loss": 1.5})])
-    with pytest.raises(PlotError, match="no train/reward or validation/accuracy"):
+def test_an_sft_run_plots_its_losses(tmp_path):
+    """Before, an SFT run was refused: its metrics have no reward or accuracy."""
+    records = [(s, {"train/loss": 2.0 / s}) for s in range(1, 11)] + [(10, {"eval/loss": 0.3})]
+    write_metrics(tmp_path, records)
+    assert plot_run(tmp_path).read_bytes().startswith(PNG_SIGNATURE)
+    series = read_series(tmp_path / "metrics.jsonl")
+    assert sorted(series) == ["eval/loss", "train/loss"]
+    assert series["eval/loss"] == ([10], [0.3])
+
+
+def test_metrics_with_nothing_to_plot_is_a_strop_error(tmp_path):
+    write_metrics(tmp_path, [(1, {"timing/step_s": 2.0}), (2, {"timing/step_s": 1.5})])
+    with pytest.raises(PlotError, match="no train/reward, validation/accuracy, train/loss or"):
         plot_run(tmp_path)
     assert not (tmp_path / "plot.png").exists()
 

@@ -54,9 +54,11 @@ def test_a_failed_write_raises_in_the_main_process_after_sharing_it():
 def test_a_failed_write_raises_in_every_other_process_with_its_message():
     share = Broadcast(from_main="[Errno 28] No space left on device")
     with pytest.raises(StropError) as caught:
-        write_on_one_process(lambda: None, "the adapter runs/a/adapter", is_main=False, share=share)
+        write_on_one_process(
+            lambda: None, "writing the adapter runs/a/adapter", is_main=False, share=share
+        )
     assert str(caught.value) == (
-        "the main process could not write the adapter runs/a/adapter: "
+        "the main process failed writing the adapter runs/a/adapter: "
         "[Errno 28] No space left on device"
     )
 

@@ -42,10 +42,21 @@ def atomic_directory(target: str | os.PathLike, *, overwrite: bool = False) -> I
         raise
 
 
+def write_text_atomically(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a staging file renamed into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(text, encoding="utf-8")
+    os.replace(staging, path)
+
+
 def write_on_one_process(
     write: Callable[[], object], what: str, *, is_main: bool, share: Callable[[str], str]
 ) -> None:
     """Run ``write`` in the main process only; every process returns once it has ended.
+
+    ``what`` says what it does, for the other processes' error: "writing the adapter X".
 
     For a file a run of several processes writes (an export, a plot, data splits): one
     process writes it, and none goes on before it exists. ``share(text)`` is the backend's
@@ -64,4 +75,4 @@ def write_on_one_process(
     if failure is not None:
         raise failure
     if message:
-        raise StropError(f"the main process could not write {what}: {message}")
+        raise StropError(f"the main process failed {what}: {message}")

@@ -318,7 +318,7 @@ def write_checkpoint_once(
     if not is_main:
         for _ in tensors:
             pass
-    write_once(write, f"the model {path}")
+    write_once(write, f"writing the model {path}")
     return Path(path)
 
 

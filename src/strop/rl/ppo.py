@@ -39,7 +39,7 @@ from strop.generation import SamplingParams
 from strop.io.model_spec import read_model_spec
 from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY, count_skipped
-from strop.preflight import preflight
+from strop.preflight import holding_run_dir, preflight
 from strop.rl.experience import build_experience, minibatches, pad_columns
 from strop.rl.prompts import PromptSet
 from strop.rl.rollout import Rollout, token_mult_prob_error
@@ -64,9 +64,14 @@ class PpoResult:
 def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     """Train for ``ppo.steps`` iterations (or until ``stop_after``), resuming if possible."""
     _check(config)
+    preflight(config, "ppo", config.checkpoint_path())  # before anything loads
+    with holding_run_dir(config, "ppo"):
+        return _train(config, stop_after)
+
+
+def _train(config: Config, stop_after: int | None) -> PpoResult:
     ppo, run_dir = config.ppo, Path(config.run_dir)
     checkpoint_dir = config.checkpoint_path()
-    preflight(config, "ppo", checkpoint_dir)  # before anything loads
     tokenizer = Tokenizer.from_pretrained(config.model.path)
     train = PromptSet.read(config.data.train_path, config, tokenizer)
     validation = None
@@ -115,7 +120,7 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
             context = (engine, train, tokenizer, reward, sampling, eos_ids, config)
             record = ppo_iteration(step, *context, skipped=skipped)
             done = step + 1
-            if validation is not None and done % ppo.validate_every == 0:
+            if validation is not None and (done % ppo.validate_every == 0 or done == ppo.steps):
                 record["validation/accuracy"] = validate()
             history.append(record)
             writer.write(done, record)

@@ -20,7 +20,7 @@ from strop.data import Tokenizer, load_sft_examples, make_sft_batcher
 from strop.errors import ConfigError
 from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY, count_skipped
-from strop.preflight import preflight
+from strop.preflight import holding_run_dir, preflight
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +49,16 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
     """
     if config.model.path is None or config.data.train_path is None:
         raise ConfigError("strop sft needs model.path and data.train_path")
+    preflight(config, "sft", config.checkpoint_path())  # before anything loads
+    with holding_run_dir(config, "sft"):
+        return _train(config, stop_after)
+
+
+def _train(config: Config, stop_after: int | None) -> SftResult:
     run_dir = Path(config.run_dir)
     sft = config.sft
     micro_batches = sft.batch_size // sft.micro_batch_size
     checkpoint_dir = config.checkpoint_path()
-    preflight(config, "sft", checkpoint_dir)  # before anything loads
 
     tokenizer = Tokenizer.from_pretrained(config.model.path)
     train_examples, stats = load_sft_examples(config.data.train_path, config.data, tokenizer)

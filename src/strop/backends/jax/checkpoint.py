@@ -184,7 +184,9 @@ class TrainCheckpoints:
             enable_async_checkpointing=False,
         )
         try:
-            write_once(self._remove_leftovers, f"the checkpoint directory {self.directory}")
+            write_once(
+                self._remove_leftovers, f"cleaning the checkpoint directory {self.directory}"
+            )
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         except OSError as err:
             raise CheckpointError(

@@ -89,7 +89,7 @@ def is_main_process() -> bool:
 
 
 def write_once(write: Callable[[], object], what: str) -> None:
-    """Run ``write`` (which writes ``what``) in process 0 only; every process returns once
+    """Run ``write`` (``what`` it does: "writing X") in process 0 only; every process returns once
     it has ended, and raises if it failed (:func:`strop.io.atomic.write_on_one_process`)."""
     join_processes()
     if jax.process_count() == 1:

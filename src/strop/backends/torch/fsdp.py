@@ -101,7 +101,7 @@ def is_main_process() -> bool:
 
 
 def write_once(write: Callable[[], object], what: str) -> None:
-    """Run ``write`` (which writes ``what``) on rank 0 only; every rank returns once it has
+    """Run ``write`` (``what`` it does: "writing X") on rank 0 only; every rank returns once it has
     ended, and raises if it failed (:func:`strop.io.atomic.write_on_one_process`)."""
     if launched_distributed():
         join_process_group()

@@ -196,6 +196,6 @@ def export_adapter(
     weights = adapter_weights(model)
     write_once(
         lambda: save_adapter_for(path, weights, lora, base_model=base_model, overwrite=overwrite),
-        f"the adapter {path}",
+        f"writing the adapter {path}",
     )
     return Path(path)
