@@ -407,7 +407,9 @@ class Config(_Section):
     """Everything a run needs; one recipe runs on either backend."""
 
     backend: Literal["jax", "torch"] = Field("jax", description="Training backend.")
-    seed: int = Field(0, description="Seed for every random choice (init, data order, sampling).")
+    seed: int = Field(
+        0, ge=0, description="Seed for every random choice (init, data order, sampling)."
+    )
     run_dir: str = Field(
         "runs/default", description="Directory for checkpoints, metrics and exports."
     )

@@ -62,6 +62,24 @@ def _find(name: str, parent: _Recipe | None) -> _Recipe | None:
     return None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML keeps
+    the last value silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None,
+                    f"key {key!r} appears twice (first on line {seen[key] + 1}); keep one",
+                    key_node.start_mark,
+                )  # fmt: skip
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read(recipe: _Recipe) -> dict[str, Any]:
     """The top-level mapping of a recipe file."""
     try:
@@ -69,7 +87,7 @@ def _read(recipe: _Recipe) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read recipe {recipe.label}: {e}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -73,6 +73,11 @@ def preflight(config: Config, job: str, checkpoint_dir: str | os.PathLike | None
         refuse_other_backends_checkpoints(checkpoint_dir, config.backend)
     devices = get_backend(config.backend).device_count()
     check_parallel_layout(config, devices, rows_per_pass(config, job))
+    if config.model.path is not None and not Path(config.model.path).is_dir():
+        raise ConfigError(
+            f"model.path={config.model.path}: no such directory; give a Hugging Face "
+            "checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+        )
 
 
 def rows_per_pass(config: Config, job: str) -> dict[str, int]:

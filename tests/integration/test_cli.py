@@ -91,3 +91,21 @@ def test_bad_values_fail_before_any_model_loads(command, overrides, key, capsys)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {key}"), lines
     assert "nonexistent" not in lines[0]
+
+
+@pytest.mark.parametrize("command", ["sft", "eval"])
+def test_a_wrong_model_path_is_named_as_such(command, tmp_path, capsys) -> None:
+    """Before, it was reported as a problem with a "tokenizer directory"."""
+    from strop.cli import main
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1?", "completion": " 2"}\n')
+    args = ["tiny", f"model.path={tmp_path / 'no-model'}", f"data.train_path={data}",
+            f"eval.path={data}", f"run_dir={tmp_path / 'run'}",
+            "sft.micro_batch_size=8"]  # rows that split over the tests' 8 CPU devices  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        main([command, *args])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"error: model.path={tmp_path / 'no-model'}: no such directory; give a "
+                     "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"]  # fmt: skip

@@ -226,3 +226,17 @@ def test_reference_adapter_needs_lora() -> None:
 def test_target_modules_must_be_valid_regexes() -> None:
     assert "at least one" in config_error(None, ["lora.target_modules=[]"])
     assert "'(q_proj'" in config_error(None, ['lora.target_modules=["(q_proj"]'])
+
+
+def test_a_key_given_twice_in_a_recipe_is_refused(tmp_path: Path) -> None:
+    """Plain YAML would keep the last value silently."""
+    recipe = tmp_path / "twice.yaml"
+    recipe.write_text("base: tiny\noptim:\n  lr: 1.0e-3\n  warmup_steps: 0\n  lr: 2.0e-3\n")
+    with pytest.raises(ConfigError, match=r"line 5.*key 'lr' appears twice \(first on line 3\)"):
+        load_config(recipe)
+
+
+def test_a_negative_seed_is_refused() -> None:
+    """Before, it passed validation and numpy raised a traceback after the model loaded."""
+    with pytest.raises(ConfigError, match=r"^seed: Input should be greater than or equal to 0"):
+        load_config("tiny", ["seed=-1"])

@@ -100,9 +100,17 @@ def test_chat_template_that_rewrites_earlier_turns_is_rejected(tmp_path: Path) -
 def test_chat_without_template_is_an_error(tmp_path: Path) -> None:
     tok = Tokenizer.from_pretrained(save_tiny_tokenizer(tmp_path, chat_template=None))
     path = tmp_path / "chat.jsonl"
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}]}) + "\n")
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    path.write_text(json.dumps({"messages": chat}) + "\n")
     with pytest.raises(ModelError, match=rf"^{path}:1: .* has no chat template"):
         load_sft_examples(path, DataConfig(), tok)
+
+
+def test_a_chat_without_an_assistant_turn_says_so(tok) -> None:
+    """Before, such a record was dropped as if truncation had removed its targets."""
+    messages = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"})
+    with pytest.raises(DataError, match=r"^c\.jsonl:4: the chat has no assistant turn"):
+        tokenize_examples([Example("c.jsonl", 4, messages=messages)], tok, 512)
 
 
 def test_truncation_policies(tok) -> None:

@@ -146,3 +146,13 @@ def test_byte_order_mark_and_crlf_are_accepted(tmp_path: Path) -> None:
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(PC).encode() + b"\r\n" + json.dumps(PC).encode())
     examples, stats = read_examples(path)
     assert stats.num_records == 2 and examples[1].completion == " 4"
+
+
+def test_a_format_the_recipe_sets_is_named_when_a_field_is_missing(tmp_path: Path) -> None:
+    """ppo-lora-tiny sets data.format=gsm8k: prompt/completion data then lacks 'question'."""
+    path = tmp_path / "pc.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2?", "completion": " 4"}) + "\n")
+    with pytest.raises(DataError) as caught:
+        read_examples(path, "gsm8k")
+    assert str(caught.value).startswith(f"{path}:1: missing field 'question' (data.format=gsm8k,")
+    assert "data.format=auto" in str(caught.value)

@@ -127,6 +127,11 @@ def chat_segments(example: Example, tokenizer: Tokenizer) -> list[Segment]:
     0) pieces whose concatenation is the whole rendered chat."""
     messages = example.messages or ()
     where = f"{example.source}:{example.line}"
+    if not any(message["role"] == "assistant" for message in messages):
+        raise DataError(
+            f"{where}: the chat has no assistant turn, so there is nothing to learn from it "
+            "(SFT trains on assistant turns); add the assistant's reply or drop the record"
+        )
 
     def render(upto: int, generation_prompt: bool) -> str:
         try:

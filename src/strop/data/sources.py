@@ -97,6 +97,11 @@ def read_examples(
                 examples.append(_to_example(record, fmt, str(path), number, prompt_template))
             except _BadLine as e:
                 where = f"{path}:{number}: {e}"
+                if format != "auto" and str(e).startswith("missing field"):
+                    where += (
+                        f" (data.format={format}, set by the recipe or an override, reads "
+                        f"{_FIELDS[format]} records; data.format=auto tells from the keys)"
+                    )
                 if not skip_bad_lines:
                     raise DataError(f"{where}; {_SKIP_HINT}") from None
                 skipped += 1
@@ -115,6 +120,13 @@ def read_examples(
         logger.warning("skipped %d bad line(s) in %s (first: %s)", skipped, path, first_bad)
     assert fmt is not None
     return examples, ReadStats(str(path), fmt, len(examples), skipped)
+
+
+_FIELDS = {
+    "prompt_completion": "'prompt'+'completion'",
+    "messages": "'messages'",
+    "gsm8k": "'question'+'answer'",
+}
 
 
 def detect_format(record: dict[str, Any]) -> Format:
