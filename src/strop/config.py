@@ -133,6 +133,11 @@ class DataConfig(_Section):
         le=65536,
         description="Pad each batch's length up to a multiple of this (capped at max_length), so jitted steps compile once per length bucket.",
     )
+    max_record_bytes: int = Field(
+        4 << 20,
+        gt=0,
+        description="Longest record (line of a data file) read, in bytes; a longer one is a bad line (refused, or skipped with skip_bad_lines). Tokenizing a huge record costs memory only for truncation to cut it.",
+    )
     prompt_template: str = Field(
         "Question: {question}\nAnswer:",
         description="Prompt of a gsm8k record; {question} is replaced by the question, and the completion is a space followed by the answer.",

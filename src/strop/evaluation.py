@@ -25,7 +25,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from strop import rewards
 from strop.backends import get_backend
 from strop.config import Config
-from strop.data import Tokenizer, read_examples
+from strop.data import Tokenizer, read_data_file
 from strop.data.prompts import gold_answer, prompt_ids
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
@@ -89,12 +89,7 @@ def run_eval(config: Config) -> EvalResult:
 def _evaluate(config: Config, path: str, reward) -> EvalResult:
     config = _config_with_adapter(config)
     tokenizer = Tokenizer.from_pretrained(config.model.path)
-    examples, _ = read_examples(
-        path,
-        config.data.format,
-        skip_bad_lines=config.data.skip_bad_lines,
-        prompt_template=config.data.prompt_template,
-    )
+    examples, _ = read_data_file(path, config.data)
     if config.eval.max_examples:
         examples = examples[: config.eval.max_examples]
     prompts = [prompt_ids(example, tokenizer) for example in examples]

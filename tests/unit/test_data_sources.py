@@ -156,3 +156,16 @@ def test_a_format_the_recipe_sets_is_named_when_a_field_is_missing(tmp_path: Pat
         read_examples(path, "gsm8k")
     assert str(caught.value).startswith(f"{path}:1: missing field 'question' (data.format=gsm8k,")
     assert "data.format=auto" in str(caught.value)
+
+
+def test_a_record_over_the_size_cap_is_refused_unparsed(tmp_path: Path) -> None:
+    """Before, a single 50 MB record took 9.8 GB to tokenize, then was truncated silently."""
+    path = tmp_path / "big.jsonl"
+    huge = {"prompt": "x" * 5000, "completion": " 4"}
+    path.write_text(json.dumps(PC) + "\n" + json.dumps(huge) + "\n" + json.dumps(PC) + "\n")
+    with pytest.raises(DataError, match=rf"^{path}:2: the record is 5,035 bytes, over "
+                       r"data.max_record_bytes=4096; split it or raise the cap"):  # fmt: skip
+        read_examples(path, max_record_bytes=4096)
+    examples, stats = read_examples(path, max_record_bytes=4096, skip_bad_lines=True)
+    assert [e.line for e in examples] == [1, 3] and stats.num_skipped == 1
+    assert read_examples(path)[1].num_records == 3  # the default cap is 4 MiB

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -164,6 +165,37 @@ def test_loaders_reject_mismatched_weights(tmp_path, tiny_model_dir, mutate, mes
     directory = _tiny_checkpoint(tmp_path, tiny_model_dir, mutate)
     with pytest.raises(ModelError, match=message):
         strop.load_model(directory, backend=backend)
+
+
+def _poison(name: str, value: float):
+    def mutate(tensors):
+        tensors[name] = tensors[name].copy()
+        tensors[name].flat[3] = value
+
+    return mutate
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_loaders_refuse_nonfinite_weights_naming_the_tensor(
+    tmp_path, tiny_model_dir, value, backend
+):
+    """Before, such a model loaded and the run stopped at its first non-finite loss, with
+    advice to fix the data or lower the learning rate."""
+    name = "model.layers.1.self_attn.k_proj.weight"
+    directory = _tiny_checkpoint(tmp_path, tiny_model_dir, _poison(name, value))
+    with pytest.raises(ModelError, match=rf"tensor '{name}' holds 1 NaN/Inf value\(s\) of \d+;"):
+        strop.load_model(directory, backend=backend)
+
+
+def test_nonfinite_bfloat16_weights_are_found(tmp_path):
+    weights = {"w": np.array([[1.0, np.inf], [0.5, np.nan]], ml_dtypes.bfloat16)}
+    weights["ok"] = np.array([1.0, 2.0], ml_dtypes.bfloat16)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    reader = SafetensorsReader(tmp_path)
+    assert reader.get("ok").tolist() == [1.0, 2.0]
+    with pytest.raises(ModelError, match=r"tensor 'w' holds 2 NaN/Inf value\(s\) of 4;"):
+        reader.get("w")
 
 
 def test_load_model_unknown_or_missing_backend(tiny_model_dir):

@@ -20,7 +20,13 @@ from pathlib import Path
 from strop.config import DataConfig
 from strop.data.batching import Batch, SftBatcher
 from strop.data.sft import TokenizedExample, TokenizeStats, chat_segments, tokenize_examples
-from strop.data.sources import Example, ReadStats, detect_format, read_examples
+from strop.data.sources import (
+    Example,
+    ReadStats,
+    detect_format,
+    read_data_file,
+    read_examples,
+)
 from strop.data.tokenizer import Tokenizer
 from strop.errors import DataError
 
@@ -39,6 +45,7 @@ __all__ = [
     "detect_format",
     "load_sft_examples",
     "make_sft_batcher",
+    "read_data_file",
     "read_examples",
     "tokenize_examples",
 ]
@@ -65,12 +72,7 @@ def load_sft_examples(
 ) -> tuple[list[TokenizedExample], DataStats]:
     """Read a JSONL file and tokenize it for SFT under ``data_config`` (format, truncation,
     max_length, skip_bad_lines, prompt_template). DataError if no example is left."""
-    examples, read = read_examples(
-        path,
-        data_config.format,
-        skip_bad_lines=data_config.skip_bad_lines,
-        prompt_template=data_config.prompt_template,
-    )
+    examples, read = read_data_file(path, data_config)
     tokenized, tok = tokenize_examples(
         examples, tokenizer, data_config.max_length, data_config.truncation
     )

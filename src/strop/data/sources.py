@@ -9,7 +9,9 @@ Formats (one JSON object per line; blank lines are ignored):
   ``" " + answer`` and ``reference`` is the text after ``#### ``.
 - ``auto``: the format of the first record that has the keys of one of the above.
 
-Each line is parsed with ``json.loads`` and nothing else. With ``skip_bad_lines`` a bad line
+Each line is parsed with ``json.loads`` and nothing else; a line longer than
+``max_record_bytes`` is refused unread (tokenizing one 50 MB record took 9.8 GB, only for
+truncation to cut it to ``data.max_length``). With ``skip_bad_lines`` a bad line
 is skipped and counted (and a warning logged); a file with no good record is still an error.
 """
 
@@ -19,9 +21,12 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from strop.errors import DataError
+
+if TYPE_CHECKING:
+    from strop.config import DataConfig
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +35,7 @@ ROLES = ("system", "user", "assistant")
 GSM8K_MARKER = "#### "
 DEFAULT_PROMPT_TEMPLATE = "Question: {question}\nAnswer:"
 _SKIP_HINT = "fix the line, or set data.skip_bad_lines=true to skip bad lines"
+DEFAULT_MAX_RECORD_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,7 @@ def read_examples(
     *,
     skip_bad_lines: bool = False,
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> tuple[list[Example], ReadStats]:
     """Read every record of a JSONL file; raise DataError naming ``path:line`` for a bad one."""
     path = Path(path)
@@ -89,6 +96,12 @@ def read_examples(
     with handle:
         for number, raw in enumerate(handle, start=1):
             try:
+                size = len(raw)  # bytes: the file is read in binary
+                if size > max_record_bytes:
+                    raise _BadLine(
+                        f"the record is {size:,} bytes, over "
+                        f"data.max_record_bytes={max_record_bytes}; split it or raise the cap"
+                    )
                 record = _parse_line(raw, number)
                 if record is None:
                     continue  # blank line
@@ -120,6 +133,18 @@ def read_examples(
         logger.warning("skipped %d bad line(s) in %s (first: %s)", skipped, path, first_bad)
     assert fmt is not None
     return examples, ReadStats(str(path), fmt, len(examples), skipped)
+
+
+def read_data_file(path: str | Path, data: DataConfig) -> tuple[list[Example], ReadStats]:
+    """:func:`read_examples` of ``path`` as the run's ``data:`` section says (format,
+    skipping, prompt template, record size cap)."""
+    return read_examples(
+        path,
+        data.format,
+        skip_bad_lines=data.skip_bad_lines,
+        prompt_template=data.prompt_template,
+        max_record_bytes=data.max_record_bytes,
+    )
 
 
 _FIELDS = {

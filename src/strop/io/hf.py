@@ -161,13 +161,38 @@ class SafetensorsReader:
         return self._open(self._file_of[name]).get_slice(name).get_dtype()
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor ``name`` as a host numpy array (bfloat16 as ``ml_dtypes.bfloat16``)."""
+        """The tensor ``name`` as a host numpy array (bfloat16 as ``ml_dtypes.bfloat16``).
+
+        A floating-point tensor holding NaN or Inf is refused (:class:`ModelError` naming
+        it): no training or sampling can be right from such weights, and without this the
+        run would stop later at a non-finite loss, blamed on the data or learning rate.
+        """
         try:
-            return self._open(self._file_of[name]).get_tensor(name)
+            array = self._open(self._file_of[name]).get_tensor(name)
         except SafetensorError as err:
             raise ModelError(
                 f"{self._file_of[name]}: cannot read tensor {shown_name(name)} ({err})"
             ) from None
+        bad = _count_nonfinite(array)
+        if bad:
+            raise ModelError(
+                f"{self._file_of[name]}: tensor {shown_name(name)} holds {bad} NaN/Inf "
+                f"value(s) of {array.size}; the checkpoint is damaged: export or download "
+                "it again"
+            )
+        return array
+
+
+def _count_nonfinite(array: np.ndarray) -> int:
+    """How many entries of a floating-point ``array`` are NaN or Inf (0 for integers;
+    ``ml_dtypes`` floats such as bfloat16 have numpy kind ``V``)."""
+    if array.dtype.kind not in "fV":
+        return 0
+    try:
+        finite = np.isfinite(array)
+    except TypeError:  # a void dtype that is no float
+        return 0
+    return int(array.size - np.count_nonzero(finite))
 
 
 def _read_index(index_path: Path) -> dict[str, Path]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from strop.config import Config, DataConfig
-from strop.data import Tokenizer, read_examples
+from strop.data import Tokenizer, read_data_file
 from strop.data.prompts import gold_answer, prompt_ids
 from strop.data.sources import Example
 from strop.errors import ConfigError, DataError
@@ -31,12 +31,7 @@ class PromptSet:
 
     @classmethod
     def read(cls, path: str, config: Config, tokenizer: Tokenizer, limit: int = 0) -> PromptSet:
-        examples, _ = read_examples(
-            path,
-            config.data.format,
-            skip_bad_lines=config.data.skip_bad_lines,
-            prompt_template=config.data.prompt_template,
-        )
+        examples, _ = read_data_file(path, config.data)
         if limit:
             examples = examples[:limit]
         ids = [prompt_ids(example, tokenizer) for example in examples]
