@@ -2,11 +2,13 @@
 
 Works on SFT runs (the policy) and PPO runs (the actor; the critic and value head stay
 in the checkpoint). Which of the two a run is comes from its checkpoints' identity
-(``job``), so the recipe and overrides that trained a run are all ``export`` needs.
+(``job``), so the recipe and overrides that trained a run are all ``export`` needs; the
+base model, when ``model.path`` is not given, is the one the checkpoints record.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +16,10 @@ from pathlib import Path
 from strop.backends import get_backend
 from strop.config import Config
 from strop.errors import CheckpointError
-from strop.io.checkpoint_dir import stored_job
+from strop.io.checkpoint_dir import refuse_other_backends_checkpoints, stored_identity
 from strop.preflight import preflight
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,12 +35,19 @@ def run_export(config: Config, out: str | os.PathLike, *, merged: bool) -> Expor
     """Restore the newest checkpoint of ``config.run_dir`` (or ``checkpoint.dir``) and write
     the trained model to ``out``: a merged HF checkpoint, or else a PEFT adapter."""
     checkpoint_dir = config.checkpoint_path()
-    job = stored_job(checkpoint_dir, config.backend)
-    if job is None:
+    refuse_other_backends_checkpoints(checkpoint_dir, config.backend)  # "train first" misleads
+    identity = stored_identity(checkpoint_dir, config.backend)
+    if identity is None:
         raise CheckpointError(
             f"no {config.backend} checkpoint in {Path(checkpoint_dir).absolute()}; train "
             "first (or pass the run_dir / checkpoint.dir the run was trained with)"
         )
+    job = str(identity.get("job", "sft"))  # SFT checkpoints predate the key
+    if config.model.path is None and identity.get("base_model"):
+        config = config.model_copy(
+            update={"model": config.model.model_copy(update={"path": identity["base_model"]})}
+        )
+        logger.info("base model from the run's checkpoints: model.path=%s", config.model.path)
     preflight(config, job, checkpoint_dir)
     backend = get_backend(config.backend)
     if job == "ppo":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -109,3 +110,20 @@ def test_a_wrong_model_path_is_named_as_such(command, tmp_path, capsys) -> None:
     lines = capsys.readouterr().err.splitlines()
     assert lines == [f"error: model.path={tmp_path / 'no-model'}: no such directory; give a "
                      "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"]  # fmt: skip
+
+
+def test_export_names_the_backend_that_wrote_the_run(tmp_path, capsys) -> None:
+    """Before, `strop export backend=torch` on a JAX run said "no torch checkpoint ...;
+    train first"."""
+    from strop.cli import main
+
+    identity = tmp_path / "run" / "checkpoints" / "3" / "identity" / "metadata"
+    identity.parent.mkdir(parents=True)
+    identity.write_text(json.dumps({"backend": "jax", "job": "sft"}))
+    args = ["tiny", "backend=torch", f"run_dir={tmp_path / 'run'}"]
+    with pytest.raises(SystemExit) as info:
+        main(["export", *args, "--adapter", "--out", str(tmp_path / "out")])
+    assert info.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "holds checkpoints the jax backend wrote (steps 3)" in line
+    assert "Resume with backend=jax" in line and not (tmp_path / "out").exists()

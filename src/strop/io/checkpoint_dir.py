@@ -35,11 +35,11 @@ def backends_with_checkpoints(directory: str | os.PathLike) -> dict[str, list[in
     return found
 
 
-def stored_job(directory: str | os.PathLike, backend: str) -> str | None:
-    """The job (``"sft"`` or ``"ppo"``) that wrote ``backend``'s newest checkpoint in
-    ``directory``, from its identity; ``None`` when there is no checkpoint.
+def stored_identity(directory: str | os.PathLike, backend: str) -> dict | None:
+    """The identity (:func:`~strop.io.run_identity.run_identity` plus ``job``) stored with
+    ``backend``'s newest checkpoint in ``directory``; ``None`` when there is none.
 
-    Every step of a run directory has the same job (a resume with another identity is
+    Every step of a run directory has the same identity (a resume with another one is
     refused), so the newest step with a readable identity speaks for the run.
     """
     for step in reversed(backends_with_checkpoints(directory).get(backend, [])):
@@ -49,8 +49,15 @@ def stored_job(directory: str | os.PathLike, backend: str) -> str | None:
         except (OSError, ValueError):
             continue  # a step cut short by a kill; an older one will do
         if isinstance(identity, dict):
-            return str(identity.get("job", "sft"))  # SFT checkpoints predate the key
+            return identity
     return None
+
+
+def stored_job(directory: str | os.PathLike, backend: str) -> str | None:
+    """The job (``"sft"`` or ``"ppo"``) that wrote ``backend``'s newest checkpoint in
+    ``directory``; ``None`` when there is no checkpoint."""
+    identity = stored_identity(directory, backend)
+    return None if identity is None else str(identity.get("job", "sft"))  # SFT predates it
 
 
 def refuse_other_backends_checkpoints(directory: str | os.PathLike, backend: str) -> None:
