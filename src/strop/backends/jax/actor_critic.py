@@ -49,13 +49,13 @@ from strop.errors import ConfigError
 from strop.generation import Decoder, Generation, SamplingParams
 from strop.io.peft import read_adapter_for
 from strop.io.run_identity import run_identity
+from strop.lora_init import critic_seed as critic_seed_of
 from strop.rl.objectives import PolicyObjective, ValueObjective
 
 logger = logging.getLogger(__name__)
 
 POLICY_BATCH = ("input_ids", "attention_mask", "loss_weights", "old_logprobs", "advantages")
 CRITIC_BATCH = ("input_ids", "attention_mask", "loss_weights", "old_values", "returns")
-CRITIC_SEED_OFFSET = 1  # the critic's adapter and head are seeded from seed + 1
 
 
 def critic_trainable_filter(lora_enabled: bool) -> nnx.filterlib.Filter:
@@ -92,7 +92,8 @@ class JaxActorCritic:
             param_dtype=config.model.param_dtype,
         )
         lm = load(config.model.path)
-        critic_seed = config.seed + CRITIC_SEED_OFFSET
+        # the critic's adapter and head start from the core's critic seed (as on torch)
+        critic_seed = critic_seed_of(config.seed)
         if config.lora.enabled:
             critic_lm = apply_lora(_twin(lm), config.lora, seed=critic_seed)
             lm = apply_lora(lm, config.lora, seed=config.seed)

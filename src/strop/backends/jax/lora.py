@@ -5,6 +5,9 @@ HF-style dotted module paths, as PEFT does) and handed to Qwix as an exact alter
 of its own ``/``-joined paths. Qwix intercepts each targeted
 ``jnp.einsum`` and adds ``kernel_lora_a`` (``in_shape + (r,)``) and ``kernel_lora_b``
 (``(r,) + out_shape``) as ``nnx.LoRAParam`` next to the kernel, scaled by alpha / rank.
+Their initial values are not Qwix's: :func:`apply_lora` overwrites them with
+:mod:`strop.lora_init`'s (a function of seed, module path and shape, the same on the
+torch backend), placed with each parameter's sharding.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from strop.backends.jax.sharding import to_host, write_once
 from strop.config import LoraConfig
 from strop.errors import ConfigError
 from strop.io.peft import save_adapter_for
+from strop.lora_init import adapters as initial_adapters
 from strop.lora_targets import match_targets
 
 # nnx.LoRAParam subclasses nnx.Param: "base weights" must exclude it explicitly.
@@ -53,6 +57,8 @@ def apply_lora(model: CausalLM, config: LoraConfig, seed: int) -> CausalLM:
 
     Works on a model already sharded on a mesh: adapters are created next to their
     kernels with shardings derived from the kernel's. Base weights are shared, not copied.
+    The adapters start from :func:`strop.lora_init.adapters` for ``seed`` (A uniform in
+    ±1/sqrt(in), B zero), the values the torch backend starts from.
     """
     targets = match_targets(config.target_modules, list(dense_modules(model)))
     qwix_paths = "|".join(re.escape(path.replace(".", "/")) for path in targets)
@@ -60,7 +66,14 @@ def apply_lora(model: CausalLM, config: LoraConfig, seed: int) -> CausalLM:
         module_path=qwix_paths, rank=config.rank, alpha=config.alpha, dropout=config.dropout
     )
     dummy_ids = jnp.zeros((1, 1), dtype=jnp.int32)
-    return qwix.apply_lora_to_model(model, provider, dummy_ids, rngs=nnx.Rngs(seed))
+    model = qwix.apply_lora_to_model(model, provider, dummy_ids, rngs=nnx.Rngs(seed))
+    shapes = {
+        path: (math.prod(module.in_shape), math.prod(module.out_shape))
+        for path, module in dense_modules(model).items()
+        if hasattr(module, "kernel_lora_a")
+    }
+    set_adapter_weights(model, initial_adapters(seed, shapes, config.rank), "the initial adapters")
+    return model
 
 
 def with_adapters_merged(model: CausalLM, config: LoraConfig) -> CausalLM:

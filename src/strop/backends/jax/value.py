@@ -8,9 +8,10 @@ token convention of :mod:`strop.rl.gae` (``values[:, t] = V(x_<t) = raw[:, t - 1
 
 The head is always float32 (kernel ``[E, 1]``, bias ``[1]``) whatever the model's dtype,
 and the hidden state is cast to float32 before it: a bfloat16 value would carry only
-about 3 significant digits into GAE. The kernel is initialised ``normal(0, 1/sqrt(E))``
-from ``seed`` (so a unit-RMS hidden state, which RMSNorm roughly gives, yields values of
-order 1 at the start), the bias at 0.
+about 3 significant digits into GAE. Its initial values come from
+:func:`strop.lora_init.value_head` for ``seed`` (kernel ``normal(0, 1/sqrt(E))``, so a
+unit-RMS hidden state, which RMSNorm roughly gives, yields values of order 1 at the
+start; bias 0): the same numbers as the torch backend's head.
 
 Sharding: the kernel carries the logical axes ``("embed", None)``, like the LM head's
 input axis, and is placed over the mesh by those rules when a ``mesh`` is given (on a
@@ -32,14 +33,10 @@ from strop.backends.jax.losses import shift_values
 from strop.backends.jax.model import CausalLM
 from strop.backends.jax.sharding import logical_to_sharding, to_host
 from strop.backends.jax.weights import load_hf_model
+from strop.lora_init import value_head as initial_value_head
 
 KERNEL_AXES = ("embed", None)
 BIAS_AXES = (None,)
-
-
-def init_std(hidden: int) -> float:
-    """The standard deviation of the head's initial kernel: ``1 / sqrt(hidden)``."""
-    return float(1.0 / np.sqrt(hidden))
 
 
 def _place(value: jax.Array, axes, mesh: Mesh | None) -> jax.Array:
@@ -53,12 +50,12 @@ class ValueHead(nnx.Module):
 
     def __init__(self, hidden: int, *, seed: int = 0, mesh: Mesh | None = None):
         self.hidden = hidden
-        key = jax.random.key(seed)
-        kernel = init_std(hidden) * jax.random.normal(key, (hidden, 1), jnp.float32)
+        kernel_values, bias_value = initial_value_head(seed, hidden)
+        kernel = jnp.asarray(kernel_values[:, None])
         self.kernel = nnx.Param(
             _place(kernel, KERNEL_AXES, mesh), out_sharding=KERNEL_AXES, eager_sharding=False
         )
-        bias = jnp.zeros((1,), jnp.float32)
+        bias = jnp.full((1,), bias_value, jnp.float32)
         self.bias = nnx.Param(
             _place(bias, BIAS_AXES, mesh), out_sharding=BIAS_AXES, eager_sharding=False
         )

@@ -51,6 +51,7 @@ from strop.errors import ConfigError
 from strop.generation import Decoder, Generation, SamplingParams
 from strop.io.peft import read_adapter_for
 from strop.io.run_identity import run_identity
+from strop.lora_init import critic_seed as critic_seed_of
 from strop.rl.objectives import PolicyObjective, ValueObjective
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,6 @@ logger = logging.getLogger(__name__)
 POLICY_BATCH = ("input_ids", "attention_mask", "loss_weights", "old_logprobs", "advantages")
 CRITIC_BATCH = ("input_ids", "attention_mask", "loss_weights", "old_values", "returns")
 CRITIC_ADAPTER, REFERENCE_ADAPTER = "critic", "reference"
-CRITIC_SEED_OFFSET = 1
 _UPDATES_KEY = "optimizer_updates"
 
 
@@ -78,16 +78,17 @@ class TorchActorCritic:
         self.value_objective = ValueObjective.from_config(config)
         reference_path = config.reference_adapter_path()
         lora = config.lora.enabled
+        # the critic's adapter and head start from the core's critic seed (as on JAX)
+        critic_seed = critic_seed_of(config.seed)
 
         def build(path: str, *, extra_adapters: Sequence[str] = (), seed: int = config.seed):
             return build_model(
                 path, self.placement, dtype=config.model.dtype,
                 param_dtype=config.model.param_dtype, lora=config.lora if lora else None,
                 seed=seed, trust_remote_code=config.model.trust_remote_code,
-                extra_adapters=extra_adapters,
+                extra_adapters=extra_adapters, adapter_seeds={CRITIC_ADAPTER: critic_seed},
             )  # fmt: skip
 
-        critic_seed = config.seed + CRITIC_SEED_OFFSET
         if lora:
             extra = (CRITIC_ADAPTER,) + ((REFERENCE_ADAPTER,) if reference_path else ())
             self.loaded = build(config.model.path, extra_adapters=extra)

@@ -6,17 +6,17 @@ regex, which PEFT also matches with ``re.fullmatch``: the two backends adapt exa
 same modules. PEFT freezes every base weight; only ``lora_A``/``lora_B`` require grad.
 
 Adapters are injected while the model is still on the meta device (before sharding);
-:func:`init_adapter` then writes a seeded initialisation (A uniform in
-±1/sqrt(in), PEFT's default ``kaiming_uniform(a=sqrt(5))``; B zero) that is the same on
-every rank and for every world size.
+:func:`initial_value` then gives each its initial value from :mod:`strop.lora_init` (A
+uniform in ±1/sqrt(in), PEFT's default ``kaiming_uniform(a=sqrt(5))``; B zero), a
+function of (seed, module path, shape): the same on every rank, for every world size,
+and the same numbers the JAX backend starts from.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +28,7 @@ from strop.backends.torch.fsdp import copy_full_into, write_once
 from strop.config import LoraConfig
 from strop.errors import ConfigError
 from strop.io.peft import AdapterWeights, save_adapter_for, target_regex
+from strop.lora_init import lora_a, lora_b
 from strop.lora_targets import match_targets
 
 ADAPTER_NAME = "default"
@@ -125,15 +126,19 @@ def is_lora_param(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def init_adapter(
-    name: str, shape: torch.Size, generator: torch.Generator, dtype: torch.dtype
+def initial_value(
+    name: str, shape: Sequence[int], seed: int, adapter_seeds: Mapping[str, int] | None = None
 ) -> torch.Tensor:
-    """The initial full value of LoRA parameter ``name`` (A: uniform ±1/sqrt(in); B: 0)."""
-    if ".lora_B." in name:
-        return torch.zeros(shape, dtype=dtype)
-    bound = 1.0 / math.sqrt(shape[1])
-    values = torch.rand(shape, generator=generator, dtype=torch.float32)
-    return ((2 * values - 1) * bound).to(dtype)
+    """The initial full float32 value of LoRA parameter ``name`` (e.g.
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.critic.weight``), from
+    :mod:`strop.lora_init`: A uniform ±1/sqrt(in), B zero. Adapter ``x`` is drawn from
+    ``adapter_seeds[x]``, or ``seed`` when it is not listed."""
+    path, kind, adapter, _ = hf_module_path(name).rsplit(".", 3)
+    out_features, in_features = shape
+    if kind == "lora_B":
+        return torch.from_numpy(lora_b(in_features, out_features))
+    adapter_seed = (adapter_seeds or {}).get(adapter, seed)
+    return torch.from_numpy(lora_a(adapter_seed, path, out_features, in_features))
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

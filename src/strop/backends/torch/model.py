@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +27,7 @@ from strop.backends.torch.lora import (
     apply_lora,
     full_tensor,
     hf_module_path,
-    init_adapter,
+    initial_value,
     is_lora_param,
 )
 from strop.config import LoraConfig
@@ -70,12 +70,14 @@ def build_model(
     seed: int = 0,
     trust_remote_code: bool = False,
     extra_adapters: Sequence[str] = (),
+    adapter_seeds: Mapping[str, int] | None = None,
 ) -> LoadedModel:
     """Load the checkpoint at ``path`` (with LoRA adapters if ``lora.enabled``: ``default``
     plus ``extra_adapters``, see :func:`apply_lora`).
 
-    Weights are stored in ``param_dtype`` and computed in ``dtype``. LoRA adapters get a
-    seeded initialisation that does not depend on the world size.
+    Weights are stored in ``param_dtype`` and computed in ``dtype``. LoRA adapters start
+    from :mod:`strop.lora_init`'s values for ``seed`` (``adapter_seeds[name]`` for the
+    adapters it lists): the JAX backend's values, on any world size.
     """
     spec, reader = open_checkpoint(path)
     try:
@@ -99,7 +101,7 @@ def build_model(
     tied = _shared_parameters(model)
     model.to_empty(device=placement.device)
     _retie(tied)
-    _load_weights(model, reader, seed)
+    _load_weights(model, reader, seed, adapter_seeds)
     _reset_rotary_buffers(model, placement.device)
     model.eval()
     return LoadedModel(model, spec, placement, TORCH_DTYPES[dtype])
@@ -127,13 +129,17 @@ def _to_torch(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
-def _load_weights(model: nn.Module, reader: SafetensorsReader, seed: int) -> None:
+def _load_weights(
+    model: nn.Module,
+    reader: SafetensorsReader,
+    seed: int,
+    adapter_seeds: Mapping[str, int] | None = None,
+) -> None:
     """Fill every parameter: base weights from the checkpoint, adapters from the seed."""
     params = dict(model.named_parameters())  # tied weights appear once
-    generator = torch.Generator().manual_seed(seed)
     for name, param in params.items():
         if is_lora_param(name):
-            full = init_adapter(name, param.shape, generator, param.dtype)
+            full = initial_value(name, param.shape, seed, adapter_seeds)
         else:
             tensor_name = hf_module_path(name)
             stored = reader.shape(tensor_name)

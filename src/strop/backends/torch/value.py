@@ -5,9 +5,9 @@ column (``raw[:, j]`` ~ ``V(x_<=j)``), ``values`` is ``shift_values(raw)`` in th
 convention of :mod:`strop.rl.gae` (``values[:, t] = V(x_<t)``); see ``docs/ppo.md``.
 
 The head is an ``nn.Linear(E, 1)`` kept in float32 whatever the model's dtype, run outside
-autocast on the hidden state cast to float32. Its weight is initialised
-``normal(0, 1/sqrt(E))`` from a seeded ``torch.Generator``, its bias at 0 (the same rule
-as the JAX head; the random draws differ between backends).
+autocast on the hidden state cast to float32. Its initial weight and bias come from
+:func:`strop.lora_init.value_head` for ``seed`` (``normal(0, 1/sqrt(E))``, 0): the same
+numbers as the JAX backend's head, on every rank.
 
 How the hidden state is read: the whole model (``LoadedModel.model``, plain HF or
 PEFT-wrapped, FSDP2-sharded or not) is called with ``output_hidden_states=True`` and
@@ -21,19 +21,13 @@ logits but would bypass the root module's forward hooks: FSDP2's root ``fully_sh
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 from torch import nn
 
 from strop.backends.torch.losses import shift_values
 from strop.backends.torch.model import LoadedModel, positions_from_mask
-
-
-def init_std(hidden: int) -> float:
-    """The standard deviation of the head's initial weight: ``1 / sqrt(hidden)``."""
-    return 1.0 / math.sqrt(hidden)
+from strop.lora_init import value_head as initial_value_head
 
 
 class ValueHead(nn.Module):
@@ -43,11 +37,10 @@ class ValueHead(nn.Module):
         super().__init__()
         self.hidden = hidden
         self.linear = nn.Linear(hidden, 1, dtype=torch.float32, device=device)
-        generator = torch.Generator(device="cpu").manual_seed(seed)
+        kernel, bias = initial_value_head(seed, hidden)
         with torch.no_grad():
-            weight = torch.randn((1, hidden), generator=generator, dtype=torch.float32)
-            self.linear.weight.copy_(weight * init_std(hidden))
-            self.linear.bias.zero_()
+            self.linear.weight.copy_(torch.from_numpy(kernel)[None, :])
+            self.linear.bias.fill_(bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # ``linear`` of a [B, L, E] input returns a view of its 2-D matmul; FSDP2 warns
