@@ -314,24 +314,84 @@ def test_dual_clip(impl):
 
 @pytest.mark.parametrize("impl", ALL)
 def test_kl_estimators(impl):
-    logp = np.array([[-1.0, -2.0, -0.5, -3.0]])
-    ref_lp = np.array([[-1.5, -1.0, -0.5, -40.0]])
-    # d = logp - ref = 0.5, -1, 0, 37 (clamped to 20)
-    d = np.array([0.5, -1.0, 0.0, 20.0])
+    logp = np.array([[-1.0, -2.0, -0.5, -3.0, -6.0]])
+    ref_lp = np.array([[-1.5, -1.0, -0.5, -40.0, -2.0]])
+    # d = logp - ref = 0.5, -1, 0, 37, -4
     expected = {
-        "k1": d,
-        "k2": 0.5 * d**2,  # 0.125, 0.5, 0, 200
-        # exp(-d) + d - 1: e^-0.5 - 0.5 = 0.10653, e - 2 = 0.71828, 0, 19 + e^-20
-        "k3": np.array([np.exp(-0.5) - 0.5, np.e - 2.0, 0.0, 19.0 + np.exp(-20.0)]),
+        "k1": np.array([0.5, -1.0, 0.0, 10.0, -4.0]),  # 37 bounded to 10
+        "k2": np.array([0.125, 0.5, 0.0, 10.0, 8.0]),  # d^2 / 2; 684.5 bounded to 10
+        # exp(-d) + d - 1: e^-0.5 - 0.5 = 0.10653, e - 2 = 0.71828, 0, 36 + e^-37 bounded
+        # to 10, e^4 - 5 = 49.6 bounded to 10
+        "k3": np.array([np.exp(-0.5) - 0.5, np.e - 2.0, 0.0, 10.0, 10.0]),
     }
     for estimator, values in expected.items():
         out = call(impl, "kl_penalty", logp, ref_lp, estimator=estimator)
         np.testing.assert_allclose(out[0], values, rtol=1e-6, atol=1e-6)
-    # k3 is non-negative; the clamp keeps a huge negative log-ratio finite
-    out = call(impl, "kl_penalty", np.array([[-60.0]]), np.array([[0.0]]), estimator="k3")
-    np.testing.assert_allclose(out, [[np.exp(20.0) - 21.0]], rtol=1e-6)
+    # the audit's case: a log-ratio of -15 gave k3 = e^15 - 16 = 3.3e6 for one token
+    out = call(impl, "kl_penalty", np.array([[-15.0]]), np.array([[0.0]]), estimator="k3")
+    np.testing.assert_array_equal(out, [[ref.KL_VALUE_LIMIT]])
     with pytest.raises(ValueError, match="unknown KL estimator"):
         call(impl, "kl_penalty", logp, ref_lp, estimator="k4")
+
+
+# log-ratios d = logprobs - ref_logprobs from absurd to ordinary, none on a bound's edge
+EXTREME_LOG_RATIOS = np.array([[
+    -1e4, -60.0, -25.0, -15.0, -10.5, -3.0, -2.0, -1.0, -0.25, 0.0,
+    0.25, 1.0, 4.4, 4.5, 9.5, 10.5, 15.0, 25.0, 60.0, 1e4,
+]])  # fmt: skip
+
+
+def bounded_kl(d: np.ndarray, estimator: str) -> np.ndarray:
+    """The KL value written out: the estimator on d (clamped to [-20, 20] before exp),
+    then bounded to [-10, 10]."""
+    if estimator == "k1":
+        value = d
+    elif estimator == "k2":
+        value = 0.5 * d * d
+    else:
+        c = np.clip(d, -20.0, 20.0)
+        value = np.exp(-c) + c - 1.0
+    return np.clip(value, -10.0, 10.0)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_reference_kl_is_bounded_at_extreme_log_ratios(estimator):
+    assert ref.KL_VALUE_LIMIT == 10.0
+    d = EXTREME_LOG_RATIOS
+    for shift in (0.0, -30.0):  # the bound is on the value, whatever the log-probs are
+        out = ref.kl_penalty(d + shift, np.full_like(d, shift), estimator)
+        np.testing.assert_allclose(out, bounded_kl(d, estimator), rtol=1e-12, atol=1e-9)
+        assert np.abs(out).max() <= 10.0
+    # inside the bound nothing changes
+    x = d[np.abs(d) <= 4.4]
+    raw = {"k1": x, "k2": 0.5 * x * x, "k3": np.exp(-x) + x - 1.0}[estimator]
+    inside = np.abs(raw) < 10.0
+    assert inside.sum() >= 7
+    out = ref.kl_penalty(x, np.zeros_like(x), estimator)
+    np.testing.assert_allclose(out[inside], raw[inside], rtol=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["jax", "torch"])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_backend_kl_equals_the_reference_at_extreme_log_ratios(impl, estimator):
+    d = EXTREME_LOG_RATIOS.astype(np.float32)
+    logp, ref_lp = d - 1.0, np.full_like(d, -1.0)
+    expected = ref.kl_penalty(logp, ref_lp, estimator)
+    assert_tree_close(call(impl, "kl_penalty", logp, ref_lp, estimator=estimator), expected)
+    # the gradient is the estimator's inside the bound and 0 where the bound is in force
+    x = np.clip(d.astype(np.float64), -20.0, 20.0)
+    slope = {"k1": np.ones_like(x), "k2": x, "k3": 1.0 - np.exp(-x)}[estimator]
+    slope = np.where(np.abs(bounded_kl(x, estimator)) < 10.0, slope, 0.0)
+    slope = np.where(np.abs(d) < 20.0, slope, 0.0)
+    if impl == "jax":
+        grad = jax.grad(lambda lp: jax_losses.kl_penalty(lp, to_jax(ref_lp), estimator).sum())
+        got = np.asarray(grad(to_jax(logp)), np.float64)
+    else:
+        lp = to_torch(logp).requires_grad_(True)
+        torch_losses.kl_penalty(lp, to_torch(ref_lp), estimator).sum().backward()
+        got = lp.grad.numpy().astype(np.float64)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, slope, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("impl", ALL)

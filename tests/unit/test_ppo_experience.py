@@ -65,3 +65,24 @@ def test_experience_puts_the_score_on_the_last_token_and_whitens():
     assert abs(whitened["advantages"][on].mean()) < 1e-6
     minis = list(minibatches(arrays, 1, "token_mean", np.random.default_rng(0)))
     assert len(minis) == 2 and all(m["loss_weights"].sum() == pytest.approx(1.0) for m in minis)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_in_the_reward_is_bounded_per_token(estimator):
+    """A token the reference finds absurd (log-ratio -15: k3 was e^15 - 16 = 3.3e6) costs
+    at most kl_coef * 10 in the reward, like verl's clamp."""
+    mask = np.array([[0, 1, 1, 1, 0]], np.float32)
+    batch = {"input_ids": np.ones((1, 5), np.int32), "attention_mask": np.ones((1, 5)),
+             "response_mask": mask}  # fmt: skip
+    old = np.array([[0.0, -16.0, -1.0, -2.0, 0.0]], np.float32)
+    ref = np.array([[0.0, -1.0, -1.0, -40.0, 0.0]], np.float32)  # d = -15, 0, 38
+    ppo = PpoConfig(prompts_per_step=1, num_generations_per_prompt=1, mini_batch_size=1,
+                    kl_coef=0.5, kl_in_reward=True, kl_estimator=estimator, gamma=1.0,
+                    lam=1.0, whiten_advantages=False)  # fmt: skip
+    zeros = np.zeros((1, 5), np.float32)
+    arrays, stats = build_experience(batch, np.array([1.0]), old, ref, zeros, ppo)
+    kl = {"k1": [-10.0, 0.0, 10.0], "k2": [10.0, 0.0, 10.0], "k3": [10.0, 0.0, 10.0]}[estimator]
+    rewards = np.array([0.0, 0.0, 1.0]) - 0.5 * np.array(kl)
+    # lam = gamma = 1, values 0: the return is the reward-to-go
+    np.testing.assert_allclose(arrays["returns"][0, 1:4], np.cumsum(rewards[::-1])[::-1])
+    assert stats["policy/kl"] == pytest.approx(np.mean(kl))

@@ -10,6 +10,10 @@ Shared conventions (all three implementations):
 
 - Log-ratios ``a - b`` are clamped to ``[-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT]`` before
   ``exp`` (k3 and the policy ratio), so one absurd token cannot make ``inf``/``NaN``.
+- Every per-token KL value (k1, k2, k3) is bounded to ``[-KL_VALUE_LIMIT,
+  KL_VALUE_LIMIT]`` (verl's ``kl_penalty`` clamps k3 the same way), so one token the
+  reference finds absurd cannot swamp a reward or a loss (k3 at a log-ratio of -15 is
+  ``e^15 - 16 = 3.3e6``). Where the bound is in force the token's KL has no gradient.
 - Masked-out columns are selected away (``where``), not multiplied by 0, so garbage there
   does not leak into the result; they must still hold finite values for gradients.
 - ``token_mean`` over no tokens is 0, not NaN (``sum / max(count, 1)``).
@@ -28,6 +32,7 @@ Aggregation = Literal["token_mean", "sequence_mean"]
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean")
 LOG_RATIO_LIMIT = 20.0
+KL_VALUE_LIMIT = 10.0
 
 
 def check_estimator(estimator: str) -> None:
@@ -58,17 +63,20 @@ def kl_penalty(
 ) -> np.ndarray:
     """Per-token estimate ``[B, L]`` of KL(pi || ref) from the sampled tokens' log-probs.
 
-    With ``d = logprobs - ref_logprobs`` clamped to ``[-20, 20]``:
-    ``k1 = d``; ``k2 = d^2 / 2``; ``k3 = exp(-d) + d - 1`` (Schulman's estimator,
-    unbiased and non-negative). Not masked: the caller aggregates or puts it in rewards.
+    With ``d = logprobs - ref_logprobs``: ``k1 = d``; ``k2 = d^2 / 2``;
+    ``k3 = exp(-d) + d - 1`` (Schulman's estimator, unbiased and non-negative; ``d``
+    clamped to ``[-20, 20]`` before ``exp``). Each value is then bounded to ``[-10, 10]``
+    (``KL_VALUE_LIMIT``). Not masked: the caller aggregates or puts it in rewards.
     """
     check_estimator(estimator)
     d = np.clip(_f64(logprobs) - _f64(ref_logprobs), -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d * d
-    return np.exp(-d) + d - 1.0
+        kl = d
+    elif estimator == "k2":
+        kl = 0.5 * d * d
+    else:
+        kl = np.exp(-d) + d - 1.0
+    return np.clip(kl, -KL_VALUE_LIMIT, KL_VALUE_LIMIT)
 
 
 def aggregate(values: np.ndarray, mask: np.ndarray, mode: Aggregation) -> float:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from strop.rl.losses_reference import (
+    KL_VALUE_LIMIT,
     LOG_RATIO_LIMIT,
     Aggregation,
     KlEstimator,
@@ -40,14 +41,17 @@ def shift_values(raw: jax.Array) -> jax.Array:
 
 
 def kl_penalty(logprobs, ref_logprobs, estimator: KlEstimator) -> jax.Array:
-    """Per-token KL(pi || ref) estimate ``[B, L]``: k1, k2 or k3 (log-ratio clamped)."""
+    """Per-token KL(pi || ref) estimate ``[B, L]``: k1, k2 or k3 (log-ratio clamped before
+    ``exp``), each value bounded to ``[-KL_VALUE_LIMIT, KL_VALUE_LIMIT]``."""
     check_estimator(estimator)
     d = jnp.clip(_f32(logprobs) - _f32(ref_logprobs), -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d * d
-    return jnp.exp(-d) + d - 1.0
+        kl = d
+    elif estimator == "k2":
+        kl = 0.5 * d * d
+    else:
+        kl = jnp.exp(-d) + d - 1.0
+    return jnp.clip(kl, -KL_VALUE_LIMIT, KL_VALUE_LIMIT)
 
 
 def aggregate(values, mask, mode: Aggregation) -> jax.Array:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from strop.rl.losses_reference import (
+    KL_VALUE_LIMIT,
     LOG_RATIO_LIMIT,
     Aggregation,
     KlEstimator,
@@ -39,14 +40,17 @@ def shift_values(raw: torch.Tensor) -> torch.Tensor:
 
 
 def kl_penalty(logprobs, ref_logprobs, estimator: KlEstimator) -> torch.Tensor:
-    """Per-token KL(pi || ref) estimate ``[B, L]``: k1, k2 or k3 (log-ratio clamped)."""
+    """Per-token KL(pi || ref) estimate ``[B, L]``: k1, k2 or k3 (log-ratio clamped before
+    ``exp``), each value bounded to ``[-KL_VALUE_LIMIT, KL_VALUE_LIMIT]``."""
     check_estimator(estimator)
     d = torch.clamp(_f32(logprobs) - _f32(ref_logprobs), -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d * d
-    return torch.exp(-d) + d - 1.0
+        kl = d
+    elif estimator == "k2":
+        kl = 0.5 * d * d
+    else:
+        kl = torch.exp(-d) + d - 1.0
+    return torch.clamp(kl, -KL_VALUE_LIMIT, KL_VALUE_LIMIT)
 
 
 def aggregate(values, mask, mode: Aggregation) -> torch.Tensor:
