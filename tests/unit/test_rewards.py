@@ -15,7 +15,7 @@ import pytest
 
 from strop import rewards
 from strop.errors import ConfigError, StropError
-from strop.rewards import base
+from strop.rewards import base, math_rewards
 from strop.rewards.math_rewards import parse_number
 
 # The shared datasets sit beside the checkout (`../shared`); STROP_GSM8K_DIR overrides,
@@ -229,6 +229,132 @@ def test_fast_path_decides_plain_numbers_both_ways(fast_gsm8k):
 
 def test_huge_answers_are_not_checked(fast_gsm8k):
     assert fast_gsm8k(["q"], ["\\boxed{" + "x+" * 2000 + "1}"], answer=["1"]) == [0.0]
+
+
+# --- answers with units -----------------------------------------------------------------
+
+# (completion, gold, gsm8k/math score, format score). The fast path must decide every row:
+# a number with a unit or noun after it is graded by the number, right and wrong numbers
+# both; an answer in words that is not "<number> <unit>" (a hedge, a qualifier, a sentence,
+# two numbers) scores 0. ``format`` wants a bare number, so it gives 0 to every unit.
+UNIT_ANSWERS = [
+    # a unit or noun after the number: graded by the number
+    ("#### 18 dollars", "18", 1.0, 0.0),
+    ("#### 17 dollars", "18", 0.0, 0.0),
+    ("#### $18/hour", "18", 1.0, 0.0),
+    ("#### $17/hour", "18", 0.0, 0.0),
+    ("#### \\$18 per hour", "18", 1.0, 0.0),
+    ("#### 18 dollars per hour", "18", 1.0, 0.0),
+    ("#### 1,000 apples", "1000", 1.0, 0.0),
+    ("#### 1,001 apples", "1000", 0.0, 0.0),
+    ("#### 5 km.", "5", 1.0, 0.0),
+    ("#### 6 km.", "5", 0.0, 0.0),
+    ("#### -3 degrees", "-3", 1.0, 0.0),
+    ("#### 3 degrees", "-3", 0.0, 0.0),
+    ("#### -3°C", "-3", 1.0, 0.0),
+    ("#### 18 cookies", "Work <<3*6=18>>18\n#### 18", 1.0, 0.0),
+    ("#### 18 eggs", "Work <<3*6=18>>18\n#### 18", 1.0, 0.0),
+    ("#### 19 eggs", "Work <<3*6=18>>18\n#### 18", 0.0, 0.0),
+    ("#### 18.0 eggs", "18", 1.0, 0.0),
+    ("#### 18.5 eggs", "18", 0.0, 0.0),
+    ("#### 18cm", "18", 1.0, 0.0),
+    ("#### 12 o'clock", "12", 1.0, 0.0),
+    ("#### 7 year-olds", "7", 1.0, 0.0),
+    ("#### 25 percent", "25", 1.0, 0.0),
+    ("#### 2 cups of flour in total", "2", 1.0, 0.0),
+    ("#### 18 dollars a day", "18", 1.0, 0.0),
+    ("#### 90 km/h", "90", 1.0, 0.0),
+    ("#### 1/2 cup", "0.5", 1.0, 0.0),
+    ("#### 1/3 cup", "0.5", 0.0, 0.0),
+    ("#### 18 dollars", "18 dollars", 1.0, 0.0),
+    ("#### 18", "18 dollars", 1.0, 1.0),
+    ("#### 17", "18 dollars", 0.0, 1.0),
+    ("\\boxed{18 dollars}", "18", 1.0, 0.0),
+    ("<answer>17 dollars</answer>", "18", 0.0, 0.0),
+    # a scale word right after the number multiplies it
+    ("#### 1.5 million dollars", "1500000", 1.0, 0.0),
+    ("#### 1.5 million", "1.5", 0.0, 0.0),
+    ("#### 3 thousand", "3", 0.0, 0.0),
+    ("#### 3 thousand", "3000", 1.0, 0.0),
+    # plain numbers: as before
+    ("#### 18", "18", 1.0, 1.0),
+    ("#### 17", "18", 0.0, 1.0),
+    ("#### 18.00", "18", 1.0, 1.0),
+    ("#### 1,234", "1234", 1.0, 1.0),
+    ("#### -3", "-3", 1.0, 1.0),
+    ("#### 18.", "18", 1.0, 0.0),
+    ("#### $18", "18", 1.0, 0.0),
+    # not "<number> <unit>": ungraded, 0 whatever the gold
+    ("#### 18 or 19", "18", 0.0, 0.0),
+    ("#### 18 or 19", "19", 0.0, 0.0),
+    ("#### 18 and 19", "18", 0.0, 0.0),
+    ("#### 18 to 19 dollars", "18", 0.0, 0.0),
+    ("#### 18 or more", "18", 0.0, 0.0),
+    ("#### 18 at least", "18", 0.0, 0.0),
+    ("#### 18 is wrong", "18", 0.0, 0.0),
+    ("#### 18 dollars, not 19", "18", 0.0, 0.0),
+    ("#### about 18", "18", 0.0, 0.0),
+    ("#### approximately 18 dollars", "18", 0.0, 0.0),
+    ("#### not 18", "18", 0.0, 0.0),
+    ("#### The answer is 18", "18", 0.0, 0.0),
+    ("#### 18 dollars and 50 cents", "18.5", 0.0, 0.0),
+    ("#### eighteen", "18", 0.0, 0.0),
+    ("#### 18 apples because 3 times 6 is 18", "18", 0.0, 0.0),
+    ("#### 3 thousand dollars or so", "3000", 0.0, 0.0),
+]
+
+
+@pytest.mark.parametrize(("completion", "gold", "correct", "formatted"), UNIT_ANSWERS)
+def test_answers_with_units_are_graded_by_the_number(
+    monkeypatch, completion, gold, correct, formatted
+):
+    monkeypatch.setattr(math_rewards, "default_pool", NoPool)
+    for name in ("gsm8k", "math"):
+        reward = rewards.get(name)
+        assert reward(["q"], [completion], answer=[gold]) == [correct], name
+        assert reward.stats == rewards.RewardStats(calls=1, items=1), name
+    assert rewards.get("format")(["q"], [completion]) == [formatted]
+
+
+def test_every_builtin_reward_reading_hashes_is_in_the_units_table():
+    # A new built-in reward that reads "####" answers must be added to the table above.
+    assert set(rewards.names()) == {"gsm8k", "math", "format"}
+
+
+class RecordingPool:
+    """A verifier pool that records what reaches it and says every pair differs."""
+
+    def __init__(self):
+        self.pairs: list[tuple[str, str]] = []
+
+    def verify_many(self, pairs):
+        self.pairs += pairs
+        return [rewards.Verdict.NOT_EQUAL] * len(pairs)
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold", "sent"),
+    [
+        # math, not words: math-verify judges it, as before
+        ("#### 3 + 4", "7", ("\\boxed{7}", "\\boxed{3 + 4}")),
+        ("#### 18 - 2", "16", ("\\boxed{16}", "\\boxed{18 - 2}")),
+        ("#### x = 18", "18", ("\\boxed{18}", "\\boxed{x = 18}")),
+        ("#### 18 \\text{ dollars}", "18", ("\\boxed{18}", "\\boxed{18 \\text{ dollars}}")),
+        # one letter may be a variable or a constant, not a unit
+        ("#### 2i", "2", ("\\boxed{2}", "\\boxed{2i}")),
+        ("#### 5 x", "5", ("\\boxed{5}", "\\boxed{5 x}")),
+        ("#### 1e5", "100000", ("\\boxed{100000}", "\\boxed{1e5}")),
+        # a gold math-verify must read: the answer goes without its unit
+        ("#### 1/2 cup", "\\frac{1}{2}", ("\\boxed{\\frac{1}{2}}", "\\boxed{1/2}")),
+        ("#### 1.5 million", "\\frac{3}{2}", ("\\boxed{\\frac{3}{2}}", "\\boxed{1500000}")),
+        ("#### 18 or 19", "x", ("\\boxed{x}", "\\boxed{18 or 19}")),
+    ],
+)
+def test_math_and_symbolic_answers_still_go_to_math_verify(completion, gold, sent):
+    pool = RecordingPool()
+    reward = rewards.Reward("math", rewards.MathReward(pool=pool))
+    assert reward(["q"], [completion], answer=[gold]) == [0.0]
+    assert pool.pairs == [sent]
 
 
 def _gsm8k_golds() -> list[str]:

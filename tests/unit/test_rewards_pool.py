@@ -71,7 +71,8 @@ def test_math_verify_cases_through_the_pool(pool):
         ("\\boxed{2^{1/2}}", "The side is $\\boxed{\\sqrt{2}}$.", 1.0),
         ("<answer>$x + 1$</answer>", "1+x", 1.0),
         ("\\boxed{(1, 2)}", "(1,2)", 1.0),
-        ("#### 18 apples", "#### 18", 1.0),
+        ("#### 18 \\text{ apples}", "#### 18", 1.0),  # "#### 18 apples": the fast path's
+        ("#### 1/2 cup", "\\frac{1}{2}", 1.0),  # sent to math-verify without its unit
         ("\\boxed{\\pi}", "3", 0.0),
     ]
     before = pool.stats.items

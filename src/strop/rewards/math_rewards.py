@@ -14,14 +14,44 @@ Correctness, per completion:
    and ``1234%`` all equal gold ``1234``. Dropping ``%`` is deliberate: GSM8K's gold for
    "what percent..." questions is the bare number, so ``25%`` must match gold ``25``; the
    cost is that ``25%`` does not match gold ``0.25``.
-4. Anything else (fractions, roots, intervals, expressions, numbers with units) goes to
-   math-verify, ``verify(parse(gold), parse(answer))`` with both sides wrapped in
-   ``\\boxed{}``, run in the killable worker pool of :mod:`strop.rewards.pool`. An item whose
-   check exceeds the pool's deadline scores 0 and is counted as a timeout; one whose check
-   fails scores 0 and is counted as an error (see :class:`~strop.rewards.base.Scores`).
+4. Answers with units: a number followed by a unit or a noun is graded by the number, on
+   the fast path too: ``#### 18 dollars``, ``#### $18/hour``, ``#### 1,000 apples``,
+   ``#### 5 km.``, ``#### -3 degrees``, ``#### -3°C``, ``#### 18cm``, ``#### 1/2 cup``,
+   ``#### 2 cups of flour in total`` read as 18, 18, 1000, 5, -3, -3, 18, 1/2 and 2, right or
+   wrong. The same holds wherever the answer was found (``####``, ``\\boxed{}``,
+   ``<answer>``) and for a gold written that way. Precisely: a plain number or a simple
+   fraction ``a/b``, then 1 to 5 words of letters (``'`` and ``-`` inside a word allowed,
+   ``°`` and ``°C`` too) joined by spaces or ``/``, then an optional ``.`` or ``!``. The
+   first word must have two letters or more: a lone letter after a number may be a variable
+   or a constant (``2i``, ``5 x``, ``1e5``), so those stay with math-verify (step 6). A
+   scale word right after the number multiplies it (``1.5 million`` is 1500000, ``3
+   thousand`` is 3000); ``dozen`` is a unit like any other (``18 dozen`` is 18, as GSM8K
+   asks "how many dozen").
+5. Words that are not a unit: when the gold is a number and the answer is prose (words,
+   numbers and punctuation only, no math markup such as ``\\``, ``=``, ``+``, ``^``, braces
+   or parentheses) but not ``<number> <unit>`` as above, it scores 0 without math-verify.
+   So these are never credited, whatever the gold: two numbers (``18 or 19``, ``18 and
+   19``, ``18 dollars and 50 cents``, ``2 1/2 cups``: a hedge between two values must not
+   win with either one, and a mixed number is not read); a word that qualifies, negates or
+   makes a sentence of the number (``18 or more``, ``18 at least``, ``18 is wrong``; the
+   list is ``_NOT_A_UNIT``); a scale word anywhere but right after the number; words
+   *before* the number (``about 18``, ``not 18``, ``The answer is 18``: only a leading
+   number is read, since words before it may qualify it and telling a filler from a
+   qualifier is guesswork); a number in words (``eighteen``). math-verify scored all of
+   these 0 before too, but through a worker process; now the fast path says so.
+6. Anything else (fractions, roots, intervals, expressions such as ``3 + 4`` or ``x = 18``,
+   LaTeX units such as ``18 \\text{ dollars}``) goes to math-verify,
+   ``verify(parse(gold), parse(answer))`` with both sides wrapped in ``\\boxed{}``, run in the
+   killable worker pool of :mod:`strop.rewards.pool`; a side read as ``<number> <unit>``
+   is sent as its number alone. So ``#### 3 + 4`` equals gold 7 (math-verify's choice: it is
+   the same number), as ``\\boxed{3+4}`` always did. An item whose check exceeds the pool's
+   deadline scores 0 and is counted as a timeout; one whose check fails scores 0 and is
+   counted as an error (see :class:`~strop.rewards.base.Scores`).
 
 Most GSM8K completions end in a plain number, so they never pay for inter-process calls.
-``gsm8k`` and ``math`` are the same function (registered under both names).
+``gsm8k`` and ``math`` are the same function (registered under both names). ``format`` is
+stricter by design: it checks the GSM8K template, a bare ``#### N``, so a unit scores 0
+there while ``gsm8k`` and ``math`` grade the number.
 """
 
 from __future__ import annotations
@@ -44,6 +74,7 @@ __all__ = [
     "extract_gold",
     "format_reward",
     "parse_number",
+    "parse_number_with_unit",
 ]
 
 _NUMBER_IN_TEXT = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
@@ -105,22 +136,106 @@ def extract_gold(answer: Any) -> str | None:
     return text.strip() or None
 
 
-def parse_number(text: str) -> Fraction | None:
-    """``text`` as an exact number if it is a plain decimal (after dropping math delimiters,
-    currency and percent signs, LaTeX spacing and thousands commas), else ``None``."""
+def _without_noise(text: str) -> str:
+    """``text`` without math delimiters, currency and percent signs and LaTeX spacing."""
     s = text.strip()
     for a, b in _MATH_DELIMITERS:
         if len(s) > len(a) + len(b) and s.startswith(a) and s.endswith(b):
             s = s[len(a) : -len(b)].strip()
     for noise in ("\\$", "$", "\\%", "%", "\\,", "\\!", "\\ ", "{,}"):
         s = s.replace(noise, "," if noise == "{,}" else "")
-    s = s.strip()
+    return s.strip()
+
+
+def parse_number(text: str) -> Fraction | None:
+    """``text`` as an exact number if it is a plain decimal (after dropping math delimiters,
+    currency and percent signs, LaTeX spacing and thousands commas), else ``None``."""
+    s = _without_noise(text)
     if not _PLAIN_NUMBER.fullmatch(s):
         return None
     try:
         return Fraction(Decimal(s.replace(",", "")))
     except (InvalidOperation, ValueError):
         return None
+
+
+# "<number> <unit>": a plain number or a simple fraction, then words joined by spaces or "/"
+# (a hyphen may join the number to the first word: "7-year-old"), then an optional "." or
+# "!". The first word has two letters or more (or is a degree sign); later words may be one
+# letter ("km/h", "18 dollars a day").
+_WORD = r"[A-Za-z][A-Za-z'’-]*[A-Za-z]"
+_UNIT_ANSWER = re.compile(
+    r"(?P<number>[+-]?(?:\d+/\d+|(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+))"
+    rf"(?P<unit>(?:\s*/\s*|\s*-?\s*)(?:°[A-Za-z]*|{_WORD})"
+    rf"(?:(?:\s*/\s*|\s+)(?:°[A-Za-z]*|{_WORD}|[A-Za-z]))*)"
+    r"\s*[.!]?"
+)
+_UNIT_WORDS = re.compile(r"°[A-Za-z]*|[A-Za-z][A-Za-z'’-]*")
+_MAX_UNIT_WORDS = 5
+# A scale word right after the number multiplies it; anywhere else it is not a unit.
+_SCALES = {
+    "hundred": 100,
+    "thousand": 1000,
+    "million": 10**6,
+    "billion": 10**9,
+    "trillion": 10**12,
+}
+# Words after a number that make it something other than "<number> <unit>": a second value
+# or an operation (or, and, to, plus, ...), a qualifier or hedge (least, most, about, ...), a
+# negation, a verb that makes a sentence of it, or a scale that is not a clear multiplier.
+_NOT_A_UNIT = frozenset(
+    """
+    or and to than nor vs versus between through plus minus times divided multiplied
+    except but if unless instead either neither
+    about around approximately approx roughly nearly almost maybe perhaps probably possibly
+    likely least most ish
+    not no never none nothing isn't aren't wasn't weren't don't doesn't didn't can't cannot
+    won't wouldn't couldn't shouldn't incorrect wrong
+    is are was were be been being will would could should might may must can
+    hundreds thousands millions billions trillions bn mn mln mil grand thou lakh crore
+    """.split()  # noqa: SIM905 (grouped by kind, which a list literal would lose)
+)
+# Prose: letters, digits, spaces and punctuation only. A text with anything else in it (a
+# backslash, "=", "+", "*", "^", braces, parentheses, non-ASCII symbols) is math.
+_PROSE = re.compile(r"[A-Za-z0-9\s,.;:!?'’\"/°-]*")
+_TWO_LETTERS = re.compile(r"[A-Za-z]{2}")
+
+
+def parse_number_with_unit(text: str) -> Fraction | None:
+    """``text`` as an exact number if it is ``<number> <unit>`` (``18 dollars``, ``18/hour``,
+    ``1.5 million``, ``1/2 cup``; see the module docstring, step 4) or a plain number (as
+    :func:`parse_number`), else ``None``."""
+    value = parse_number(text)
+    if value is not None:
+        return value
+    s = _without_noise(text)
+    match = _UNIT_ANSWER.fullmatch(s)
+    if match is None:
+        return None
+    words = [w.lower().replace("’", "'") for w in _UNIT_WORDS.findall(match["unit"])]
+    parts = {part for word in words for part in re.split(r"[-']", word) if part}
+    if len(words) > _MAX_UNIT_WORDS or not _NOT_A_UNIT.isdisjoint({*words, *parts}):
+        return None
+    if any(word in _SCALES for word in words[1:]):
+        return None
+    number = match["number"].replace(",", "")
+    try:
+        value = Fraction(number) if "/" in number else Fraction(Decimal(number))
+    except (InvalidOperation, ValueError, ZeroDivisionError):
+        return None
+    return value * _SCALES.get(words[0], 1)
+
+
+def _is_prose(text: str) -> bool:
+    """Words (two letters or more somewhere), digits and punctuation, and no math markup."""
+    s = _without_noise(text)
+    return _PROSE.fullmatch(s) is not None and _TWO_LETTERS.search(s) is not None
+
+
+def _as_text(value: Fraction) -> str:
+    return (
+        str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+    )
 
 
 def _for_verifier(text: str) -> str:
@@ -174,11 +289,22 @@ class MathReward:
                 gold, predicted = extract_gold(gold_text), extract_answer(completion)
                 if gold is None or predicted is None or len(predicted) > self.max_answer_chars:
                     continue
-                gold_value, predicted_value = parse_number(gold), parse_number(predicted)
+                gold_value = parse_number_with_unit(gold)
+                predicted_value = parse_number_with_unit(predicted)
                 if gold_value is not None and predicted_value is not None:
                     scores[i] = float(gold_value == predicted_value)
+                elif gold_value is not None and _is_prose(predicted):
+                    continue  # words, but not "<number> <unit>": scores 0 (docstring, step 5)
                 else:
-                    pending.append((i, _for_verifier(gold), _for_verifier(predicted)))
+                    pending.append(
+                        (
+                            i,
+                            _for_verifier(gold if gold_value is None else _as_text(gold_value)),
+                            _for_verifier(
+                                predicted if predicted_value is None else _as_text(predicted_value)
+                            ),
+                        )
+                    )
             except Exception as exc:
                 logger.debug("math reward failed on item %d: %r", i, exc)
                 scores.errors += 1
