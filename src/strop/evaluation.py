@@ -4,7 +4,10 @@ Each example's prompt (tokenized as in training) gets ``eval.num_samples`` respo
 greedy when ``eval.temperature`` is 0 — and the reward ``eval.reward`` (default
 ``gsm8k``: the final answer checked against the gold) decides which are correct.
 An example is solved if any of its responses is (pass@k); ``accuracy`` is the mean over
-all responses. Outputs, written only when complete:
+all responses. Each record's gold is found as the reward says
+(:func:`strop.data.prompts.gold_answers`) before the model is built: a record without one is
+refused by file:line (skipped with ``data.skip_bad_lines=true``). Outputs, written only when
+complete:
 
 - ``<run_dir>/eval/results.jsonl``: per example the prompt, responses, extracted
   answers, gold and correctness;
@@ -26,7 +29,7 @@ from strop import rewards
 from strop.backends import get_backend
 from strop.config import Config
 from strop.data import Tokenizer, read_data_file
-from strop.data.prompts import gold_answer, prompt_ids
+from strop.data.prompts import gold_answers, prompt_ids
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
 from strop.io.atomic import write_text_atomically
@@ -90,10 +93,14 @@ def _evaluate(config: Config, path: str, reward) -> EvalResult:
     config = _config_with_adapter(config)
     tokenizer = Tokenizer.from_pretrained(config.model.path)
     examples, _ = read_data_file(path, config.data)
+    # Every record's gold, as the reward finds it (refused by file:line if it has none),
+    # before the model is built: the reward is scored against these, not whole completions.
+    examples, golds = gold_answers(
+        examples, reward, setting="eval.reward", skip_bad_lines=config.data.skip_bad_lines
+    )
     if config.eval.max_examples:
-        examples = examples[: config.eval.max_examples]
+        examples, golds = examples[: config.eval.max_examples], golds[: config.eval.max_examples]
     prompts = [prompt_ids(example, tokenizer) for example in examples]
-    golds = [gold_answer(example) for example in examples]
 
     backend = get_backend(config.backend)
     policy = backend.build_policy(config, total_steps=1, checkpoint_dir=None)
@@ -142,7 +149,7 @@ def _evaluate(config: Config, path: str, reward) -> EvalResult:
                         "prompt": tokenizer.decode(prompts[i], skip_special_tokens=True),
                         "responses": texts[mine],
                         "extracted": [rewards.extract_answer(t) for t in texts[mine]],
-                        "gold": rewards.extract_gold(golds[i]),
+                        "gold": golds[i] if reward.gold else rewards.extract_gold(golds[i]),
                         "correct": hits,
                         "solved": any(hits),
                     }

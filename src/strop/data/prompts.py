@@ -4,13 +4,27 @@ The prompt is tokenized exactly as in training (``data/sft.py``): the tokenizer'
 (e.g. BOS) + the prompt text for prompt/completion and GSM8K records; for chats, every
 turn before the last assistant turn rendered with the chat template and its generation
 prompt. So evaluation and RL see the prompts SFT trained on.
+
+The gold answer is the reward's business: a reward registered with a
+:class:`~strop.rewards.Gold` finds it in the record's answer text (the completion, or the
+last assistant turn), and :func:`gold_answers` refuses a record where it finds none, by
+file and line, before any model loads (with ``data.skip_bad_lines`` it skips and counts
+them). A reward nobody can earn would otherwise train on 0.000 without a word.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import TYPE_CHECKING
+
 from strop.data.sources import Example
 from strop.data.tokenizer import Tokenizer
 from strop.errors import DataError
+
+if TYPE_CHECKING:
+    from strop.rewards import Reward
+
+logger = logging.getLogger(__name__)
 
 
 def prompt_ids(example: Example, tokenizer: Tokenizer) -> list[int]:
@@ -37,3 +51,60 @@ def gold_answer(example: Example) -> str:
     if example.messages and example.messages[-1]["role"] == "assistant":
         return example.messages[-1]["content"]
     raise DataError(f"{example.source}:{example.line}: no reference answer to score against")
+
+
+def answer_text(example: Example) -> str | None:
+    """The text a record's gold answer is found in: the completion (a gsm8k record's is its
+    answer), or a chat's last assistant turn; None for a chat that ends in another turn."""
+    if example.completion is not None:
+        return example.completion
+    if example.messages and example.messages[-1]["role"] == "assistant":
+        return example.messages[-1]["content"]
+    return None
+
+
+def gold_answers(
+    examples: list[Example], reward: Reward, *, setting: str, skip_bad_lines: bool = False
+) -> tuple[list[Example], list[str]]:
+    """The examples a reward can score and, aligned, its ``answer`` column for them.
+
+    A reward registered with a :class:`~strop.rewards.Gold` gets the gold its ``extract``
+    finds in every record's :func:`answer_text`; the first record with none is refused by
+    file and line (``setting``, e.g. ``ppo.reward``, is named in the message), or with
+    ``skip_bad_lines`` every such record is dropped and counted in one warning (still an
+    error when none is left). Every record is checked, not only those a run will draw. A
+    reward without one needs no gold: all examples are kept and get the record's answer as
+    is (a gsm8k record's final answer, the completion or last assistant turn, else "").
+    """
+    rule = reward.gold
+    if rule is None:
+        return examples, [example.reference or answer_text(example) or "" for example in examples]
+    kept, golds, missing = [], [], []
+    for example in examples:
+        text = answer_text(example)
+        gold = rule.extract(text) if text is not None else None
+        if gold is None:
+            if not skip_bad_lines:
+                raise DataError(
+                    f"{example.source}:{example.line}: no gold answer for reward "
+                    f"'{reward.name}' (it needs {rule.needs}); fix the data, set "
+                    f"data.skip_bad_lines=true to skip such records, or choose {setting}=format"
+                )
+            missing.append(example)
+        else:
+            kept.append(example)
+            golds.append(gold)
+    if missing:
+        first = missing[0]
+        if not kept:
+            raise DataError(
+                f"{first.source}: none of the {len(missing)} records has a gold answer for "
+                f"reward '{reward.name}' (first: {first.source}:{first.line}; it needs "
+                f"{rule.needs}); fix the data or choose {setting}=format"
+            )
+        lines = ", ".join(str(e.line) for e in missing[:10]) + ", ..." * (len(missing) > 10)
+        logger.warning(
+            "%s: skipped %d of %d records with no gold answer for reward %r (lines %s)",
+            first.source, len(missing), len(examples), reward.name, lines,
+        )  # fmt: skip
+    return kept, golds

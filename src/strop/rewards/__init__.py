@@ -10,7 +10,9 @@ Usage::
 
 Built in: ``gsm8k`` and ``math`` (answer correctness, exact numbers first, math-verify in a
 killable worker pool otherwise; :mod:`strop.rewards.math_rewards`) and ``format`` (the
-completion ends in a ``#### N`` line). Add your own with :func:`register`.
+completion ends in a ``#### N`` line; it needs no gold answer). Add your own with
+:func:`register`; pass ``gold=Gold(extract, needs)`` if it compares against a gold answer,
+so that data without one is refused before a model loads.
 
 Design: :mod:`strop.rewards.base` has the contract and the :class:`Reward` wrapper that turns
 per-item failures into a 0 plus a counted error; :mod:`strop.rewards.pool` has the
@@ -20,11 +22,12 @@ replacing the worker process of an item that takes too long.
 
 from __future__ import annotations
 
-from strop.rewards.base import Reward, RewardFn, RewardStats, Scores, get, names, register
+from strop.rewards.base import Gold, Reward, RewardFn, RewardStats, Scores, get, names, register
 from strop.rewards.math_rewards import MathReward, extract_answer, extract_gold, format_reward
 from strop.rewards.pool import PoolStats, Verdict, VerifierPool, default_pool
 
 __all__ = [
+    "Gold",
     "MathReward",
     "PoolStats",
     "Reward",

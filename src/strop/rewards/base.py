@@ -14,6 +14,14 @@ up with :func:`get`, which wraps them in a :class:`Reward`:
 Mistakes in how the reward is *used* (a missing column, ragged inputs, math-verify not being
 installed) are not contained: they raise :class:`~strop.errors.StropError` or ``ValueError``,
 because silently training on zero rewards would be worse than stopping.
+
+A reward that compares against a gold answer says so when it is registered
+(``register(name, gold=Gold(extract, needs))``): ``strop ppo`` and ``strop eval`` then find
+every record's gold with ``extract`` before any model loads, refuse a record that has none
+by file:line (a reward nobody can earn trains on zeros), and pass the extracted golds as the
+``answer`` column. A reward registered without ``gold`` (``format``, most of your own) is
+never refused for its data; it gets the record's answer text as is (see
+:func:`strop.data.prompts.gold_answers`).
 """
 
 from __future__ import annotations
@@ -89,6 +97,22 @@ class RewardStats:
         return {f"{prefix}{key}": float(value) for key, value in asdict(self).items()}
 
 
+@dataclass(frozen=True)
+class Gold:
+    """How a reward finds the gold answer of a data record, and what it needs to find one.
+
+    Attributes:
+      extract: ``extract(text) -> gold or None``, where ``text`` is the record's answer: a
+        prompt/completion record's completion (for a gsm8k record, its answer), or a chat's
+        last assistant turn. ``None`` means the record has no gold this reward can use; it
+        is refused (or skipped with ``data.skip_bad_lines=true``) before any model loads.
+      needs: what ``extract`` looks for, completing "it needs ..." in that refusal.
+    """
+
+    extract: Callable[[str], str | None]
+    needs: str
+
+
 class Reward:
     """A registered reward function plus failure containment and counters.
 
@@ -97,9 +121,10 @@ class Reward:
     with its own counters. Thread-safe as far as the wrapped function is.
     """
 
-    def __init__(self, name: str, fn: RewardFn):
+    def __init__(self, name: str, fn: RewardFn, gold: Gold | None = None):
         self.name = name
         self.fn = fn
+        self.gold = gold  # how it finds a record's gold answer; None: it needs none
         self._lock = threading.Lock()
         self._stats = RewardStats()
 
@@ -180,18 +205,22 @@ class Reward:
         return scores, timeouts, errors
 
 
-_REGISTRY: dict[str, RewardFn] = {}
+_REGISTRY: dict[str, tuple[RewardFn, Gold | None]] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
-def register(name: str, *, replace: bool = False) -> Callable[[F], F]:
+def register(name: str, *, replace: bool = False, gold: Gold | None = None) -> Callable[[F], F]:
     """Decorator: register a :class:`RewardFn` under ``name`` (returned unchanged).
 
     Works on functions and on callable objects (``register("x")(MyReward())``). Registering
-    a name twice is a programming error (``ValueError``) unless ``replace=True``.
+    a name twice is a programming error (``ValueError``) unless ``replace=True``. ``gold``:
+    the reward scores against a gold answer, found in each record as :class:`Gold` says;
+    records without one are refused before training or evaluation starts.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"a reward name must be a non-empty string, got {name!r}")
+    if gold is not None and not isinstance(gold, Gold):
+        raise TypeError(f"reward {name!r}: gold must be a strop.rewards.Gold, got {gold!r}")
 
     def decorator(fn: F) -> F:
         if not callable(fn):
@@ -199,7 +228,7 @@ def register(name: str, *, replace: bool = False) -> Callable[[F], F]:
         with _REGISTRY_LOCK:
             if name in _REGISTRY and not replace:
                 raise ValueError(f"a reward named {name!r} is already registered")
-            _REGISTRY[name] = fn
+            _REGISTRY[name] = (fn, gold)
         return fn
 
     return decorator
@@ -218,8 +247,8 @@ def get(name: str) -> Reward:
       ConfigError: no reward has that name; the message lists the known ones.
     """
     with _REGISTRY_LOCK:
-        fn = _REGISTRY.get(name)
+        entry = _REGISTRY.get(name)
         known = sorted(_REGISTRY)
-    if fn is None:
+    if entry is None:
         raise ConfigError(f"unknown reward {name!r}; known rewards: {', '.join(known)}")
-    return Reward(name, fn)
+    return Reward(name, *entry)

@@ -63,7 +63,7 @@ from fractions import Fraction
 from typing import Any
 
 from strop.errors import ConfigError
-from strop.rewards.base import Scores, register
+from strop.rewards.base import Gold, Scores, register
 from strop.rewards.pool import Verdict, VerifierPool, default_pool
 
 logger = logging.getLogger(__name__)
@@ -335,6 +335,23 @@ def format_reward(prompts: list[str], completions: list[str], **columns: list[An
     return scores
 
 
-register("gsm8k")(MathReward())
-register("math")(MathReward())
+def _gold_of_solution(text: str) -> str | None:
+    """A record's gold for the math rewards: what :func:`extract_gold` finds after ``####``
+    or in ``\\boxed{}``, or the whole text if it is one number, with a unit or not (``" 18"``,
+    ``" 18 dollars"``); else ``None``: a worked solution with no marked answer is not a gold
+    a response can match."""
+    gold = extract_gold(text)
+    if gold is None or (gold == text.strip() and parse_number_with_unit(gold) is None):
+        return None
+    return gold
+
+
+# What the correctness rewards compare against; ``format`` needs no gold.
+_MATH_GOLD = Gold(
+    _gold_of_solution,
+    "a '#### <answer>' line or a \\boxed{<answer>} in the completion or last assistant turn, "
+    "a completion that is just a number (a unit allowed), or a gsm8k record's answer",
+)
+register("gsm8k", gold=_MATH_GOLD)(MathReward())
+register("math", gold=_MATH_GOLD)(MathReward())
 register("format")(format_reward)

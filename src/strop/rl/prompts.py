@@ -2,7 +2,10 @@
 
 Prompts longer than ``data.max_length`` tokens are dropped and logged (or, with
 ``data.truncation=error``, refused by file and line); a prompt is never cut. Responses
-are bounded separately, by ``generation.max_new_tokens``.
+are bounded separately, by ``generation.max_new_tokens``. A record with no gold answer for
+``ppo.reward`` is refused by file and line (skipped with ``data.skip_bad_lines=true``); see
+:func:`strop.data.prompts.gold_answers`. This runs after the tokenizer loads and before
+any model does.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from strop import rewards
 from strop.config import Config, DataConfig
 from strop.data import Tokenizer, read_data_file
-from strop.data.prompts import gold_answer, prompt_ids
+from strop.data.prompts import gold_answers, prompt_ids
 from strop.data.sources import Example
 from strop.errors import ConfigError, DataError
 
@@ -32,6 +36,13 @@ class PromptSet:
     @classmethod
     def read(cls, path: str, config: Config, tokenizer: Tokenizer, limit: int = 0) -> PromptSet:
         examples, _ = read_data_file(path, config.data)
+        examples, golds = gold_answers(
+            examples,
+            rewards.get(config.ppo.reward),
+            setting="ppo.reward",
+            skip_bad_lines=config.data.skip_bad_lines,
+        )
+        gold_of = {id(example): gold for example, gold in zip(examples, golds, strict=True)}
         if limit:
             examples = examples[:limit]
         ids = [prompt_ids(example, tokenizer) for example in examples]
@@ -40,7 +51,7 @@ class PromptSet:
             raise ConfigError(f"{path}: no prompts to train or validate on")
         return cls(
             ids=ids,
-            golds=[gold_answer(example) for example in examples],
+            golds=[gold_of[id(example)] for example in examples],
             texts=[example.prompt or "" for example in examples],
         )
 
