@@ -14,8 +14,10 @@ Shared conventions (all three implementations):
   KL_VALUE_LIMIT]`` (verl's ``kl_penalty`` clamps k3 the same way), so one token the
   reference finds absurd cannot swamp a reward or a loss (k3 at a log-ratio of -15 is
   ``e^15 - 16 = 3.3e6``). Where the bound is in force the token's KL has no gradient.
-- Masked-out columns are selected away (``where``), not multiplied by 0, so garbage there
-  does not leak into the result; they must still hold finite values for gradients.
+- Masked-out columns are selected away (``where``) before any non-linear op, never
+  multiplied by 0, so whatever they hold (NaN and Inf included) reaches neither a result
+  nor, in the backends, a gradient (the gradient of ``where(m, f(x), 0)`` is NaN where
+  ``f'(x)`` is, so the inputs themselves are selected first).
 - ``token_mean`` over no tokens is 0, not NaN (``sum / max(count, 1)``).
 - Statistics are token means over response tokens, whatever the loss's aggregation.
 """
@@ -56,6 +58,11 @@ def _f64(x) -> np.ndarray:
 
 def _on(mask) -> np.ndarray:
     return np.asarray(mask) > 0
+
+
+def _select(on: np.ndarray, x) -> np.ndarray:
+    """``x`` (float64) where ``on``, else 0: nothing is computed on masked columns."""
+    return np.where(on, _f64(x), 0.0)
 
 
 def kl_penalty(
@@ -126,9 +133,10 @@ def policy_loss(
     """
     check_aggregation(aggregation)
     check_dual_clip(dual_clip)
-    log_ratio = _f64(logprobs) - _f64(old_logprobs)
+    on = _on(mask)
+    log_ratio = _select(on, logprobs) - _select(on, old_logprobs)
     ratio = np.exp(np.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-    adv = _f64(advantages)
+    adv = _select(on, advantages)
     pg1 = -adv * ratio
     pg2 = -adv * np.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
     clipped = np.maximum(pg1, pg2)
@@ -175,10 +183,11 @@ def value_loss(
     token mean of "the clipped term is the larger one".
     """
     check_aggregation(aggregation)
-    v, r = _f64(values), _f64(returns)
+    on = _on(mask)
+    v, r = _select(on, values), _select(on, returns)
     unclipped = (v - r) ** 2
     if value_clip:
-        old = _f64(old_values)
+        old = _select(on, old_values)
         v_clipped = np.clip(v, old - value_clip, old + value_clip)
         clipped = (v_clipped - r) ** 2
         per_token = 0.5 * np.maximum(unclipped, clipped)

@@ -33,6 +33,12 @@ def _on(mask) -> jax.Array:
     return jnp.asarray(mask) > 0
 
 
+def _select(on: jax.Array, x) -> jax.Array:
+    """``x`` (as float32) where ``on``, else 0: masked columns never reach a non-linear op,
+    so NaN/Inf there reach neither the result nor its gradient."""
+    return jnp.where(on, _f32(x), 0.0)
+
+
 def shift_values(raw: jax.Array) -> jax.Array:
     """``values[:, t] = raw[:, t - 1]``, ``values[:, 0] = 0``: the critic's output at column
     ``t - 1`` is ``V(x_<t)`` (see :func:`strop.rl.gae.shift_values`)."""
@@ -76,16 +82,19 @@ def policy_terms(
     logprobs,
     old_logprobs,
     advantages,
+    mask,
     clip_low: float,
     clip_high: float,
     dual_clip: float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Per-token clipped-surrogate loss ``[B, L]`` and per-token statistics (``clipfrac``
-    and ``dual_clip_frac`` indicators, ``approx_kl``), before any aggregation."""
+    and ``dual_clip_frac`` indicators, ``approx_kl``), before any aggregation; all 0 where
+    ``mask`` is 0, whatever the inputs hold there (NaN and Inf included)."""
     check_dual_clip(dual_clip)
-    log_ratio = _f32(logprobs) - _f32(old_logprobs)
+    on = _on(mask)
+    log_ratio = _select(on, logprobs) - _select(on, old_logprobs)
     ratio = jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-    adv = _f32(advantages)
+    adv = _select(on, advantages)
     pg1 = -adv * ratio
     pg2 = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
     clipped = jnp.maximum(pg1, pg2)
@@ -111,7 +120,7 @@ def policy_loss(
     ``dual_clip_frac`` with a dual clip)."""
     check_aggregation(aggregation)
     per_token, terms = policy_terms(
-        logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip
+        logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip
     )
     stats = {name: _stat(term, mask) for name, term in terms.items()}
     return aggregate(per_token, mask, aggregation), stats
@@ -125,15 +134,17 @@ def entropy_from_logits(logits) -> jax.Array:
 
 
 def value_terms(
-    values, old_values, returns, value_clip: float | None
+    values, old_values, returns, mask, value_clip: float | None
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token ``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)`` ``[B, L]`` and the
-    per-token indicator that the clipped branch won; ``value_clip`` 0/None: no clipping."""
-    v, r = _f32(values), _f32(returns)
+    per-token indicator that the clipped branch won; ``value_clip`` 0/None: no clipping.
+    Both are 0 where ``mask`` is 0, whatever the inputs hold there."""
+    on = _on(mask)
+    v, r = _select(on, values), _select(on, returns)
     unclipped = (v - r) ** 2
     if not value_clip:
         return 0.5 * unclipped, jnp.zeros(v.shape, F32)
-    old = _f32(old_values)
+    old = _select(on, old_values)
     clipped = (jnp.clip(v, old - value_clip, old + value_clip) - r) ** 2
     return 0.5 * jnp.maximum(unclipped, clipped), (clipped > unclipped).astype(F32)
 
@@ -149,5 +160,5 @@ def value_loss(
     """Clipped critic loss ``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)`` and stat
     ``vf_clipfrac``; ``value_clip`` 0 or None means no clipping."""
     check_aggregation(aggregation)
-    per_token, clipped = value_terms(values, old_values, returns, value_clip)
+    per_token, clipped = value_terms(values, old_values, returns, mask, value_clip)
     return aggregate(per_token, mask, aggregation), {"vf_clipfrac": _stat(clipped, mask)}

@@ -10,7 +10,9 @@ arguments and ``frozen`` as a plain one, so an update never invalidates the shar
 Per-token arrays follow :mod:`strop.rl.gae`: column ``t`` is about token ``x_t``, read
 from the logits (or hidden state) at column ``t - 1``; column 0 is 0. Micro-batch arrays
 come stacked ``[micro, rows, L]``; losses are ``sum(per_token * loss_weights)`` (see
-:mod:`strop.rl.objectives`), so the micro-batch sums add up to the mini-batch loss.
+:mod:`strop.rl.objectives`), so the micro-batch sums add up to the mini-batch loss. Columns
+without a loss weight are selected away (``where``) before any non-linear op, never
+multiplied by 0, so whatever they hold (NaN, Inf) reaches neither a loss nor a gradient.
 """
 
 from __future__ import annotations
@@ -70,6 +72,67 @@ def values(graphdef, trainable, frozen, input_ids, attention_mask):
     return _critic_values(graphdef, trainable, frozen, input_ids, attention_mask)
 
 
+def _weighted_sum(per_token: jax.Array, weights: jax.Array) -> jax.Array:
+    """``sum(per_token * weights)`` over the columns with a weight, the others selected
+    away (``0 * NaN`` would be NaN)."""
+    return jnp.where(weights > 0, per_token * weights, 0.0).sum()
+
+
+def _select(on: jax.Array, x: jax.Array) -> jax.Array:
+    return jnp.where(on, x.astype(F32), 0.0)
+
+
+def policy_micro_loss(
+    logits: jax.Array, micro: dict[str, jax.Array], objective: PolicyObjective
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The actor's weighted loss over one micro-batch and its weighted statistics.
+
+    Only columns with a loss weight (the response tokens) count: the data there is
+    selected before any non-linear op, so NaN/Inf in the other columns of
+    ``old_logprobs``, ``advantages`` or ``ref_logprobs`` change neither the loss nor its
+    gradient."""
+    ids, weights = micro["input_ids"], micro["loss_weights"]
+    on = weights > 0
+    logp = _select(on, token_logprobs(logits, ids, objective.temperature))
+    per_token, terms = policy_terms(
+        logp, micro["old_logprobs"], micro["advantages"], on,
+        objective.clip_low, objective.clip_high, objective.dual_clip,
+    )  # fmt: skip
+    entropy = _shift(entropy_from_logits(logits[:, :-1] / objective.temperature))
+    pg_loss = _weighted_sum(per_token, weights)
+    entropy_sum = _weighted_sum(entropy, weights)
+    loss = pg_loss - objective.entropy_coef * entropy_sum
+    stats = {name: _weighted_sum(term, weights) for name, term in terms.items()}
+    stats["pg_loss"] = pg_loss
+    stats["entropy"] = entropy_sum
+    if objective.kl_in_loss:
+        ref = _select(on, micro["ref_logprobs"])
+        kl = kl_penalty(logp, ref, objective.kl_estimator)
+        stats["kl_loss"] = _weighted_sum(kl, weights)
+        loss = loss + objective.kl_coef * stats["kl_loss"]
+    return loss, jax.tree.map(jax.lax.stop_gradient, stats)
+
+
+def critic_micro_loss(
+    values: jax.Array, micro: dict[str, jax.Array], objective: ValueObjective
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The critic's weighted (scaled) loss over one micro-batch; stat ``loss`` is the
+    unscaled one, plus ``vf_clipfrac`` and ``value_mean``. NaN/Inf in ``old_values`` or
+    ``returns`` off the response change neither the loss nor its gradient."""
+    weights = micro["loss_weights"]
+    on = weights > 0
+    per_token, clipped = value_terms(
+        values, micro["old_values"], micro["returns"], on, objective.value_clip
+    )
+    loss = _weighted_sum(per_token, weights)
+    stats = {
+        "vf_clipfrac": _weighted_sum(clipped, weights),
+        "value_mean": _weighted_sum(values, weights),
+        "loss": loss,
+    }
+    return objective.coef * loss, jax.tree.map(jax.lax.stop_gradient, stats)
+
+
 def _accumulate(micro_loss: Callable, trainable, batch: dict[str, jax.Array]):
     """Sum of ``micro_loss``'s (loss, stats) and gradients over the leading micro axis."""
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -114,24 +177,10 @@ def policy_update(
     ``skipped``: 1 when a non-finite loss or gradient norm left everything unchanged)."""
 
     def micro_loss(trainable, micro):
-        ids, weights = micro["input_ids"], micro["loss_weights"]
-        logits = _lm_logits(graphdef, trainable, frozen, ids, micro["attention_mask"])
-        logp = token_logprobs(logits, ids, objective.temperature)
-        per_token, terms = policy_terms(
-            logp, micro["old_logprobs"], micro["advantages"],
-            objective.clip_low, objective.clip_high, objective.dual_clip,
-        )  # fmt: skip
-        entropy = _shift(entropy_from_logits(logits[:, :-1] / objective.temperature))
-        pg_loss = (per_token * weights).sum()
-        loss = pg_loss - objective.entropy_coef * (entropy * weights).sum()
-        stats = {name: (term * weights).sum() for name, term in terms.items()}
-        stats["pg_loss"] = pg_loss
-        stats["entropy"] = (entropy * weights).sum()
-        if objective.kl_in_loss:
-            kl = kl_penalty(logp, micro["ref_logprobs"], objective.kl_estimator)
-            stats["kl_loss"] = (kl * weights).sum()
-            loss = loss + objective.kl_coef * stats["kl_loss"]
-        return loss, jax.tree.map(jax.lax.stop_gradient, stats)
+        logits = _lm_logits(
+            graphdef, trainable, frozen, micro["input_ids"], micro["attention_mask"]
+        )
+        return policy_micro_loss(logits, micro, objective)
 
     grads, loss, stats = _accumulate(micro_loss, trainable, batch)
     trainable, opt_state, norm, skipped = _apply(tx, trainable, opt_state, grads, loss)
@@ -151,20 +200,10 @@ def critic_update(
     ``vf_clipfrac``, ``value_mean``, ``grad_norm`` and ``skipped`` (as in the policy's)."""
 
     def micro_loss(trainable, micro):
-        weights = micro["loss_weights"]
         new = _critic_values(
             graphdef, trainable, frozen, micro["input_ids"], micro["attention_mask"]
         )
-        per_token, clipped = value_terms(
-            new, micro["old_values"], micro["returns"], objective.value_clip
-        )
-        loss = (per_token * weights).sum()
-        stats = {
-            "vf_clipfrac": (clipped * weights).sum(),
-            "value_mean": (new * weights).sum(),
-            "loss": loss,
-        }
-        return objective.coef * loss, jax.tree.map(jax.lax.stop_gradient, stats)
+        return critic_micro_loss(new, micro, objective)
 
     grads, scaled_loss, stats = _accumulate(micro_loss, trainable, batch)
     trainable, opt_state, norm, skipped = _apply(tx, trainable, opt_state, grads, scaled_loss)
