@@ -12,6 +12,7 @@ import importlib.metadata
 import logging
 import os
 import platform
+import signal
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ import strop
 from strop.backends import shut_down_loaded_backends
 from strop.config import dump_config, load_config
 from strop.errors import StropError
+from strop.interrupts import Interrupted, raise_on_sigterm
 
 app = typer.Typer(
     name="strop",
@@ -287,12 +289,21 @@ def export(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Run the CLI on ``argv`` (default: ``sys.argv[1:]``); always exits via SystemExit."""
+    """Run the CLI on ``argv`` (default: ``sys.argv[1:]``); always exits via SystemExit.
+
+    Ctrl-C and SIGTERM end a command with one line and exit 130 / 143
+    (:mod:`strop.interrupts`), never a traceback."""
+    raise_on_sigterm()
     try:
         app(args=list(argv) if argv is not None else None, prog_name="strop")
     except StropError as e:
         print(f"{_process_tag()}error: {' '.join(str(e).split())}", file=sys.stderr)
         raise SystemExit(e.exit_code) from None
+    except (Interrupted, KeyboardInterrupt) as stop:
+        if not isinstance(stop, Interrupted):
+            stop = Interrupted(signal.SIGINT)
+        print(f"{_process_tag()}{stop.message}", file=sys.stderr)
+        raise SystemExit(stop.exit_code) from None
     except SystemExit as e:  # Typer ends every command with SystemExit, 0 on success
         if e.code in (0, None) and shut_down_loaded_backends():
             _exit_without_finalization()

@@ -163,7 +163,6 @@ class SftConfig(_Section):
         gt=0,
         description="Sequences per forward/backward pass; gradients accumulate over batch_size / micro_batch_size passes.",
     )
-    log_every: int = Field(10, gt=0, description="Log training metrics every this many steps.")
     eval_every: int = Field(
         0, ge=0, description="Evaluate on data.eval_path every this many steps; 0 = never."
     )
@@ -402,9 +401,15 @@ class LoggingConfig(_Section):
 
     every_steps: int = Field(10, gt=0, description="Write metrics every this many steps.")
     tensorboard: bool = Field(True, description="Also write TensorBoard event files under run_dir.")
-    wandb: bool = Field(False, description="Also log to Weights & Biases (needs wandb installed).")
+    wandb: bool = Field(
+        False,
+        description="Also log metrics and the resolved config to Weights & Biases (pip install 'strop[wandb]'); the W&B run is named after run_dir.",
+    )
+    wandb_project: str = Field(
+        "strop", min_length=1, description="The W&B project of logging.wandb."
+    )
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "INFO", description="Python logging level."
+        "INFO", description="Level of strop's own log messages (progress lines are INFO)."
     )
 
 

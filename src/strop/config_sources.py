@@ -239,12 +239,21 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
+# Keys an earlier strop had and read nothing from, and what to use instead.
+REMOVED_KEYS = {
+    "sft.log_every": "removed (it was never read); metrics are written every "
+    "logging.every_steps steps",
+}
+
+
 def _describe(error: Any, provenance: Provenance, schema: type[BaseModel]) -> str:
     """One pydantic error as one line: key, reason, value and where the value came from."""
     parts = [str(p) for p in error["loc"]]
     key = ".".join(parts)
     if error["type"] == "extra_forbidden":
         message = f"unknown key {key!r} (in {_source(provenance, parts)})"
+        if key in REMOVED_KEYS:
+            return f"{message}: {REMOVED_KEYS[key]}"
         parent = _model_at(schema, parts[:-1])
         close = difflib.get_close_matches(
             parts[-1], list(parent.model_fields) if parent else [], n=1

@@ -22,6 +22,7 @@ Backend-neutral: the device count comes from the backend (``device_count()``).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -33,6 +34,7 @@ from strop.errors import ConfigError
 from strop.io import run_lock
 from strop.io.checkpoint_dir import refuse_other_backends_checkpoints
 from strop.io.run_record import CONFIG_FILE, record_run
+from strop.metrics.wandb_sink import require_wandb
 
 
 @contextmanager
@@ -67,7 +69,11 @@ def refuse_launcher_of_another_backend(config: Config) -> None:
 
 def preflight(config: Config, job: str, checkpoint_dir: str | os.PathLike | None) -> None:
     """Everything ``job`` (``"sft"``, ``"ppo"`` or ``"eval"``) can refuse before loading a
-    tokenizer, data or weights; raises :class:`~strop.errors.StropError` subclasses."""
+    tokenizer, data or weights; raises :class:`~strop.errors.StropError` subclasses. Sets
+    the level of strop's log messages (``logging.level``)."""
+    logging.getLogger("strop").setLevel(config.logging.level)
+    if config.logging.wandb and job in ("sft", "ppo"):
+        require_wandb()
     refuse_launcher_of_another_backend(config)
     if checkpoint_dir is not None:
         refuse_other_backends_checkpoints(checkpoint_dir, config.backend)

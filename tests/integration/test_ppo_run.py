@@ -19,6 +19,7 @@ import pytest
 from strop import rewards
 from strop.config import load_config
 from strop.io.tiny import make_tiny_checkpoint
+from strop.metrics.sinks import read_metrics
 from strop.rl.ppo import run_ppo
 
 BACKENDS = ("jax", "torch")
@@ -79,10 +80,15 @@ def test_reward_rises_on_both_backends(task, tmp_path, backend):
         task, tmp_path / "run", backend,
         "ppo.reward=digit_share", "ppo.steps=10", "ppo.validate_every=0",
         "optim.lr=3e-2", "critic.lr=1e-2", "ppo.ppo_epochs=2", "checkpoint.every_steps=100",
+        "logging.every_steps=3",
     )  # fmt: skip
     result = run_ppo(config)
     rewards_seen = [record["train/reward"] for record in result.history]
     assert len(rewards_seen) == 10
+    # logging.every_steps, and the last iteration (PPO wrote every iteration before)
+    written = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [record["step"] for record in written] == [3, 6, 9, 10]
+    assert written[-1]["train/reward"] == rewards_seen[-1]
     assert np.mean(rewards_seen[-3:]) >= np.mean(rewards_seen[:3]) + MARGIN, rewards_seen
     assert result.history[-1].keys() >= REQUIRED_METRICS
     # nothing was changed between sampling and the first forward

@@ -149,7 +149,7 @@ def test_unknown_key_names_file_and_suggests(tmp_path: Path) -> None:
 
 def test_wrong_type_names_key_value_and_most_derived_file(tmp_path: Path) -> None:
     base = write(tmp_path / "base.yaml", {"sft": {"steps": "many"}})
-    child = write(tmp_path / "child.yaml", {"base": "base.yaml", "sft": {"log_every": 2}})
+    child = write(tmp_path / "child.yaml", {"base": "base.yaml", "sft": {"batch_size": 8}})
     message = config_error(child)
     assert message.startswith("sft.steps:") and "'many'" in message and str(base) in message
     assert str(child) not in message

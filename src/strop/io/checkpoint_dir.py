@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 from strop.errors import CheckpointError
@@ -17,6 +18,21 @@ from strop.errors import CheckpointError
 # Where each backend keeps a checkpoint's identity, relative to the step's directory
 # (``<checkpoint dir>/<step>/``): Orbax's JsonSave item, DCP checkpoints' plain file.
 IDENTITY_FILES = {"jax": Path("identity") / "metadata", "torch": Path("identity.json")}
+# What a save cut short leaves in the checkpoint directory: Orbax's temporary step
+# directories, and the staging directory a DCP save writes before its rename.
+UNFINISHED_SAVES = {"jax": "*.orbax-checkpoint-tmp*", "torch": ".tmp-*"}
+
+
+def remove_unfinished_saves(directory: str | os.PathLike, backend: str | None = None) -> None:
+    """Delete what saves killed or interrupted half-way left in ``directory`` (of
+    ``backend``, or of either). Complete steps are never touched."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for name, pattern in UNFINISHED_SAVES.items():
+        if backend in (None, name):
+            for leftover in directory.glob(pattern):
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 def backends_with_checkpoints(directory: str | os.PathLike) -> dict[str, list[int]]:

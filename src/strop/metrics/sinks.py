@@ -1,4 +1,5 @@
-"""Where metrics go: ``metrics.jsonl`` in the run directory, and TensorBoard event files.
+"""Where metrics go: ``metrics.jsonl`` in the run directory, TensorBoard event files, and
+Weights & Biases (:mod:`strop.metrics.wandb_sink`) when ``logging.wandb`` is on.
 
 Metric names are ``group/name`` (``train/loss``, ``eval/loss``, ``throughput/tokens_per_s``).
 One JSON object per logged step: ``{"step": 10, "train/loss": 1.23, ...}``.
@@ -14,8 +15,12 @@ import json
 import logging
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from strop.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +44,13 @@ class MetricsWriter:
         tensorboard: bool = True,
         enabled: bool = True,
         keep_through: int | None = None,
+        wandb: tuple[str, Mapping[str, Any]] | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self._file = None
         self._tb = None
+        self._wandb = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -58,6 +65,27 @@ class MetricsWriter:
             else:
                 purge = None if keep_through is None else keep_through + 1
                 self._tb = SummaryWriter(logdir=str(self.run_dir / "tensorboard"), purge_step=purge)
+        if wandb is not None:
+            from strop.metrics.wandb_sink import WandbSink
+
+            project, config = wandb
+            self._wandb = WandbSink(self.run_dir, project, config)
+
+    @classmethod
+    def for_run(cls, config: Config, *, enabled: bool, resumed_from: int | None) -> MetricsWriter:
+        """The writer of a training run: its run directory, the sinks ``logging`` asks for
+        (W&B with the resolved config), and the records of a killed attempt past the
+        checkpoint ``resumed_from`` dropped."""
+        wandb = None
+        if config.logging.wandb:
+            wandb = (config.logging.wandb_project, config.model_dump(mode="json"))
+        return cls(
+            config.run_dir,
+            tensorboard=config.logging.tensorboard,
+            enabled=enabled,
+            keep_through=-1 if resumed_from is None else resumed_from,
+            wandb=wandb,
+        )
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         """Record ``metrics`` at ``step`` (non-finite floats are written as null in JSON)."""
@@ -75,12 +103,16 @@ class MetricsWriter:
             for name, value in metrics.items():
                 if isinstance(value, int | float):
                     self._tb.add_scalar(name, value, step)
+        if self._wandb is not None:
+            self._wandb.write(step, metrics)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
 
     def __enter__(self) -> MetricsWriter:
         return self

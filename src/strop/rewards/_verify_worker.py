@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import sys
 
@@ -40,7 +41,6 @@ def _die_with_parent() -> None:
         return
     try:
         import ctypes
-        import signal
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -70,6 +70,9 @@ def main() -> int:
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
     inp = sys.stdin.buffer
+    # Ctrl-C reaches the whole process group: the trainer reports it and stops; this
+    # worker ends with it (stdin closes, or the death signal) without a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     try:
         import logging

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from strop import rewards
 from strop.backends import get_backend
@@ -36,10 +35,12 @@ from strop.config import Config
 from strop.data import Tokenizer
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
+from strop.interrupts import deferred_interrupts, reporting_interrupts
 from strop.io.model_spec import read_model_spec
 from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY, count_skipped
 from strop.preflight import holding_run_dir, preflight
+from strop.progress import RunProgress, is_main_by_environment
 from strop.rl.experience import build_experience, minibatches, pad_columns
 from strop.rl.prompts import PromptSet
 from strop.rl.rollout import Rollout, token_mult_prob_error
@@ -65,13 +66,26 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     """Train for ``ppo.steps`` iterations (or until ``stop_after``), resuming if possible."""
     _check(config)
     preflight(config, "ppo", config.checkpoint_path())  # before anything loads
-    with holding_run_dir(config, "ppo"):
-        return _train(config, stop_after)
+    progress = RunProgress(
+        "ppo",
+        config.ppo.steps,
+        {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"},
+        enabled=is_main_by_environment(),
+    )
+    with (
+        holding_run_dir(config, "ppo"),
+        progress,
+        reporting_interrupts(
+            lambda: progress.completed + 1, config.checkpoint_path(), config.backend
+        ),
+    ):
+        return _train(config, stop_after, progress)
 
 
-def _train(config: Config, stop_after: int | None) -> PpoResult:
+def _train(config: Config, stop_after: int | None, progress: RunProgress) -> PpoResult:
     ppo, run_dir = config.ppo, Path(config.run_dir)
     checkpoint_dir = config.checkpoint_path()
+    progress.phase("reading the prompts")
     tokenizer = Tokenizer.from_pretrained(config.model.path)
     train = PromptSet.read(config.data.train_path, config, tokenizer)
     validation = None
@@ -81,6 +95,7 @@ def _train(config: Config, stop_after: int | None) -> PpoResult:
     eos_ids = sorted({tokenizer.eos_token_id, *read_model_spec(config.model.path).eos_token_ids})
     sampling = SamplingParams.from_config(config.generation)
 
+    progress.phase("loading the models")
     engine = get_backend(config.backend).build_actor_critic(
         config, total_updates=ppo.optimizer_updates(), checkpoint_dir=checkpoint_dir
     )
@@ -91,6 +106,7 @@ def _train(config: Config, stop_after: int | None) -> PpoResult:
         start = int(extra["step"])
         skipped.update(extra.get(CHECKPOINT_KEY, {}))
         logger.info("resumed from checkpoint step %d in %s", start, run_dir)
+        progress.resumed_at(start)
         if config.lora.restore_path:
             logger.info("ignoring lora.restore_path for the actor on a resumed run")
     elif config.lora.restore_path:
@@ -98,24 +114,17 @@ def _train(config: Config, stop_after: int | None) -> PpoResult:
         logger.info("initialised the actor's adapter from %s", config.lora.restore_path)
 
     def validate() -> float:
+        progress.phase("validating")
         return validation_accuracy(engine, validation, tokenizer, reward, sampling, eos_ids, config)
 
     end = ppo.steps if stop_after is None else min(stop_after, ppo.steps)
     history: list[dict[str, float]] = []
-    with (
-        MetricsWriter(
-            run_dir,
-            tensorboard=config.logging.tensorboard,
-            enabled=engine.is_main,
-            keep_through=-1 if resumed_from is None else resumed_from,
-        ) as writer,
-        _progress(disable=not engine.is_main) as bar,
-    ):
-        accuracy = float("nan")
+    with MetricsWriter.for_run(config, enabled=engine.is_main, resumed_from=resumed_from) as writer:
         if validation is not None and start == 0:
             accuracy = validate()
             writer.write(0, {"validation/accuracy": accuracy})
-        task = bar.add_task("ppo", total=ppo.steps, completed=start, reward=0.0, acc=accuracy)
+            progress.update(0, accuracy=accuracy)
+        progress.phase("")
         for step in range(start, end):
             context = (engine, train, tokenizer, reward, sampling, eos_ids, config)
             record = ppo_iteration(step, *context, skipped=skipped)
@@ -123,19 +132,24 @@ def _train(config: Config, stop_after: int | None) -> PpoResult:
             if validation is not None and (done % ppo.validate_every == 0 or done == ppo.steps):
                 record["validation/accuracy"] = validate()
             history.append(record)
-            writer.write(done, record)
+            if (
+                done % config.logging.every_steps == 0
+                or done == end
+                or "validation/accuracy" in record
+            ):
+                writer.write(done, record)
+            figures = {"reward": record["train/reward"]}
+            if "validation/accuracy" in record:
+                figures["accuracy"] = record["validation/accuracy"]
+            progress.update(done, **figures)
             if done % config.checkpoint.every_steps == 0 or done == ppo.steps:
                 extra = {"step": done, "seed": config.seed, CHECKPOINT_KEY: dict(skipped)}
-                engine.save_checkpoint(done, extra)
-            bar.update(
-                task,
-                completed=done,
-                reward=record["train/reward"],
-                acc=record.get("validation/accuracy", bar.tasks[task].fields["acc"]),
-            )
+                with deferred_interrupts():  # a save is never cut
+                    engine.save_checkpoint(done, extra)
 
     export_path = None
     if end == ppo.steps:
+        progress.phase("exporting")
         if config.lora.enabled:
             export_path = engine.export_adapter(run_dir / "adapter", overwrite=True)
         else:
@@ -266,15 +280,3 @@ def validation_accuracy(engine, prompts, tokenizer, reward, sampling, eos_ids, c
 
 def _seed(seed: int, step: int) -> int:
     return int(np.random.SeedSequence([seed, step]).generate_state(1)[0] >> 1)
-
-
-def _progress(disable: bool = False) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TextColumn("reward {task.fields[reward]:.3f}"),
-        TextColumn("val acc {task.fields[acc]:.1%}"),
-        TimeRemainingColumn(),
-        disable=disable,
-    )

@@ -12,15 +12,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
 from strop.backends import get_backend
 from strop.config import Config
 from strop.data import Tokenizer, load_sft_examples, make_sft_batcher
 from strop.errors import ConfigError
+from strop.interrupts import deferred_interrupts, reporting_interrupts
 from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY, count_skipped
 from strop.preflight import holding_run_dir, preflight
+from strop.progress import RunProgress, is_main_by_environment
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +49,35 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
     """
     if config.model.path is None or config.data.train_path is None:
         raise ConfigError("strop sft needs model.path and data.train_path")
+    if config.sft.eval_every and not config.data.eval_path:
+        raise ConfigError(
+            "sft.eval_every > 0 needs data.eval_path (held-out data); set sft.eval_every=0 "
+            "to train without evaluation"
+        )
     preflight(config, "sft", config.checkpoint_path())  # before anything loads
-    with holding_run_dir(config, "sft"):
-        return _train(config, stop_after)
+    progress = RunProgress(
+        "sft",
+        config.sft.steps,
+        {"loss": "loss {:.4f}", "tokens_per_s": "{:,.0f} tok/s"},
+        enabled=is_main_by_environment(),
+    )
+    with (
+        holding_run_dir(config, "sft"),
+        progress,
+        reporting_interrupts(
+            lambda: progress.completed + 1, config.checkpoint_path(), config.backend
+        ),
+    ):
+        return _train(config, stop_after, progress)
 
 
-def _train(config: Config, stop_after: int | None) -> SftResult:
+def _train(config: Config, stop_after: int | None, progress: RunProgress) -> SftResult:
     run_dir = Path(config.run_dir)
     sft = config.sft
     micro_batches = sft.batch_size // sft.micro_batch_size
     checkpoint_dir = config.checkpoint_path()
 
+    progress.phase("reading the data")
     tokenizer = Tokenizer.from_pretrained(config.model.path)
     train_examples, stats = load_sft_examples(config.data.train_path, config.data, tokenizer)
     logger.info(
@@ -73,6 +91,7 @@ def _train(config: Config, stop_after: int | None) -> SftResult:
             eval_examples, config.data, tokenizer, sft.micro_batch_size, config.seed
         )
 
+    progress.phase("loading the model")
     policy = get_backend(config.backend).build_policy(
         config, total_steps=sft.steps, checkpoint_dir=checkpoint_dir
     )
@@ -82,6 +101,7 @@ def _train(config: Config, stop_after: int | None) -> SftResult:
         start = int(extra["step"])
         skipped = int(extra.get(CHECKPOINT_KEY, 0))
         logger.info("resumed from checkpoint step %d in %s", start, run_dir)
+        progress.resumed_at(start)
         if config.lora.restore_path:
             logger.info(
                 "ignoring lora.restore_path on a resumed run (state comes from the checkpoint)"
@@ -92,16 +112,8 @@ def _train(config: Config, stop_after: int | None) -> SftResult:
 
     end = sft.steps if stop_after is None else min(stop_after, sft.steps)
     losses: list[float] = []
-    with (
-        MetricsWriter(
-            run_dir,
-            tensorboard=config.logging.tensorboard,
-            enabled=policy.is_main,
-            keep_through=-1 if resumed_from is None else resumed_from,
-        ) as writer,
-        _progress(disable=not policy.is_main) as bar,
-    ):
-        task = bar.add_task("sft", total=sft.steps, completed=start, loss=float("nan"), tps=0.0)
+    with MetricsWriter.for_run(config, enabled=policy.is_main, resumed_from=resumed_from) as writer:
+        progress.phase("")
         for step in range(start, end):
             began = time.perf_counter()
             metrics = policy.train_step(batcher.batch(step), micro_batches)
@@ -128,15 +140,17 @@ def _train(config: Config, stop_after: int | None) -> SftResult:
                 record["eval/loss"] = _eval_loss(policy, eval_batcher, sft.micro_batch_size)
             if done % config.logging.every_steps == 0 or done == end or "eval/loss" in record:
                 writer.write(done, record)
+            progress.update(
+                done, loss=metrics["loss"], tokens_per_s=record["throughput/tokens_per_s"]
+            )
             if done % config.checkpoint.every_steps == 0 or done == sft.steps:
                 extra = {"step": done, "seed": config.seed, CHECKPOINT_KEY: skipped}
-                policy.save_checkpoint(done, extra)
-            bar.update(
-                task, completed=done, loss=metrics["loss"], tps=record["throughput/tokens_per_s"]
-            )
+                with deferred_interrupts():  # a save is never cut
+                    policy.save_checkpoint(done, extra)
 
     export_path = None
     if end == sft.steps:
+        progress.phase("exporting")
         if config.lora.enabled:
             export_path = policy.export_adapter(run_dir / "adapter", overwrite=True)
         else:
@@ -152,15 +166,3 @@ def _eval_loss(policy, batcher, batch_size: int) -> float:
         batch_total, batch_count = policy.eval_loss(batch)
         total, count = total + batch_total, count + batch_count
     return total / max(count, 1.0)
-
-
-def _progress(disable: bool = False) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TextColumn("loss {task.fields[loss]:.4f}"),
-        TextColumn("{task.fields[tps]:.0f} tok/s"),
-        TimeRemainingColumn(),
-        disable=disable,
-    )

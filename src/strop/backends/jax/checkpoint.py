@@ -21,7 +21,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -34,13 +33,16 @@ from flax import nnx
 
 from strop.backends.jax.sharding import write_once
 from strop.errors import CheckpointError, NonFiniteStateError
-from strop.io.checkpoint_dir import refuse_other_backends_checkpoints, save_failed
+from strop.io.checkpoint_dir import (
+    refuse_other_backends_checkpoints,
+    remove_unfinished_saves,
+    save_failed,
+)
 from strop.io.run_identity import flatten, identity_differences
 
 logger = logging.getLogger(__name__)
 
 ITEMS = ("params", "optimizer", "extra", "identity")
-_ORBAX_TMP = ".orbax-checkpoint-tmp"  # in the name of a step Orbax has not finished writing
 
 
 def _key_name(key: Any) -> str:
@@ -196,9 +198,7 @@ class TrainCheckpoints:
 
     def _remove_leftovers(self) -> None:
         """Delete what saves killed half-way left (one process; the others wait)."""
-        if self.directory.is_dir():
-            for leftover in self.directory.glob(f"*{_ORBAX_TMP}*"):
-                shutil.rmtree(leftover, ignore_errors=True)
+        remove_unfinished_saves(self.directory, "jax")
 
     def all_steps(self) -> list[int]:
         """Steps with a complete checkpoint, oldest first."""

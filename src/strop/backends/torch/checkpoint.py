@@ -49,7 +49,11 @@ from torch.distributed.tensor import DTensor
 from strop.backends.torch.fsdp import Placement, barrier
 from strop.backends.torch.lora import hf_module_path
 from strop.errors import CheckpointError, NonFiniteStateError
-from strop.io.checkpoint_dir import refuse_other_backends_checkpoints, save_failed
+from strop.io.checkpoint_dir import (
+    refuse_other_backends_checkpoints,
+    remove_unfinished_saves,
+    save_failed,
+)
 from strop.io.run_identity import identity_differences
 
 logger = logging.getLogger(__name__)
@@ -213,8 +217,7 @@ class TrainCheckpoints:
                     f"cannot use checkpoint directory {self.directory}: {err}; choose a "
                     "writable run directory"
                 ) from None
-            for leftover in self.directory.glob(_TMP_PREFIX + "*"):
-                shutil.rmtree(leftover, ignore_errors=True)  # a save killed half-way
+            remove_unfinished_saves(self.directory, "torch")  # a save killed half-way
         barrier(placement)
 
     def all_steps(self) -> list[int]:

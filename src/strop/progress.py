@@ -1,0 +1,228 @@
+"""Progress of a long command (``sft``, ``ppo``, ``eval``, ``demo``), with or without a terminal.
+
+On a terminal, a rich progress bar. Otherwise (CI, ``nohup``, output sent to a file) a bar
+draws nothing useful, so a plain log line is written instead: at most every ``interval``
+seconds when steps end (and once the first step is done), with the step, the command's own figures (loss, reward, ...),
+seconds per step and the time left::
+
+    12:01:15 INFO strop.progress: ppo 12/60 | reward 0.412 | val acc 55.0% | 3.1 s/step | ETA 2m29s
+
+and, while a step or a phase (loading the model, the first compile, validation) runs
+longer than ``interval`` seconds with nothing said, a line naming what is running::
+
+    12:01:30 INFO strop.progress: ppo 12/60 | step 13 running for 15 s
+
+so that no command is silent for more than about ``interval`` seconds. Only the main
+process of a run of several reports (``enabled``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from types import TracebackType
+
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+logger = logging.getLogger(__name__)
+
+PLAIN_INTERVAL_S = 10.0  # a plain line at least this often while a command works
+
+
+def on_terminal() -> bool:
+    """Whether stdout is an interactive terminal (a progress bar can be drawn)."""
+    return sys.stdout.isatty()
+
+
+def is_main_by_environment() -> bool:
+    """Whether this process is the first of its run by the launcher's variables (torchrun's
+    ``RANK``, ``JAX_PROCESS_ID``): known before any backend starts."""
+    return all(
+        os.environ.get(name, "0").strip() in ("", "0") for name in ("RANK", "JAX_PROCESS_ID")
+    )
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+class RunProgress:
+    """Reports ``name``'s progress through ``total`` steps.
+
+    Args:
+      name: the command (``"ppo"``).
+      total: steps in the whole run.
+      figures: how each figure given to :meth:`update` is shown, e.g.
+        ``{"loss": "loss {:.4f}"}``; a figure not yet known is left out.
+      completed: steps already done (a resumed run).
+      enabled: whether this process reports (the main process of a run).
+      terminal: draw a bar (default: when stdout is a terminal), else plain lines.
+      interval: seconds between plain lines.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        total: int,
+        figures: Mapping[str, str],
+        *,
+        completed: int = 0,
+        enabled: bool = True,
+        terminal: bool | None = None,
+        interval: float = PLAIN_INTERVAL_S,
+    ):
+        self.name, self.total, self.figures = name, total, dict(figures)
+        self.enabled = enabled
+        self.terminal = on_terminal() if terminal is None else terminal
+        self.interval = interval
+        self._started_at = completed
+        self._completed = completed
+        self._values: dict[str, float] = {}
+        self._phase = ""
+        self._lock = threading.Lock()
+        self._began = self._phase_began = self._said_at = time.monotonic()
+        self._first_step_done_at: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._bar: Progress | None = None
+        self._task = None
+
+    @property
+    def completed(self) -> int:
+        """Steps done so far (in this run and the ones it resumed)."""
+        return self._completed
+
+    def resumed_at(self, completed: int) -> None:
+        """The run resumes with ``completed`` steps already done."""
+        with self._lock:
+            self._started_at = self._completed = completed
+        if self._bar is not None:
+            self._bar.update(self._task, completed=completed)
+
+    # -- what a loop calls -----------------------------------------------------------------
+
+    def phase(self, text: str) -> None:
+        """Say what runs now (``"loading the model"``, ``"validating"``); shown on the bar,
+        and in the plain lines while it lasts."""
+        with self._lock:
+            self._phase, self._phase_began = text, time.monotonic()
+        if self._bar is not None:
+            self._bar.update(self._task, description=self._description())
+
+    def update(self, completed: int, **values: float) -> None:
+        """``completed`` steps are done; ``values`` are the latest figures."""
+        now = time.monotonic()
+        with self._lock:
+            if self._first_step_done_at is None and completed > self._started_at:
+                self._first_step_done_at, self._first_completed = now, completed
+            self._completed = completed
+            self._values.update(values)
+            self._phase, self._phase_began = "", now
+            first = self._first_step_done_at == now  # the first step of this run is done
+            due = self.enabled and not self.terminal
+            due = due and (first or now - self._said_at >= self.interval or completed >= self.total)
+        if self._bar is not None:
+            self._bar.update(self._task, completed=completed, description=self._description(),
+                             figures=self._figures())  # fmt: skip
+        if due:
+            self._say(self._line(now))
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def __enter__(self) -> RunProgress:
+        if not self.enabled:
+            return self
+        if self.terminal:
+            self._bar = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TextColumn("{task.fields[figures]}"),
+                TimeRemainingColumn(),
+            )
+            self._bar.__enter__()
+            self._task = self._bar.add_task(
+                self._description(), total=self.total, completed=self._completed, figures=""
+            )
+        else:
+            self._thread = threading.Thread(target=self._watch, name="strop-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._bar is not None:
+            self._bar.__exit__(kind, error, trace)
+
+    def _watch(self) -> None:
+        """Say what is running when nothing was said for ``interval`` seconds."""
+        while not self._stop.wait(min(1.0, max(self.interval / 4, 0.05))):
+            now = time.monotonic()
+            with self._lock:
+                quiet = now - self._said_at >= self.interval
+                running = self._phase or (
+                    f"step {self._completed + 1}" if self._completed < self.total else ""
+                )
+                began = self._phase_began
+            quiet = quiet and bool(running)
+            if quiet:
+                self._say(f"{self._head()} | {running} running for {_duration(now - began)}")
+
+    def _say(self, line: str) -> None:
+        with self._lock:
+            self._said_at = time.monotonic()
+        if self.enabled:
+            logger.info("%s", line)
+
+    def _description(self) -> str:
+        return f"{self.name} ({self._phase})" if self._phase else self.name
+
+    def _head(self) -> str:
+        return f"{self.name} {self._completed}/{self.total}"
+
+    def _figures(self) -> str:
+        shown = []
+        for key, form in self.figures.items():
+            value = self._values.get(key)
+            if value is not None and not (isinstance(value, float) and math.isnan(value)):
+                shown.append(form.format(value))
+        return " | ".join(shown)
+
+    def _line(self, now: float) -> str:
+        parts = [self._head()]
+        if self._figures():
+            parts.append(self._figures())
+        rate = self._seconds_per_step(now)
+        if rate is not None:
+            parts.append(f"{rate:.2f} s/step")
+            parts.append(f"ETA {_duration(rate * (self.total - self._completed))}")
+        return " | ".join(parts)
+
+    def _seconds_per_step(self, now: float) -> float | None:
+        """Seconds per step since the first step ended (the first carries compiles and
+        warm-up), or over the first step while it is the only one."""
+        if self._first_step_done_at is None:
+            return None
+        steps = self._completed - self._first_completed
+        if steps > 0:
+            return (now - self._first_step_done_at) / steps
+        return (self._first_step_done_at - self._began) / max(
+            self._first_completed - self._started_at, 1
+        )
