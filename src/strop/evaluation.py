@@ -23,8 +23,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
 from strop import rewards
 from strop.backends import get_backend
 from strop.config import Config
@@ -36,6 +34,7 @@ from strop.io.atomic import write_text_atomically
 from strop.io.model_spec import read_model_spec
 from strop.io.peft import load_adapter
 from strop.preflight import holding_run_dir, preflight
+from strop.progress import RunProgress, is_main_by_environment
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +84,13 @@ def run_eval(config: Config) -> EvalResult:
         raise ConfigError("strop eval needs model.path and eval.path (or data.eval_path)")
     reward = rewards.get(config.eval.reward)
     preflight(config, "eval", checkpoint_dir=None)  # before anything loads
-    with holding_run_dir(config):
-        return _evaluate(config, path, reward)
+    progress = RunProgress("eval", 0, {"solved": "solved {:.1%}"}, enabled=is_main_by_environment())
+    with holding_run_dir(config), progress:
+        return _evaluate(config, path, reward, progress)
 
 
-def _evaluate(config: Config, path: str, reward) -> EvalResult:
+def _evaluate(config: Config, path: str, reward, progress: RunProgress) -> EvalResult:
+    progress.phase("reading the data")
     config = _config_with_adapter(config)
     tokenizer = Tokenizer.from_pretrained(config.model.path)
     examples, _ = read_data_file(path, config.data)
@@ -101,7 +102,9 @@ def _evaluate(config: Config, path: str, reward) -> EvalResult:
     if config.eval.max_examples:
         examples, golds = examples[: config.eval.max_examples], golds[: config.eval.max_examples]
     prompts = [prompt_ids(example, tokenizer) for example in examples]
+    progress.set_total(len(examples))
 
+    progress.phase("loading the model")
     backend = get_backend(config.backend)
     policy = backend.build_policy(config, total_steps=1, checkpoint_dir=None)
     if config.eval.adapter is not None:
@@ -115,47 +118,44 @@ def _evaluate(config: Config, path: str, reward) -> EvalResult:
 
     records, tokens, stopped = [], 0, 0
     began = time.perf_counter()
-    with _progress(disable=not policy.is_main) as bar:
-        task = bar.add_task("eval", total=len(examples), acc=0.0)
-        solved = correct = 0
-        for start in range(0, len(examples), config.eval.batch_size):
-            batch = range(start, min(start + config.eval.batch_size, len(examples)))
-            rows = [i for i in batch for _ in range(k)]
-            generation = policy.generate(
-                [prompts[i] for i in rows],
-                params,
-                seed=config.seed + start,
-                eos_ids=eos_ids,
-                pad_id=tokenizer.pad_token_id,
-                tokenizer=tokenizer,
+    progress.phase("")
+    solved = correct = 0
+    for start in range(0, len(examples), config.eval.batch_size):
+        batch = range(start, min(start + config.eval.batch_size, len(examples)))
+        rows = [i for i in batch for _ in range(k)]
+        generation = policy.generate(
+            [prompts[i] for i in rows],
+            params,
+            seed=config.seed + start,
+            eos_ids=eos_ids,
+            pad_id=tokenizer.pad_token_id,
+            tokenizer=tokenizer,
+        )
+        texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in generation.responses()]
+        scores = reward(
+            [examples[i].prompt or "" for i in rows], texts, answer=[golds[i] for i in rows]
+        )
+        tokens += int(generation.lengths.sum())
+        stopped += sum(reason == "stop" for reason in generation.finish_reasons)
+        for j, i in enumerate(batch):
+            mine = slice(j * k, (j + 1) * k)
+            hits = [score >= 1.0 for score in scores[mine]]
+            solved += any(hits)
+            correct += sum(hits)
+            records.append(
+                {
+                    "index": i,
+                    "source": f"{examples[i].source}:{examples[i].line}",
+                    "prompt": tokenizer.decode(prompts[i], skip_special_tokens=True),
+                    "responses": texts[mine],
+                    "extracted": [rewards.extract_answer(t) for t in texts[mine]],
+                    "gold": golds[i] if reward.gold else rewards.extract_gold(golds[i]),
+                    "correct": hits,
+                    "solved": any(hits),
+                }
             )
-            texts = [
-                tokenizer.decode(ids, skip_special_tokens=True) for ids in generation.responses()
-            ]
-            scores = reward(
-                [examples[i].prompt or "" for i in rows], texts, answer=[golds[i] for i in rows]
-            )
-            tokens += int(generation.lengths.sum())
-            stopped += sum(reason == "stop" for reason in generation.finish_reasons)
-            for j, i in enumerate(batch):
-                mine = slice(j * k, (j + 1) * k)
-                hits = [score >= 1.0 for score in scores[mine]]
-                solved += any(hits)
-                correct += sum(hits)
-                records.append(
-                    {
-                        "index": i,
-                        "source": f"{examples[i].source}:{examples[i].line}",
-                        "prompt": tokenizer.decode(prompts[i], skip_special_tokens=True),
-                        "responses": texts[mine],
-                        "extracted": [rewards.extract_answer(t) for t in texts[mine]],
-                        "gold": golds[i] if reward.gold else rewards.extract_gold(golds[i]),
-                        "correct": hits,
-                        "solved": any(hits),
-                    }
-                )
-            done = batch.stop
-            bar.update(task, completed=done, acc=solved / done)
+        done = batch.stop
+        progress.update(done, solved=solved / done)
     seconds = time.perf_counter() - began
 
     out_dir = Path(config.run_dir) / "eval"
@@ -188,14 +188,3 @@ def _evaluate(config: Config, path: str, reward) -> EvalResult:
 def _model_eos_ids(config: Config) -> list[int]:
     """EOS ids from the model's config (``generation_config`` may list several)."""
     return list(read_model_spec(config.model.path).eos_token_ids)
-
-
-def _progress(disable: bool = False) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TextColumn("solved {task.fields[acc]:.1%}"),
-        TimeRemainingColumn(),
-        disable=disable,
-    )

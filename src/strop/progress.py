@@ -102,6 +102,12 @@ class RunProgress:
         """Steps done so far (in this run and the ones it resumed)."""
         return self._completed
 
+    def set_total(self, total: int) -> None:
+        """The number of steps, once known (``eval``: after the data is read)."""
+        self.total = total
+        if self._bar is not None:
+            self._bar.update(self._task, total=total)
+
     def resumed_at(self, completed: int) -> None:
         """The run resumes with ``completed`` steps already done."""
         with self._lock:
