@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import strop
 from strop.backends.jax.sharding import make_mesh
-from tests.tiny_models import KINDS, padded_batch
+from tests.tiny_models import KINDS, TINY, build_tiny_model, padded_batch
 
 ATOL = 1e-4
 
@@ -114,3 +116,150 @@ def test_bfloat16_params_and_compute(tiny_model_dir):
     ours = handle.logits(ids, mask)
     expected = hf_logits(model_dir, ids, mask)
     assert max_error_on_valid(ours, expected, mask) < 0.05 * np.abs(expected).max()
+
+
+# --- RoPE: the inverse frequencies and long sequences -------------------------------------
+
+LLAMA31_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+ROPE_SCALINGS = {
+    "default": None,
+    "llama3": LLAMA31_SCALING,
+    "llama3-factor32": {**LLAMA31_SCALING, "factor": 32.0},
+    "llama3-short-context": {**LLAMA31_SCALING, "original_max_position_embeddings": 16},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+}
+ROPE_THETAS = (1e4, 1e6)
+ROPE_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+
+
+def rope_configs() -> list[dict]:
+    """transformers LlamaConfig arguments for every (theta, head_dim, scaling) case."""
+    configs = []
+    for theta in ROPE_THETAS:
+        for head_dim in ROPE_HEAD_DIMS:
+            for scaling in ROPE_SCALINGS.values():
+                config = {**TINY, "head_dim": head_dim, "rope_theta": theta,
+                          "max_position_embeddings": 131072}  # fmt: skip
+                if scaling is not None:
+                    config["rope_scaling"] = dict(scaling)
+                configs.append(config)
+    return configs
+
+
+_TRANSFORMERS_INV_FREQ = """
+import json, sys
+import numpy as np
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.utils import logging
+logging.set_verbosity_error()
+out = [LlamaRotaryEmbedding(LlamaConfig(**c)).inv_freq.numpy().view(np.uint32).tolist()
+       for c in json.load(sys.stdin)]
+print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "inv_freq": out}))
+"""
+
+
+def transformers_inv_freq(configs: list[dict], **env: str) -> tuple[str, list[np.ndarray]]:
+    """What ``LlamaRotaryEmbedding(config).inv_freq`` holds for each config (float32 bits),
+    computed by transformers in a fresh process with ``env`` added."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _TRANSFORMERS_INV_FREQ],
+        input=json.dumps(configs), capture_output=True, text=True, check=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+    )  # fmt: skip
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    return out["capability"], [np.asarray(bits, np.uint32) for bits in out["inv_freq"]]
+
+
+def strop_inv_freq(config: dict) -> np.ndarray:
+    from strop.backends.jax.model import rope_inv_freq
+    from strop.io.model_spec import ModelSpec
+
+    ours = rope_inv_freq(ModelSpec.from_hf_config({**config, "model_type": "llama"}))
+    assert ours.dtype == np.float32
+    return ours
+
+
+def case_name(config: dict) -> str:
+    return (
+        f"theta={config['rope_theta']:g} head_dim={config['head_dim']} {config.get('rope_scaling')}"
+    )
+
+
+def test_rope_inv_freq_is_transformers_bit_for_bit():
+    """strop's RoPE inverse frequencies are the float32 values transformers computes, bit for
+    bit (default, llama3 and linear scaling; theta 1e4 and 1e6; seven head dims).
+
+    transformers runs in a fresh process with ``ATEN_CPU_CAPABILITY=default``: torch's
+    scalar kernels, whose float32 ``pow`` is correctly rounded here, as strop's is. Its
+    vectorized ``pow`` (AVX2/AVX512/NEON) is off by 1 ulp on a few elements, and which
+    elements it computes depends on the CPU (see the next test)."""
+    configs = rope_configs()
+    capability, expected = transformers_inv_freq(configs, ATEN_CPU_CAPABILITY="default")
+    assert capability == "DEFAULT"
+    wrong = []
+    for config, bits in zip(configs, expected, strict=True):
+        ours = strop_inv_freq(config).view(np.uint32)
+        assert ours.shape == bits.shape
+        if not np.array_equal(ours, bits):
+            ulps = np.abs(ours.astype(np.int64) - bits.astype(np.int64))
+            wrong.append(f"{case_name(config)}: {int((ulps > 0).sum())} of {len(bits)} "
+                         f"differ, by up to {int(ulps.max())} ulp")  # fmt: skip
+    assert not wrong, "\n".join(wrong)
+
+
+def test_rope_inv_freq_is_within_one_ulp_of_torch_vectorized_pow():
+    """Against transformers with torch's vectorized kernels (this process): every inverse
+    frequency within 1 ulp, and almost all identical."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    differing = total = 0
+    for config in rope_configs():
+        # LlamaConfig rewrites the rope_scaling dict it is given: give it a copy
+        theirs = LlamaRotaryEmbedding(LlamaConfig(**copy.deepcopy(config))).inv_freq.numpy()
+        ours = strop_inv_freq(config)
+        ulps = np.abs(ours.view(np.int32).astype(np.int64) - theirs.view(np.int32))
+        assert ulps.max() <= 1, case_name(config)
+        differing += int((ulps > 0).sum())
+        total += len(ulps)
+    assert differing <= 0.02 * total, (differing, total)
+
+
+def test_llama31_logits_match_transformers_at_1024_tokens(tmp_path):
+    """A tiny Llama-3.1-style model (rope_theta 1e6, llama3 scaling, head_dim 128) over
+    1,024 tokens: where RoPE angles reach hundreds of radians, one ulp of an inverse
+    frequency moves the logits (strop's old frequencies: 4.3e-5 off here). q and k are
+    scaled up so that attention is sharp and the angles matter."""
+    model = build_tiny_model(
+        "llama3", head_dim=128, rope_theta=1e6, rope_scaling=dict(LLAMA31_SCALING),
+        max_position_embeddings=131072,
+    )  # fmt: skip
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(30.0)
+    model.save_pretrained(tmp_path)
+    length = 1024
+    ids = np.random.default_rng(0).integers(0, TINY["vocab_size"], (1, length))
+    mask = np.ones_like(ids)
+    with torch.no_grad():
+        expected = model(
+            input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+            position_ids=torch.arange(length)[None],
+        ).logits.numpy()  # fmt: skip
+    ours = strop.load_model(tmp_path, mesh=one_device_mesh()).logits(ids, mask)
+    assert np.abs(expected).max() > 0.1
+    assert np.abs(ours - expected).max() < 1e-5

@@ -15,6 +15,7 @@ updated in the output. Without one, the forward is the plain full-sequence (trai
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -104,27 +105,38 @@ class RMSNorm(nnx.Module):
 
 
 def rope_inv_freq(spec: ModelSpec) -> np.ndarray:
-    """RoPE inverse frequencies ``[D/2]`` (float32), with linear or llama3 scaling."""
+    """RoPE inverse frequencies ``[D/2]`` (float32), with linear or llama3 scaling.
+
+    The float32 values ``transformers`` computes (``compute_default_rope_parameters``,
+    ``_compute_llama3_parameters``, ``_compute_linear_scaling_rope_parameters``), operation
+    by operation: torch rounds each Python scalar to float32 before using it, evaluates
+    ``c / tensor`` as ``tensor.reciprocal() * c`` (two roundings), and its float32 ``pow``
+    is taken correctly rounded here (computed in float64, then rounded). numpy's own float32
+    ``power`` is not: it was up to 2 ulp off, and the llama3 smoothing made that up to 11 ulp,
+    which moves logits over long sequences (angles of hundreds of radians).
+    """
+    f32 = np.float32
     dim = spec.head_dim
-    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv_freq = (1.0 / (np.float32(spec.rope_theta) ** exponents)).astype(np.float32)
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(f32) / f32(dim)
+    base = float(f32(spec.rope_theta))
+    powers = np.array([math.pow(base, float(e)) for e in exponents], np.float64).astype(f32)
+    inv_freq = f32(1.0) / powers
     scaling = spec.rope_scaling
     if scaling is None:
         return inv_freq
+    factor = f32(scaling.factor)
     if scaling.kind == "linear":
-        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+        return inv_freq / factor
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
     old_len = scaling.original_max_position_embeddings
-    low_wavelen = old_len / scaling.low_freq_factor
-    high_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * np.pi / inv_freq
-    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    low_wavelen, high_wavelen = f32(old_len / low), f32(old_len / high)
+    wavelen = (f32(1.0) / inv_freq) * f32(2 * math.pi)  # torch: 2 * pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = ((f32(1.0) / wavelen) * f32(old_len) - f32(low)) / f32(high - low)
+    smoothed = (f32(1.0) - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(f32)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
