@@ -202,10 +202,11 @@ def test_rope_inv_freq_is_transformers_bit_for_bit():
     """strop's RoPE inverse frequencies are the float32 values transformers computes, bit for
     bit (default, llama3 and linear scaling; theta 1e4 and 1e6; seven head dims).
 
-    transformers runs in a fresh process with ``ATEN_CPU_CAPABILITY=default``: torch's
-    scalar kernels, whose float32 ``pow`` is correctly rounded here, as strop's is. Its
-    vectorized ``pow`` (AVX2/AVX512/NEON) is off by 1 ulp on a few elements, and which
-    elements it computes depends on the CPU (see the next test)."""
+    transformers runs in a fresh process with ``ATEN_CPU_CAPABILITY=default``, on torch's
+    scalar kernels: their float32 ``pow`` is the C library's ``powf``, correctly rounded on
+    every case here, as strop's is (glibc's ``powf`` is not always: on a wider grid about 1
+    element in 1,000 is 1 ulp off). torch's vectorized ``pow`` (AVX2/AVX512/NEON) is 1 ulp
+    off on a few elements, and which elements it computes depends on the CPU (next test)."""
     configs = rope_configs()
     capability, expected = transformers_inv_freq(configs, ATEN_CPU_CAPABILITY="default")
     assert capability == "DEFAULT"
