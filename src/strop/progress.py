@@ -7,8 +7,9 @@ seconds per step and the time left::
 
     12:01:15 INFO strop.progress: ppo 12/60 | reward 0.412 | val acc 55.0% | 3.1 s/step | ETA 2m29s
 
-and, while a step or a phase (loading the model, the first compile, validation) runs
-longer than ``interval`` seconds with nothing said, a line naming what is running::
+a line when a phase begins (``ppo 0/60 | loading the models``), and, while a step or a
+phase (loading the model, the first compile, validation) runs longer than ``interval``
+seconds with nothing said, a line naming what is running::
 
     12:01:30 INFO strop.progress: ppo 12/60 | step 13 running for 15 s
 
@@ -124,6 +125,8 @@ class RunProgress:
             self._phase, self._phase_began = text, time.monotonic()
         if self._bar is not None:
             self._bar.update(self._task, description=self._description())
+        elif text and self.enabled and self._thread is not None:
+            self._say(f"{self._head()} | {text}")
 
     def update(self, completed: int, **values: float) -> None:
         """``completed`` steps are done; ``values`` are the latest figures."""
