@@ -78,16 +78,16 @@ def config_for(task, run_dir, backend, *overrides):
 def test_reward_rises_on_both_backends(task, tmp_path, backend):
     config = config_for(
         task, tmp_path / "run", backend,
-        "ppo.reward=digit_share", "ppo.steps=10", "ppo.validate_every=0",
+        "ppo.reward=digit_share", "ppo.steps=12", "ppo.validate_every=0",
         "optim.lr=3e-2", "critic.lr=1e-2", "ppo.ppo_epochs=2", "checkpoint.every_steps=100",
-        "logging.every_steps=3",
+        "logging.every_steps=5",
     )  # fmt: skip
     result = run_ppo(config)
     rewards_seen = [record["train/reward"] for record in result.history]
-    assert len(rewards_seen) == 10
+    assert len(rewards_seen) == 12
     # logging.every_steps, and the last iteration (PPO wrote every iteration before)
     written = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert [record["step"] for record in written] == [3, 6, 9, 10]
+    assert [record["step"] for record in written] == [5, 10, 12]
     assert written[-1]["train/reward"] == rewards_seen[-1]
     assert np.mean(rewards_seen[-3:]) >= np.mean(rewards_seen[:3]) + MARGIN, rewards_seen
     assert result.history[-1].keys() >= REQUIRED_METRICS
@@ -188,3 +188,37 @@ def test_ppo_refuses_greedy_rollouts_before_loading_anything(task, tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "generation.temperature" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_without_a_kl_the_reference_forward_is_skipped_and_nothing_else_changes(
+    task, tmp_path, monkeypatch
+):
+    """kl_coef=0 (the demo): the reference log-probs were computed, then thrown away."""
+    from strop.backends.torch.actor_critic import TorchActorCritic
+
+    calls = []
+    logprobs = TorchActorCritic.logprobs
+
+    def counted(self, batch, reference=False):
+        calls.append(reference)
+        return logprobs(self, batch, reference=reference)
+
+    monkeypatch.setattr(TorchActorCritic, "logprobs", counted)
+    overrides = (
+        "ppo.steps=2",
+        "ppo.kl_coef=0",
+        "ppo.validate_every=0",
+        "checkpoint.every_steps=100",
+    )
+    skipped = run_ppo(config_for(task, tmp_path / "skipped", "torch", *overrides))
+    assert True not in calls and calls.count(False) == 2  # one actor forward per iteration
+    calls.clear()
+    logged = run_ppo(config_for(task, tmp_path / "logged", "torch", *overrides, "ppo.log_kl=true"))
+    assert calls.count(True) == 2
+    assert logged.history[0]["policy/kl"] == 0.0  # the adapter starts at B = 0: ref = actor
+    assert logged.history[1]["policy/kl"] != 0.0
+    for without, with_reference in zip(skipped.history, logged.history, strict=True):
+        assert "policy/kl" not in without
+        assert comparable(without) == {
+            k: v for k, v in comparable(with_reference).items() if k != "policy/kl"
+        }
