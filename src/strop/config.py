@@ -231,6 +231,10 @@ class PpoConfig(_Section):
         True,
         description="Subtract the KL penalty from per-token rewards (true) or add it to the loss (false).",
     )
+    log_kl: bool = Field(
+        False,
+        description="Run the reference forward and report policy/kl even when kl_coef is 0 (otherwise skipped: its result would be thrown away).",
+    )
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
     value_clip: float = Field(
         0.2, ge=0, description="Clip new values to old values +- this; 0 = no value clipping."
@@ -281,6 +285,12 @@ class PpoConfig(_Section):
     def rows_per_micro_batch(self) -> int:
         """Rows per micro-batch (``micro_batch_size``, or the whole mini-batch)."""
         return self.micro_batch_size or self.mini_batch_size
+
+    @property
+    def reference_forward(self) -> bool:
+        """Whether an iteration needs the reference policy's log-probabilities: for the KL
+        penalty (``kl_coef > 0``), or to report ``policy/kl`` (``log_kl``)."""
+        return self.kl_coef > 0 or self.log_kl
 
     @property
     def rollouts_per_step(self) -> int:

@@ -33,7 +33,7 @@ def build_experience(
     batch: dict[str, np.ndarray],
     scores: np.ndarray,
     old_logprobs: np.ndarray,
-    ref_logprobs: np.ndarray,
+    ref_logprobs: np.ndarray | None,
     values: np.ndarray,
     ppo: PpoConfig,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
@@ -43,20 +43,23 @@ def build_experience(
       batch: ``input_ids``, ``attention_mask``, ``response_mask`` of the rollout.
       scores: ``[B]`` one reward per response (placed on its last token).
       old_logprobs, ref_logprobs, values: ``[B, L]`` from the actor, the reference and the
-        critic before any update (column ``t`` about ``x_t``).
+        critic before any update (column ``t`` about ``x_t``); ``ref_logprobs`` is ``None``
+        when no KL is needed (``ppo.reference_forward`` is false).
       ppo: the ``ppo:`` config (gamma, lambdas, KL, whitening).
 
     Returns:
-      ``(arrays, stats)``: ``arrays`` adds ``old_logprobs``, ``ref_logprobs``,
-      ``old_values``, ``advantages``, ``returns`` (float32); ``stats`` has ``policy/kl``
-      (mean KL estimate to the reference per response token), ``critic/explained_var``,
+      ``(arrays, stats)``: ``arrays`` adds ``old_logprobs``, ``ref_logprobs`` (when
+      given), ``old_values``, ``advantages``, ``returns`` (float32); ``stats`` has
+      ``policy/kl`` (mean KL estimate to the reference per response token, when there is
+      a reference forward), ``critic/explained_var``,
       ``critic/value_mean``, ``critic/return_mean``, ``policy/advantage_std``.
     """
     mask = batch["response_mask"].astype(np.float32)
-    kl = kl_penalty(old_logprobs, ref_logprobs, ppo.kl_estimator)
+    kl = None if ref_logprobs is None else kl_penalty(old_logprobs, ref_logprobs, ppo.kl_estimator)
+    in_reward = kl is not None and ppo.kl_in_reward
     rewards = gae.token_rewards(
-        np.asarray(scores, np.float64), mask, kl=kl if ppo.kl_in_reward else None,
-        kl_coef=ppo.kl_coef if ppo.kl_in_reward else 0.0,
+        np.asarray(scores, np.float64), mask, kl=kl if in_reward else None,
+        kl_coef=ppo.kl_coef if in_reward else 0.0,
     )  # fmt: skip
     advantages, returns = gae.advantages_and_returns(
         rewards, values, mask, ppo.gamma, ppo.lam, lam_returns=ppo.lam_returns
@@ -66,13 +69,14 @@ def build_experience(
     arrays = {
         **batch,
         "old_logprobs": np.asarray(old_logprobs, np.float32),
-        "ref_logprobs": np.asarray(ref_logprobs, np.float32),
         "old_values": np.asarray(values, np.float32),
         "advantages": np.asarray(advantages, np.float32),
         "returns": np.asarray(returns, np.float32),
     }
+    if ref_logprobs is not None:
+        arrays["ref_logprobs"] = np.asarray(ref_logprobs, np.float32)
     stats = {
-        "policy/kl": float(gae.masked_mean(kl, mask)),
+        **({} if kl is None else {"policy/kl": float(gae.masked_mean(kl, mask))}),
         "critic/explained_var": explained_variance(values, returns, mask),
         "critic/value_mean": float(gae.masked_mean(values, mask)),
         "critic/return_mean": float(gae.masked_mean(returns, mask)),

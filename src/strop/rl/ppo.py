@@ -206,7 +206,9 @@ def ppo_iteration(
     scores = np.asarray(timed("reward", reward, texts, rollout.response_texts, answer=golds))
     batch = pad_columns(rollout.teacher_forcing_batch(tokenizer.pad_token_id), COLUMN_MULTIPLE)
     old = timed("logprobs", engine.logprobs, batch)
-    ref = timed("logprobs", engine.logprobs, batch, reference=True)
+    ref = None  # with no KL in the reward or the loss, and none to report: not computed
+    if ppo.reference_forward:
+        ref = timed("logprobs", engine.logprobs, batch, reference=True)
     values = timed("values", engine.values, batch)
     arrays, stats = build_experience(batch, scores, old, ref, values, ppo)
     sampled = pad_columns({"x": rollout.align(rollout.logprobs)}, COLUMN_MULTIPLE)["x"]
