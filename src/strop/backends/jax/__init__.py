@@ -1,9 +1,12 @@
 """The JAX backend: Flax NNX models sharded over a ``jax.sharding.Mesh``."""
 
 from strop.backends.jax.actor_critic import JaxActorCritic
+from strop.backends.jax.compile_cache import enable_compilation_cache
 from strop.backends.jax.handle import JaxModelHandle, load_model
 from strop.backends.jax.policy import JaxPolicy
 from strop.backends.jax.sharding import device_count, shut_down, write_once
+
+enable_compilation_cache()  # importing compiles nothing; every compile after this is cached
 
 build_policy = JaxPolicy
 build_actor_critic = JaxActorCritic
