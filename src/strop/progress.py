@@ -1,20 +1,21 @@
 """Progress of a long command (``sft``, ``ppo``, ``eval``, ``demo``), with or without a terminal.
 
 On a terminal, a rich progress bar. Otherwise (CI, ``nohup``, output sent to a file) a bar
-draws nothing useful, so a plain log line is written instead: at most every ``interval``
-seconds when steps end (and once the first step is done), with the step, the command's own figures (loss, reward, ...),
-seconds per step and the time left::
+draws nothing useful, so a plain log line is written instead, once the first step is done
+and then at most every ``interval`` seconds as steps end, with the step, the command's
+own figures (loss, reward, ...), seconds per step and the time left::
 
-    12:01:15 INFO strop.progress: ppo 12/60 | reward 0.412 | val acc 55.0% | 3.1 s/step | ETA 2m29s
+    12:01:15 INFO strop.progress: ppo 12/60 | reward 0.412 | val acc 55.0% | 3.10 s/step | ETA 2m29s
 
-a line when a phase begins (``ppo 0/60 | loading the models``), and, while a step or a
-phase (loading the model, the first compile, validation) runs longer than ``interval``
-seconds with nothing said, a line naming what is running::
+and, while a step or a phase (loading the model, the first compile, validation) runs
+longer than ``interval`` seconds with nothing said, a line naming what is running::
 
-    12:01:30 INFO strop.progress: ppo 12/60 | step 13 running for 15 s
+    12:01:30 INFO strop.progress: ppo 12/60 | step 13 running for 15s
 
-so that no command is silent for more than about ``interval`` seconds. Only the main
-process of a run of several reports (``enabled``).
+so that no command is silent for more than about ``interval`` seconds. A phase is not
+announced when it begins: a command that fails at once (on bad data, say) prints its one
+error line and nothing else. Only the main process of a run of several reports
+(``enabled``).
 """
 
 from __future__ import annotations
@@ -125,8 +126,6 @@ class RunProgress:
             self._phase, self._phase_began = text, time.monotonic()
         if self._bar is not None:
             self._bar.update(self._task, description=self._description())
-        elif text and self.enabled and self._thread is not None:
-            self._say(f"{self._head()} | {text}")
 
     def update(self, completed: int, **values: float) -> None:
         """``completed`` steps are done; ``values`` are the latest figures."""

@@ -35,12 +35,13 @@ from strop.config import Config
 from strop.data import Tokenizer
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
-from strop.interrupts import deferred_interrupts, reporting_interrupts
+from strop.interrupts import deferred_interrupts
 from strop.io.model_spec import read_model_spec
+from strop.job import training_job
 from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY, count_skipped
-from strop.preflight import holding_run_dir, preflight
-from strop.progress import RunProgress, is_main_by_environment
+from strop.preflight import preflight
+from strop.progress import RunProgress
 from strop.rl.experience import build_experience, minibatches, pad_columns
 from strop.rl.prompts import PromptSet
 from strop.rl.rollout import Rollout, token_mult_prob_error
@@ -66,19 +67,8 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     """Train for ``ppo.steps`` iterations (or until ``stop_after``), resuming if possible."""
     _check(config)
     preflight(config, "ppo", config.checkpoint_path())  # before anything loads
-    progress = RunProgress(
-        "ppo",
-        config.ppo.steps,
-        {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"},
-        enabled=is_main_by_environment(),
-    )
-    with (
-        holding_run_dir(config, "ppo"),
-        progress,
-        reporting_interrupts(
-            lambda: progress.completed + 1, config.checkpoint_path(), config.backend
-        ),
-    ):
+    figures = {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"}
+    with training_job(config, "ppo", config.ppo.steps, figures) as progress:
         return _train(config, stop_after, progress)
 
 

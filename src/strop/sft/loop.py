@@ -16,11 +16,12 @@ from strop.backends import get_backend
 from strop.config import Config
 from strop.data import Tokenizer, load_sft_examples, make_sft_batcher
 from strop.errors import ConfigError
-from strop.interrupts import deferred_interrupts, reporting_interrupts
+from strop.interrupts import deferred_interrupts
+from strop.job import training_job
 from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY, count_skipped
-from strop.preflight import holding_run_dir, preflight
-from strop.progress import RunProgress, is_main_by_environment
+from strop.preflight import preflight
+from strop.progress import RunProgress
 
 logger = logging.getLogger(__name__)
 
@@ -55,19 +56,8 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
             "to train without evaluation"
         )
     preflight(config, "sft", config.checkpoint_path())  # before anything loads
-    progress = RunProgress(
-        "sft",
-        config.sft.steps,
-        {"loss": "loss {:.4f}", "tokens_per_s": "{:,.0f} tok/s"},
-        enabled=is_main_by_environment(),
-    )
-    with (
-        holding_run_dir(config, "sft"),
-        progress,
-        reporting_interrupts(
-            lambda: progress.completed + 1, config.checkpoint_path(), config.backend
-        ),
-    ):
+    figures = {"loss": "loss {:.4f}", "tokens_per_s": "{:,.0f} tok/s"}
+    with training_job(config, "sft", config.sft.steps, figures) as progress:
         return _train(config, stop_after, progress)
 
 
