@@ -1,5 +1,7 @@
 """NaN/Inf losses and gradients, injected for real: a tiny model whose embedding row for
-the token ``@`` is +inf (or NaN), and data in which only some lines contain ``@``.
+the token ``@`` is +inf (or NaN) in memory, and data in which only some lines contain
+``@``. (On disk the model is finite, since strop refuses NaN/Inf weights at load; the row
+is poisoned as it is read: ``poisoned_strop.py``.)
 
 Every forward over a row with ``@`` is non-finite (RMSNorm of an inf hidden state is
 NaN), so exactly the optimizer steps whose batch holds such a row go non-finite. Checked
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from strop.config import load_config
 from strop.io.tiny import make_tiny_checkpoint
@@ -30,22 +32,30 @@ from strop.metrics.sinks import read_metrics
 from strop.rl.ppo import run_ppo
 from strop.rl.prompts import PromptSet
 from strop.sft.loop import run_sft
+from tests.integration.poisoned_strop import install, write_poison
 
 BACKENDS = pytest.mark.parametrize("backend", ["jax", "torch"])
 POISON = "@"  # never in the tokenizer's training texts: a token of its own
 TEXTS = [f"Question: What is {a} + {b}?\nAnswer: {a + b}" for a in range(10) for b in range(10)]
 EXIT_NONFINITE = 3
+POISONED_STROP = [sys.executable, str(Path(__file__).with_name("poisoned_strop.py"))]
 
 
 def poisoned_model(directory: Path, value: float) -> tuple[Path, int]:
-    """A tiny Qwen2 whose input embedding of ``@`` is ``value``; returns (dir, token id)."""
+    """A tiny Qwen2 whose input embedding of ``@`` reads as ``value``; returns (dir, token
+    id). The file stays finite (strop refuses NaN/Inf weights at load): the row is poisoned
+    as it is read, by ``poisoned_strop.py`` in subprocesses and the ``poisoned_reads``
+    fixture in this process."""
     make_tiny_checkpoint(directory, TEXTS, seed=0)
     tokenizer = json.loads((directory / "tokenizer.json").read_text())
     token = tokenizer["model"]["vocab"][POISON]
-    weights = load_file(directory / "model.safetensors")
-    weights["model.embed_tokens.weight"][token] = value
-    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    write_poison(directory, "model.embed_tokens.weight", token, value)
     return directory, token
+
+
+@pytest.fixture(autouse=True)
+def poisoned_reads(monkeypatch):
+    install(monkeypatch.setattr)
 
 
 def assert_all_finite(path: Path) -> None:
@@ -164,7 +174,7 @@ def _assert_bit_identical(before, after, label) -> None:
 def test_sft_nonfinite_stops_with_one_line_then_resumes_or_skips(sft_task, tmp_path, backend):
     # (a) no flag: exit 3 at the first poisoned step, one line, nothing saved after it
     stopped = tmp_path / "stopped"
-    command = [sys.executable, "-m", "strop", "sft", "tiny",
+    command = [*POISONED_STROP, "sft", "tiny",
                *sft_overrides(sft_task, stopped, backend)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == EXIT_NONFINITE, done.stderr[-2000:]
@@ -243,7 +253,7 @@ def ppo_overrides(task, run_dir, backend, *extra):
 def test_ppo_nonfinite_stops_with_one_line_then_resumes_or_skips(ppo_task, tmp_path, backend):
     # (a) no flag: the critic update of iteration 2 (it runs first) stops the run
     stopped = tmp_path / "stopped"
-    command = [sys.executable, "-m", "strop", "ppo", "ppo-lora-tiny",
+    command = [*POISONED_STROP, "ppo", "ppo-lora-tiny",
                *ppo_overrides(ppo_task, stopped, backend)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == EXIT_NONFINITE, done.stderr[-2000:]

@@ -80,14 +80,25 @@ def test_micro_batches_do_not_change_the_update(tiny_model_dir, tmp_path):
     results = []
     for micro in (1, 4):
         policy = policy_for(model_dir, tmp_path / str(micro))
+        before = host_copies(policy.model, trainable=True)
         metrics = policy.train_step(global_batch(), micro_batches=micro)
-        results.append((metrics, host_copies(policy.model, trainable=True)))
-    (one, one_weights), (four, four_weights) = results
+        results.append((metrics, before, host_copies(policy.model, trainable=True)))
+    (one, start, one_weights), (four, _, four_weights) = results
     assert one["tokens"] == four["tokens"]
     assert four["loss"] == pytest.approx(one["loss"], rel=1e-6)
     assert four["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    # AdamW's first step moves each weight by lr * g / (|g| + eps) (plus decay): where a
+    # gradient entry is of the order of eps (1e-8) that ratio amplifies float rounding of
+    # the summed micro-batch gradients, so those entries (a step well below lr) are
+    # compared loosely; every other entry moves by about lr and must agree to 1e-6.
+    lr = 1e-2
     for name, value in one_weights.items():
-        np.testing.assert_allclose(four_weights[name], value, atol=1e-6, err_msg=name)
+        step = np.abs(value - start[name])
+        sharp = step > 0.9 * lr
+        np.testing.assert_allclose(four_weights[name][sharp], value[sharp], atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(four_weights[name], value, atol=0.1 * lr, err_msg=name)
+        if ".lora_B." in name:  # A has no gradient while B is 0: only decay moves it
+            assert sharp.mean() > 0.5, name  # most entries of B take a full step
 
 
 def test_target_pattern_matching_nothing_is_a_config_error(tiny_model_dir, tmp_path):
