@@ -4,7 +4,7 @@ The CLI turns SIGTERM into :class:`Interrupted` (Ctrl-C is Python's ``KeyboardIn
 a training loop wraps its work in :func:`reporting_interrupts`, which names where the run
 stopped::
 
-    error: interrupted at step 13; the last complete checkpoint is step 10; run the same command to resume
+    interrupted at step 13; the last complete checkpoint is step 10; run the same command to resume
 
 :class:`Interrupted` is a ``BaseException``, like ``KeyboardInterrupt``, so that no
 ``except Exception`` on the way (a reward's containment, a checkpoint's error handling)
@@ -60,9 +60,11 @@ def deferred_interrupts() -> Iterator[None]:
         yield
         return
     arrived: list[int] = []
-    signums = (signal.SIGINT, signal.SIGTERM)
-    previous = {signum: signal.getsignal(signum) for signum in signums}
-    for signum in signums:
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    # A signal the process ignores stays ignored (a job started with `nohup` or `&` from a
+    # script ignores SIGINT): deferring it would turn it into an interrupt.
+    previous = {s: handler for s, handler in previous.items() if handler is not signal.SIG_IGN}
+    for signum in previous:
         signal.signal(signum, lambda received, _frame: arrived.append(received))
     try:
         yield

@@ -46,6 +46,11 @@ def _env() -> dict[str, str]:
     }
 
 
+def _signals_as_from_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _stderr_lines(process: subprocess.Popen) -> queue.Queue:
     lines: queue.Queue = queue.Queue()
 
@@ -77,6 +82,9 @@ def test_a_signal_stops_a_run_in_one_line_and_it_resumes(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # as from a terminal: a suite started in the background (`make test &` from a
+        # script) hands its children SIGINT ignored, and strop keeps an ignored signal so
+        preexec_fn=_signals_as_from_a_terminal,
     )
     lines, seen = _stderr_lines(process), []
     deadline = time.monotonic() + 240

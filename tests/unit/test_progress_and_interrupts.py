@@ -98,3 +98,26 @@ def test_an_interrupt_before_any_checkpoint_says_so(tmp_path) -> None:
         "interrupted at step 1; no checkpoint was written yet; the same command starts the run "
         "again"
     )
+
+
+def test_a_save_holds_a_signal_until_it_ends_but_never_revives_an_ignored_one() -> None:
+    """CI saw a run ignore Ctrl-C between saves and stop at one: started from a script in
+    the background, it had SIGINT ignored, and the deferral during saves caught it."""
+    import os
+
+    from strop.interrupts import deferred_interrupts
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(Interrupted) as caught, deferred_interrupts():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here: held, not raised
+            held = True
+        assert held and caught.value.exit_code == 130
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with deferred_interrupts():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
