@@ -235,6 +235,10 @@ class PpoConfig(_Section):
         False,
         description="Run the reference forward and report policy/kl even when kl_coef is 0 (otherwise skipped: its result would be thrown away).",
     )
+    old_logprobs: Literal["recompute", "sampler"] = Field(
+        "recompute",
+        description="Where the update's old log-probabilities come from: a forward of the actor before the update (recompute), or the sampler's own, saving that forward (sampler; the same numbers where sampler and trainer compute alike, as the float32 native samplers do).",
+    )
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
     value_clip: float = Field(
         0.2, ge=0, description="Clip new values to old values +- this; 0 = no value clipping."

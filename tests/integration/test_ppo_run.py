@@ -222,3 +222,22 @@ def test_without_a_kl_the_reference_forward_is_skipped_and_nothing_else_changes(
         assert comparable(without) == {
             k: v for k, v in comparable(with_reference).items() if k != "policy/kl"
         }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_old_logprobs_from_the_sampler_train_as_recomputed_ones(task, tmp_path, backend):
+    """``ppo.old_logprobs=sampler`` skips the actor's forward and trains the same: the
+    native samplers' log-probabilities are the trainer's (float32), so two iterations
+    (the second sampled from the updated actor) give the same metrics."""
+    overrides = ("ppo.steps=2", "ppo.validate_every=0", "ppo.kl_coef=0.0")
+    recomputed = run_ppo(config_for(task, tmp_path / "recompute", backend, *overrides))
+    sampled = run_ppo(
+        config_for(task, tmp_path / "sampler", backend, *overrides, "ppo.old_logprobs=sampler")
+    )
+    assert "timing/logprobs" in recomputed.history[0]
+    assert "timing/logprobs" not in sampled.history[0]  # no forward: no time spent on it
+    assert "token_mult_prob_error" not in sampled.history[0]  # nothing to compare with
+    for expected, got in zip(recomputed.history, sampled.history, strict=True):
+        assert comparable(got).keys() == comparable(expected).keys() - {"token_mult_prob_error"}
+        for key, value in comparable(got).items():
+            np.testing.assert_allclose(value, expected[key], rtol=1e-4, atol=1e-5, err_msg=key)

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from strop.backends.jax.actor_critic import JaxActorCritic
 from strop.backends.torch.actor_critic import TorchActorCritic
+from strop.backends.torch.train import used_columns
 from strop.config import load_config
 from strop.io.model_spec import read_model_spec
 from strop.rl.experience import build_experience, minibatches
@@ -160,6 +161,44 @@ def test_one_ppo_update_is_the_same_on_jax_and_torch(qwen2):
     moved = max(np.abs(after["jax"]["actor"][p][1] - start["actor"][p][1]).max()
                 for p in start["actor"])  # fmt: skip
     assert moved > 1e-3  # the update did something
+
+
+def test_torch_drops_padding_columns_without_changing_a_number(qwen2):
+    """Torch runs each micro-batch without the columns none of its rows attends: the same
+    batch with all-padding columns added on both sides gives the same forwards, losses,
+    statistics and updated weights (what trimming must keep)."""
+    config = sgd_config(qwen2)
+    batch = rollout_batch(read_model_spec(qwen2).vocab_size, seed=6)
+    left, right = 3, 5
+    wide = {name: np.pad(array, ((0, 0), (left, right))) for name, array in batch.items()}
+    width = batch["input_ids"].shape[1]
+    assert used_columns(torch.from_numpy(wide["attention_mask"])) == slice(left, left + width)
+    scores = np.array([1.0, 0.0, 0.5, 1.0])
+    mask = batch["response_mask"] > 0
+    seen = []
+    for rollout in (batch, wide):
+        engine = TorchActorCritic(config, total_updates=1, checkpoint_dir=None)
+        engine.set_lora_weights(**random_weights(engine, seed=1))
+        old, ref, values = (
+            engine.logprobs(rollout), engine.logprobs(rollout, reference=True),
+            engine.values(rollout),
+        )  # fmt: skip
+        arrays, _ = build_experience(rollout, scores, old, ref, values, config.ppo)
+        mini = next(minibatches(arrays, 4, "token_mean", np.random.default_rng(3)))
+        stats = {"critic": engine.train_critic(mini, 2), "policy": engine.train_policy(mini, 2)}
+        columns = slice(left, left + mask.shape[1]) if rollout is wide else slice(None)
+        seen.append(([x[:, columns][mask] for x in (old, ref, values)], stats, engine))
+    (narrow_forwards, narrow_stats, narrow), (wide_forwards, wide_stats, wide_engine) = seen
+    for x, y in zip(narrow_forwards, wide_forwards, strict=True):
+        np.testing.assert_allclose(y, x, atol=1e-5, rtol=1e-5)
+    for part in ("critic", "policy"):
+        assert wide_stats[part].keys() == narrow_stats[part].keys()
+        for key, value in narrow_stats[part].items():
+            np.testing.assert_allclose(wide_stats[part][key], value, atol=1e-5, rtol=1e-5,
+                                       err_msg=f"{part}/{key}")  # fmt: skip
+    after, after_wide = narrow.lora_weights(), wide_engine.lora_weights()
+    assert_adapters_close(after["actor"], after_wide["actor"], tol=1e-5)
+    assert_adapters_close(after["critic"], after_wide["critic"], tol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ENGINES)

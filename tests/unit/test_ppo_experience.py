@@ -32,10 +32,12 @@ def test_weights_of_an_empty_batch_are_zero():
 
 def test_pad_columns_pads_every_array_with_masked_zeros():
     batch = {"input_ids": np.ones((2, 17), np.int32), "response_mask": np.ones((2, 17))}
-    padded = pad_columns(batch, 16)
+    padded = pad_columns(batch, 32)
     assert {v.shape for v in padded.values()} == {(2, 32)}
     assert not padded["response_mask"][:, 17:].any()
-    assert pad_columns(padded, 16) is padded
+    assert pad_columns(padded, 32) is padded
+    with pytest.raises(ValueError, match="cannot pad 32 columns to 16"):
+        pad_columns(padded, 16)
 
 
 def test_prompt_draws_cover_each_prompt_once_per_pass_and_repeat_exactly():

@@ -139,6 +139,10 @@ class ActorCritic(Protocol):
     """
 
     backend: str
+    static_shapes: bool
+    """True where each new array shape compiles (JAX): the PPO loop then pads prompts and
+    rollouts to one shape per run. False (torch, eager): nothing is padded beyond the
+    batch, and each micro-batch runs without the columns none of its rows attends."""
 
     @property
     def is_main(self) -> bool: ...
@@ -152,8 +156,10 @@ class ActorCritic(Protocol):
         eos_ids: Sequence[int],
         pad_id: int,
         tokenizer: Decoder | None = None,
+        prompt_columns: int | None = None,
     ) -> Generation:
-        """Sample from the actor."""
+        """Sample from the actor; ``prompt_columns``: left-pad the prompts to this width
+        (where ``static_shapes``), so that every rollout of a run has one shape."""
         ...
 
     def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:

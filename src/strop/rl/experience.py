@@ -18,15 +18,23 @@ from strop.rl import gae
 from strop.rl.losses_reference import explained_variance, kl_penalty
 from strop.rl.objectives import aggregation_weights
 
+COLUMN_MULTIPLE = 16
+"""Fixed widths (prompt columns, rollout batches) are rounded up to a multiple of this."""
 
-def pad_columns(batch: dict[str, np.ndarray], multiple: int) -> dict[str, np.ndarray]:
-    """Right-pad every ``[B, L]`` array with zeros to a multiple of ``multiple`` columns,
-    so a jitted step sees few distinct lengths. Padding is masked (attention 0, response 0)."""
-    width = next(iter(batch.values())).shape[1]
-    target = -(-width // multiple) * multiple
-    if target == width:
+
+def round_up(n: int, multiple: int = COLUMN_MULTIPLE) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pad_columns(batch: dict[str, np.ndarray], width: int) -> dict[str, np.ndarray]:
+    """Right-pad every ``[B, L]`` array with zeros to ``width`` columns (at least ``L``), so
+    that a compiled step sees one shape. Padding is masked (attention 0, response 0)."""
+    current = next(iter(batch.values())).shape[1]
+    if width < current:
+        raise ValueError(f"cannot pad {current} columns to {width}")
+    if width == current:
         return batch
-    return {k: np.pad(v, ((0, 0), (0, target - width))) for k, v in batch.items()}
+    return {k: np.pad(v, ((0, 0), (0, width - current))) for k, v in batch.items()}
 
 
 def build_experience(

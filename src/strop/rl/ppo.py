@@ -6,8 +6,9 @@ Per iteration (``ppo.steps`` of them):
    the draw is a pure function of seed and step) and sample
    ``ppo.num_generations_per_prompt`` responses to each from the actor;
 2. score each response with the reward ``ppo.reward`` (the gold is the record's answer);
-3. one forward each for old log-probabilities (actor), reference log-probabilities and
-   values (critic), at the rollout temperature;
+3. one forward each for old log-probabilities (actor; or the sampler's own with
+   ``ppo.old_logprobs=sampler``), reference log-probabilities (only when a KL is used or
+   logged) and values (critic), at the rollout temperature;
 4. token rewards (score on the last response token, KL penalty per token when it is in
    the reward), GAE advantages and returns, optional whitening (:mod:`strop.rl.gae`);
 5. ``ppo.ppo_epochs`` passes over shuffled mini-batches: a critic update, then (after
@@ -17,6 +18,11 @@ Per iteration (``ppo.steps`` of them):
 
 Every random choice is seeded from ``(seed, step)``, so a run killed and resumed from its
 latest checkpoint computes what an uninterrupted run would.
+
+Shapes: on a backend that compiles per shape (``engine.static_shapes``, JAX) prompts are
+left-padded to the prompt set's longest prompt and rollout batches right-padded to that
+plus ``generation.max_new_tokens`` (both rounded up to 16 columns), so a run compiles its
+steps once, whatever the response lengths. Torch runs each batch at its own width.
 """
 
 from __future__ import annotations
@@ -42,13 +48,11 @@ from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY, count_skipped
 from strop.preflight import preflight
 from strop.progress import RunProgress
-from strop.rl.experience import build_experience, minibatches, pad_columns
+from strop.rl.experience import build_experience, minibatches, pad_columns, round_up
 from strop.rl.prompts import PromptSet
 from strop.rl.rollout import Rollout, token_mult_prob_error
 
 logger = logging.getLogger(__name__)
-
-COLUMN_MULTIPLE = 16  # rollout batches are padded to this many columns (fewer compiles)
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,13 @@ def _check(config: Config) -> None:
         )
     if config.ppo.validate_every and not config.data.eval_path:
         raise ConfigError("ppo.validate_every > 0 needs data.eval_path (held-out prompts)")
+    if config.ppo.old_logprobs == "sampler" and config.model.dtype != "float32":
+        logger.warning(
+            "ppo.old_logprobs=sampler with model.dtype=%s: the sampler's and the trainer's "
+            "%s numerics differ, so the first update's ratio is not exactly 1; "
+            "ppo.old_logprobs=recompute is the safe choice there",
+            config.model.dtype, config.model.dtype,
+        )  # fmt: skip
 
 
 def ppo_iteration(
@@ -186,22 +197,32 @@ def ppo_iteration(
     chosen = train.draw(step, ppo.prompts_per_step, seed)
     rows = [i for i in chosen for _ in range(ppo.num_generations_per_prompt)]
     prompts = [train.ids[i] for i in rows]
+    prompt_columns = round_up(train.longest) if engine.static_shapes else None
     generation = timed(
         "generate", engine.generate, prompts, sampling, seed=_seed(seed, step),
         eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, tokenizer=tokenizer,
+        prompt_columns=prompt_columns,
     )  # fmt: skip
     rollout = Rollout.from_generation(prompts, generation, tokenizer)
     before = reward.stats
     texts, golds = [train.texts[i] for i in rows], [train.golds[i] for i in rows]
     scores = np.asarray(timed("reward", reward, texts, rollout.response_texts, answer=golds))
-    batch = pad_columns(rollout.teacher_forcing_batch(tokenizer.pad_token_id), COLUMN_MULTIPLE)
-    old = timed("logprobs", engine.logprobs, batch)
+    batch = rollout.teacher_forcing_batch(tokenizer.pad_token_id)
+    sampled = rollout.align(rollout.logprobs)  # the sampler's log-probabilities
+    if prompt_columns is not None:  # one shape for the run: the widest rollout possible
+        width = round_up(prompt_columns + sampling.max_new_tokens)
+        batch, sampled = pad_columns(batch, width), pad_columns({"x": sampled}, width)["x"]
+    gap = {}
+    if ppo.old_logprobs == "sampler":
+        old = sampled
+    else:
+        old = timed("logprobs", engine.logprobs, batch)
+        gap = {"token_mult_prob_error": token_mult_prob_error(sampled, old, batch["response_mask"])}
     ref = None  # with no KL in the reward or the loss, and none to report: not computed
     if ppo.reference_forward:
         ref = timed("logprobs", engine.logprobs, batch, reference=True)
     values = timed("values", engine.values, batch)
     arrays, stats = build_experience(batch, scores, old, ref, values, ppo)
-    sampled = pad_columns({"x": rollout.align(rollout.logprobs)}, COLUMN_MULTIPLE)["x"]
 
     updates: dict[str, list[float]] = defaultdict(list)
     micro_batches = ppo.mini_batch_size // ppo.rows_per_micro_batch
@@ -235,7 +256,7 @@ def ppo_iteration(
         "train/reward": float(scores.mean()),
         "train/response_length": float(rollout.lengths.mean()),
         "train/stopped_fraction": float(np.mean([r == "stop" for r in rollout.finish_reasons])),
-        "token_mult_prob_error": token_mult_prob_error(sampled, old, batch["response_mask"]),
+        **gap,  # sampler vs trainer log-probabilities, when the trainer's are computed
         **stats,
         **{name: float(np.mean(values)) for name, values in updates.items()},
         "critic/nonfinite_skipped": skipped["critic"],
@@ -255,12 +276,13 @@ def validation_accuracy(engine, prompts, tokenizer, reward, sampling, eos_ids, c
         stop_strings=sampling.stop_strings,
     )  # fmt: skip
     size = config.ppo.rollouts_per_step
+    prompt_columns = round_up(prompts.longest) if engine.static_shapes else None
     correct = 0
     for begin in range(0, len(prompts), size):
         ids = prompts.ids[begin : begin + size]
         generation = engine.generate(
             ids, greedy, seed=config.seed, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
-            tokenizer=tokenizer,
+            tokenizer=tokenizer, prompt_columns=prompt_columns,
         )  # fmt: skip
         texts = [tokenizer.decode(r, skip_special_tokens=True) for r in generation.responses()]
         scores = reward(

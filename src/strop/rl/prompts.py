@@ -58,6 +58,11 @@ class PromptSet:
     def __len__(self) -> int:
         return len(self.ids)
 
+    @property
+    def longest(self) -> int:
+        """Tokens in the longest prompt."""
+        return max(len(ids) for ids in self.ids)
+
     def draw(self, step: int, count: int, seed: int) -> list[int]:
         """Indices of the ``count`` prompts of iteration ``step``: consecutive slices of a
         permutation that is reshuffled (seeded) for every pass over the data."""

@@ -74,6 +74,7 @@ class JaxActorCritic:
     """Actor, critic and reference for PPO on a JAX mesh."""
 
     backend = "jax"
+    static_shapes = True  # every new array shape compiles: the loop pads to one per run
 
     def __init__(
         self, config: Config, *, total_updates: int, checkpoint_dir: str | os.PathLike | None
@@ -194,11 +195,12 @@ class JaxActorCritic:
         eos_ids: Sequence[int],
         pad_id: int,
         tokenizer: Decoder | None = None,
+        prompt_columns: int | None = None,
     ) -> Generation:
         """Sample a response to each prompt from the actor."""
         return generate(
             self.actor_module(), prompts, params, eos_ids=eos_ids, pad_id=pad_id, seed=seed,
-            tokenizer=tokenizer,
+            tokenizer=tokenizer, prompt_columns=prompt_columns,
         )  # fmt: skip
 
     def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:

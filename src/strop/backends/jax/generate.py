@@ -7,7 +7,8 @@ Layout and positions
 --------------------
 The batch is padded with dummy rows to a multiple of the mesh's batch shards (``data x
 fsdp``) and the prompts are left-padded to a bucket ``P``: the longest prompt rounded up
-to a power of two, at least :data:`MIN_PROMPT_BUCKET`. Each row's position ids count from
+to a power of two, at least :data:`MIN_PROMPT_BUCKET`, or the caller's fixed
+``prompt_columns`` (one shape for a whole PPO run). Each row's position ids count from
 its first real token: a prompt of ``n`` tokens holds positions ``0 .. n-1`` in columns
 ``P-n .. P-1`` and the ``t``-th generated token (``t = 0, 1, ...``) has position ``n + t``
 whatever the padding, the same convention as the training forward, so a row's tokens do
@@ -126,6 +127,7 @@ def generate(
     seed: int,
     mesh: Mesh | None = None,
     tokenizer: Decoder | None = None,
+    prompt_columns: int | None = None,
 ) -> Generation:
     """Sample a response to each prompt (see the module docstring for the details).
 
@@ -138,13 +140,16 @@ def generate(
       seed: seeds the sampling noise; the same seed gives the same tokens.
       mesh: where the inputs and the cache go; default: the mesh of the model's weights.
       tokenizer: decodes responses for stop strings.
+      prompt_columns: left-pad the prompts to this many columns instead of their bucket,
+        so that every batch of a run has one shape and compiles once (the PPO loop passes
+        its prompt set's longest prompt); ignored when a prompt is longer.
 
     Returns:
       A :class:`~strop.generation.Generation` of numpy arrays, ``len(prompts)`` rows.
     """
     check_generate_args(prompts, params, tokenizer)
     mesh = mesh if mesh is not None else _mesh_of(model)
-    ids, mask, active = _pad_prompts(prompts, pad_id, mesh)
+    ids, mask, active = _pad_prompts(prompts, pad_id, mesh, prompt_columns)
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def put(rows: np.ndarray) -> jax.Array:
@@ -209,16 +214,18 @@ def _mesh_of(model: CausalLM) -> Mesh:
 
 
 def _pad_prompts(
-    prompts: list[list[int]], pad_id: int, mesh: Mesh
+    prompts: list[list[int]], pad_id: int, mesh: Mesh, columns: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Left-padded ``ids [B', P]``, ``mask [B', P]`` and ``active [B']`` (False on dummy rows).
 
     ``B'`` is ``len(prompts)`` rounded up to a multiple of the mesh's batch shards; dummy
-    rows hold one real pad token (so that attention is never empty) and start done.
+    rows hold one real pad token (so that attention is never empty) and start done. ``P``
+    is ``columns`` when given and no prompt is longer, else the longest prompt's bucket.
     """
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     batch = math.ceil(len(prompts) / shards) * shards
-    width = prompt_bucket(max(len(p) for p in prompts))
+    longest = max(len(p) for p in prompts)
+    width = columns if columns is not None and columns >= longest else prompt_bucket(longest)
     ids = np.full((batch, width), pad_id, dtype=np.int32)
     mask = np.zeros((batch, width), dtype=np.int32)
     mask[len(prompts) :, -1] = 1

@@ -44,7 +44,7 @@ from strop.backends.torch.lora import (
 )
 from strop.backends.torch.model import build_model, forward_logits
 from strop.backends.torch.ppo_steps import critic_micro_loss, policy_micro_loss, token_logprobs
-from strop.backends.torch.train import Trainer, rank_rows
+from strop.backends.torch.train import Trainer, rank_rows, used_columns
 from strop.backends.torch.value import ValueModel
 from strop.config import Config
 from strop.errors import ConfigError
@@ -66,6 +66,7 @@ class TorchActorCritic:
     """Actor, critic and reference for PPO, FSDP2-sharded under ``torchrun``."""
 
     backend = "torch"
+    static_shapes = False  # eager: each micro-batch runs at its own width, padding trimmed
 
     def __init__(
         self, config: Config, *, total_updates: int, checkpoint_dir: str | os.PathLike | None
@@ -174,11 +175,13 @@ class TorchActorCritic:
         chunk = min(self.config.ppo.rows_per_micro_batch, rows // world) or 1
         local = rank_rows(batch, ("input_ids", "attention_mask"), 1, self.placement)
         ids, mask = local["input_ids"][0], local["attention_mask"][0]
+        out = torch.zeros(ids.shape, dtype=torch.float32)
         with torch.no_grad():
-            out = torch.cat(
-                [fn(ids[b : b + chunk], mask[b : b + chunk]) for b in range(0, len(ids), chunk)]
-            )
-        return all_gather_rows(out.float(), self.placement).cpu().numpy()
+            for begin in range(0, len(ids), chunk):
+                rows = slice(begin, begin + chunk)
+                columns = used_columns(mask[rows])  # padding no row of the chunk attends
+                out[rows, columns] = fn(ids[rows, columns], mask[rows, columns]).float()
+        return all_gather_rows(out, self.placement).cpu().numpy()
 
     # the ActorCritic surface -------------------------------------------------------------
 
@@ -195,8 +198,10 @@ class TorchActorCritic:
         eos_ids: Sequence[int],
         pad_id: int,
         tokenizer: Decoder | None = None,
+        prompt_columns: int | None = None,
     ) -> Generation:
-        """Sample a response to each prompt from the actor."""
+        """Sample a response to each prompt from the actor (``prompt_columns``, a shape
+        hint for compiled samplers, does not apply: prompts are padded to the longest)."""
         with self._role("actor") as loaded:
             return generate(
                 loaded.model, prompts, params, eos_ids=eos_ids, pad_id=pad_id, seed=seed,
