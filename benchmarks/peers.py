@@ -1,0 +1,350 @@
+"""strop's PPO against TRL's and Tunix's on the same job: seconds per iteration, interleaved.
+
+The job is `strop demo`'s (the ``demo`` recipe): LoRA-PPO with a critic on the shipped
+tiny-math model (a Qwen2 checkpoint), rank 8, alpha 16 on q, k, v, o, gate, up and down;
+the demo's synthetic GSM8K-style train split; 64 rollouts per iteration of up to 48 new
+tokens at temperature 1 (strop: 16 prompts x 4 samples; TRL's and Tunix's PPO sample one
+response per prompt, so 64 prompts x 1); two mini-batches of 32, one PPO epoch; AdamW,
+actor lr 1e-3, critic lr 3e-3; no KL term; the reward is gsm8k answer correctness.
+
+Four systems, each in its own subprocess: strop on the torch backend, TRL 1.12's
+``trl.experimental.ppo.PPOTrainer`` (torch), strop on the JAX backend, Tunix 0.1.7's
+``PpoLearner`` (JAX). For each round they run in that order, ``--iterations`` PPO
+iterations each, so load on the machine hits all alike. Torch runs at one thread
+(``OMP_NUM_THREADS=1``, as the other torch benchmarks here); JAX uses XLA's default
+thread pool on both JAX sides. Reported per system: the median seconds per iteration
+over the iterations after the first of each run (the first compiles or warms caches),
+with the spread (min-max), then the ratios strop/peer (below 1: strop is faster), then
+each peer's settings that differ from strop's.
+
+TRL and Tunix live in their own virtualenvs, built on request (PyPI only; CPU torch)::
+
+    .venv/bin/python benchmarks/peers.py --setup     # benchmarks/.venvs/{trl,tunix}
+    .venv/bin/python benchmarks/peers.py [--iterations 8] [--rounds 2]
+
+The peers' scripts are ``benchmarks/peers/trl_ppo.py`` and ``benchmarks/peers/tunix_ppo.py``.
+A peer whose venv is missing or whose run fails is reported as not run, with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.report import cpu_name, print_table  # noqa: E402
+
+PEERS_DIR = REPO / "benchmarks" / "peers"
+VENVS = REPO / "benchmarks" / ".venvs"
+# What each peer venv installs, in order (torch first so pip keeps the CPU wheel).
+REQUIREMENTS = {
+    "trl": [["torch==2.13.0"], ["trl==1.12.0", "peft==0.21.2"]],
+    "tunix": [["google-tunix==0.1.7"]],
+}
+SYSTEMS = ("strop-torch", "trl", "strop-jax", "tunix")
+PAIRS = (("strop-torch", "trl"), ("strop-jax", "tunix"))
+N_TRAIN, N_VALIDATION = 2000, 256  # strop.demo's split sizes
+
+DIFFERENCES = {
+    "trl": [
+        "rollouts: 64 prompts x 1 sample per iteration (strop: 16 prompts x 4); TRL's PPO "
+        "has no samples-per-prompt setting",
+        "critic: a second full copy of the base model (AutoModelForSequenceClassification) with "
+        "its own LoRA r8/a16 and a score head; strop: one frozen base for actor and critic, "
+        "two adapters and a value head on it",
+        "one optimizer and one backward pass per mini-batch for actor and critic together "
+        "(loss = policy loss + vf_coef 0.5 x value loss; two parameter groups give lr 1e-3 "
+        "and 3e-3); strop: a critic update, then a policy update, each its own AdamW",
+        "no gradient clipping (TRL's PPO loop never clips); strop clips the norm at 1.0",
+        "no dual clip (strop: dual_clip 3.0)",
+        "old log-probs come from generate()'s scores, no extra forward; strop recomputes them "
+        "with a forward of the actor (ppo.old_logprobs=recompute)",
+        "the reference forward (adapter disabled) runs every iteration although kl_coef is 0; "
+        "strop skips it when the KL coefficient is 0",
+        "the reward: TRL calls a reward model; here get_reward is patched to score the decoded "
+        "response with the same rule (final answer after '####', else the last number, equal "
+        "to the gold number)",
+        "generation: transformers generate() (dynamic KV cache), stop at EOS; all 64 in one batch",
+    ],
+    "tunix": [
+        "rollouts: 64 prompts x 1 sample per iteration (strop: 16 prompts x 4); Tunix's PPO "
+        "samples one response per prompt",
+        "the rollouts of an iteration are made per mini-batch: 32 prompts are generated, "
+        "scored and trained on, then the next 32 (sampled after the first update); strop "
+        "generates all 64, then makes its two mini-batch updates",
+        "critic: full-parameter (a copy of the whole model with a new linear value head, all "
+        "parameters trained); a LoRA critic is not usable here, because Tunix trains only the "
+        "LoRA parameters of a LoRA model, so the new value head would stay at its random init. "
+        "strop: a LoRA critic (adapter + value head) on the shared frozen base",
+        "actor: LoRA r8/a16 by qwix on the same seven projections (as strop's JAX backend)",
+        "no reference model loaded (beta 0 skips the reference forward, as strop does at kl 0)",
+        "generation: Tunix's vanilla sampler; prompts left-padded to the longest rounded up "
+        "to 16 tokens (80 here, as strop's JAX backend pads them); the rollout seed is an int "
+        "that Tunix turns into the same PRNG key at every generate call",
+        "per mini-batch, the actor update runs before the critic's (strop: critic first)",
+    ],
+}
+
+
+# ---------------------------------------------------------------- setup
+
+
+def setup() -> None:
+    """Create benchmarks/.venvs/<peer> and install each peer's pinned packages."""
+    for peer, steps in REQUIREMENTS.items():
+        venv = VENVS / peer
+        if not (venv / "bin" / "python").exists():
+            print(f"creating {venv}", flush=True)
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        for packages in steps:
+            print(f"{peer}: pip install {' '.join(packages)}", flush=True)
+            subprocess.run(
+                [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *packages],
+                check=True,
+            )
+    print("done; run: .venv/bin/python benchmarks/peers.py")
+
+
+# ---------------------------------------------------------------- strop's side
+
+
+def strop_child(backend: str, data: Path, run_dir: Path, iterations: int, seed: int) -> None:
+    """Run strop's PPO (the `strop ppo` code path) with the demo recipe; print RESULT."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if backend == "torch":
+        import torch
+
+        torch.set_num_threads(1)
+    from strop.assets import tiny_math_path
+    from strop.config import load_config
+    from strop.rl.ppo import run_ppo
+
+    config = load_config(
+        "demo",
+        [
+            f"model.path={tiny_math_path()}",
+            f"data.train_path={data / 'train.jsonl'}",
+            f"data.eval_path={data / 'validation.jsonl'}",
+            f"run_dir={run_dir}",
+            f"backend={backend}",
+            f"seed={seed}",
+            f"ppo.steps={iterations}",
+            "ppo.validate_every=0",
+            "checkpoint.every_steps=100000",
+            "logging.tensorboard=false",
+        ],
+    )
+    history = run_ppo(config).history
+    result = {
+        "seconds": [r["timing/step"] for r in history],
+        "reward": [r["train/reward"] for r in history],
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------- driver
+
+
+def command_for(system: str, data: Path, work: Path, iterations: int, seed: int) -> list[str]:
+    if system.startswith("strop-"):
+        backend = system.removeprefix("strop-")
+        return [sys.executable, __file__, "--child", backend, "--data", str(data),
+                "--run-dir", str(work / f"{system}-{os.urandom(4).hex()}"),
+                "--iterations", str(iterations), "--seed", str(seed)]  # fmt: skip
+    python = VENVS / system / "bin" / "python"
+    script = PEERS_DIR / f"{system}_ppo.py"
+    return [str(python), str(script), "--model", str(tiny_math()), "--train",
+            str(data / "train.jsonl"), "--iterations", str(iterations), "--seed", str(seed)]  # fmt: skip
+
+
+def tiny_math() -> Path:
+    from strop.assets import tiny_math_path
+
+    return Path(tiny_math_path())
+
+
+def run_system(command: list[str], log: Path, timeout: float) -> dict:
+    """Run one system's subprocess; its RESULT dict, or {"error": why}."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1")
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    if not Path(command[0]).exists():
+        return {"error": f"{command[0]} is missing: run `benchmarks/peers.py --setup` first"}
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    log.write_text(f"$ {shlex.join(command)}\n{done.stdout}\n--- stderr\n{done.stderr}")
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    if done.returncode or not lines:
+        tail = [x for x in done.stderr.strip().splitlines() if x.strip()][-1:] or ["no output"]
+        return {"error": f"exit {done.returncode}: {tail[0][:300]} (log: {log})"}
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def versions() -> str:
+    import importlib.metadata as md
+
+    def have(venv: Path, names: list[str]) -> str:
+        python = venv / "bin" / "python"
+        if not python.exists():
+            return "not installed"
+        code = (
+            "import importlib.metadata as m, sys\n"
+            "print(' '.join(f'{n} {m.version(n)}' for n in sys.argv[1:]))"
+        )
+        done = subprocess.run([str(python), "-c", code, *names], capture_output=True, text=True)
+        return done.stdout.strip() or "unknown"
+
+    strop = " ".join(f"{n} {md.version(n)}" for n in ("jax", "flax", "qwix", "torch", "peft"))
+    trl = have(VENVS / "trl", ["trl", "transformers", "peft", "torch"])
+    tunix = have(VENVS / "tunix", ["google-tunix", "jax", "flax", "qwix", "optax"])
+    return f"strop side: {strop}\n           TRL venv: {trl}\n           Tunix venv: {tunix}"
+
+
+def strop_revision() -> str:
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=REPO)
+        return done.stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "src")
+    return head + (" (src/ has uncommitted changes)" if dirty else "")
+
+
+def summarize(results: dict[str, list[dict]]) -> None:
+    stats: dict[str, dict] = {}
+    rows = []
+    for system in [s for s in SYSTEMS if s in results]:
+        runs = results[system]
+        errors = [r["error"] for r in runs if "error" in r]
+        good = [r for r in runs if "error" not in r]
+        if not good:
+            why = errors[0] if errors else "no run"
+            rows.append([system, "not run", "-", "-", "-", "-", "-"])
+            stats[system] = {"error": why}
+            continue
+        later = [s for r in good for s in r["seconds"][1:]]
+        firsts = [r["seconds"][0] for r in good]
+        per_round = [None if "error" in r else statistics.median(r["seconds"][1:]) for r in runs]
+        rewards = [x for r in good for x in r.get("reward", [])]
+        median = statistics.median(later)
+        stats[system] = {"median": median, "per_round": per_round, "errors": errors}
+        rows.append(
+            [
+                system,
+                f"{median:.2f}",
+                f"{min(later):.2f}-{max(later):.2f}",
+                " / ".join("-" if m is None else f"{m:.2f}" for m in per_round),
+                str(len(later)),
+                " / ".join(f"{f:.1f}" for f in firsts),
+                f"{statistics.mean(rewards):.3f}" if rewards else "-",
+            ]
+        )
+    headers = ["system", "median s/iter", "min-max", "median per round", "n",
+               "1st iter s", "mean reward"]  # fmt: skip
+    print("Seconds per PPO iteration (64 rollouts), iterations after the first of each run\n")
+    print_table(headers, rows)
+
+    print("\nRatios strop/peer (below 1: strop is faster)")
+    for ours, theirs in PAIRS:
+        if ours not in stats or theirs not in stats:
+            continue
+        a, b = stats[ours], stats[theirs]
+        if "median" not in a or "median" not in b:
+            missing = theirs if "median" not in b else ours
+            print(f"  {ours}/{theirs}: not measured ({missing}: {stats[missing]['error']})")
+            continue
+        rounds = " ".join(
+            "-" if x is None or y is None else f"{x / y:.2f}x"
+            for x, y in zip(a["per_round"], b["per_round"], strict=True)
+        )
+        print(f"  {ours}/{theirs}: {a['median'] / b['median']:.2f}x  (per round: {rounds})")
+
+    for system in stats:
+        for error in stats[system].get("errors", []):
+            print(f"\n{system}: one run failed: {error}")
+        if "median" not in stats[system]:
+            print(f"\n{system}: NOT RUN: {stats[system]['error']}")
+
+    print("\nSettings that differ from strop's")
+    for peer, items in DIFFERENCES.items():
+        if peer not in stats:
+            continue
+        print(f"  {peer}:")
+        for item in items:
+            print(f"    - {item}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--setup", action="store_true", help="build the peers' virtualenvs")
+    parser.add_argument("--iterations", type=int, default=8, help="PPO iterations per run")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each system, interleaved")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.setup:
+        setup()
+        return
+    if args.child:
+        strop_child(args.child, Path(args.data), Path(args.run_dir), args.iterations, args.seed)
+        return
+    if args.iterations < 2:
+        parser.error("--iterations must be at least 2 (the first of each run is not counted)")
+
+    from strop.data.synthetic import write_splits
+
+    command = " ".join(["benchmarks/peers.py", *sys.argv[1:]])
+    print("PPO iteration: strop vs TRL and Tunix, on strop demo's job")
+    print(f"date:      {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}")
+    print(f"machine:   {cpu_name()} ({platform.machine()}), os.cpu_count()={os.cpu_count()}, "
+          f"{platform.system()} {platform.release()}")  # fmt: skip
+    print(f"command:   .venv/bin/python {command}")
+    print(f"strop:     {strop_revision()}")
+    print(f"versions:  {versions()}")
+    print(f"run:       {args.rounds} round(s) of {' -> '.join(args.systems)}, "
+          f"{args.iterations} iterations each; torch at 1 thread, JAX at XLA's default")  # fmt: skip
+    print(flush=True)
+
+    results: dict[str, list[dict]] = {s: [] for s in args.systems}
+    with tempfile.TemporaryDirectory(prefix="strop-peers-") as tmp:
+        work = Path(tmp)
+        data = work / "data"
+        write_splits(data, args.seed, N_TRAIN, N_VALIDATION)
+        logs = Path(tempfile.mkdtemp(prefix="strop-peers-logs-"))
+        for round_ in range(args.rounds):
+            for system in args.systems:
+                cmd = command_for(system, data, work, args.iterations, args.seed)
+                log = logs / f"{system}-round{round_ + 1}.log"
+                result = run_system(cmd, log, args.timeout)
+                results[system].append(result)
+                shown = (
+                    f"NOT RUN ({result['error']})"
+                    if "error" in result
+                    else " ".join(f"{s:.2f}" for s in result["seconds"])
+                )
+                print(f"round {round_ + 1} {system:<11} s/iter: {shown}", flush=True)
+    print()
+    summarize(results)
+    print(f"\nlogs: {logs}")
+
+
+if __name__ == "__main__":
+    main()
