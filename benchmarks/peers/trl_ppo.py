@@ -192,6 +192,8 @@ def main() -> None:
         reward=rewards,
         actor_trainable=sum(p.numel() for p in actor_params),
         critic_trainable=sum(p.numel() for p in critic_params),
+        lrs=[group["lr"] for group in trainer.optimizer.param_groups],
+        optimizer_steps=int(max(float(s["step"]) for s in trainer.optimizer.state.values())),
     )
 
 
