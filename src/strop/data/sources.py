@@ -17,9 +17,10 @@ is skipped and counted (and a warning logged); a file with no good record is sti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -43,7 +44,8 @@ class Example:
     """One record: ``prompt`` + ``completion`` text, or a chat in ``messages``.
 
     ``source`` and ``line`` (1-based) say where it came from; ``reference`` is the final
-    answer of a gsm8k record (for rewards and accuracy), else None.
+    answer of a gsm8k record (for rewards and accuracy), else None. ``columns`` is the
+    record as read (every key of its JSON object), which reward functions receive.
     """
 
     source: str
@@ -52,6 +54,7 @@ class Example:
     completion: str | None = None
     messages: tuple[dict[str, str], ...] | None = None
     reference: str | None = None
+    columns: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,8 @@ def read_examples(
                     continue  # blank line
                 if fmt is None:
                     fmt = detect_format(record)
-                examples.append(_to_example(record, fmt, str(path), number, prompt_template))
+                example = _to_example(record, fmt, str(path), number, prompt_template)
+                examples.append(dataclasses.replace(example, columns=record))
             except _BadLine as e:
                 where = f"{path}:{number}: {e}"
                 if format != "auto" and str(e).startswith("missing field"):
