@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from strop.config import MeshConfig
+from strop.cpu_threads import torch_threads
 from strop.errors import ConfigError
 from strop.io.atomic import write_on_one_process
 
@@ -119,12 +120,16 @@ def _broadcast_text(text: str) -> str:
 
 
 def place(mesh_config: MeshConfig) -> Placement:
-    """Join the process group if launched distributed, pick the device, build the mesh.
+    """Join the process group if launched distributed, pick the device, build the mesh,
+    and set torch's CPU threads (:mod:`strop.cpu_threads`).
 
     The mesh's ``data`` axis replicates and its ``fsdp`` axis shards (HSDP when both are
     > 1); tensor parallelism is refused with a clear message for now.
     """
     cuda = torch.cuda.is_available()
+    threads = torch_threads()
+    if threads is not None and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)  # this process's share of the usable cores
     _refuse_tensor_parallel({"tensor": mesh_config.tensor})
     if not launched_distributed():
         sizes = mesh_config.resolve(1)
