@@ -56,45 +56,124 @@ SYSTEMS = ("strop-torch", "trl", "strop-jax", "tunix")
 PAIRS = (("strop-torch", "trl"), ("strop-jax", "tunix"))
 N_TRAIN, N_VALIDATION = 2000, 256  # strop.demo's split sizes
 
-DIFFERENCES = {
-    "trl": [
-        "rollouts: 64 prompts x 1 sample per iteration (strop: 16 prompts x 4); TRL's PPO "
+
+def demo_config(overrides: list[str] | None = None):
+    """strop's resolved ``demo`` recipe (what `strop demo` runs), with ``overrides``."""
+    from strop.config import load_config
+
+    return load_config("demo", overrides or [])
+
+
+def job_settings(config) -> dict:
+    """The job as the peers' scripts take it (``--job JSON``): strop's demo settings."""
+    ppo, optim = config.ppo, config.optim
+    return {
+        "rollouts": ppo.prompts_per_step * ppo.num_generations_per_prompt,
+        "mini_batch": ppo.mini_batch_size,
+        "epochs": ppo.ppo_epochs,
+        "max_new_tokens": config.generation.max_new_tokens,
+        "temperature": config.generation.temperature,
+        "lora_rank": config.lora.rank,
+        "lora_alpha": config.lora.alpha,
+        "lr": optim.lr,
+        "critic_lr": config.critic.lr or optim.lr,
+        "weight_decay": optim.weight_decay,
+        "betas": [optim.b1, optim.b2],
+        "eps": optim.eps,
+        "max_grad_norm": optim.max_grad_norm,
+        "gamma": ppo.gamma,
+        "lam": ppo.lam,
+        "clip_low": ppo.clip_low,
+        "clip_high": ppo.clip_high,
+        "dual_clip": ppo.dual_clip,
+        "value_clip": ppo.value_clip,
+        "value_loss_coef": ppo.value_loss_coef,
+        "kl_coef": ppo.kl_coef,
+    }
+
+
+def describe(config) -> str:
+    """strop's side of the job in one line."""
+    ppo, optim, gen = config.ppo, config.optim, config.generation
+    return (
+        f"{ppo.prompts_per_step} prompts x {ppo.num_generations_per_prompt} samples, "
+        f"<= {gen.max_new_tokens} new tokens at temperature {gen.temperature:g}; "
+        f"LoRA r{config.lora.rank}/a{config.lora.alpha:g} on q,k,v,o,gate,up,down for actor "
+        f"and critic (one frozen base); mini-batch {ppo.mini_batch_size}, "
+        f"{ppo.ppo_epochs} epoch; AdamW lr {optim.lr:g} / critic {config.critic.lr or optim.lr:g}, "
+        f"weight decay {optim.weight_decay:g}, clip norm {optim.max_grad_norm}; "
+        f"gamma {ppo.gamma:g} lambda {ppo.lam:g}; ratio clip {ppo.clip_low:g}/{ppo.clip_high:g}, "
+        f"dual clip {ppo.dual_clip}, value clip {ppo.value_clip:g}; kl_coef {ppo.kl_coef:g}; "
+        f"old log-probs: {ppo.old_logprobs}; advantages whitened: {ppo.whiten_advantages}"
+    )
+
+
+def differences(config) -> dict[str, list[str]]:
+    """Each peer's settings and behaviours that differ from strop's on this job."""
+    ppo, optim = config.ppo, config.optim
+    shape = f"{ppo.prompts_per_step} prompts x {ppo.num_generations_per_prompt}"
+    rollouts = ppo.prompts_per_step * ppo.num_generations_per_prompt
+    sampler_logprobs = ppo.old_logprobs == "sampler"
+    trl = [
+        f"rollouts: {rollouts} prompts x 1 sample per iteration (strop: {shape}); TRL's PPO "
         "has no samples-per-prompt setting",
         "critic: a second full copy of the base model (AutoModelForSequenceClassification) with "
-        "its own LoRA r8/a16 and a score head; strop: one frozen base for actor and critic, "
-        "two adapters and a value head on it",
+        f"its own LoRA r{config.lora.rank}/a{config.lora.alpha:g} and a score head; strop: one "
+        "frozen base under the actor's and the critic's adapters (and the value head)",
         "one optimizer and one backward pass per mini-batch for actor and critic together "
-        "(loss = policy loss + vf_coef 0.5 x value loss; two parameter groups give lr 1e-3 "
-        "and 3e-3); strop: a critic update, then a policy update, each its own AdamW",
-        "no gradient clipping (TRL's PPO loop never clips); strop clips the norm at 1.0",
-        "no dual clip (strop: dual_clip 3.0)",
-        "old log-probs come from generate()'s scores, no extra forward; strop recomputes them "
-        "with a forward of the actor (ppo.old_logprobs=recompute)",
-        "the reference forward (adapter disabled) runs every iteration although kl_coef is 0; "
-        "strop skips it when the KL coefficient is 0",
-        "the reward: TRL calls a reward model; here get_reward is patched to score the decoded "
-        "response with the same rule (final answer after '####', else the last number, equal "
-        "to the gold number)",
-        "generation: transformers generate() (dynamic KV cache), stop at EOS; all 64 in one batch",
-    ],
-    "tunix": [
-        "rollouts: 64 prompts x 1 sample per iteration (strop: 16 prompts x 4); Tunix's PPO "
+        f"(loss = policy loss + {ppo.value_loss_coef:g} x value loss; two parameter groups give "
+        f"lr {optim.lr:g} and {config.critic.lr or optim.lr:g}); strop: a critic update, then a "
+        "policy update, each with its own AdamW",
+    ]
+    if optim.max_grad_norm:
+        trl.append(
+            f"no gradient clipping (TRL's PPO loop never clips); strop clips the norm at "
+            f"{optim.max_grad_norm:g}"
+        )
+    if ppo.dual_clip:
+        trl.append(f"no dual clip (strop: dual_clip {ppo.dual_clip:g})")
+    if ppo.clip_low != ppo.clip_high:
+        trl.append(f"one ratio clip, {ppo.clip_low:g} (strop: {ppo.clip_low:g}/{ppo.clip_high:g})")
+    if not sampler_logprobs:
+        trl.append(
+            "old log-probs come from generate()'s scores, no forward; strop recomputes them "
+            "with a forward of the actor (ppo.old_logprobs=recompute)"
+        )
+    if not ppo.reference_forward:
+        trl.append(
+            "the reference forward (adapter disabled) runs every iteration although kl_coef is "
+            "0; strop skips it when the KL term is off"
+        )
+    trl += [
+        "the reward: TRL scores with a reward model; get_reward is patched (for a stand-in "
+        "module) to score the decoded response by the rule (the answer after '####', else the "
+        "last number, equal to the gold number), as strop's gsm8k reward does here",
+        f"generation: transformers generate() (dynamic KV cache), all {rollouts} in one batch, "
+        "prompts left-padded to the batch's longest",
+    ]
+    tunix = [
+        f"rollouts: {rollouts} prompts x 1 sample per iteration (strop: {shape}); Tunix's PPO "
         "samples one response per prompt",
-        "the rollouts of an iteration are made per mini-batch: 32 prompts are generated, "
-        "scored and trained on, then the next 32 (sampled after the first update); strop "
-        "generates all 64, then makes its two mini-batch updates",
-        "critic: full-parameter (a copy of the whole model with a new linear value head, all "
-        "parameters trained); a LoRA critic is not usable here, because Tunix trains only the "
-        "LoRA parameters of a LoRA model, so the new value head would stay at its random init. "
+        f"rollouts are made per mini-batch: {ppo.mini_batch_size} prompts are generated, scored "
+        "and trained on, then the next ones (sampled after the first update); strop generates "
+        f"all {rollouts}, then makes its mini-batch updates",
+        "critic: full-parameter (a copy of the whole model with a new linear value head, every "
+        "parameter trained). A LoRA critic does not work here: Tunix trains only the LoRA "
+        "parameters of a LoRA model, so the new value head would stay at its random init. "
         "strop: a LoRA critic (adapter + value head) on the shared frozen base",
-        "actor: LoRA r8/a16 by qwix on the same seven projections (as strop's JAX backend)",
-        "no reference model loaded (beta 0 skips the reference forward, as strop does at kl 0)",
-        "generation: Tunix's vanilla sampler; prompts left-padded to the longest rounded up "
-        "to 16 tokens (80 here, as strop's JAX backend pads them); the rollout seed is an int "
-        "that Tunix turns into the same PRNG key at every generate call",
-        "per mini-batch, the actor update runs before the critic's (strop: critic first)",
-    ],
-}
+    ]
+    if sampler_logprobs:
+        tunix.append(
+            "old log-probs: recomputed with a forward of the actor; strop takes the sampler's "
+            "own (ppo.old_logprobs=sampler), no forward"
+        )
+    tunix += [
+        "generation: Tunix's vanilla sampler; prompts left-padded to the longest rounded up to "
+        "16 tokens (as strop's JAX backend pads them); the rollout seed is an int that Tunix "
+        "turns into the same PRNG key at every generate call",
+        "per mini-batch the actor update runs before the critic's (strop: critic first)",
+    ]
+    return {"trl": trl, "tunix": tunix}
 
 
 # ---------------------------------------------------------------- setup
@@ -156,7 +235,9 @@ def strop_child(backend: str, data: Path, run_dir: Path, iterations: int, seed: 
 # ---------------------------------------------------------------- driver
 
 
-def command_for(system: str, data: Path, work: Path, iterations: int, seed: int) -> list[str]:
+def command_for(
+    system: str, data: Path, work: Path, iterations: int, seed: int, job: dict
+) -> list[str]:
     if system.startswith("strop-"):
         backend = system.removeprefix("strop-")
         return [sys.executable, __file__, "--child", backend, "--data", str(data),
@@ -165,7 +246,8 @@ def command_for(system: str, data: Path, work: Path, iterations: int, seed: int)
     python = VENVS / system / "bin" / "python"
     script = PEERS_DIR / f"{system}_ppo.py"
     return [str(python), str(script), "--model", str(tiny_math()), "--train",
-            str(data / "train.jsonl"), "--iterations", str(iterations), "--seed", str(seed)]  # fmt: skip
+            str(data / "train.jsonl"), "--iterations", str(iterations), "--seed", str(seed),
+            "--job", json.dumps(job)]  # fmt: skip
 
 
 def tiny_math() -> Path:
@@ -224,7 +306,7 @@ def strop_revision() -> str:
     return head + (" (src/ has uncommitted changes)" if dirty else "")
 
 
-def summarize(results: dict[str, list[dict]]) -> None:
+def summarize(results: dict[str, list[dict]], config) -> None:
     stats: dict[str, dict] = {}
     rows = []
     for system in [s for s in SYSTEMS if s in results]:
@@ -280,7 +362,7 @@ def summarize(results: dict[str, list[dict]]) -> None:
             print(f"\n{system}: NOT RUN: {stats[system]['error']}")
 
     print("\nSettings that differ from strop's")
-    for peer, items in DIFFERENCES.items():
+    for peer, items in differences(config).items():
         if peer not in stats:
             continue
         print(f"  {peer}:")
@@ -311,6 +393,9 @@ def main() -> None:
 
     from strop.data.synthetic import write_splits
 
+    config = demo_config([f"seed={args.seed}"])
+    job = job_settings(config)
+
     command = " ".join(["benchmarks/peers.py", *sys.argv[1:]])
     print("PPO iteration: strop vs TRL and Tunix, on strop demo's job")
     print(f"date:      {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}")
@@ -319,6 +404,7 @@ def main() -> None:
     print(f"command:   .venv/bin/python {command}")
     print(f"strop:     {strop_revision()}")
     print(f"versions:  {versions()}")
+    print(f"job:       {describe(config)}")
     print(f"run:       {args.rounds} round(s) of {' -> '.join(args.systems)}, "
           f"{args.iterations} iterations each; torch at 1 thread, JAX at XLA's default")  # fmt: skip
     print(flush=True)
@@ -331,7 +417,7 @@ def main() -> None:
         logs = Path(tempfile.mkdtemp(prefix="strop-peers-logs-"))
         for round_ in range(args.rounds):
             for system in args.systems:
-                cmd = command_for(system, data, work, args.iterations, args.seed)
+                cmd = command_for(system, data, work, args.iterations, args.seed, job)
                 log = logs / f"{system}-round{round_ + 1}.log"
                 result = run_system(cmd, log, args.timeout)
                 results[system].append(result)
@@ -342,7 +428,7 @@ def main() -> None:
                 )
                 print(f"round {round_ + 1} {system:<11} s/iter: {shown}", flush=True)
     print()
-    summarize(results)
+    summarize(results, config)
     print(f"\nlogs: {logs}")
 
 

@@ -17,7 +17,37 @@ from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
 PROMPT_TEMPLATE = "Question: {question}\nAnswer:"  # strop's data.prompt_template default
+# strop's demo recipe as the peers take it; benchmarks/peers.py passes the resolved one
+# (``--job JSON``, from strop's config), so these only serve a peer script run by hand.
+DEFAULT_JOB = {
+    "rollouts": 64,
+    "mini_batch": 32,
+    "epochs": 1,
+    "max_new_tokens": 48,
+    "temperature": 1.0,
+    "lora_rank": 8,
+    "lora_alpha": 16.0,
+    "lr": 1e-3,
+    "critic_lr": 3e-3,
+    "weight_decay": 0.01,
+    "betas": [0.9, 0.999],
+    "eps": 1e-8,
+    "max_grad_norm": 1.0,
+    "gamma": 1.0,
+    "lam": 1.0,
+    "clip_low": 0.2,
+    "clip_high": 0.2,
+    "dual_clip": 3.0,
+    "value_clip": 0.5,
+    "value_loss_coef": 0.5,
+    "kl_coef": 0.0,
+}
 _NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+
+
+def job(text: str | None) -> dict:
+    """The job's settings: ``DEFAULT_JOB`` updated with the JSON ``text``."""
+    return {**DEFAULT_JOB, **(json.loads(text) if text else {})}
 
 
 def read_problems(path: str) -> list[dict[str, str]]:

@@ -22,7 +22,7 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
-from common import print_result, read_problems, reward
+from common import job, print_result, read_problems, reward
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from transformers import (
@@ -94,11 +94,10 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--train", required=True)
     parser.add_argument("--iterations", type=int, default=8)
-    parser.add_argument("--rollouts", type=int, default=64)
-    parser.add_argument("--mini-batch", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--job", help="the job's settings as JSON (default: strop's demo)")
     args = parser.parse_args()
+    j = job(args.job)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
 
@@ -109,7 +108,9 @@ def main() -> None:
         {"input_ids": [tokenizer(p["prompt"])["input_ids"] for p in problems]}
     )
 
-    lora = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS)
+    lora = dict(
+        r=j["lora_rank"], lora_alpha=j["lora_alpha"], lora_dropout=0.0, target_modules=LORA_TARGETS
+    )
     policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     # The critic: a second copy of the base with its own LoRA and a score head (PEFT's
     # SEQ_CLS task trains the head too); the reference is the policy with its adapter off.
@@ -131,26 +132,29 @@ def main() -> None:
             bf16=False,
             gradient_checkpointing=False,
             use_cpu=True,
-            per_device_train_batch_size=args.rollouts,
+            per_device_train_batch_size=j["rollouts"],
             gradient_accumulation_steps=1,
-            local_rollout_forward_batch_size=args.rollouts,
-            num_mini_batches=args.rollouts // args.mini_batch,
-            num_ppo_epochs=1,
-            total_episodes=args.iterations * args.rollouts,
-            response_length=args.max_new_tokens,
-            temperature=1.0,
+            local_rollout_forward_batch_size=j["rollouts"],
+            num_mini_batches=j["rollouts"] // j["mini_batch"],
+            num_ppo_epochs=j["epochs"],
+            total_episodes=args.iterations * j["rollouts"],
+            response_length=j["max_new_tokens"],
+            temperature=j["temperature"],
             stop_token="eos",
-            kl_coef=0.0,
-            gamma=1.0,
-            lam=1.0,
-            cliprange=0.2,
-            cliprange_value=0.5,
-            vf_coef=0.5,
+            kl_coef=j["kl_coef"],
+            gamma=j["gamma"],
+            lam=j["lam"],
+            cliprange=j["clip_low"],
+            cliprange_value=j["value_clip"],
+            vf_coef=j["value_loss_coef"],
             whiten_rewards=False,
             num_sample_generations=0,
-            learning_rate=1e-3,
+            learning_rate=j["lr"],
             lr_scheduler_type="constant",
-            weight_decay=0.01,
+            weight_decay=j["weight_decay"],
+            adam_beta1=j["betas"][0],
+            adam_beta2=j["betas"][1],
+            adam_epsilon=j["eps"],
             dataloader_num_workers=0,
         )
         trainer = PPOTrainer(
@@ -164,28 +168,26 @@ def main() -> None:
             eval_dataset=dataset.select(range(8)),
             peft_config=LoraConfig(task_type="CAUSAL_LM", **lora),
         )
-        # strop's two learning rates: actor 1e-3, critic 3e-3 (TRL has one optimizer over
-        # both; give it two parameter groups).
+        # strop's two learning rates, actor and critic: TRL has one optimizer over both;
+        # give it two parameter groups.
         wrapper = trainer.model
         actor_params = [p for p in wrapper.policy.parameters() if p.requires_grad]
         critic_params = [p for p in wrapper.value_model.parameters() if p.requires_grad]
         for group in trainer.optimizer.param_groups:
             group["params"].clear()
         trainer.optimizer.param_groups.clear()
-        trainer.optimizer.add_param_group(
-            {"params": actor_params, "lr": 1e-3, "initial_lr": 1e-3, "weight_decay": 0.01}
-        )
-        trainer.optimizer.add_param_group(
-            {"params": critic_params, "lr": 3e-3, "initial_lr": 3e-3, "weight_decay": 0.01}
-        )
+        for params, lr in ((actor_params, j["lr"]), (critic_params, j["critic_lr"])):
+            trainer.optimizer.add_param_group(
+                {"params": params, "lr": lr, "initial_lr": lr, "weight_decay": j["weight_decay"]}
+            )
         trainer.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda _: 1.0)
         timer = IterationTimer()
         trainer.add_callback(timer)
         trainer.train()
 
     rewards = [
-        sum(rule.seen[i : i + args.rollouts]) / args.rollouts
-        for i in range(0, len(rule.seen), args.rollouts)
+        sum(rule.seen[i : i + j["rollouts"]]) / j["rollouts"]
+        for i in range(0, len(rule.seen), j["rollouts"])
     ]
     print_result(
         timer.seconds,

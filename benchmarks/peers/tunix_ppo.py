@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import optax
 import qwix
-from common import print_result, read_problems, reward
+from common import job, print_result, read_problems, reward
 from flax import nnx
 from jax.sharding import AxisType
 from transformers import AutoTokenizer
@@ -70,11 +70,10 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--train", required=True)
     parser.add_argument("--iterations", type=int, default=8)
-    parser.add_argument("--rollouts", type=int, default=64)
-    parser.add_argument("--mini-batch", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--job", help="the job's settings as JSON (default: strop's demo)")
     args = parser.parse_args()
+    j = job(args.job)
 
     path = Path(args.model)
     config = model_config(path)
@@ -82,13 +81,18 @@ def main() -> None:
     with mesh:  # (jax.set_mesh makes an abstract mesh that Tunix 0.1.7 cannot shard onto)
         base = qwen2_params.create_model_from_safe_tensors(str(path), config, mesh)
         critic_base = qwen2_params.create_model_from_safe_tensors(str(path), config, mesh)
-        provider = qwix.LoraProvider(module_path=LORA_TARGETS, rank=8, alpha=16.0)
+        provider = qwix.LoraProvider(
+            module_path=LORA_TARGETS, rank=j["lora_rank"], alpha=float(j["lora_alpha"])
+        )
         actor = qwix.apply_lora_to_model(
             base, provider, rngs=nnx.Rngs(args.seed), **base.get_model_input()
         )
         # A full-parameter critic: a LoRA critic's new value head is a plain nnx.Param,
         # which Tunix's trainer (it trains only LoRA params of a LoRA model) never updates.
         critic = rl_utils.create_critic_model(critic_base, seed=args.seed)
+        reference = None  # the KL term is off: no reference forward, none loaded
+        if j["kl_coef"]:
+            reference = qwen2_params.create_model_from_safe_tensors(str(path), config, mesh)
     tokenizer = AutoTokenizer.from_pretrained(path)
     problems = read_problems(args.train)
     # Prompts are left-padded to this many tokens: the longest rounded up to 16, the
@@ -97,10 +101,10 @@ def main() -> None:
     prompt_length = -(-longest // 16) * 16
 
     rollout = base_rollout.RolloutConfig(
-        max_tokens_to_generate=args.max_new_tokens,
+        max_tokens_to_generate=j["max_new_tokens"],
         max_prompt_length=prompt_length,
-        kv_cache_size=prompt_length + args.max_new_tokens,
-        temperature=1.0,
+        kv_cache_size=prompt_length + j["max_new_tokens"],
+        temperature=j["temperature"],
         top_p=1.0,
         top_k=None,
         eos_tokens=[tokenizer.eos_token_id],
@@ -108,15 +112,16 @@ def main() -> None:
     )
 
     def adamw(lr: float) -> optax.GradientTransformation:
-        return optax.chain(
-            optax.clip_by_global_norm(1.0), optax.adamw(lr, b1=0.9, b2=0.999, weight_decay=0.01)
-        )
+        b1, b2 = j["betas"]
+        opt = optax.adamw(lr, b1=b1, b2=b2, eps=j["eps"], weight_decay=j["weight_decay"])
+        clip = j["max_grad_norm"]
+        return optax.chain(optax.clip_by_global_norm(clip), opt) if clip else opt
 
     roles = rl_cluster_lib.Role
     cluster = rl_cluster_lib.RLCluster(
         actor=actor,
         critic=critic,
-        reference=None,
+        reference=reference,
         tokenizer=tokenizer,
         cluster_config=rl_cluster_lib.ClusterConfig(
             role_to_mesh={r: mesh for r in (roles.ACTOR, roles.CRITIC, roles.ROLLOUT)}
@@ -124,11 +129,11 @@ def main() -> None:
             rollout_engine="vanilla",
             offload_to_cpu=False,
             training_config=rl_cluster_lib.RLTrainingConfig(
-                actor_optimizer=adamw(1e-3),
-                critic_optimizer=adamw(3e-3),
+                actor_optimizer=adamw(j["lr"]),
+                critic_optimizer=adamw(j["critic_lr"]),
                 eval_every_n_steps=10**9,
-                max_steps=args.iterations * (args.rollouts // args.mini_batch),
-                mini_batch_size=args.mini_batch,
+                max_steps=args.iterations * (j["rollouts"] // j["mini_batch"]) * j["epochs"],
+                mini_batch_size=j["mini_batch"],
                 pbar_description=None,
             ),
             rollout_config=rollout,
@@ -145,14 +150,14 @@ def main() -> None:
     learner = TimedPpoLearner(
         rl_cluster=cluster,
         ppo_config=ppo_learner.PpoConfig(
-            num_iterations=1,
-            gamma=1.0,
-            gae_lambda=1.0,
-            beta=0.0,
-            epsilon_low=0.2,
-            epsilon_high=0.2,
-            epsilon_c=3.0,
-            clip_range_value=0.5,
+            num_iterations=j["epochs"],
+            gamma=j["gamma"],
+            gae_lambda=j["lam"],
+            beta=j["kl_coef"],
+            epsilon_low=j["clip_low"],
+            epsilon_high=j["clip_high"],
+            epsilon_c=j["dual_clip"],
+            clip_range_value=j["value_clip"],
         ),
         reward_fns=[gsm8k_reward],
         data_shuffle_seed=args.seed,
@@ -162,8 +167,9 @@ def main() -> None:
     order = np.random.default_rng(args.seed).permutation(len(problems))
 
     def batches():
-        for start in range(0, args.iterations * args.rollouts, args.rollouts):
-            rows = [problems[order[(start + i) % len(problems)]] for i in range(args.rollouts)]
+        n = j["rollouts"]
+        for start in range(0, args.iterations * n, n):
+            rows = [problems[order[(start + i) % len(problems)]] for i in range(n)]
             yield {
                 "prompts": [r["prompt"] for r in rows],
                 "gold": [r["gold"] for r in rows],
@@ -171,7 +177,7 @@ def main() -> None:
 
     with mesh:  # (jax.set_mesh makes an abstract mesh that Tunix 0.1.7 cannot shard onto)
         learner.train(batches())
-    per_iteration = args.rollouts
+    per_iteration = j["rollouts"]
     rewards = [
         float(np.mean(rewards_seen[i : i + per_iteration]))
         for i in range(0, len(rewards_seen), per_iteration)
