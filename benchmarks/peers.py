@@ -5,7 +5,9 @@ tiny-math model (a Qwen2 checkpoint), rank 8, alpha 16 on q, k, v, o, gate, up a
 the demo's synthetic GSM8K-style train split; 64 rollouts per iteration of up to 48 new
 tokens at temperature 1 (strop: 16 prompts x 4 samples; TRL's and Tunix's PPO sample one
 response per prompt, so 64 prompts x 1); two mini-batches of 32, one PPO epoch; AdamW,
-actor lr 1e-3, critic lr 3e-3; no KL term; the reward is gsm8k answer correctness.
+actor lr 1e-3, critic lr 3e-3; no KL term; the reward is gsm8k answer correctness. The
+settings are read from strop's resolved recipe (printed under ``job:``) and handed to the
+peers' scripts, and the list of differences is drawn from them too.
 
 Four systems, each in its own subprocess: strop on the torch backend, TRL 1.12's
 ``trl.experimental.ppo.PPOTrainer`` (torch), strop on the JAX backend, Tunix 0.1.7's

@@ -61,7 +61,9 @@ class TimedPpoLearner(ppo_learner.PpoLearner):
     def _run_global_step(self, *args, **kwargs):
         began = time.perf_counter()
         super()._run_global_step(*args, **kwargs)
-        jax.effects_barrier()
+        cluster = self.rl_cluster  # wait for the updates still in flight
+        jax.block_until_ready(nnx.state(cluster.actor_trainer.model))
+        jax.block_until_ready(nnx.state(cluster.critic_trainer.model))
         self.seconds.append(time.perf_counter() - began)
 
 
