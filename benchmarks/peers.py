@@ -57,6 +57,7 @@ REQUIREMENTS = {
 SYSTEMS = ("strop-torch", "trl", "strop-jax", "tunix")
 PAIRS = (("strop-torch", "trl"), ("strop-jax", "tunix"))
 N_TRAIN, N_VALIDATION = 2000, 256  # strop.demo's split sizes
+PHASES = ("generate", "reward", "logprobs", "values", "train_critic", "train_policy")
 
 
 def demo_config(overrides: list[str] | None = None):
@@ -227,9 +228,14 @@ def strop_child(backend: str, data: Path, run_dir: Path, iterations: int, seed: 
         ],
     )
     history = run_ppo(config).history
+    later = history[1:] or history
     result = {
         "seconds": [r["timing/step"] for r in history],
         "reward": [r["train/reward"] for r in history],
+        "phases": {
+            phase: statistics.median(r.get(f"timing/{phase}", 0.0) for r in later)
+            for phase in PHASES
+        },
     }
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -341,6 +347,22 @@ def summarize(results: dict[str, list[dict]], config) -> None:
                "1st iter s", "mean reward"]  # fmt: skip
     print("Seconds per PPO iteration (64 rollouts), iterations after the first of each run\n")
     print_table(headers, rows)
+
+    phases = []
+    for system in stats:
+        runs = [r for r in results[system] if "phases" in r]
+        if runs:
+            cells = [[r["phases"].get(p) for r in runs] for p in PHASES]
+            phases.append(
+                [system] + [f"{statistics.median(c):.2f}" if None not in c else "-" for c in cells]
+            )
+    if phases:
+        print(
+            "\nBy phase, median seconds per iteration (after the first), timed around each "
+            "system's calls\n(TRL: generation only; Tunix: JAX dispatches asynchronously, so a "
+            "phase can absorb time\nstill in flight from the one before)\n"
+        )
+        print_table(["system", *PHASES], phases)
 
     print("\nRatios strop/peer (below 1: strop is faster)")
     for ours, theirs in PAIRS:

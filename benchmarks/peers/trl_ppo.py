@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 
@@ -71,6 +72,18 @@ def get_reward(model, query_responses, pad_token_id, context_length):
 
 
 trl_ppo.get_reward = get_reward
+GENERATE_SECONDS: list[float] = []  # per iteration: the rollouts' generate() calls
+_batch_generation = trl_ppo.batch_generation
+
+
+def batch_generation(*args, **kwargs):
+    began = time.perf_counter()
+    out = _batch_generation(*args, **kwargs)
+    GENERATE_SECONDS.append(time.perf_counter() - began)
+    return out
+
+
+trl_ppo.batch_generation = batch_generation
 
 
 class IterationTimer(TrainerCallback):
@@ -192,6 +205,7 @@ def main() -> None:
     print_result(
         timer.seconds,
         reward=rewards,
+        phases={"generate": statistics.median(GENERATE_SECONDS[1:] or GENERATE_SECONDS)},
         actor_trainable=sum(p.numel() for p in actor_params),
         critic_trainable=sum(p.numel() for p in critic_params),
         lrs=[group["lr"] for group in trainer.optimizer.param_groups],

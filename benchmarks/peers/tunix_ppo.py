@@ -52,6 +52,30 @@ def model_config(path: Path) -> qwen2.ModelConfig:
     )
 
 
+def time_phases(cluster, learner, phases: dict[str, list[float]]) -> None:
+    """Add each call's seconds to its phase's entry for the current iteration. JAX runs
+    asynchronously: a phase may absorb time still in flight from the one before."""
+    for phase, name in [
+        ("generate", "generate"),
+        ("logprobs", "get_old_per_token_logps"),
+        ("values", "get_values"),
+        ("train_policy", "update_actor"),
+        ("train_critic", "update_critic"),
+    ]:
+        method = getattr(cluster, name)
+
+        def timed(*args, _method=method, _phase=phase, **kwargs):
+            began = time.perf_counter()
+            out = _method(*args, **kwargs)
+            totals = phases.setdefault(_phase, [])
+            index = len(learner.seconds)
+            totals.extend([0.0] * (index + 1 - len(totals)))
+            totals[index] += time.perf_counter() - began
+            return out
+
+        setattr(cluster, name, timed)
+
+
 class TimedPpoLearner(ppo_learner.PpoLearner):
     """Records the wall time of every global step (one PPO iteration)."""
 
@@ -165,6 +189,8 @@ def main() -> None:
         data_shuffle_seed=args.seed,
     )
     learner.seconds = []
+    phases: dict[str, list[float]] = {}
+    time_phases(cluster, learner, phases)
 
     order = np.random.default_rng(args.seed).permutation(len(problems))
 
@@ -188,6 +214,7 @@ def main() -> None:
     print_result(
         learner.seconds,
         reward=rewards,
+        phases={k: float(np.median(v[1:] or v)) for k, v in phases.items()},
         actor_steps=int(cluster.actor_trainer.train_steps),
         critic_steps=int(cluster.critic_trainer.train_steps),
         lora_params=int(sum(x.size for x in jax.tree.leaves(lora))),
