@@ -110,10 +110,16 @@ class OptimConfig(_Section):
 class DataConfig(_Section):
     """Where examples come from and how they become token sequences."""
 
-    train_path: str | None = Field(None, description="Training data file (JSONL).")
-    eval_path: str | None = Field(None, description="Evaluation / validation data file (JSONL).")
+    train_path: str | None = Field(None, description="Training data file or directory.")
+    eval_path: str | None = Field(None, description="Evaluation / validation data, as train_path.")
     format: Literal["auto", "prompt_completion", "messages", "gsm8k"] = Field(
         "auto", description="Record layout; auto detects it from the first record."
+    )
+    prompt_key: str | None = Field(
+        None, description="Read records by key: the prompt's column (text, or a chat)."
+    )
+    answer_key: str | None = Field(
+        None, description="With prompt_key: the answer's column (completion, gold)."
     )
     max_length: int = Field(
         512,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from strop.data.sources import Example
 from strop.data.tokenizer import Tokenizer
-from strop.errors import DataError
+from strop.errors import DataError, StropError
 
 if TYPE_CHECKING:
     from strop.rewards import Reward
@@ -35,7 +35,10 @@ def prompt_ids(example: Example, tokenizer: Tokenizer) -> list[int]:
             turns = turns[:-1]
         if not turns:
             raise DataError(f"{example.source}:{example.line}: the chat has no prompt turns")
-        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+        except StropError as e:  # no template (ModelError), a template failure (DataError)
+            raise type(e)(f"{example.source}:{example.line}: {e}") from None
         return tokenizer.encode(text)
     assert example.prompt is not None
     return list(tokenizer.special_prefix_ids) + tokenizer.encode(example.prompt)

@@ -117,7 +117,12 @@ def _plan(example: Example, tokenizer: Tokenizer) -> tuple[list[int], list[Segme
     """(prefix ids, text segments with loss flags, suffix ids) of one example."""
     if example.messages is not None:
         return [], chat_segments(example, tokenizer), []
-    assert example.prompt is not None and example.completion is not None
+    if example.completion is None:  # a record read by data.prompt_key with no answer_key
+        raise DataError(
+            f"{example.source}:{example.line}: the record has no completion to train on; "
+            "set data.answer_key to the column of the answer"
+        )
+    assert example.prompt is not None
     segments = [(example.prompt, 0), (example.completion, 1)]
     return list(tokenizer.special_prefix_ids), segments, [tokenizer.eos_token_id]
 

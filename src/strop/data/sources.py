@@ -1,6 +1,8 @@
-"""JSONL records -> examples, with errors that name the file and the 1-based line.
+"""Data records -> examples, with errors that name the file and the 1-based line (or row).
 
-Formats (one JSON object per line; blank lines are ignored):
+A data path is a JSONL file (one JSON object per line; blank lines are ignored), or, read by
+:mod:`strop.data.tables`, a Parquet or Arrow file, a directory written by
+``datasets.save_to_disk``, or a ``.json`` file holding one array of objects. Formats:
 
 - ``prompt_completion``: ``{"prompt": str, "completion": str}``
 - ``messages``: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``
@@ -8,6 +10,12 @@ Formats (one JSON object per line; blank lines are ignored):
   The prompt is ``prompt_template`` with ``{question}`` replaced; the completion is
   ``" " + answer`` and ``reference`` is the text after ``#### ``.
 - ``auto``: the format of the first record that has the keys of one of the above.
+- by key (``prompt_key`` set; format ``keys``): the prompt is ``record[prompt_key]``, a string
+  (put into ``prompt_template``) or a chat (a list of role/content turns, rendered with the
+  tokenizer's chat template); ``record[answer_key]`` (a string or a number; optional) is the
+  completion (after a space) or, after a chat, an assistant turn: SFT trains on it, and a
+  reward finds the gold in it (``#### 42``, ``\\boxed{...}``, a number). So MATH records
+  read with ``prompt_key=problem answer_key=solution``.
 
 Each line is parsed with ``json.loads`` and nothing else; a line longer than
 ``max_record_bytes`` is refused unread (tokenizing one 50 MB record took 9.8 GB, only for
@@ -20,22 +28,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
-from strop.errors import DataError
+from strop.data import tables
+from strop.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from strop.config import DataConfig
 
 logger = logging.getLogger(__name__)
 
-Format = Literal["prompt_completion", "messages", "gsm8k"]
+Format = Literal["prompt_completion", "messages", "gsm8k", "keys"]
 ROLES = ("system", "user", "assistant")
 GSM8K_MARKER = "#### "
 DEFAULT_PROMPT_TEMPLATE = "Question: {question}\nAnswer:"
-_SKIP_HINT = "fix the line, or set data.skip_bad_lines=true to skip bad lines"
 DEFAULT_MAX_RECORD_BYTES = 4 << 20
 
 
@@ -78,69 +87,78 @@ def read_examples(
     skip_bad_lines: bool = False,
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+    prompt_key: str | None = None,
+    answer_key: str | None = None,
 ) -> tuple[list[Example], ReadStats]:
-    """Read every record of a JSONL file; raise DataError naming ``path:line`` for a bad one."""
+    """Read every record of a data file (JSONL, or a table :mod:`strop.data.tables` reads);
+    raise DataError naming ``path:line`` (``path:row``) for a bad one. With ``prompt_key``
+    every record is read by key (see the module docstring), whatever ``format`` says."""
     path = Path(path)
-    try:
-        handle = path.open("rb")
-    except FileNotFoundError:
-        raise DataError(
-            f"data file {path} not found: check data.train_path / data.eval_path"
-        ) from None
-    except IsADirectoryError:
-        raise DataError(f"data path {path} is a directory; point it at a .jsonl file") from None
-    except OSError as e:
-        raise DataError(f"cannot open data file {path}: {e.strerror}") from None
+    keys = _check_keys(prompt_key, answer_key)
+    table = tables.is_table(path)
+    if table:
+        columns, _, rows = tables.read_rows(path)
+        for setting, key in zip(("data.prompt_key", "data.answer_key"), keys or (), strict=False):
+            if key is not None and columns and key not in columns:
+                raise DataError(
+                    f"{path}: no column '{key}' ({setting}); its columns are {', '.join(columns)}"
+                )
+        numbered: Iterator[tuple[int, Any]] = enumerate(rows, start=1)
+    else:
+        numbered = _jsonl_records(_open_jsonl(path), max_record_bytes)
+    unit = "row" if table else "line"
 
     examples: list[Example] = []
-    fmt: Format | None = None if format == "auto" else format
+    fmt: Format | None = "keys" if keys else None if format == "auto" else format
     skipped = 0
     first_bad = ""
-    with handle:
-        for number, raw in enumerate(handle, start=1):
-            try:
-                size = len(raw)  # bytes: the file is read in binary
-                if size > max_record_bytes:
-                    raise _BadLine(
-                        f"the record is {size:,} bytes, over "
-                        f"data.max_record_bytes={max_record_bytes}; split it or raise the cap"
-                    )
-                record = _parse_line(raw, number)
-                if record is None:
-                    continue  # blank line
-                if fmt is None:
-                    fmt = detect_format(record)
-                example = _to_example(record, fmt, str(path), number, prompt_template)
-                examples.append(dataclasses.replace(example, columns=record))
-            except _BadLine as e:
-                where = f"{path}:{number}: {e}"
-                if format != "auto" and str(e).startswith("missing field"):
-                    where += (
-                        f" (data.format={format}, set by the recipe or an override, reads "
-                        f"{_FIELDS[format]} records; data.format=auto tells from the keys)"
-                    )
-                if not skip_bad_lines:
-                    raise DataError(f"{where}; {_SKIP_HINT}") from None
-                skipped += 1
-                first_bad = first_bad or where
+    for number, record in numbered:
+        try:
+            if isinstance(record, _BadLine):
+                raise record
+            if record is None and not table:
+                continue  # blank line
+            if not isinstance(record, dict):  # an element of a .json array
+                raise _BadLine(f"expected a JSON object, got {_kind(record)}")
+            if fmt is None:
+                fmt = detect_format(record)
+            example = _to_example(record, fmt, str(path), number, prompt_template, keys)
+            if table:
+                _check_size(example, max_record_bytes)
+            examples.append(dataclasses.replace(example, columns=record))
+        except _BadLine as e:
+            where = f"{path}:{number}: {e}"
+            if format != "auto" and not keys and str(e).startswith("missing field"):
+                where += (
+                    f" (data.format={format}, set by the recipe or an override, reads "
+                    f"{_FIELDS[format]} records; data.format=auto tells from the keys)"
+                )
+            if not skip_bad_lines:
+                raise DataError(
+                    f"{where}; fix the {unit}, or set data.skip_bad_lines=true to skip bad {unit}s"
+                ) from None
+            skipped += 1
+            first_bad = first_bad or where
 
     if not examples:
         if skipped:
             raise DataError(
-                f"no valid records in {path}: all {skipped} non-blank line(s) are bad "
+                f"no valid records in {path}: all {skipped} non-blank {unit}(s) are bad "
                 f"(first: {first_bad})"
             )
+        if table:
+            raise DataError(f"data set {path} is empty (no records)")
         raise DataError(
             f"data file {path} is empty (no records); it needs one JSON object per line"
         )
     if skipped:
-        logger.warning("skipped %d bad line(s) in %s (first: %s)", skipped, path, first_bad)
+        logger.warning("skipped %d bad %s(s) in %s (first: %s)", skipped, unit, path, first_bad)
     assert fmt is not None
     return examples, ReadStats(str(path), fmt, len(examples), skipped)
 
 
 def read_data_file(path: str | Path, data: DataConfig) -> tuple[list[Example], ReadStats]:
-    """:func:`read_examples` of ``path`` as the run's ``data:`` section says (format,
+    """:func:`read_examples` of ``path`` as the run's ``data:`` section says (format, keys,
     skipping, prompt template, record size cap)."""
     return read_examples(
         path,
@@ -148,7 +166,65 @@ def read_data_file(path: str | Path, data: DataConfig) -> tuple[list[Example], R
         skip_bad_lines=data.skip_bad_lines,
         prompt_template=data.prompt_template,
         max_record_bytes=data.max_record_bytes,
+        prompt_key=data.prompt_key,
+        answer_key=data.answer_key,
     )
+
+
+def _check_keys(prompt_key: str | None, answer_key: str | None) -> tuple[str, str | None] | None:
+    """``(prompt_key, answer_key)`` when records are read by key (``data.format`` aside: a
+    recipe's gsm8k does not stand in the way of a MATH file's keys), else None."""
+    if prompt_key is None:
+        if answer_key is not None:
+            raise ConfigError(
+                f"data.answer_key={answer_key} needs data.prompt_key, the column of the prompt"
+            )
+        return None
+    return prompt_key, answer_key
+
+
+def _open_jsonl(path: Path) -> BinaryIO:
+    try:
+        return path.open("rb")
+    except FileNotFoundError:
+        raise DataError(
+            f"data file {path} not found: check data.train_path / data.eval_path"
+        ) from None
+    except OSError as e:
+        raise DataError(f"cannot open data file {path}: {e.strerror}") from None
+
+
+def _jsonl_records(handle: BinaryIO, max_record_bytes: int) -> Iterator[tuple[int, Any]]:
+    """``(line number, record)`` for every line: its object, None for a blank line, or the
+    :class:`_BadLine` that says what is wrong with it."""
+    with handle:
+        for number, raw in enumerate(handle, start=1):
+            size = len(raw)  # bytes: the file is read in binary
+            if size > max_record_bytes:
+                yield (
+                    number,
+                    _BadLine(
+                        f"the record is {size:,} bytes, over "
+                        f"data.max_record_bytes={max_record_bytes}; split it or raise the cap"
+                    ),
+                )
+                continue
+            try:
+                yield number, _parse_line(raw, number)
+            except _BadLine as e:
+                yield number, e
+
+
+def _check_size(example: Example, max_record_bytes: int) -> None:
+    """A table row's text over the cap is a bad row, as an over-long JSONL line is."""
+    texts = [example.prompt or "", example.completion or ""]
+    texts += [turn["content"] for turn in example.messages or ()]
+    size = sum(len(text.encode("utf-8")) for text in texts)
+    if size > max_record_bytes:
+        raise _BadLine(
+            f"the record's text is {size:,} bytes, over data.max_record_bytes="
+            f"{max_record_bytes}; split it or raise the cap"
+        )
 
 
 _FIELDS = {
@@ -169,7 +245,8 @@ def detect_format(record: dict[str, Any]) -> Format:
     keys = ", ".join(sorted(record)) or "none"
     raise _BadLine(
         f"cannot tell the data format from the keys ({keys}); expected 'messages', "
-        "'prompt'+'completion' or 'question'+'answer', or set data.format"
+        "'prompt'+'completion' or 'question'+'answer', or set data.format, or name the "
+        "columns with data.prompt_key / data.answer_key"
     )
 
 
@@ -193,8 +270,15 @@ def _parse_line(raw: bytes, number: int) -> dict[str, Any] | None:
 
 
 def _to_example(
-    record: dict[str, Any], fmt: Format, source: str, line: int, prompt_template: str
+    record: dict[str, Any],
+    fmt: Format,
+    source: str,
+    line: int,
+    prompt_template: str,
+    keys: tuple[str, str | None] | None = None,
 ) -> Example:
+    if keys is not None:
+        return _keyed_example(record, source, line, prompt_template, *keys)
     if fmt == "prompt_completion":
         prompt, completion = _text(record, "prompt"), _text(record, "completion")
         return Example(source, line, prompt=prompt, completion=completion)
@@ -210,6 +294,40 @@ def _to_example(
     return Example(source, line, messages=_messages(record))
 
 
+def _keyed_example(
+    record: dict[str, Any],
+    source: str,
+    line: int,
+    prompt_template: str,
+    prompt_key: str,
+    answer_key: str | None,
+) -> Example:
+    """A record read by key: its prompt (text or chat) and, with ``answer_key``, answer."""
+    for setting, key in (("data.prompt_key", prompt_key), ("data.answer_key", answer_key)):
+        if key is not None and key not in record:
+            keys = ", ".join(sorted(record)) or "none"
+            raise _BadLine(f"missing field '{key}' ({setting}); the record has {keys}")
+    answer = None
+    if answer_key is not None:
+        value = record[answer_key]
+        is_number = isinstance(value, int | float) and not isinstance(value, bool)
+        answer = str(value) if is_number else _text(record, answer_key)
+    if not isinstance(record[prompt_key], list):
+        prompt = prompt_template.replace("{question}", _text(record, prompt_key))
+        return Example(
+            source, line, prompt=prompt, completion=None if answer is None else " " + answer
+        )
+    turns = _messages(record, prompt_key)
+    if answer is None:
+        return Example(source, line, messages=turns)
+    if turns[-1]["role"] == "assistant":
+        raise _BadLine(
+            f"the chat in '{prompt_key}' ends with an assistant turn, so the answer "
+            f"('{answer_key}') cannot be the reply to it; end the prompt with a user turn"
+        )
+    return Example(source, line, messages=(*turns, {"role": "assistant", "content": answer}))
+
+
 def _text(record: dict[str, Any], key: str) -> str:
     if key not in record:
         raise _BadLine(f"missing field '{key}'")
@@ -219,28 +337,28 @@ def _text(record: dict[str, Any], key: str) -> str:
     return value
 
 
-def _messages(record: dict[str, Any]) -> tuple[dict[str, str], ...]:
-    if "messages" not in record:
-        raise _BadLine("missing field 'messages'")
-    messages = record["messages"]
+def _messages(record: dict[str, Any], name: str = "messages") -> tuple[dict[str, str], ...]:
+    if name not in record:
+        raise _BadLine(f"missing field '{name}'")
+    messages = record[name]
     if not isinstance(messages, list):
-        raise _BadLine(f"field 'messages' must be a list, got {_kind(messages)}")
+        raise _BadLine(f"field '{name}' must be a list, got {_kind(messages)}")
     if not messages:
-        raise _BadLine("field 'messages' is empty")
+        raise _BadLine(f"field '{name}' is empty")
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise _BadLine(f"messages[{i}] must be an object, got {_kind(message)}")
+            raise _BadLine(f"{name}[{i}] must be an object, got {_kind(message)}")
         for key in ("role", "content"):
             if key not in message:
-                raise _BadLine(f"messages[{i}] is missing field '{key}'")
+                raise _BadLine(f"{name}[{i}] is missing field '{key}'")
             if not isinstance(message[key], str):
-                raise _BadLine(f"messages[{i}].{key} must be a string, got {_kind(message[key])}")
+                raise _BadLine(f"{name}[{i}].{key} must be a string, got {_kind(message[key])}")
         if message["role"] not in ROLES:
-            raise _BadLine(f"messages[{i}].role is {message['role']!r}; expected one of {ROLES}")
+            raise _BadLine(f"{name}[{i}].role is {message['role']!r}; expected one of {ROLES}")
         out.append({"role": message["role"], "content": message["content"]})
     if out[0]["role"] == "assistant":
-        raise _BadLine("messages[0] is an assistant turn; a chat starts with a system or user turn")
+        raise _BadLine(f"{name}[0] is an assistant turn; a chat starts with a system or user turn")
     return tuple(out)
 
 
