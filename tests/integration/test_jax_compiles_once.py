@@ -68,6 +68,7 @@ def test_no_compile_after_the_first_iteration(task, early_stopping_task, tmp_pat
         task, tmp_path / "run", "jax", f"model.path={early_stopping_task}",
         "ppo.steps=5", "ppo.validate_every=2", "checkpoint.every_steps=100",
         "ppo.prompts_per_step=2", "ppo.num_generations_per_prompt=2", "ppo.mini_batch_size=2",
+        "mesh.fsdp=2",  # weights sharded: the sampler's inference layout is traced once too
     )  # fmt: skip
     jax.monitoring.register_event_duration_secs_listener(on_event)
     try:

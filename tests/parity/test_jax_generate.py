@@ -21,6 +21,7 @@ from strop.config import LoraConfig
 from strop.data import Tokenizer
 from strop.generation import SamplingParams
 from strop.rl import Rollout, token_mult_prob_error
+from tests.hlo import ops_inside_loops
 from tests.tiny_models import TINY
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
@@ -277,3 +278,40 @@ def test_lora_model_samples_from_its_own_logits(tiny_model_dir, tokenizer):
     logits = lora_handle.logits(batch["input_ids"], batch["attention_mask"])
     width = rollout.prompt_width
     np.testing.assert_array_equal(logits[:, width - 1 : -1].argmax(-1), generation.tokens)
+
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+ORIGINAL_DECODE: dict = {}
+
+
+def decode_loop_collectives(handle: JaxModelHandle, monkeypatch) -> dict[str, int]:
+    """Collectives in the compiled decode loop's body when ``handle`` samples."""
+    from strop.backends.jax import generate as sampler
+
+    compiled: list[str] = []
+    decode = ORIGINAL_DECODE.setdefault("jit", sampler._decode)  # not a wrapper of an earlier call
+
+    def compiling(*args):
+        compiled.append(decode.lower(*args).compile().as_text())
+        return decode(*args)
+
+    monkeypatch.setattr(sampler, "_decode", compiling)
+    sample(handle, ragged_prompts(seed=9, lengths=(5, 12, 3, 9, 4, 7, 2, 16)),
+           SamplingParams(max_new_tokens=4, temperature=1.0))  # fmt: skip
+    (hlo,) = compiled
+    return {op: len(ops_inside_loops(hlo, op)) for op in COLLECTIVES}
+
+
+@pytest.mark.multidevice
+def test_decode_steps_run_no_collective_on_an_fsdp_sharded_model(tiny_model_dir, monkeypatch):
+    """Training shards the weights over ``fsdp``; the sampler lays them out for inference
+    once per call (replicated over the batch axes, :func:`inference_layout`), so no decode
+    step gathers a weight, nor anything else. Outputs are unchanged: see the sharded-mesh
+    test above."""
+    from strop.backends.jax import generate as sampler
+
+    handle = load(tiny_model_dir("qwen2"), mesh={"fsdp": 8})
+    assert decode_loop_collectives(handle, monkeypatch) == dict.fromkeys(COLLECTIVES, 0)
+    # the check can fail: on the training layout XLA communicates at every step
+    monkeypatch.setattr(sampler, "inference_layout", lambda model: model)
+    assert sum(decode_loop_collectives(handle, monkeypatch).values()) > 0
