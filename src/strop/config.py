@@ -10,7 +10,7 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -192,6 +192,18 @@ class TrainConfig(_Section):
     )
 
 
+class RewardTerm(_Section):
+    """One reward of a weighted sum (``ppo.reward: [{reward: gsm8k, weight: 1.0}, ...]``)."""
+
+    reward: str = Field(
+        description="A registered name, package.module:function or path/to/file.py:function."
+    )
+    weight: float = Field(1.0, allow_inf_nan=False, description="Its weight in the sum.")
+    name: str | None = Field(
+        None, description="Its metric is reward/<name>; null = its registered or function name."
+    )
+
+
 class PpoConfig(_Section):
     """PPO with a learned critic: rollouts, advantages, clipping, KL and value losses."""
 
@@ -260,7 +272,11 @@ class PpoConfig(_Section):
         None,
         description="SFT adapter that is the frozen reference policy (needs lora.enabled); null = base model.",
     )
-    reward: str = Field("gsm8k", description="Name of the reward function in the reward registry.")
+    reward: str | Annotated[list[RewardTerm], Field(min_length=1)] = Field(
+        "gsm8k",
+        description="A registered reward (gsm8k, math, format), package.module:function, "
+        "path/to/file.py:function, or a list of {reward, weight, name} summed with weights.",
+    )
     micro_batch_size: int | None = Field(
         None,
         gt=0,
@@ -274,6 +290,28 @@ class PpoConfig(_Section):
     validation_size: int = Field(
         64, ge=0, description="Held-out prompts (from data.eval_path) per validation; 0 = all."
     )
+
+    @field_validator("reward", mode="wrap")
+    @classmethod
+    def _reward_in_one_message(cls, value: Any, handler: Any) -> Any:
+        """The errors of the branch the value took (a reference, or a list of terms), not
+        of both."""
+        try:
+            return handler(value)
+        except ValidationError as e:
+            if not isinstance(value, list):
+                raise ValueError(
+                    "expected a reward (name or reference) or a list of terms"
+                ) from None
+            problems = [
+                f"{''.join(f'[{p}]' if isinstance(p, int) else f'.{p}' for p in err['loc'][1:])}"
+                f"{': ' if len(err['loc']) > 1 else ''}{err['msg']}"
+                for err in e.errors(include_url=False)
+                if err["loc"][:1] != ("str",)
+            ]
+            raise ValueError(
+                f"{'; '.join(problems)} (each term is {{reward, weight, name}})"
+            ) from None
 
     @model_validator(mode="after")
     def _mini_batches_divide(self) -> Self:
@@ -358,7 +396,9 @@ class EvalConfig(_Section):
     batch_size: int = Field(32, gt=0, description="Prompts generated for at once.")
     max_examples: int = Field(0, ge=0, description="Evaluate only the first N examples; 0 = all.")
     reward: str = Field(
-        "gsm8k", description="Reward function that decides correctness (1 = correct)."
+        "gsm8k",
+        description="Reward that decides correctness (1 = correct): a registered name, "
+        "package.module:function or path/to/file.py:function.",
     )
 
     @model_validator(mode="after")

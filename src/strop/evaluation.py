@@ -2,7 +2,9 @@
 
 Each example's prompt (tokenized as in training) gets ``eval.num_samples`` responses —
 greedy when ``eval.temperature`` is 0 — and the reward ``eval.reward`` (default
-``gsm8k``: the final answer checked against the gold) decides which are correct.
+``gsm8k``: the final answer checked against the gold; or a function of the user's,
+``package.module:function`` / ``path/to/file.py:function``, which gets every column of
+the records) decides which are correct (score >= 1).
 An example is solved if any of its responses is (pass@k); ``accuracy`` is the mean over
 all responses. Each record's gold is found as the reward says
 (:func:`strop.data.prompts.gold_answers`) before the model is built: a record without one is
@@ -35,6 +37,7 @@ from strop.io.model_spec import read_model_spec
 from strop.io.peft import load_adapter
 from strop.preflight import holding_run_dir, preflight
 from strop.progress import RunProgress, is_main_by_environment
+from strop.rl.prompts import record_columns
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +85,7 @@ def run_eval(config: Config) -> EvalResult:
     path = config.eval.path or config.data.eval_path
     if config.model.path is None or path is None:
         raise ConfigError("strop eval needs model.path and eval.path (or data.eval_path)")
-    reward = rewards.get(config.eval.reward)
+    reward = rewards.load(config.eval.reward, setting="eval.reward")  # imported and checked
     preflight(config, "eval", checkpoint_dir=None)  # before anything loads
     progress = RunProgress("eval", 0, {"solved": "solved {:.1%}"}, enabled=is_main_by_environment())
     with holding_run_dir(config), progress:
@@ -101,6 +104,9 @@ def _evaluate(config: Config, path: str, reward, progress: RunProgress) -> EvalR
     )
     if config.eval.max_examples:
         examples, golds = examples[: config.eval.max_examples], golds[: config.eval.max_examples]
+    columns = record_columns(examples)  # what the reward gets; a gold rule's reward, its golds
+    columns["answer"] = golds if reward.gold is not None else columns["answer"]
+    reward.check_call(columns)
     prompts = [prompt_ids(example, tokenizer) for example in examples]
     progress.set_total(len(examples))
 
@@ -133,7 +139,9 @@ def _evaluate(config: Config, path: str, reward, progress: RunProgress) -> EvalR
         )
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in generation.responses()]
         scores = reward(
-            [examples[i].prompt or "" for i in rows], texts, answer=[golds[i] for i in rows]
+            [examples[i].prompt or "" for i in rows],
+            texts,
+            **{key: [values[i] for i in rows] for key, values in columns.items()},
         )
         tokens += int(generation.lengths.sum())
         stopped += sum(reason == "stop" for reason in generation.finish_reasons)

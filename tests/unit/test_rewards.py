@@ -113,13 +113,43 @@ def test_bad_scores_are_zeroed_and_counted():
     assert all(isinstance(x, float) for x in reward(["p"], ["ok"]))
 
 
-def test_a_wrong_number_of_scores_is_contained():
-    reward = rewards.Reward("short", lambda prompts, completions, **c: [1.0])
-    assert reward(["p", "p"], ["a", "b"]) == [1.0, 1.0]  # retried item by item
-    assert reward.stats.errors == 0
-    always_empty = rewards.Reward("empty", lambda prompts, completions, **c: [])
-    assert always_empty(["p", "p"], ["a", "b"]) == [0.0, 0.0]
-    assert always_empty.stats.errors == 2
+@pytest.mark.parametrize(
+    ("returns", "said"),
+    [
+        (lambda n: [1.0], "returned 1 score(s) for 2 completion(s)"),
+        (lambda n: [], "returned 0 score(s) for 2 completion(s)"),
+        (lambda n: None, "returned None for 2 completion(s)"),
+        (lambda n: 1.0, "returned a float for 2 completion(s)"),
+        (lambda n: "11", "returned a str for 2 completion(s)"),
+        (lambda n: {"a": 1.0, "b": 1.0}, "returned a dict for 2 completion(s)"),
+        (lambda n: (x for x in [1.0] * n), "returned a generator for 2 completion(s)"),
+    ],
+)
+def test_a_function_that_breaks_the_contract_is_a_one_line_error(returns, said):
+    """Not contained: every batch would score 0 the same way (it was retried item by item)."""
+    reward = rewards.Reward("short", lambda prompts, completions, **c: returns(len(completions)))
+    with pytest.raises(rewards.RewardError) as info:
+        reward(["p", "p"], ["a", "b"])
+    assert str(info.value).startswith(f"reward 'short' {said}; a reward function returns")
+    assert "\n" not in str(info.value) and isinstance(info.value, ConfigError)
+
+
+def test_a_wrong_count_after_a_raising_batch_is_an_error_too():
+    def fn(prompts, completions, **columns):
+        if len(completions) > 1:
+            raise RuntimeError("batch failure")
+        return [1.0, 1.0]
+
+    with pytest.raises(rewards.RewardError, match="returned 2 score"):
+        rewards.Reward("twice", fn, source="m.py:twice")(["p", "p"], ["a", "b"])
+
+
+def test_tuples_and_arrays_of_scores_are_fine():
+    import numpy as np
+
+    for out in ((1, 0.5), np.array([1.0, 0.5])):
+        reward = rewards.Reward("r", lambda prompts, completions, out=out, **c: out)
+        assert reward(["p", "p"], ["a", "b"]) == [1.0, 0.5]
 
 
 def test_columns_reach_the_function_aligned_per_item():

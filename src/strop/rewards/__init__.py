@@ -14,6 +14,13 @@ completion ends in a ``#### N`` line; it needs no gold answer). Add your own wit
 :func:`register`; pass ``gold=Gold(extract, needs)`` if it compares against a gold answer,
 so that data without one is refused before a model loads.
 
+A run's reward (``ppo.reward``, ``eval.reward``) may also be a function of the user's,
+``package.module:function`` or ``path/to/file.py:function`` (:mod:`strop.rewards.loading`),
+and ``ppo.reward`` a weighted list of rewards (:mod:`strop.rewards.weighted`)::
+
+    reward = rewards.resolve([{"reward": "gsm8k"}, {"reward": "my.py:short", "weight": 0.1}])
+    scored = reward.score(prompts, completions, columns)   # .total, .parts, .metrics()
+
 Design: :mod:`strop.rewards.base` has the contract and the :class:`Reward` wrapper that turns
 per-item failures into a 0 plus a counted error; :mod:`strop.rewards.pool` has the
 :class:`VerifierPool` that runs math-verify under a hard per-item deadline by killing and
@@ -22,25 +29,43 @@ replacing the worker process of an item that takes too long.
 
 from __future__ import annotations
 
-from strop.rewards.base import Gold, Reward, RewardFn, RewardStats, Scores, get, names, register
+from strop.rewards.base import (
+    Gold,
+    Reward,
+    RewardError,
+    RewardFn,
+    RewardStats,
+    Scores,
+    get,
+    names,
+    register,
+)
+from strop.rewards.loading import load
 from strop.rewards.math_rewards import MathReward, extract_answer, extract_gold, format_reward
 from strop.rewards.pool import PoolStats, Verdict, VerifierPool, default_pool
+from strop.rewards.weighted import Component, ScoredBatch, WeightedReward, resolve
 
 __all__ = [
+    "Component",
     "Gold",
     "MathReward",
     "PoolStats",
     "Reward",
+    "RewardError",
     "RewardFn",
     "RewardStats",
+    "ScoredBatch",
     "Scores",
     "Verdict",
     "VerifierPool",
+    "WeightedReward",
     "default_pool",
     "extract_answer",
     "extract_gold",
     "format_reward",
     "get",
+    "load",
     "names",
     "register",
+    "resolve",
 ]

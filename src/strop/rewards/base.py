@@ -13,7 +13,11 @@ up with :func:`get`, which wraps them in a :class:`Reward`:
 
 Mistakes in how the reward is *used* (a missing column, ragged inputs, math-verify not being
 installed) are not contained: they raise :class:`~strop.errors.StropError` or ``ValueError``,
-because silently training on zero rewards would be worse than stopping.
+because silently training on zero rewards would be worse than stopping. So is a function
+that breaks the contract itself: one that returns something other than a list of one score
+per completion (``None``, a number, 2 scores for 3 completions) raises :class:`RewardError`
+naming it and the counts, as does (checked by :meth:`Reward.check_call` before a model
+loads) one that cannot be called with the columns it would get.
 
 A reward that compares against a gold answer says so when it is registered
 (``register(name, gold=Gold(extract, needs))``): ``strop ppo`` and ``strop eval`` then find
@@ -26,10 +30,11 @@ never refused for its data; it gets the record's answer text as is (see
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -113,20 +118,53 @@ class Gold:
     needs: str
 
 
+class RewardError(ConfigError):
+    """A reward function cannot be imported, is not callable, cannot take the arguments it
+    would get, or returned something other than one score per completion (exit code 2)."""
+
+
 class Reward:
     """A registered reward function plus failure containment and counters.
 
     Calling it has the :class:`RewardFn` signature and always returns one finite float per
     completion. Obtain one with :func:`get`; each call of :func:`get` returns a new wrapper
-    with its own counters. Thread-safe as far as the wrapped function is.
+    with its own counters. Thread-safe as far as the wrapped function is. ``source`` is
+    where the function came from (``my_rewards.py:exact``), for messages; None for a
+    registered name.
     """
 
-    def __init__(self, name: str, fn: RewardFn, gold: Gold | None = None):
+    def __init__(
+        self, name: str, fn: RewardFn, gold: Gold | None = None, *, source: str | None = None
+    ):
         self.name = name
         self.fn = fn
         self.gold = gold  # how it finds a record's gold answer; None: it needs none
+        self.source = source
         self._lock = threading.Lock()
         self._stats = RewardStats()
+
+    def describe(self) -> str:
+        """``reward 'exact' (my_rewards.py:exact)``: how messages name it."""
+        where = f" ({self.source})" if self.source and self.source != self.name else ""
+        return f"reward {self.name!r}{where}"
+
+    def check_call(self, columns: Iterable[str]) -> None:
+        """Raise :class:`RewardError` if ``fn(prompts, completions, **columns)`` cannot bind
+        with these column names (a missing ``**columns``, a required argument no column
+        fills). Functions whose signature Python cannot read are not checked."""
+        names = sorted(columns)
+        try:
+            signature = inspect.signature(self.fn)
+        except (TypeError, ValueError):
+            return
+        try:
+            signature.bind([], [], **{key: [] for key in names})
+        except TypeError as exc:
+            raise RewardError(
+                f"{self.describe()} cannot be called as fn(prompts, completions, **columns) "
+                f"with the data's columns ({', '.join(names) or 'none'}): {exc}; take "
+                "**columns to accept (and ignore) columns it does not use"
+            ) from None
 
     def __repr__(self) -> str:
         return f"Reward({self.name!r}, {self.fn!r})"
@@ -171,8 +209,6 @@ class Reward:
             return [], 0, 0
         try:
             out = self.fn(prompts, completions, **cols)
-            if len(out) != n:
-                raise ValueError(f"returned {len(out)} scores for {n} completions")
         except StropError:
             raise
         except Exception as exc:
@@ -191,6 +227,7 @@ class Reward:
                 timeouts += t
                 errors += e
             return scores, timeouts, errors
+        self._check_returned(out, n)
         timeouts = int(getattr(out, "timeouts", 0))
         errors = int(getattr(out, "errors", 0))
         scores = []
@@ -203,6 +240,27 @@ class Reward:
                 score, errors = 0.0, errors + 1
             scores.append(score)
         return scores, timeouts, errors
+
+    def _check_returned(self, out: Any, n: int) -> None:
+        """A list (tuple, array) of ``n`` scores, else :class:`RewardError`: not contained,
+        since every batch would score 0 the same way."""
+        count = None
+        if not isinstance(out, str | bytes | dict) and hasattr(out, "__getitem__"):
+            try:
+                count = len(out)
+            except TypeError:  # a 0-d array
+                count = None
+        if count is None:
+            kind = "None" if out is None else f"a {type(out).__name__}"
+            raise RewardError(
+                f"{self.describe()} returned {kind} for {n} completion(s); a reward "
+                "function returns a list of one float per completion"
+            )
+        if count != n:
+            raise RewardError(
+                f"{self.describe()} returned {count} score(s) for {n} completion(s); a reward "
+                "function returns one float per completion, in order"
+            )
 
 
 _REGISTRY: dict[str, tuple[RewardFn, Gold | None]] = {}

@@ -5,7 +5,8 @@ Per iteration (``ppo.steps`` of them):
 1. draw ``ppo.prompts_per_step`` prompts (a seeded permutation per pass over the data, so
    the draw is a pure function of seed and step) and sample
    ``ppo.num_generations_per_prompt`` responses to each from the actor;
-2. score each response with the reward ``ppo.reward`` (the gold is the record's answer);
+2. score each response with the reward ``ppo.reward`` (one reward, or a weighted sum of
+   several: :mod:`strop.rewards.weighted`), which gets every column of the prompt's record;
 3. one forward each for old log-probabilities (actor; or the sampler's own with
    ``ppo.old_logprobs=sampler``), reference log-probabilities (only when a KL is used or
    logged) and values (critic), at the rollout temperature;
@@ -70,22 +71,26 @@ class PpoResult:
 def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     """Train for ``ppo.steps`` iterations (or until ``stop_after``), resuming if possible."""
     _check(config)
+    reward = rewards.resolve(config.ppo.reward, setting="ppo.reward")  # imported and checked
     preflight(config, "ppo", config.checkpoint_path())  # before anything loads
     figures = {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"}
     with training_job(config, "ppo", config.ppo.steps, figures) as progress:
-        return _train(config, stop_after, progress)
+        return _train(config, stop_after, progress, reward)
 
 
-def _train(config: Config, stop_after: int | None, progress: RunProgress) -> PpoResult:
+def _train(
+    config: Config, stop_after: int | None, progress: RunProgress, reward: rewards.WeightedReward
+) -> PpoResult:
     ppo, run_dir = config.ppo, Path(config.run_dir)
     checkpoint_dir = config.checkpoint_path()
     progress.phase("reading the prompts")
     tokenizer = Tokenizer.from_pretrained(config.model.path)
-    train = PromptSet.read(config.data.train_path, config, tokenizer)
+    train = PromptSet.read(config.data.train_path, config, tokenizer, reward=reward)
     validation = None
     if config.data.eval_path and ppo.validate_every:
-        validation = PromptSet.read(config.data.eval_path, config, tokenizer, ppo.validation_size)
-    reward = rewards.get(ppo.reward)
+        validation = PromptSet.read(
+            config.data.eval_path, config, tokenizer, ppo.validation_size, reward=reward
+        )
     eos_ids = sorted({tokenizer.eos_token_id, *read_model_spec(config.model.path).eos_token_ids})
     sampling = SamplingParams.from_config(config.generation)
 
@@ -205,8 +210,9 @@ def ppo_iteration(
     )  # fmt: skip
     rollout = Rollout.from_generation(prompts, generation, tokenizer)
     before = reward.stats
-    texts, golds = [train.texts[i] for i in rows], [train.golds[i] for i in rows]
-    scores = np.asarray(timed("reward", reward, texts, rollout.response_texts, answer=golds))
+    texts, columns, golds = train.reward_inputs(rows)
+    scored = timed("reward", reward.score, texts, rollout.response_texts, columns, golds)
+    scores = np.asarray(scored.total)
     batch = rollout.teacher_forcing_batch(tokenizer.pad_token_id)
     sampled = rollout.align(rollout.logprobs)  # the sampler's log-probabilities
     if prompt_columns is not None:  # one shape for the run: the widest rollout possible
@@ -264,13 +270,15 @@ def ppo_iteration(
         **timings,
         "timing/step": seconds,
         "throughput/tokens_per_s": tokens / seconds,
+        **scored.metrics(),  # reward/<name>: each component's mean score
         **(reward.stats - before).as_metrics(),
     }
     return record
 
 
 def validation_accuracy(engine, prompts, tokenizer, reward, sampling, eos_ids, config) -> float:
-    """Greedy accuracy (mean reward >= 1) of the actor on the validation prompts."""
+    """Greedy accuracy of the actor on the validation prompts: the share whose response
+    scores >= 1 on the first component of the reward (unweighted)."""
     greedy = SamplingParams(
         max_new_tokens=sampling.max_new_tokens, temperature=0.0,
         stop_strings=sampling.stop_strings,
@@ -285,9 +293,8 @@ def validation_accuracy(engine, prompts, tokenizer, reward, sampling, eos_ids, c
             tokenizer=tokenizer, prompt_columns=prompt_columns,
         )  # fmt: skip
         texts = [tokenizer.decode(r, skip_special_tokens=True) for r in generation.responses()]
-        scores = reward(
-            prompts.texts[begin : begin + size], texts, answer=prompts.golds[begin : begin + size]
-        )
+        asked, columns, golds = prompts.reward_inputs(range(begin, begin + len(ids)))
+        scores = reward.score(asked, texts, columns, golds, primary_only=True).total
         correct += sum(score >= 1.0 for score in scores)
     return correct / len(prompts)
 

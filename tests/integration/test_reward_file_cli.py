@@ -1,0 +1,115 @@
+"""A reward function from a `.py` file drives `strop ppo` through the CLI on both backends
+(weighted with a built-in, each logged as reward/<name>); a bad reference is refused in one
+line before any model is built, and a function returning the wrong number of scores stops
+the run with one line naming it. The tiny model and prompts are test_ppo_run's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.test_ppo_run import BACKENDS, task  # noqa: F401 (a fixture)
+
+REWARD_FILE = '''
+def digits(prompts, completions, answer, question, **columns):
+    """The share of digits in a response; reads two of the records' columns."""
+    if not all(q.startswith("What is") and "####" in a for q, a in zip(question, answer)):
+        raise ValueError("the record columns did not arrive")
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def one(prompts, completions, **columns):
+    return [1.0]
+'''
+WEIGHTED = "ppo.reward=[{reward: my_reward.py:digits, weight: 1.0}, {reward: format, weight: 0.5}]"
+
+
+def cli_args(task, run_dir, backend, *extra):  # noqa: F811 (task: the fixture's value)
+    return [
+        "ppo", "ppo-lora-tiny",
+        f"model.path={task / 'model'}", f"data.train_path={task / 'train.jsonl'}",
+        f"run_dir={run_dir}", f"backend={backend}", "mesh.fsdp=1", "mesh.tensor=-1",
+        "generation.max_new_tokens=8", "ppo.steps=2", "ppo.validate_every=0",
+        "checkpoint.every_steps=100", *extra,
+    ]  # fmt: skip
+
+
+def strop(args, cwd):
+    return subprocess.run(
+        [sys.executable, "-m", "strop", *args], capture_output=True, text=True, timeout=600, cwd=cwd
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_reward_from_a_file_drives_ppo_through_the_cli(task, tmp_path, backend):  # noqa: F811
+    (tmp_path / "my_reward.py").write_text(REWARD_FILE)
+    run_dir = tmp_path / "run"
+    done = strop(cli_args(task, run_dir, backend, WEIGHTED), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["reward/errors"] == 0 and record["reward/items"] == 32
+        total = record["reward/digits"] + 0.5 * record["reward/format"]
+        assert record["train/reward"] == pytest.approx(total, abs=1e-6)
+    assert any(r["reward/digits"] > 0 for r in records)  # a random model writes some digits
+
+
+@pytest.fixture
+def no_model_builds(monkeypatch):
+    def refuse(name):
+        raise AssertionError(f"a {name} model was about to be built")
+
+    monkeypatch.setattr("strop.evaluation.get_backend", refuse)
+    monkeypatch.setattr("strop.rl.ppo.get_backend", refuse)
+
+
+@pytest.mark.parametrize(
+    ("reward", "said"),
+    [
+        ("nothere.py:digits", "nothere.py does not exist (relative to "),
+        ("my_reward.py:digit", "my_reward.py has no function 'digit', did you mean 'digits'?"),
+        ("no_such_pkg.mod:f", "no module named 'no_such_pkg' on the Python path"),
+    ],
+    ids=["missing-file", "missing-function", "missing-module"],
+)
+@pytest.mark.parametrize("command", ["ppo", "eval"])
+def test_a_bad_reference_is_one_line_before_any_model_loads(
+    task,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    capsys,
+    no_model_builds,
+    command,
+    reward,
+    said,
+):
+    from strop.cli import main
+
+    (tmp_path / "my_reward.py").write_text(REWARD_FILE)
+    monkeypatch.chdir(tmp_path)
+    key = "ppo.reward" if command == "ppo" else "eval.reward"
+    args = cli_args(task, tmp_path / "run", "torch", f"{key}={reward}")
+    if command == "eval":
+        args = ["eval", "tiny", *args[2:], f"eval.path={task / 'val.jsonl'}"]
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"error: {key}={reward!r}: ") and said in lines[0], lines
+
+
+def test_the_wrong_number_of_scores_stops_the_run_in_one_line(task, tmp_path):  # noqa: F811
+    (tmp_path / "my_reward.py").write_text(REWARD_FILE)
+    args = cli_args(task, tmp_path / "run", "torch", "ppo.reward=my_reward.py:one")
+    done = strop(args, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (
+        "error: reward 'one' (my_reward.py:one) returned 1 score(s) for 32 completion(s); "
+        "a reward function returns one float per completion, in order"
+    ), done.stderr[-3000:]
