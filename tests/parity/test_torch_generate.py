@@ -3,6 +3,9 @@ top-k/top-p support, seeding, PEFT models and stop strings, on tiny random model
 
 from __future__ import annotations
 
+import collections
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -294,8 +297,45 @@ def _fsdp_worker(rank: int, model_dir: str, port: int) -> None:
         assert model.training
         ids = torch.tensor([prompts[0]])
         model(ids, labels=ids).loss.backward()  # FSDP's buffers are not inference tensors
+        # The weights are gathered once per call: no collective per decode step.
+        assert collectives_per_call(model, prompts, 2) == collectives_per_call(model, prompts, 9)
+        assert collectives_per_call(model, prompts, 2)["all_gather_single"] > 0
+        import strop.backends.torch.generate as sampler
+
+        sampler.unsharded = lambda model: contextlib.nullcontext()  # the check can fail:
+        per_step = collectives_per_call(model, prompts, 9)  # gathers at every forward
+        assert (
+            per_step["all_gather_single"]
+            > collectives_per_call(model, prompts, 2)["all_gather_single"]
+        )
     finally:
         dist.destroy_process_group()
+
+
+def collectives_per_call(model, prompts, new_tokens: int) -> collections.Counter:
+    """The torch.distributed collectives one ``generate`` call runs on this rank."""
+    import torch.distributed as dist
+
+    counts: collections.Counter = collections.Counter()
+    names = ("all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce",
+             "reduce_scatter_single", "reduce_scatter_tensor", "broadcast", "barrier")  # fmt: skip
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    try:
+        for name in originals:
+            setattr(dist, name, counting(name))
+        generate(model, prompts, greedy(new_tokens), eos_ids=[], pad_id=PAD, seed=0)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return counts
 
 
 @pytest.mark.slow

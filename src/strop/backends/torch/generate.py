@@ -49,12 +49,10 @@ would need incremental detokenization inside the loop.
 FSDP2
 -----
 When the model is sharded with FSDP2's ``fully_shard`` (its parameters are ``DTensor``\\ s),
-generation runs on the sharded model as is: every forward, prefill and each decode step,
-all-gathers the weights layer by layer. That is correct but slower than sampling from an
-unsharded inference copy of the weights, which is a later optimisation. Since every rank
-must then run the same number of forwards, the "all done?" check is all-reduced over the
-default process group, so every rank must call :func:`generate` together (with the same
-``params``), as FSDP requires of any forward anyway. A sharded model runs under
+its weights are gathered once for the call (:func:`unsharded`: one all-gather per FSDP
+module, then no collective in the prefill or any decode step) and resharded at the end.
+So every rank must call :func:`generate` together, as FSDP requires of any forward, but
+each rank stops when its own rows are done. A sharded model runs under
 ``torch.no_grad()`` rather than ``torch.inference_mode()``: FSDP2 keeps the buffers it
 all-gathers into, and buffers made in inference mode cannot be written by the next
 training forward.
@@ -65,7 +63,8 @@ varies, runs eagerly; sampling stays eager because it takes a ``torch.Generator`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from functools import cache
 
 import numpy as np
@@ -124,9 +123,9 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad() if sharded else torch.inference_mode():
+        with torch.no_grad() if sharded else torch.inference_mode(), unsharded(model):
             tokens, logprobs, lengths, hit_eos = _sample_loop(
-                model, prompts, params, eos_ids, pad_id, seed, device, compile, sharded
+                model, prompts, params, eos_ids, pad_id, seed, device, compile
             )
     finally:
         model.train(was_training)
@@ -158,7 +157,6 @@ def _sample_loop(
     seed: int,
     device: torch.device,
     compile: bool,
-    sharded: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prefill and decode.
 
@@ -199,7 +197,7 @@ def _sample_loop(
         stopped = torch.isin(token, eos) & ~done
         lengths.masked_fill_(stopped, t + 1)
         done |= stopped
-        if t == steps - 1 or ((t + 1) % check_every == 0 and _all_done(done, sharded)):
+        if t == steps - 1 or ((t + 1) % check_every == 0 and bool(done.all())):
             break
         logits = step_forward(model, kv_cache, token[:, None], positions, attention_mask)
         positions += 1
@@ -276,9 +274,31 @@ def _is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def _all_done(done: torch.Tensor, sharded: bool) -> bool:
-    """Whether every row (on every rank, when sharded) is done: one host sync."""
-    flag = done.all().to(torch.int32)
-    if sharded and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-    return bool(flag)
+@contextlib.contextmanager
+def unsharded(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, every FSDP2 module of ``model`` holds its full weights: gathered
+    once on entry (one all-gather per module), kept through every forward, freed on exit.
+
+    Training keeps weights sharded and gathers each layer's for its forward; a decode loop
+    would then gather every weight at every token. This costs one full copy of the weights
+    per rank for the length of the block. Every rank must enter it together (the gathers
+    are collectives); inside, forwards run no collective, so ranks may stop decoding
+    after different numbers of steps. A model without FSDP2 modules is left alone.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        yield
+        return
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+    for handle in [module.unshard(async_op=True) for module in modules]:
+        handle.wait()
+    try:
+        yield
+    finally:
+        root = modules[0]  # the outermost: FSDP2 never reshards the root after forward
+        for module in modules:
+            module.reshard()
+            module.set_reshard_after_forward(module is not root, recurse=False)
