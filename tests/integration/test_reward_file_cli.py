@@ -1,7 +1,8 @@
 """A reward function from a `.py` file drives `strop ppo` through the CLI on both backends
 (weighted with a built-in, each logged as reward/<name>); a bad reference is refused in one
 line before any model is built, and a function returning the wrong number of scores stops
-the run with one line naming it. The tiny model and prompts are test_ppo_run's."""
+the run with one line naming it; `strop eval` takes one too. The tiny model and prompts
+are test_ppo_run's."""
 
 from __future__ import annotations
 
@@ -113,3 +114,24 @@ def test_the_wrong_number_of_scores_stops_the_run_in_one_line(task, tmp_path):  
         "error: reward 'one' (my_reward.py:one) returned 1 score(s) for 32 completion(s); "
         "a reward function returns one float per completion, in order"
     ), done.stderr[-3000:]
+
+
+def test_eval_takes_a_reward_from_a_file(task, tmp_path, monkeypatch):  # noqa: F811
+    """Correct (1.0) only where the record's columns reached the function."""
+    from strop.config import load_config
+    from strop.evaluation import run_eval
+
+    (tmp_path / "my_reward.py").write_text(
+        "def columns_arrived(prompts, completions, question, answer, **columns):\n"
+        "    return [float(q.startswith('What is') and '####' in a)\n"
+        "            for q, a in zip(question, answer)]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    config = load_config(
+        "tiny",
+        [f"model.path={task / 'model'}", f"eval.path={task / 'val.jsonl'}",
+         f"run_dir={tmp_path / 'eval'}", "backend=torch", "eval.reward=my_reward.py:columns_arrived",
+         "generation.max_new_tokens=4", "mesh.fsdp=1", "mesh.data=-1"],
+    )  # fmt: skip
+    result = run_eval(config)
+    assert result.examples == 8 and result.accuracy == 1.0
