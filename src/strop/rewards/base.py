@@ -24,8 +24,8 @@ A reward that compares against a gold answer says so when it is registered
 every record's gold with ``extract`` before any model loads, refuse a record that has none
 by file:line (a reward nobody can earn trains on zeros), and pass the extracted golds as the
 ``answer`` column. A reward registered without ``gold`` (``format``, most of your own) is
-never refused for its data; it gets the record's answer text as is (see
-:func:`strop.data.prompts.gold_answers`).
+never refused for its data; it gets the records' columns as they are, ``answer`` being the
+record's own or its answer text (see :func:`strop.rl.prompts.record_columns`).
 """
 
 from __future__ import annotations
