@@ -235,6 +235,13 @@ class PpoConfig(_Section):
         gt=1,
         description="Dual-clip constant c bounding the loss for negative advantages; null = off.",
     )
+    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field(
+        "gae",
+        description="How rewards become advantages: gae (a learned critic), or critic-free grpo, rloo, reinforce_pp (no critic is built); see docs/ppo.md.",
+    )
+    grpo_std_normalize: bool = Field(
+        True, description="grpo: divide by the group's reward std (false: Dr. GRPO)."
+    )
     loss_aggregation: Literal["token_mean", "sequence_mean"] = Field(
         "token_mean",
         description="Average the policy loss over all tokens, or per sequence then over sequences.",
@@ -266,7 +273,8 @@ class PpoConfig(_Section):
         0, ge=0, description="Iterations that train only the critic before the policy updates."
     )
     whiten_advantages: bool = Field(
-        True, description="Normalise advantages to zero mean, unit variance over response tokens."
+        True,
+        description="Normalise GAE advantages to zero mean, unit variance over response tokens (critic-free estimators normalise their own way).",
     )
     reference_adapter: str | None = Field(
         None,
@@ -327,7 +335,27 @@ class PpoConfig(_Section):
                 f"ppo.micro_batch_size ({self.micro_batch_size}) must divide "
                 f"ppo.mini_batch_size ({self.mini_batch_size})"
             )
+        estimator = self.advantage_estimator
+        if estimator in ("grpo", "rloo") and self.num_generations_per_prompt < 2:
+            raise ValueError(
+                f"ppo.advantage_estimator={estimator} compares the responses to one prompt: "
+                "it needs ppo.num_generations_per_prompt >= 2"
+            )
+        if estimator != "gae" and self.critic_warmup_steps:
+            raise ValueError(
+                f"ppo.critic_warmup_steps: ppo.advantage_estimator={estimator} has no critic"
+            )
+        if estimator in ("grpo", "rloo") and self.kl_coef > 0 and self.kl_in_reward:
+            raise ValueError(
+                f"ppo.advantage_estimator={estimator} scores whole responses: put the KL in "
+                "the loss (ppo.kl_in_reward=false), or set ppo.kl_coef=0"
+            )
         return self
+
+    @property
+    def has_critic(self) -> bool:
+        """Whether the run trains a value model (``gae``); critic-free estimators do not."""
+        return self.advantage_estimator == "gae"
 
     @property
     def rows_per_micro_batch(self) -> int:

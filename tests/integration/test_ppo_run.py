@@ -241,3 +241,32 @@ def test_old_logprobs_from_the_sampler_train_as_recomputed_ones(task, tmp_path, 
         assert comparable(got).keys() == comparable(expected).keys() - {"token_mult_prob_error"}
         for key, value in comparable(got).items():
             np.testing.assert_allclose(value, expected[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_grpo_run_trains_without_a_critic_and_resumes_exactly(task, tmp_path, backend):
+    overrides = (
+        "ppo.advantage_estimator=grpo", "ppo.kl_in_reward=false", "ppo.steps=3",
+        "checkpoint.every_steps=2", "ppo.validate_every=0", "ppo.reward=digit_share",
+    )  # fmt: skip
+    straight = run_ppo(config_for(task, tmp_path / "straight", backend, *overrides))
+    config = config_for(task, tmp_path / "resumed", backend, *overrides)
+    run_ppo(config, stop_after=2)
+    resumed = run_ppo(config)
+    assert resumed.resumed_from == 2
+    assert [comparable(r) for r in resumed.history] == [comparable(r) for r in straight.history[2:]]
+    record = straight.history[-1]
+    assert not [key for key in record if key.startswith(("critic/", "timing/values"))]
+    assert {"policy/loss", "policy/kl", "train/equal_score_groups"} <= record.keys()
+    assert (straight.export_path / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp"])
+def test_the_other_critic_free_estimators_run(task, tmp_path, estimator):
+    config = config_for(
+        task, tmp_path / "run", "torch", f"ppo.advantage_estimator={estimator}",
+        "ppo.kl_in_reward=false", "ppo.steps=2", "ppo.validate_every=0",
+    )  # fmt: skip
+    result = run_ppo(config)
+    assert len(result.history) == 2
+    assert not [key for key in result.history[-1] if key.startswith("critic/")]

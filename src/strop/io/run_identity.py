@@ -61,6 +61,16 @@ def run_identity(model_path: str | os.PathLike, lora: LoraConfig, backend: str) 
     }
 
 
+def ppo_identity(
+    model_path: str | os.PathLike, lora: LoraConfig, backend: str, *, has_critic: bool
+) -> dict[str, Any]:
+    """A PPO run's checkpoint identity: :func:`run_identity`, ``job: ppo`` and, for a
+    critic-free run (no critic in its checkpoints), ``critic: false``; checkpoints with a
+    critic carry no such key, as they did before critic-free runs existed."""
+    identity = {**run_identity(model_path, lora, backend), "job": "ppo"}
+    return identity if has_critic else {**identity, "critic": False}
+
+
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in tree.items():

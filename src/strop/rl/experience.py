@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from strop.config import PpoConfig
-from strop.rl import gae
+from strop.rl import estimators, gae
 from strop.rl.losses_reference import explained_variance, kl_penalty
 from strop.rl.objectives import aggregation_weights
 
@@ -42,7 +42,7 @@ def build_experience(
     scores: np.ndarray,
     old_logprobs: np.ndarray,
     ref_logprobs: np.ndarray | None,
-    values: np.ndarray,
+    values: np.ndarray | None,
     ppo: PpoConfig,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """The update's arrays and the rollout's statistics.
@@ -52,7 +52,10 @@ def build_experience(
       scores: ``[B]`` one reward per response (placed on its last token).
       old_logprobs, ref_logprobs, values: ``[B, L]`` from the actor, the reference and the
         critic before any update (column ``t`` about ``x_t``); ``ref_logprobs`` is ``None``
-        when no KL is needed (``ppo.reference_forward`` is false).
+        when no KL is needed (``ppo.reference_forward`` is false), ``values`` is ``None``
+        for a critic-free estimator (then ``arrays`` has no ``old_values``/``returns``,
+        advantages are :mod:`strop.rl.estimators`', not whitened again, and ``stats``
+        counts ``train/equal_score_groups`` for grpo/rloo).
       ppo: the ``ppo:`` config (gamma, lambdas, KL, whitening).
 
     Returns:
@@ -65,6 +68,8 @@ def build_experience(
     mask = batch["response_mask"].astype(np.float32)
     kl = None if ref_logprobs is None else kl_penalty(old_logprobs, ref_logprobs, ppo.kl_estimator)
     in_reward = kl is not None and ppo.kl_in_reward
+    if values is None:
+        return _critic_free_experience(batch, scores, old_logprobs, ref_logprobs, kl, ppo)
     rewards = gae.token_rewards(
         np.asarray(scores, np.float64), mask, kl=kl if in_reward else None,
         kl_coef=ppo.kl_coef if in_reward else 0.0,
@@ -89,6 +94,30 @@ def build_experience(
         "critic/value_mean": float(gae.masked_mean(values, mask)),
         "critic/return_mean": float(gae.masked_mean(returns, mask)),
     }
+    return arrays, stats
+
+
+def _critic_free_experience(batch, scores, old_logprobs, ref_logprobs, kl, ppo: PpoConfig):
+    """``build_experience`` without a critic: advantages from :mod:`strop.rl.estimators`."""
+    mask = batch["response_mask"].astype(np.float32)
+    in_reward = kl is not None and ppo.kl_in_reward
+    advantages = estimators.token_advantages(
+        ppo.advantage_estimator, scores, mask, group_size=ppo.num_generations_per_prompt,
+        gamma=ppo.gamma, std_normalize=ppo.grpo_std_normalize,
+        kl=kl if in_reward else None, kl_coef=ppo.kl_coef if in_reward else 0.0,
+    )  # fmt: skip
+    arrays = {
+        **batch,
+        "old_logprobs": np.asarray(old_logprobs, np.float32),
+        "advantages": np.asarray(advantages, np.float32),
+    }
+    stats = {}
+    if ref_logprobs is not None:
+        arrays["ref_logprobs"] = np.asarray(ref_logprobs, np.float32)
+        stats["policy/kl"] = float(gae.masked_mean(kl, mask))
+    if ppo.advantage_estimator in estimators.GROUP_ESTIMATORS:
+        groups = estimators.equal_score_groups(scores, ppo.num_generations_per_prompt)
+        stats["train/equal_score_groups"] = float(groups)
     return arrays, stats
 
 

@@ -1,4 +1,4 @@
-"""The PPO loop with a learned critic, backend-neutral (`strop ppo RECIPE`).
+"""The PPO loop, with a learned critic or critic-free, backend-neutral (`strop ppo RECIPE`).
 
 Per iteration (``ppo.steps`` of them):
 
@@ -9,9 +9,12 @@ Per iteration (``ppo.steps`` of them):
    several: :mod:`strop.rewards.weighted`), which gets every column of the prompt's record;
 3. one forward each for old log-probabilities (actor; or the sampler's own with
    ``ppo.old_logprobs=sampler``), reference log-probabilities (only when a KL is used or
-   logged) and values (critic), at the rollout temperature;
+   logged) and values (critic; none with a critic-free ``ppo.advantage_estimator``), at
+   the rollout temperature;
 4. token rewards (score on the last response token, KL penalty per token when it is in
-   the reward), GAE advantages and returns, optional whitening (:mod:`strop.rl.gae`);
+   the reward), GAE advantages and returns, optional whitening (:mod:`strop.rl.gae`), or
+   a critic-free estimator's advantages (:mod:`strop.rl.estimators`: GRPO, RLOO,
+   REINFORCE++), and then no critic update below;
 5. ``ppo.ppo_epochs`` passes over shuffled mini-batches: a critic update, then (after
    ``ppo.critic_warmup_steps`` iterations) a policy update;
 6. metrics, greedy validation on held-out prompts every ``ppo.validate_every``
@@ -227,7 +230,7 @@ def ppo_iteration(
     ref = None  # with no KL in the reward or the loss, and none to report: not computed
     if ppo.reference_forward:
         ref = timed("logprobs", engine.logprobs, batch, reference=True)
-    values = timed("values", engine.values, batch)
+    values = timed("values", engine.values, batch) if ppo.has_critic else None
     arrays, stats = build_experience(batch, scores, old, ref, values, ppo)
 
     updates: dict[str, list[float]] = defaultdict(list)
@@ -252,7 +255,8 @@ def ppo_iteration(
         for index, mini in enumerate(
             minibatches(arrays, ppo.mini_batch_size, ppo.loss_aggregation, rng)
         ):
-            update("critic", engine.train_critic, mini, epoch, index)
+            if ppo.has_critic:
+                update("critic", engine.train_critic, mini, epoch, index)
             if train_policy:
                 update("policy", engine.train_policy, mini, epoch, index)
 
@@ -265,7 +269,7 @@ def ppo_iteration(
         **gap,  # sampler vs trainer log-probabilities, when the trainer's are computed
         **stats,
         **{name: float(np.mean(values)) for name, values in updates.items()},
-        "critic/nonfinite_skipped": skipped["critic"],
+        **({"critic/nonfinite_skipped": skipped["critic"]} if ppo.has_critic else {}),
         "policy/nonfinite_skipped": skipped["policy"],
         **timings,
         "timing/step": seconds,

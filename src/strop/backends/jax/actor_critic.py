@@ -48,7 +48,7 @@ from strop.config import Config
 from strop.errors import ConfigError
 from strop.generation import Decoder, Generation, SamplingParams
 from strop.io.peft import read_adapter_for
-from strop.io.run_identity import run_identity
+from strop.io.run_identity import ppo_identity
 from strop.lora_init import critic_seed as critic_seed_of
 from strop.rl.objectives import PolicyObjective, ValueObjective
 
@@ -93,31 +93,52 @@ class JaxActorCritic:
             param_dtype=config.model.param_dtype,
         )
         lm = load(config.model.path)
-        # the critic's adapter and head start from the core's critic seed (as on torch)
-        critic_seed = critic_seed_of(config.seed)
+        self.has_critic = config.ppo.has_critic  # critic-free estimators build none
+        if self.has_critic:
+            self._build_critic(config, lm, load, total_updates)
         if config.lora.enabled:
-            critic_lm = apply_lora(_twin(lm), config.lora, seed=critic_seed)
             lm = apply_lora(lm, config.lora, seed=config.seed)
-        else:
-            critic_lm = load(config.critic.model_path or config.model.path)
         self.actor_graph, self.actor, self.frozen = nnx.split(
             lm, nnx.LoRAParam if config.lora.enabled else nnx.Param, ...
         )
+        self.reference = self._initial_reference()
+
+        actor_tx = make_optimizer(config.optim, total_updates)
+        self.actor_opt = replicate_unplaced(actor_tx.init(self.actor), self.mesh)
+        self._policy_update = jax.jit(
+            partial(ppo_steps.policy_update, self.actor_graph, self.policy_objective, actor_tx),
+            donate_argnums=(0, 1),
+        )
+        self.checkpoints = (
+            None
+            if checkpoint_dir is None
+            else TrainCheckpoints(
+                checkpoint_dir,
+                ppo_identity(
+                    config.model.path, config.lora, "jax", has_critic=config.ppo.has_critic
+                ),
+                keep=config.checkpoint.keep,
+            )
+        )
+
+    # construction helpers ----------------------------------------------------------------
+
+    def _build_critic(self, config: Config, lm: nnx.Module, load, total_updates: int) -> None:
+        """The value model (its LoRA twin over the actor's base, or a second model), its
+        optimizer state and jitted update; the adapter and head start from the core's
+        critic seed (as on torch)."""
+        critic_seed = critic_seed_of(config.seed)
+        if config.lora.enabled:
+            critic_lm = apply_lora(_twin(lm), config.lora, seed=critic_seed)
+        else:
+            critic_lm = load(config.critic.model_path or config.model.path)
         critic = ValueModel(critic_lm, seed=critic_seed, mesh=self.mesh)
         self.critic_filter = critic_trainable_filter(config.lora.enabled)
         self.critic_graph, self.critic, self.critic_frozen = nnx.split(
             critic, self.critic_filter, ...
         )
-        self.reference = self._initial_reference()
-
-        actor_tx = make_optimizer(config.optim, total_updates)
         critic_tx = make_optimizer(config.critic_optim(), total_updates)
-        self.actor_opt = replicate_unplaced(actor_tx.init(self.actor), self.mesh)
         self.critic_opt = replicate_unplaced(critic_tx.init(self.critic), self.mesh)
-        self._policy_update = jax.jit(
-            partial(ppo_steps.policy_update, self.actor_graph, self.policy_objective, actor_tx),
-            donate_argnums=(0, 1),
-        )
         self._critic_update = jax.jit(
             partial(
                 ppo_steps.critic_update,
@@ -127,17 +148,6 @@ class JaxActorCritic:
             ),
             donate_argnums=(0, 1),
         )
-        self.checkpoints = (
-            None
-            if checkpoint_dir is None
-            else TrainCheckpoints(
-                checkpoint_dir,
-                {**run_identity(config.model.path, config.lora, backend="jax"), "job": "ppo"},
-                keep=config.checkpoint.keep,
-            )
-        )
-
-    # construction helpers ----------------------------------------------------------------
 
     def _initial_reference(self) -> nnx.State:
         """The reference's trainable-shaped part: a zero adapter (= the base), the SFT
@@ -253,15 +263,17 @@ class JaxActorCritic:
         params, optimizers, extra = self.checkpoints.restore_trees(
             step, self._params(), self._optimizers()
         )
-        self.actor, self.critic = params["actor"], params["critic"]
-        self.actor_opt, self.critic_opt = optimizers["actor"], optimizers["critic"]
+        self.actor, self.actor_opt = params["actor"], optimizers["actor"]
+        if self.has_critic:
+            self.critic, self.critic_opt = params["critic"], optimizers["critic"]
         return extra
 
     def _params(self) -> dict[str, Any]:
-        return {"actor": self.actor, "critic": self.critic}
+        return {"actor": self.actor, **({"critic": self.critic} if self.has_critic else {})}
 
     def _optimizers(self) -> dict[str, Any]:
-        return {"actor": self.actor_opt, "critic": self.critic_opt}
+        critic = {"critic": self.critic_opt} if self.has_critic else {}
+        return {"actor": self.actor_opt, **critic}
 
     # adapters and exports ----------------------------------------------------------------
 
@@ -279,7 +291,9 @@ class JaxActorCritic:
 
     def lora_weights(self) -> dict[str, Any]:
         """Host copies: ``actor`` and ``critic`` adapters (PEFT layout) and ``value_head``
-        ``(kernel [E], bias)``."""
+        ``(kernel [E], bias)`` (the actor's alone without a critic)."""
+        if not self.has_critic:
+            return {"actor": adapter_weights(self.actor_module())}
         critic = self.critic_module()
         return {
             "actor": adapter_weights(self.actor_module()),

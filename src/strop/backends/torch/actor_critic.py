@@ -50,7 +50,7 @@ from strop.config import Config
 from strop.errors import ConfigError
 from strop.generation import Decoder, Generation, SamplingParams
 from strop.io.peft import read_adapter_for
-from strop.io.run_identity import run_identity
+from strop.io.run_identity import ppo_identity
 from strop.lora_init import critic_seed as critic_seed_of
 from strop.rl.objectives import PolicyObjective, ValueObjective
 
@@ -79,6 +79,7 @@ class TorchActorCritic:
         self.value_objective = ValueObjective.from_config(config)
         reference_path = config.reference_adapter_path()
         lora = config.lora.enabled
+        self.has_critic = critic = config.ppo.has_critic  # critic-free estimators build none
         # the critic's adapter and head start from the core's critic seed (as on JAX)
         critic_seed = critic_seed_of(config.seed)
 
@@ -90,10 +91,13 @@ class TorchActorCritic:
                 extra_adapters=extra_adapters, adapter_seeds={CRITIC_ADAPTER: critic_seed},
             )  # fmt: skip
 
+        critic_params: list[nn.Parameter] = []
         if lora:
-            extra = (CRITIC_ADAPTER,) + ((REFERENCE_ADAPTER,) if reference_path else ())
+            extra = ((CRITIC_ADAPTER,) if critic else ()) + (
+                (REFERENCE_ADAPTER,) if reference_path else ()
+            )
             self.loaded = build(config.model.path, extra_adapters=extra)
-            self.critic_loaded = self.loaded
+            self.critic_loaded = self.loaded if critic else None
             self.reference_loaded = None
             if reference_path:
                 weights = read_adapter_for(reference_path, config.lora, config.model.path)
@@ -109,46 +113,59 @@ class TorchActorCritic:
             for name, param in self.loaded.model.named_parameters():
                 if f".{CRITIC_ADAPTER}." in name and hf_module_path(name).startswith("lm_head"):
                     param.requires_grad_(False)
-            critic_params = [
-                p for p in adapter_params(self.loaded.model, CRITIC_ADAPTER) if p.requires_grad
-            ]
+            if critic:
+                critic_params = [
+                    p for p in adapter_params(self.loaded.model, CRITIC_ADAPTER) if p.requires_grad
+                ]
         else:
             self.loaded = build(config.model.path)
-            self.critic_loaded = build(config.critic.model_path or config.model.path)
+            self.critic_loaded = (
+                build(config.critic.model_path or config.model.path) if critic else None
+            )
             self.reference_loaded = build(config.model.path)
             self.reference_loaded.model.requires_grad_(False)
             actor_params = list(self.loaded.model.parameters())
-            critic_params = list(self.critic_loaded.model.parameters())
+            if critic:
+                critic_params = list(self.critic_loaded.model.parameters())
 
-        self.critic = ValueModel(self.critic_loaded, seed=critic_seed)
-        if self.placement.distributed:
-            shard_module(self.critic.value_head, self.placement.mesh, torch.float32)
-        head_params = list(self.critic.value_head.parameters())
         self.actor_trainer = Trainer(
             self.loaded, config.optim, total_steps=total_updates, seed=config.seed,
             params=actor_params,
         )  # fmt: skip
-        self.critic_trainer = Trainer(
-            self.critic_loaded, config.critic_optim(), total_steps=total_updates,
-            seed=critic_seed, params=critic_params + head_params,
-            modules=[self.critic_loaded.model, self.critic.value_head],
-        )  # fmt: skip
-        # what a checkpoint holds: the trainable parameters of these, and both optimizers
-        self._state = nn.ModuleDict(
-            {"actor": self.loaded.model, "value_head": self.critic.value_head}
-        )
-        if not lora:
-            self._state["critic"] = self.critic_loaded.model
+        # what a checkpoint holds: the trainable parameters of these, and the optimizers
+        self._state = nn.ModuleDict({"actor": self.loaded.model})
+        self.critic = self.critic_trainer = None
+        if critic:
+            self._build_critic(critic_params, critic_seed, total_updates)
         self.checkpoints = (
             None
             if checkpoint_dir is None
             else TrainCheckpoints(
                 checkpoint_dir,
-                {**run_identity(config.model.path, config.lora, backend="torch"), "job": "ppo"},
+                ppo_identity(
+                    config.model.path, config.lora, "torch", has_critic=config.ppo.has_critic
+                ),
                 self.placement,
                 keep=config.checkpoint.keep,
             )
         )
+
+    def _build_critic(
+        self, critic_params: list[nn.Parameter], critic_seed: int, total_updates: int
+    ) -> None:
+        """The value head over the critic's backbone, and the critic's optimizer."""
+        self.critic = ValueModel(self.critic_loaded, seed=critic_seed)
+        if self.placement.distributed:
+            shard_module(self.critic.value_head, self.placement.mesh, torch.float32)
+        head_params = list(self.critic.value_head.parameters())
+        self.critic_trainer = Trainer(
+            self.critic_loaded, self.config.critic_optim(), total_steps=total_updates,
+            seed=critic_seed, params=critic_params + head_params,
+            modules=[self.critic_loaded.model, self.critic.value_head],
+        )  # fmt: skip
+        self._state["value_head"] = self.critic.value_head
+        if not self.config.lora.enabled:
+            self._state["critic"] = self.critic_loaded.model
 
     # roles -------------------------------------------------------------------------------
 
@@ -254,18 +271,22 @@ class TorchActorCritic:
     def latest_checkpoint(self) -> int | None:
         return None if self.checkpoints is None else self.checkpoints.latest_step()
 
+    def _trainers(self) -> list[Trainer]:
+        return [self.actor_trainer] + ([self.critic_trainer] if self.has_critic else [])
+
     def _optimizers(self) -> list[torch.optim.Optimizer]:
-        return [self.actor_trainer.optimizer, self.critic_trainer.optimizer]
+        return [trainer.optimizer for trainer in self._trainers()]
 
     def save_checkpoint(self, step: int, extra: dict[str, Any]) -> None:
-        updates = [self.actor_trainer.updates, self.critic_trainer.updates]
+        updates = [trainer.updates for trainer in self._trainers()]
         self.checkpoints.save(
             step, self._state, self._optimizers(), {**extra, _UPDATES_KEY: updates}
         )
 
     def restore_checkpoint(self, step: int) -> dict[str, Any]:
         extra = self.checkpoints.restore(step, self._state, self._optimizers())
-        self.actor_trainer.updates, self.critic_trainer.updates = extra.pop(_UPDATES_KEY)
+        for trainer, updates in zip(self._trainers(), extra.pop(_UPDATES_KEY), strict=True):
+            trainer.updates = updates
         return extra
 
     # adapters and exports ----------------------------------------------------------------
@@ -280,7 +301,9 @@ class TorchActorCritic:
 
     def lora_weights(self) -> dict[str, Any]:
         """Host copies: ``actor`` and ``critic`` adapters (PEFT layout) and ``value_head``
-        ``(kernel [E], bias)``."""
+        ``(kernel [E], bias)`` (the actor's alone without a critic)."""
+        if not self.has_critic:
+            return {"actor": adapter_weights(self.loaded.model)}
         return {
             "actor": adapter_weights(self.loaded.model),
             "critic": adapter_weights(self.loaded.model, CRITIC_ADAPTER),
