@@ -35,11 +35,13 @@ import datetime
 import json
 import os
 import platform
+import resource
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -264,24 +266,46 @@ def tiny_math() -> Path:
     return Path(tiny_math_path())
 
 
+def busy_seconds() -> float:
+    """CPU seconds all processes on the machine have spent busy since boot (/proc/stat)."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return float("nan")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def children_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_system(command: list[str], log: Path, timeout: float) -> dict:
-    """Run one system's subprocess; its RESULT dict, or {"error": why}."""
+    """Run one system's subprocess; its RESULT dict, or {"error": why}.
+
+    Also measured: ``others_cpu``, the share of the machine's CPUs that other processes
+    kept busy meanwhile (0 on a quiet machine; 0.5 = one of two cores taken)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1")
     env.setdefault("JAX_PLATFORMS", "cpu")
     if not Path(command[0]).exists():
         return {"error": f"{command[0]} is missing: run `benchmarks/peers.py --setup` first"}
+    began, busy, ours = time.perf_counter(), busy_seconds(), children_seconds()
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout
         )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
+    wall = time.perf_counter() - began
+    others = (busy_seconds() - busy) - (children_seconds() - ours)
+    others_cpu = max(0.0, others / (wall * (os.cpu_count() or 1)))
     log.write_text(f"$ {shlex.join(command)}\n{done.stdout}\n--- stderr\n{done.stderr}")
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode or not lines:
         tail = [x for x in done.stderr.strip().splitlines() if x.strip()][-1:] or ["no output"]
         return {"error": f"exit {done.returncode}: {tail[0][:300]} (log: {log})"}
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return {**json.loads(lines[-1].removeprefix("RESULT ")), "others_cpu": others_cpu}
 
 
 def versions() -> str:
@@ -323,7 +347,7 @@ def summarize(results: dict[str, list[dict]], config) -> None:
         good = [r for r in runs if "error" not in r]
         if not good:
             why = errors[0] if errors else "no run"
-            rows.append([system, "not run", "-", "-", "-", "-", "-"])
+            rows.append([system, "not run", "-", "-", "-", "-", "-", "-"])
             stats[system] = {"error": why}
             continue
         later = [s for r in good for s in r["seconds"][1:]]
@@ -341,11 +365,15 @@ def summarize(results: dict[str, list[dict]], config) -> None:
                 str(len(later)),
                 " / ".join(f"{f:.1f}" for f in firsts),
                 f"{statistics.mean(rewards):.3f}" if rewards else "-",
+                " / ".join(f"{r.get('others_cpu', 0):.0%}" for r in good),
             ]
         )
     headers = ["system", "median s/iter", "min-max", "median per round", "n",
-               "1st iter s", "mean reward"]  # fmt: skip
-    print("Seconds per PPO iteration (64 rollouts), iterations after the first of each run\n")
+               "1st iter s", "mean reward", "others' CPU"]  # fmt: skip
+    print(
+        "Seconds per PPO iteration (64 rollouts), iterations after the first of each run;\n"
+        "others' CPU: the share of the CPUs that other processes kept busy during each run\n"
+    )
     print_table(headers, rows)
 
     phases = []
@@ -449,6 +477,7 @@ def main() -> None:
                     f"NOT RUN ({result['error']})"
                     if "error" in result
                     else " ".join(f"{s:.2f}" for s in result["seconds"])
+                    + f"  (others' CPU use meanwhile: {result['others_cpu']:.0%})"
                 )
                 print(f"round {round_ + 1} {system:<11} s/iter: {shown}", flush=True)
     print()
