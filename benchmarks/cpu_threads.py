@@ -1,11 +1,12 @@
-"""torch's CPU threads on a shared machine: OpenMP's default waiting vs strop's passive one.
+"""torch's CPU threads on a shared machine: OpenMP wait policies and thread counts.
 
 Runs the torch backend's PPO iteration (``benchmarks/ppo_step.py``'s task and child, the
-demo's shapes by default) in four settings, each in its own process with the threads strop
-picks (the usable cores): OpenMP's default wait policy (torch imported before strop, so
-strop's ``OMP_WAIT_POLICY=PASSIVE`` comes too late) or strop's, on an idle machine or
-beside one busy process (a Python spin loop, as a second job on the machine would be).
-Prints the median seconds per iteration after the first, and the ratios.
+demo's shapes) under four OpenMP settings — OpenMP's defaults (torch imported before
+anything else), ``OMP_WAIT_POLICY=PASSIVE``, ``GOMP_SPINCOUNT=10000``, and
+``OMP_NUM_THREADS=1`` — each on an idle machine and beside one busy process (a Python
+spin loop, as a second job on the machine would be), each in its own process. Without
+``OMP_NUM_THREADS`` torch uses the threads strop picks (the usable cores). Prints the
+median seconds per iteration after the first, per round, and the ratio to the first row.
 
 Run from the repository root (nothing else running)::
 
@@ -34,16 +35,23 @@ DEMO_SHAPES = [
     "ppo.prompts_per_step=16", "ppo.num_generations_per_prompt=4", "ppo.mini_batch_size=32",
     "generation.max_new_tokens=48", "ppo.kl_coef=0.0",
 ]  # fmt: skip
-SETTINGS = [  # (name, OpenMP default wait policy?, busy neighbour?)
-    ("strop (passive), idle", False, False),
-    ("OpenMP default, idle", True, False),
-    ("strop (passive), 1 busy process", False, True),
-    ("OpenMP default, 1 busy process", True, True),
+SETTINGS = [  # (name, environment, torch imported before strop (OpenMP default wait), busy?)
+    ("OpenMP default", {}, True, False),
+    ("OMP_WAIT_POLICY=PASSIVE", {"OMP_WAIT_POLICY": "PASSIVE"}, False, False),
+    ("GOMP_SPINCOUNT=10000", {"GOMP_SPINCOUNT": "10000"}, True, False),
+    ("OMP_NUM_THREADS=1", {"OMP_NUM_THREADS": "1"}, True, False),
+    ("OpenMP default, 1 busy process", {}, True, True),
+    ("OMP_WAIT_POLICY=PASSIVE, 1 busy process", {"OMP_WAIT_POLICY": "PASSIVE"}, False, True),
+    ("GOMP_SPINCOUNT=10000, 1 busy process", {"GOMP_SPINCOUNT": "10000"}, True, True),
+    ("OMP_NUM_THREADS=1, 1 busy process", {"OMP_NUM_THREADS": "1"}, True, True),
 ]
 
 
-def run_child(root: Path, steps: int, openmp_default: bool, overrides: list[str]) -> float:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
+def run_child(
+    root: Path, steps: int, environment: dict[str, str], openmp_default: bool, overrides: list[str]
+) -> float:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    env.update(environment)
     overrides = [*overrides, f"run_dir={tempfile.mkdtemp(dir=root)}"]  # a fresh run each
     command = [sys.executable, __file__, "--child", "--root", str(root), "--steps", str(steps)]
     if openmp_default:
@@ -73,23 +81,25 @@ def main() -> None:
 
     from benchmarks.ppo_step import make_task
 
-    seconds: dict[str, list[float]] = {name: [] for name, _, _ in SETTINGS}
+    seconds: dict[str, list[float]] = {name: [] for name, *_ in SETTINGS}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         make_task(root)
         for _ in range(args.rounds):
-            for name, openmp_default, busy in SETTINGS:
+            for name, environment, openmp_default, busy in SETTINGS:
                 neighbour = (
                     subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
                 )
                 try:
-                    seconds[name].append(run_child(root, args.steps, openmp_default, overrides))
+                    seconds[name].append(
+                        run_child(root, args.steps, environment, openmp_default, overrides)
+                    )
                 finally:
                     if neighbour is not None:
                         neighbour.kill()
                         neighbour.wait()
 
-    print("# torch PPO iteration (demo shapes) by OpenMP wait policy and machine load")
+    print("# torch PPO iteration (demo shapes) by OpenMP setting and machine load")
     print(f"# {datetime.date.today()}, {cpu_name()}, {len(os.sched_getaffinity(0))} usable "
           f"cores, Python {platform.python_version()}; each: median s/iteration of "
           f"{args.steps - 1} after the first, per round")  # fmt: skip

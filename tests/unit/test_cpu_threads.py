@@ -1,4 +1,4 @@
-"""torch's CPU threads: passive waiting, and a share of the usable cores per process."""
+"""torch's CPU threads: a share of the usable cores per process, and a warning when busy."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from strop.cpu_threads import prepare_openmp, torch_threads, usable_cores
+from strop.cpu_threads import busy_cores_warning, torch_threads, usable_cores
 
 
 @pytest.mark.parametrize(
@@ -30,33 +30,27 @@ def test_threads_share_the_cores_among_a_machine_s_processes():
     assert torch_threads({"OMP_NUM_THREADS": "3"}, cores=8) is None  # the user's choice
 
 
-def test_waiting_threads_sleep_unless_the_user_said_otherwise():
-    environ: dict[str, str] = {}
-    prepare_openmp(environ)
-    assert environ == {"OMP_WAIT_POLICY": "PASSIVE"}
-    environ = {"OMP_WAIT_POLICY": "ACTIVE"}
-    prepare_openmp(environ)
-    assert environ == {"OMP_WAIT_POLICY": "ACTIVE"}
+def test_busy_cores_are_named_with_the_setting_to_change():
+    assert busy_cores_warning(2, 2, load=0.2) is None
+    assert busy_cores_warning(1, 2, load=5.0) is None  # one thread cannot oversubscribe
+    assert busy_cores_warning(4, 8, load=3.6) is None  # 4 of 8 free: enough
+    warning = busy_cores_warning(2, 2, load=1.1)
+    assert "set OMP_NUM_THREADS=1" in warning and "about 1 of this process's 2 cores" in warning
+    assert "OMP_NUM_THREADS=1" in busy_cores_warning(8, 8, load=12.0)  # none free: still 1
 
 
-def test_the_torch_backend_sets_both_before_and_when_it_places_a_run():
-    """In a fresh process (OpenMP reads its settings once, when torch loads): importing
-    the backend through ``get_backend`` sets the wait policy first, and placing a run
-    sets the thread count."""
+def test_placing_a_torch_run_sets_the_thread_count():
+    """In a fresh process, with neither OMP_NUM_THREADS nor a launcher's world size."""
     code = (
-        "import sys, os\n"
-        "from strop.backends import get_backend\n"
-        "assert 'torch' not in sys.modules\n"
-        "get_backend('torch')\n"
         "import torch\n"
         "from strop.config import MeshConfig\n"
         "from strop.backends.torch.fsdp import place\n"
         "torch.set_num_threads(7)\n"
         "place(MeshConfig())\n"
-        "print(os.environ['OMP_WAIT_POLICY'], torch.get_num_threads())\n"
+        "print(torch.get_num_threads())\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "LOCAL_WORLD"))}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
-    assert out.stdout.split() == ["PASSIVE", str(usable_cores())]
+    assert out.stdout.split() == [str(usable_cores())]

@@ -10,7 +10,6 @@ import importlib
 import sys
 from types import ModuleType
 
-from strop.cpu_threads import prepare_openmp
 from strop.errors import BackendUnavailableError
 
 BACKENDS = ("jax", "torch")
@@ -24,8 +23,6 @@ def get_backend(name: str) -> ModuleType:
     """Import and return the backend package ``strop.backends.<name>``."""
     if name not in BACKENDS:
         raise BackendUnavailableError(f"unknown backend {name!r}; choose one of {list(BACKENDS)}")
-    if name == "torch":
-        prepare_openmp()  # read by OpenMP once, when torch loads
     try:
         return importlib.import_module(f"strop.backends.{name}")
     except ModuleNotFoundError as err:

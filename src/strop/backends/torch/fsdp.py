@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from strop.config import MeshConfig
-from strop.cpu_threads import torch_threads
+from strop.cpu_threads import busy_cores_warning, torch_threads, usable_cores
 from strop.errors import ConfigError
 from strop.io.atomic import write_on_one_process
 
@@ -127,9 +127,7 @@ def place(mesh_config: MeshConfig) -> Placement:
     > 1); tensor parallelism is refused with a clear message for now.
     """
     cuda = torch.cuda.is_available()
-    threads = torch_threads()
-    if threads is not None and threads != torch.get_num_threads():
-        torch.set_num_threads(threads)  # this process's share of the usable cores
+    _set_cpu_threads()
     _refuse_tensor_parallel({"tensor": mesh_config.tensor})
     if not launched_distributed():
         sizes = mesh_config.resolve(1)
@@ -149,6 +147,23 @@ def place(mesh_config: MeshConfig) -> Placement:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     logger.info("rank %d/%d on %s, mesh %s", dist.get_rank(), world, device, mesh)
     return Placement(device, dist.get_rank(), world, mesh)
+
+
+def _set_cpu_threads() -> None:
+    """This process's share of the usable cores (:mod:`strop.cpu_threads`), and a warning
+    when the machine's load says they are busy; ``OMP_NUM_THREADS`` wins."""
+    threads = torch_threads()
+    if threads is None:
+        return
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    warning = busy_cores_warning(threads, usable_cores(), os.getloadavg()[0])
+    if warning and warning not in _WARNED:
+        _WARNED.add(warning)  # once per process
+        logger.warning(warning)
+
+
+_WARNED: set[str] = set()
 
 
 def _refuse_tensor_parallel(sizes: dict[str, int]) -> None:
