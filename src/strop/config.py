@@ -242,9 +242,19 @@ class PpoConfig(_Section):
     grpo_std_normalize: bool = Field(
         True, description="grpo: divide by the group's reward std (false: Dr. GRPO)."
     )
-    loss_aggregation: Literal["token_mean", "sequence_mean"] = Field(
+    overlong: Literal["keep", "mask", "penalty"] = Field(
+        "keep",
+        description="Responses cut by generation.max_new_tokens: keep them, mask them out of the losses, or penalise the score over the last overlong_buffer tokens (DAPO).",
+    )
+    overlong_buffer: int = Field(
+        0, ge=0, description="overlong=penalty: tokens before max_new_tokens where it starts."
+    )
+    overlong_penalty: float = Field(
+        1.0, ge=0, description="overlong=penalty: the penalty at max_new_tokens."
+    )
+    loss_aggregation: Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"] = Field(
         "token_mean",
-        description="Average the policy loss over all tokens, or per sequence then over sequences.",
+        description="Average the losses over all tokens, per sequence then over sequences, or (Dr. GRPO) each sequence's token sum over generation.max_new_tokens, averaged over sequences.",
     )
     kl_coef: float = Field(
         0.05, ge=0, description="Weight of the KL penalty against the reference policy."

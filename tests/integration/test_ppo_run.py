@@ -261,12 +261,30 @@ def test_a_grpo_run_trains_without_a_critic_and_resumes_exactly(task, tmp_path, 
     assert (straight.export_path / "adapter_config.json").is_file()
 
 
-@pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp"])
+DR_GRPO = ("grpo", "ppo.grpo_std_normalize=false", "ppo.loss_aggregation=seq_mean_token_sum_norm")
+
+
+@pytest.mark.parametrize("estimator", [("rloo",), ("reinforce_pp",), DR_GRPO], ids=str)
 def test_the_other_critic_free_estimators_run(task, tmp_path, estimator):
+    name, *extra = estimator
     config = config_for(
-        task, tmp_path / "run", "torch", f"ppo.advantage_estimator={estimator}",
+        task, tmp_path / "run", "torch", f"ppo.advantage_estimator={name}", *extra,
         "ppo.kl_in_reward=false", "ppo.steps=2", "ppo.validate_every=0",
     )  # fmt: skip
     result = run_ppo(config)
     assert len(result.history) == 2
     assert not [key for key in result.history[-1] if key.startswith("critic/")]
+
+
+@pytest.mark.parametrize("overlong", ["mask", "penalty"])
+def test_truncated_responses_are_masked_or_penalised(task, tmp_path, overlong):
+    config = config_for(
+        task, tmp_path / "run", "torch", f"ppo.overlong={overlong}", "ppo.overlong_buffer=8",
+        "ppo.steps=2", "ppo.validate_every=0", "generation.max_new_tokens=8",
+    )  # fmt: skip
+    record = run_ppo(config).history[-1]
+    assert record["train/truncated_fraction"] > 0  # 8 tokens: the random model runs long
+    if overlong == "penalty":
+        assert -1.0 <= record["train/overlong_penalty"] < 0
+    else:
+        assert "train/overlong_penalty" not in record

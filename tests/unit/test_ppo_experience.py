@@ -12,18 +12,28 @@ from strop.rl.objectives import aggregation_weights
 from strop.rl.prompts import PromptSet
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize("mode", ["token_mean", "sequence_mean", "seq_mean_token_sum_norm"])
 @pytest.mark.parametrize("seed", range(5))
 def test_weighted_sums_equal_the_aggregate(mode, seed):
     rng = np.random.default_rng(seed)
     mask = (rng.random((6, 9)) < 0.5).astype(np.float32)
     mask[2] = 0  # a row without response tokens counts for nothing
     values = rng.normal(size=mask.shape)
-    weights = aggregation_weights(mask, mode)
-    assert np.isclose((values * weights).sum(), aggregate(values, mask, mode), atol=1e-6)
+    weights = aggregation_weights(mask, mode, horizon=12)
+    expected = aggregate(values, mask, mode, horizon=12)
+    assert np.isclose((values * weights).sum(), expected, atol=1e-6)
     # split over rows (micro-batches, ranks): the parts add up to the whole
     halves = (values[:3] * weights[:3]).sum() + (values[3:] * weights[3:]).sum()
-    assert np.isclose(halves, aggregate(values, mask, mode), atol=1e-6)
+    assert np.isclose(halves, expected, atol=1e-6)
+
+
+def test_dr_grpo_divides_each_sequence_s_token_sum_by_the_length_budget():
+    mask = np.array([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], np.float32)
+    values = np.array([[2.0, 4.0, 9, 9], [1.0, 1.0, 1.0, 1.0], [9, 9, 9, 9]])
+    # rows with a response: (2 + 4) / 8 and 4 / 8, averaged over those 2 rows
+    assert aggregate(values, mask, "seq_mean_token_sum_norm", horizon=8) == (6 / 8 + 4 / 8) / 2
+    with pytest.raises(ValueError, match="needs the horizon"):
+        aggregation_weights(mask, "seq_mean_token_sum_norm")
 
 
 def test_weights_of_an_empty_batch_are_zero():

@@ -122,14 +122,19 @@ def _critic_free_experience(batch, scores, old_logprobs, ref_logprobs, kl, ppo: 
 
 
 def minibatches(
-    arrays: dict[str, np.ndarray], size: int, aggregation: str, rng: np.random.Generator
+    arrays: dict[str, np.ndarray],
+    size: int,
+    aggregation: str,
+    rng: np.random.Generator,
+    horizon: int | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     """The rows in a random order, ``size`` at a time, each mini-batch with its
-    ``loss_weights`` (:func:`strop.rl.objectives.aggregation_weights`)."""
+    ``loss_weights`` (:func:`strop.rl.objectives.aggregation_weights`; ``horizon``, the
+    response-length budget, for ``seq_mean_token_sum_norm``)."""
     rows = len(arrays["input_ids"])
     order = rng.permutation(rows)
     for begin in range(0, rows, size):
         index = order[begin : begin + size]
         mini = {name: value[index] for name, value in arrays.items()}
-        mini["loss_weights"] = aggregation_weights(mini["response_mask"], aggregation)
+        mini["loss_weights"] = aggregation_weights(mini["response_mask"], aggregation, horizon)
         yield mini

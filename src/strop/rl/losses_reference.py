@@ -29,10 +29,14 @@ from typing import Literal
 import numpy as np
 
 KlEstimator = Literal["k1", "k2", "k3"]
-Aggregation = Literal["token_mean", "sequence_mean"]
+Aggregation = Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"]
 
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean")
+# Dr. GRPO's constant normaliser needs the response-length budget: the PPO loop reaches it
+# through loss weights (strop.rl.objectives.aggregation_weights), and only this oracle
+# computes it directly.
+CONSTANT_NORMALISED = "seq_mean_token_sum_norm"
 LOG_RATIO_LIMIT = 20.0
 KL_VALUE_LIMIT = 10.0
 
@@ -86,17 +90,27 @@ def kl_penalty(
     return np.clip(kl, -KL_VALUE_LIMIT, KL_VALUE_LIMIT)
 
 
-def aggregate(values: np.ndarray, mask: np.ndarray, mode: Aggregation) -> float:
+def aggregate(
+    values: np.ndarray, mask: np.ndarray, mode: Aggregation, horizon: int | None = None
+) -> float:
     """Reduce per-token ``values [B, L]`` over response tokens to a scalar.
 
     ``token_mean``: ``sum(values * mask) / sum(mask)`` over the whole batch (every token
     weighs the same). ``sequence_mean``: the mean, over rows with at least one response
-    token, of each row's token mean (every sequence weighs the same). 0 when there is no
-    response token at all.
+    token, of each row's token mean (every sequence weighs the same).
+    ``seq_mean_token_sum_norm`` (Dr. GRPO): each such row's token *sum* divided by the
+    constant ``horizon`` (``generation.max_new_tokens``), averaged over the rows, so no
+    length normalisation favours short or long responses. 0 when there is no response
+    token at all.
     """
-    check_aggregation(mode)
     on = _on(mask)
     x = np.where(on, _f64(values), 0.0)
+    if mode == CONSTANT_NORMALISED:
+        if not horizon or horizon < 1:
+            raise ValueError(f"{CONSTANT_NORMALISED} needs the horizon (max new tokens)")
+        rows = int((on.sum(axis=1) > 0).sum())
+        return float(x.sum() / horizon / max(rows, 1))
+    check_aggregation(mode)
     if mode == "token_mean":
         return float(x.sum() / max(on.sum(), 1))
     counts = on.sum(axis=1)

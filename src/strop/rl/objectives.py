@@ -17,7 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from strop.config import Config
-from strop.rl.losses_reference import Aggregation, KlEstimator, check_aggregation
+from strop.rl.losses_reference import (
+    CONSTANT_NORMALISED,
+    Aggregation,
+    KlEstimator,
+    check_aggregation,
+)
 
 
 @dataclass(frozen=True)
@@ -66,17 +71,27 @@ class ValueObjective:
         return cls(value_clip=config.ppo.value_clip or None, coef=config.ppo.value_loss_coef)
 
 
-def aggregation_weights(mask: np.ndarray, mode: Aggregation) -> np.ndarray:
-    """``w [B, L] float32`` with ``(x * w).sum() == aggregate(x, mask, mode)`` for any ``x``.
+def aggregation_weights(
+    mask: np.ndarray, mode: Aggregation, horizon: int | None = None
+) -> np.ndarray:
+    """``w [B, L] float32`` with ``(x * w).sum() == aggregate(x, mask, mode, horizon)``
+    for any ``x``.
 
     ``token_mean``: ``1 / (response tokens in the batch)`` on each response token.
     ``sequence_mean``: ``1 / (len(row) * rows with a response token)`` on each of a row's
-    response tokens. Zero off the response, and all zero for a batch without one.
+    response tokens. ``seq_mean_token_sum_norm`` (Dr. GRPO): ``1 / (horizon * rows with a
+    response token)`` on every response token. Zero off the response, and all zero for a
+    batch without one.
     """
-    check_aggregation(mode)
     on = (np.asarray(mask) > 0).astype(np.float64)
     if on.ndim != 2:
         raise ValueError(f"mask must be [B, L], got shape {on.shape}")
+    if mode == CONSTANT_NORMALISED:
+        if not horizon or horizon < 1:
+            raise ValueError(f"{CONSTANT_NORMALISED} needs the horizon (max new tokens)")
+        rows = max(int((on.sum(axis=1) > 0).sum()), 1)
+        return (on / (horizon * rows)).astype(np.float32)
+    check_aggregation(mode)
     if mode == "token_mean":
         weights = on / max(on.sum(), 1.0)
     else:

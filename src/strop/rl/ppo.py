@@ -14,7 +14,8 @@ Per iteration (``ppo.steps`` of them):
 4. token rewards (score on the last response token, KL penalty per token when it is in
    the reward), GAE advantages and returns, optional whitening (:mod:`strop.rl.gae`), or
    a critic-free estimator's advantages (:mod:`strop.rl.estimators`: GRPO, RLOO,
-   REINFORCE++), and then no critic update below;
+   REINFORCE++), and then no critic update below; truncated responses are kept, left out
+   of the losses or penalised by length (``ppo.overlong``, :mod:`strop.rl.overlong`);
 5. ``ppo.ppo_epochs`` passes over shuffled mini-batches: a critic update, then (after
    ``ppo.critic_warmup_steps`` iterations) a policy update;
 6. metrics, greedy validation on held-out prompts every ``ppo.validate_every``
@@ -53,6 +54,7 @@ from strop.nonfinite import CHECKPOINT_KEY, count_skipped
 from strop.preflight import preflight
 from strop.progress import RunProgress
 from strop.rl.experience import build_experience, minibatches, pad_columns, round_up
+from strop.rl.overlong import length_penalty, without_truncated
 from strop.rl.prompts import PromptSet
 from strop.rl.rollout import Rollout, token_mult_prob_error
 
@@ -215,7 +217,14 @@ def ppo_iteration(
     before = reward.stats
     texts, columns, golds = train.reward_inputs(rows)
     scored = timed("reward", reward.score, texts, rollout.response_texts, columns, golds)
-    scores = np.asarray(scored.total)
+    task_scores = np.asarray(scored.total)
+    truncated = np.array([reason == "length" for reason in rollout.finish_reasons])
+    penalty = np.zeros(len(task_scores))
+    if ppo.overlong == "penalty":  # DAPO's soft overlong punishment (strop.rl.overlong)
+        penalty = length_penalty(
+            rollout.lengths, sampling.max_new_tokens, ppo.overlong_buffer, ppo.overlong_penalty
+        )
+    scores = task_scores + penalty
     batch = rollout.teacher_forcing_batch(tokenizer.pad_token_id)
     sampled = rollout.align(rollout.logprobs)  # the sampler's log-probabilities
     if prompt_columns is not None:  # one shape for the run: the widest rollout possible
@@ -232,6 +241,8 @@ def ppo_iteration(
         ref = timed("logprobs", engine.logprobs, batch, reference=True)
     values = timed("values", engine.values, batch) if ppo.has_critic else None
     arrays, stats = build_experience(batch, scores, old, ref, values, ppo)
+    if ppo.overlong == "mask":
+        arrays = without_truncated(arrays, truncated)
 
     updates: dict[str, list[float]] = defaultdict(list)
     micro_batches = ppo.mini_batch_size // ppo.rows_per_micro_batch
@@ -253,7 +264,9 @@ def ppo_iteration(
     for epoch in range(ppo.ppo_epochs):
         rng = np.random.default_rng([seed, step, epoch])
         for index, mini in enumerate(
-            minibatches(arrays, ppo.mini_batch_size, ppo.loss_aggregation, rng)
+            minibatches(
+                arrays, ppo.mini_batch_size, ppo.loss_aggregation, rng, sampling.max_new_tokens
+            )
         ):
             if ppo.has_critic:
                 update("critic", engine.train_critic, mini, epoch, index)
@@ -263,9 +276,11 @@ def ppo_iteration(
     seconds = time.perf_counter() - began
     tokens = float(rollout.lengths.sum())
     record = {
-        "train/reward": float(scores.mean()),
+        "train/reward": float(task_scores.mean()),
+        **({"train/overlong_penalty": float(penalty.mean())} if ppo.overlong == "penalty" else {}),
         "train/response_length": float(rollout.lengths.mean()),
         "train/stopped_fraction": float(np.mean([r == "stop" for r in rollout.finish_reasons])),
+        "train/truncated_fraction": float(truncated.mean()),
         **gap,  # sampler vs trainer log-probabilities, when the trainer's are computed
         **stats,
         **{name: float(np.mean(values)) for name, values in updates.items()},
