@@ -9,6 +9,7 @@ example 2 KV heads on ``tensor=4``), so any model runs on any mesh.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -16,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pydantic import ValidationError
@@ -201,3 +203,55 @@ def logical_to_sharding(
 def batch_sharding(shape: Sequence[int], mesh: Mesh) -> NamedSharding:
     """Sharding for a ``[B, ...]`` batch array: B over ``data`` x ``fsdp`` where it divides."""
     return logical_to_sharding(("batch",) + (None,) * (len(shape) - 1), shape, mesh)
+
+
+BATCH_AXES = ("data", "fsdp")
+"""Mesh axes the rows of a batch are split over; weights sharded over them are gathered."""
+
+
+def inference_layout(model: nnx.Module) -> nnx.Module:
+    """``model`` over a copy of its weights that is replicated over the batch axes
+    (``data``, ``fsdp``) and still sharded over ``tensor``; ``model`` itself if no weight
+    is sharded over a batch axis (nothing is copied).
+
+    Training shards weights over ``fsdp`` and gathers each one when a step uses it: once per
+    step is cheap for a training step, but a decode loop would gather every weight at every
+    token (and XLA does not hoist the gathers out of the loop: it gathers activations and
+    reduces partial sums in every step instead). With the weights laid out once per call,
+    each device decodes its own rows with no collective but the loop's "all rows done?"
+    reduction. Costs one full copy of the weights per device (per ``tensor`` shard) for the
+    length of the call.
+    """
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    moved = {i: _inference_sharding(x) for i, x in enumerate(leaves)}
+    moved = {i: t for i, t in moved.items() if t != getattr(leaves[i], "sharding", None)}
+    if not moved:
+        return model
+    copies = _resharder(tuple(moved.values()))(*(leaves[i] for i in moved))
+    leaves = list(leaves)
+    for i, copy in zip(moved, copies, strict=True):
+        leaves[i] = copy
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+
+def _inference_sharding(x):
+    """``x``'s sharding without the batch axes (``x``'s own if it is not a sharded array)."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(x, jax.Array) or not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = PartitionSpec(*(_without_batch_axes(axes) for axes in sharding.spec))
+    return NamedSharding(sharding.mesh, spec)
+
+
+@functools.lru_cache(maxsize=8)
+def _resharder(targets: tuple[NamedSharding, ...]):
+    """One jitted copy per layout (cached: a rollout phase does not retrace it)."""
+    return jax.jit(lambda *leaves: leaves, out_shardings=targets)
+
+
+def _without_batch_axes(axes):
+    if axes is None or isinstance(axes, str):
+        return None if axes in BATCH_AXES else axes
+    kept = tuple(axis for axis in axes if axis not in BATCH_AXES)
+    return kept if len(kept) > 1 else (kept[0] if kept else None)
