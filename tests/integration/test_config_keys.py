@@ -39,13 +39,13 @@ def _schema_keys(model: type[BaseModel], prefix: str = "") -> list[tuple[str, st
 def _attribute_reads() -> list[tuple[str, str]]:
     """``(owner, attribute)`` of every ``x.attribute`` in strop's source. The owner is
     ``x`` as written (``config.ppo``, ``ppo``); for a parameter ``x: SomeConfig``, the
-    class name; in config.py, ``self`` is the class whose method reads it."""
+    class name; in strop/config/, ``self`` is the class whose method reads it."""
     reads = []
     for path in SOURCE.rglob("*.py"):
         tree = ast.parse(path.read_text(), str(path))
         scopes = [(tree, {})]
         for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef) and path.name == "config.py":
+            if isinstance(node, ast.ClassDef) and path.parent.name == "config":
                 scopes.append((node, {"self": node.name}))
             if isinstance(node, ast.FunctionDef):
                 arguments = node.args.args + node.args.kwonlyargs
@@ -63,8 +63,8 @@ def test_every_schema_key_is_read_somewhere() -> None:
     """A key no code reads is a promise nothing keeps (logging.wandb and sft.log_every
     were such keys; logging.level was read by nothing either). A key counts as read when
     some code reads ``<owner>.key`` with an owner that names its section
-    (``config.logging``, ``ppo``), a parameter of its section's type, or, in config.py,
-    ``self`` of its section's class."""
+    (``config.logging``, ``ppo``), a parameter of its section's type, or, in
+    strop/config/, ``self`` of its section's class."""
     reads = _attribute_reads()
     unread = [
         f"{section}.{key}" if section else key

@@ -1,0 +1,150 @@
+"""Run configuration: pydantic schemas, YAML recipes with ``base:`` inheritance and dotted
+``key=value`` overrides, with error messages that name the key, the value and its source.
+
+``load_config`` is the one way a run gets its settings; ``dump_config`` prints them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from strop.config.ppo import CriticConfig, PpoConfig, RewardTerm
+from strop.config.sections import (
+    DEFAULT_TARGET_MODULES,
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    GenerationConfig,
+    LoggingConfig,
+    LoraConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimConfig,
+    SftConfig,
+    TrainConfig,
+    _Section,
+)
+from strop.config_sources import (
+    Provenance,
+    apply_override,
+    describe_validation_error,
+    merge_layer,
+    recipe_layers,
+)
+from strop.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_TARGET_MODULES",
+    "CheckpointConfig",
+    "Config",
+    "CriticConfig",
+    "DataConfig",
+    "EvalConfig",
+    "GenerationConfig",
+    "LoggingConfig",
+    "LoraConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PpoConfig",
+    "RewardTerm",
+    "SftConfig",
+    "TrainConfig",
+    "dump_config",
+    "load_config",
+]
+
+
+class Config(_Section):
+    """Everything a run needs; one recipe runs on either backend."""
+
+    backend: Literal["jax", "torch"] = Field("jax", description="Training backend.")
+    seed: int = Field(
+        0, ge=0, description="Seed for every random choice (init, data order, sampling)."
+    )
+    run_dir: str = Field(
+        "runs/default", description="Directory for checkpoints, metrics and exports."
+    )
+    model: ModelConfig = Field(
+        default_factory=ModelConfig, description="Model checkpoint and precision."
+    )
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and schedule.")
+    data: DataConfig = Field(
+        default_factory=DataConfig, description="Training and evaluation data."
+    )
+    train: TrainConfig = Field(
+        default_factory=TrainConfig, description="Numerical safety of optimizer steps."
+    )
+    sft: SftConfig = Field(default_factory=SftConfig, description="Supervised fine-tuning loop.")
+    ppo: PpoConfig = Field(default_factory=PpoConfig, description="PPO loop.")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO value model.")
+    generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Sampling.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="`strop eval`.")
+    mesh: MeshConfig = Field(default_factory=MeshConfig, description="Device mesh.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpointing."
+    )
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and logs.")
+
+    @model_validator(mode="after")
+    def _reference_adapter_needs_lora(self) -> Self:
+        if self.ppo.reference_adapter is not None and not self.lora.enabled:
+            raise ValueError(
+                f"ppo.reference_adapter ({self.ppo.reference_adapter!r}) is an adapter and "
+                "needs lora.enabled=true, or leave it unset to use the base model as the reference"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _critic_path_needs_full_critic(self) -> Self:
+        if self.critic.model_path is not None and self.lora.enabled:
+            raise ValueError(
+                f"critic.model_path ({self.critic.model_path!r}) needs lora.enabled=false: with "
+                "LoRA the critic is an adapter on the policy's own base model"
+            )
+        return self
+
+    def checkpoint_path(self) -> Path:
+        """Where the run's checkpoints go: ``checkpoint.dir``, else ``<run_dir>/checkpoints``."""
+        return Path(self.checkpoint.dir or Path(self.run_dir) / "checkpoints")
+
+    def reference_adapter_path(self) -> str | None:
+        """The frozen SFT adapter that is PPO's reference policy, if any (ARCHITECTURE
+        invariant 6): ``ppo.reference_adapter``, else the ``lora.restore_path`` the run
+        starts from; None means the base model (adapters disabled)."""
+        if not self.lora.enabled:
+            return None
+        return self.ppo.reference_adapter or self.lora.restore_path
+
+    def critic_optim(self) -> OptimConfig:
+        """The critic's optimizer settings: ``optim`` with ``critic.lr`` if given."""
+        if self.critic.lr is None:
+            return self.optim
+        return self.optim.model_copy(update={"lr": self.critic.lr})
+
+
+def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """The validated config of a recipe (a YAML path or a built-in name; None = defaults)
+    with dotted ``key=value`` overrides applied on top; raises ConfigError naming the source
+    of any bad value."""
+    values: dict[str, Any] = {}
+    provenance: Provenance = {}
+    for label, layer in recipe_layers(recipe) if recipe is not None else []:
+        merge_layer(values, provenance, layer, label)
+    for override in overrides:
+        apply_override(values, provenance, override, Config)
+    try:
+        return Config.model_validate(values)
+    except ValidationError as e:
+        raise ConfigError(describe_validation_error(e, provenance, Config)) from None
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML, in schema order (what ``strop config show`` prints)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,218 @@
+"""The PPO sections: the loop, its estimators and losses, the reward, the critic."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from strop.config.sections import _Section
+
+
+class RewardTerm(_Section):
+    """One reward of a weighted sum (``ppo.reward: [{reward: gsm8k, weight: 1.0}, ...]``)."""
+
+    reward: str = Field(
+        description="A registered name, package.module:function or path/to/file.py:function."
+    )
+    weight: float = Field(1.0, allow_inf_nan=False, description="Its weight in the sum.")
+    name: str | None = Field(
+        None, description="Its metric is reward/<name>; null = its registered or function name."
+    )
+
+
+class PpoConfig(_Section):
+    """PPO with a learned critic: rollouts, advantages, clipping, KL and value losses."""
+
+    steps: int = Field(100, gt=0, description="PPO iterations (generate, score, update).")
+    prompts_per_step: int = Field(8, gt=0, description="Prompts sampled per iteration.")
+    num_generations_per_prompt: int = Field(4, gt=0, description="Responses sampled per prompt.")
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each iteration's rollouts.")
+    mini_batch_size: int = Field(
+        8,
+        gt=0,
+        description="Rollouts per optimizer step; must divide prompts_per_step * num_generations_per_prompt.",
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor per token.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda for the policy's advantages.")
+    lam_returns: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="GAE lambda for the critic's return targets; null = same as lam.",
+    )
+    clip_low: float = Field(
+        0.2, ge=0, lt=1, description="Lower ratio clip: ratios below 1 - clip_low are clipped."
+    )
+    clip_high: float = Field(
+        0.2, ge=0, description="Upper ratio clip: ratios above 1 + clip_high are clipped."
+    )
+    dual_clip: float | None = Field(
+        None,
+        gt=1,
+        description="Dual-clip constant c bounding the loss for negative advantages; null = off.",
+    )
+    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field(
+        "gae",
+        description="How rewards become advantages: gae (a learned critic), or critic-free grpo, rloo, reinforce_pp (no critic is built); see docs/ppo.md.",
+    )
+    grpo_std_normalize: bool = Field(
+        True, description="grpo: divide by the group's reward std (false: Dr. GRPO)."
+    )
+    overlong: Literal["keep", "mask", "penalty"] = Field(
+        "keep",
+        description="Responses cut by generation.max_new_tokens: keep them, mask them out of the losses, or penalise the score over the last overlong_buffer tokens (DAPO).",
+    )
+    overlong_buffer: int = Field(
+        0, ge=0, description="overlong=penalty: tokens before max_new_tokens where it starts."
+    )
+    overlong_penalty: float = Field(
+        1.0, ge=0, description="overlong=penalty: the penalty at max_new_tokens."
+    )
+    loss_aggregation: Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"] = Field(
+        "token_mean",
+        description="Average the losses over all tokens, per sequence then over sequences, or (Dr. GRPO) each sequence's token sum over generation.max_new_tokens, averaged over sequences.",
+    )
+    kl_coef: float = Field(
+        0.05, ge=0, description="Weight of the KL penalty against the reference policy."
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k1", description="KL estimator (Schulman's k1, k2, k3)."
+    )
+    kl_in_reward: bool = Field(
+        True,
+        description="Subtract the KL penalty from per-token rewards (true) or add it to the loss (false).",
+    )
+    log_kl: bool = Field(
+        False,
+        description="Run the reference forward and report policy/kl even when kl_coef is 0 (otherwise skipped: its result would be thrown away).",
+    )
+    old_logprobs: Literal["recompute", "sampler"] = Field(
+        "recompute",
+        description="Where the update's old log-probabilities come from: a forward of the actor before the update (recompute), or the sampler's own, saving that forward (sampler; the same numbers where sampler and trainer compute alike, as the float32 native samplers do).",
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
+    value_clip: float = Field(
+        0.2, ge=0, description="Clip new values to old values +- this; 0 = no value clipping."
+    )
+    value_loss_coef: float = Field(0.5, gt=0, description="Weight of the critic's value loss.")
+    critic_warmup_steps: int = Field(
+        0, ge=0, description="Iterations that train only the critic before the policy updates."
+    )
+    whiten_advantages: bool = Field(
+        True,
+        description="Normalise GAE advantages to zero mean, unit variance over response tokens (critic-free estimators normalise their own way).",
+    )
+    reference_adapter: str | None = Field(
+        None,
+        description="SFT adapter that is the frozen reference policy (needs lora.enabled); null = base model.",
+    )
+    reward: str | Annotated[list[RewardTerm], Field(min_length=1)] = Field(
+        "gsm8k",
+        description="A registered reward (gsm8k, math, format), package.module:function, "
+        "path/to/file.py:function, or a list of {reward, weight, name} summed with weights.",
+    )
+    micro_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="Rollouts per forward/backward pass; must divide mini_batch_size; null = mini_batch_size.",
+    )
+    validate_every: int = Field(
+        0,
+        ge=0,
+        description="Run validation every this many iterations and at the last; 0 = never.",
+    )
+    validation_size: int = Field(
+        64, ge=0, description="Held-out prompts (from data.eval_path) per validation; 0 = all."
+    )
+
+    @field_validator("reward", mode="wrap")
+    @classmethod
+    def _reward_in_one_message(cls, value: Any, handler: Any) -> Any:
+        """The errors of the branch the value took (a reference, or a list of terms), not
+        of both."""
+        try:
+            return handler(value)
+        except ValidationError as e:
+            if not isinstance(value, list):
+                raise ValueError(
+                    "expected a reward (name or reference) or a list of terms"
+                ) from None
+            problems = [
+                f"{''.join(f'[{p}]' if isinstance(p, int) else f'.{p}' for p in err['loc'][1:])}"
+                f"{': ' if len(err['loc']) > 1 else ''}{err['msg']}"
+                for err in e.errors(include_url=False)
+                if err["loc"][:1] != ("str",)
+            ]
+            raise ValueError(
+                f"{'; '.join(problems)} (each term is {{reward, weight, name}})"
+            ) from None
+
+    @model_validator(mode="after")
+    def _mini_batches_divide(self) -> Self:
+        rollouts = self.prompts_per_step * self.num_generations_per_prompt
+        if rollouts % self.mini_batch_size:
+            raise ValueError(
+                f"ppo.mini_batch_size ({self.mini_batch_size}) must divide ppo.prompts_per_step * "
+                f"ppo.num_generations_per_prompt ({self.prompts_per_step} * "
+                f"{self.num_generations_per_prompt} = {rollouts})"
+            )
+        if self.mini_batch_size % self.rows_per_micro_batch:
+            raise ValueError(
+                f"ppo.micro_batch_size ({self.micro_batch_size}) must divide "
+                f"ppo.mini_batch_size ({self.mini_batch_size})"
+            )
+        estimator = self.advantage_estimator
+        if estimator in ("grpo", "rloo") and self.num_generations_per_prompt < 2:
+            raise ValueError(
+                f"ppo.advantage_estimator={estimator} compares the responses to one prompt: "
+                "it needs ppo.num_generations_per_prompt >= 2"
+            )
+        if estimator != "gae" and self.critic_warmup_steps:
+            raise ValueError(
+                f"ppo.critic_warmup_steps: ppo.advantage_estimator={estimator} has no critic"
+            )
+        if estimator in ("grpo", "rloo") and self.kl_coef > 0 and self.kl_in_reward:
+            raise ValueError(
+                f"ppo.advantage_estimator={estimator} scores whole responses: put the KL in "
+                "the loss (ppo.kl_in_reward=false), or set ppo.kl_coef=0"
+            )
+        return self
+
+    @property
+    def has_critic(self) -> bool:
+        """Whether the run trains a value model (``gae``); critic-free estimators do not."""
+        return self.advantage_estimator == "gae"
+
+    @property
+    def rows_per_micro_batch(self) -> int:
+        """Rows per micro-batch (``micro_batch_size``, or the whole mini-batch)."""
+        return self.micro_batch_size or self.mini_batch_size
+
+    @property
+    def reference_forward(self) -> bool:
+        """Whether an iteration needs the reference policy's log-probabilities: for the KL
+        penalty (``kl_coef > 0``), or to report ``policy/kl`` (``log_kl``)."""
+        return self.kl_coef > 0 or self.log_kl
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.prompts_per_step * self.num_generations_per_prompt
+
+    def optimizer_updates(self) -> int:
+        """Optimizer updates of each model over the whole run (the schedules' length)."""
+        return self.steps * self.ppo_epochs * (self.rollouts_per_step // self.mini_batch_size)
+
+
+class CriticConfig(_Section):
+    """The PPO value model: the policy's architecture with a float32 scalar head."""
+
+    model_path: str | None = Field(
+        None,
+        description="Checkpoint the critic's backbone starts from (full fine-tuning only); null = model.path.",
+    )
+    lr: float | None = Field(
+        None,
+        gt=0,
+        description="Critic learning rate; null = optim.lr (other optim settings shared).",
+    )
