@@ -45,3 +45,15 @@ def sum_inputs(tmp_path):
         f"data.train_path={tmp_path / 'train.jsonl'}",
         f"data.eval_path={tmp_path / 'eval.jsonl'}",
     ]
+
+
+@pytest.fixture
+def no_model_builds(monkeypatch):
+    """Building any model (for `strop ppo` or `strop eval`) fails the test: for checks
+    that a bad input is refused before anything loads."""
+
+    def refuse(name):
+        raise AssertionError(f"a {name} model was about to be built")
+
+    monkeypatch.setattr("strop.evaluation.get_backend", refuse)
+    monkeypatch.setattr("strop.rl.ppo.get_backend", refuse)

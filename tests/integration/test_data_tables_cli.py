@@ -31,15 +31,6 @@ def inputs(tmp_path_factory):
     return root
 
 
-@pytest.fixture
-def no_model_builds(monkeypatch):
-    def refuse(name):
-        raise AssertionError(f"a {name} model was about to be built")
-
-    monkeypatch.setattr("strop.evaluation.get_backend", refuse)
-    monkeypatch.setattr("strop.rl.ppo.get_backend", refuse)
-
-
 @pytest.mark.parametrize(
     ("command", "recipe", "path_key", "mesh"),
     [

@@ -39,17 +39,6 @@ def own_registry(monkeypatch):
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
 
 
-@pytest.fixture
-def no_model_builds(monkeypatch):
-    """Building any model fails the test: the refusal must come first."""
-
-    def refuse(name):
-        raise AssertionError(f"a {name} model was about to be built")
-
-    monkeypatch.setattr("strop.evaluation.get_backend", refuse)
-    monkeypatch.setattr("strop.rl.ppo.get_backend", refuse)
-
-
 @pytest.mark.parametrize(
     ("command", "recipe", "path_key", "reward_key", "mesh"),
     [

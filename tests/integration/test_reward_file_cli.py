@@ -59,15 +59,6 @@ def test_a_reward_from_a_file_drives_ppo_through_the_cli(task, tmp_path, backend
     assert any(r["reward/digits"] > 0 for r in records)  # a random model writes some digits
 
 
-@pytest.fixture
-def no_model_builds(monkeypatch):
-    def refuse(name):
-        raise AssertionError(f"a {name} model was about to be built")
-
-    monkeypatch.setattr("strop.evaluation.get_backend", refuse)
-    monkeypatch.setattr("strop.rl.ppo.get_backend", refuse)
-
-
 @pytest.mark.parametrize(
     ("reward", "said"),
     [
