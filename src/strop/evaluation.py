@@ -85,7 +85,7 @@ def run_eval(config: Config) -> EvalResult:
     path = config.eval.path or config.data.eval_path
     if config.model.path is None or path is None:
         raise ConfigError("strop eval needs model.path and eval.path (or data.eval_path)")
-    reward = rewards.load(config.eval.reward, setting="eval.reward")  # imported and checked
+    reward = rewards.load(config.eval.reward, setting="eval.reward", config=config)  # checked
     preflight(config, "eval", checkpoint_dir=None)  # before anything loads
     progress = RunProgress("eval", 0, {"solved": "solved {:.1%}"}, enabled=is_main_by_environment())
     with holding_run_dir(config), progress:

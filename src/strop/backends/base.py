@@ -3,7 +3,8 @@
 Arrays cross the boundary as numpy: the core never sees a jax or torch array.
 Each backend package exposes ``load_model(path, ...) -> ModelHandle``,
 ``build_policy(config, total_steps=, checkpoint_dir=) -> Policy`` (SFT, eval) and
-``build_actor_critic(config, total_updates=, checkpoint_dir=) -> ActorCritic`` (PPO).
+``build_actor_critic(config, total_updates=, checkpoint_dir=) -> ActorCritic`` (PPO) and
+``build_reward_model(config, path) -> RewardModel`` (``ppo.reward: model:DIR``).
 """
 
 from __future__ import annotations
@@ -196,4 +197,20 @@ class ActorCritic(Protocol):
 
     def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """The actor as a HF checkpoint (its adapter folded in, under LoRA)."""
+        ...
+
+
+@runtime_checkable
+class RewardModel(Protocol):
+    """A frozen sequence-classification reward model (:mod:`strop.rewards.model`).
+
+    Distributed runs call :meth:`score` on every process with the same (all) rows; every
+    process gets every score.
+    """
+
+    backend: str
+
+    def score(self, prompts: list[str], completions: list[str]) -> np.ndarray:
+        """``[len(completions)]`` float32: the score of each (prompt, completion), texts
+        rendered with the reward model's own tokenizer and chat template."""
         ...

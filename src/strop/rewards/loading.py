@@ -9,7 +9,9 @@
   package, or a directory on ``PYTHONPATH``) and takes the attribute;
 * ``path/to/file.py:function`` (anything ending in ``.py`` or holding a ``/``) runs that
   file as a module, a path relative to the current directory or absolute. A file is run
-  once per process, however often it is named.
+  once per process, however often it is named;
+* ``model:DIR`` is a reward model (:mod:`strop.rewards.model`): ``DIR`` is checked here,
+  the model is built by the run's backend (``config``) when it first scores.
 
 Every way this can fail (no such file or module, the import raised, no such attribute,
 not callable, a class) raises :class:`~strop.rewards.base.RewardError`: one line that names
@@ -31,9 +33,11 @@ import threading
 import traceback
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from strop.errors import ConfigError
 from strop.rewards.base import Reward, RewardError, get, names
+from strop.rewards.model import NAME, PREFIX, ModelReward, check_directory, is_model_reference
 
 _MODULE = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 _FILES: dict[Path, ModuleType] = {}  # resolved path -> the module it ran as
@@ -46,9 +50,13 @@ def is_reference(text: str) -> bool:
     return ":" in text
 
 
-def load(ref: str, *, setting: str = "reward") -> Reward:
+def load(ref: str, *, setting: str = "reward", config: Any = None) -> Reward:
     """A new :class:`Reward` (fresh counters) for ``ref``; ``setting`` (``ppo.reward``) is
-    named in messages. Raises :class:`RewardError` (a :class:`ConfigError`)."""
+    named in messages; ``config``: the run's, which a reward model (``model:DIR``) is built
+    for. Raises :class:`RewardError` (a :class:`ConfigError`)."""
+    if is_model_reference(ref):
+        directory = check_directory(ref.removeprefix(PREFIX), ref, setting)
+        return Reward(NAME, ModelReward(directory, ref, setting, config), source=ref)
     if not is_reference(ref):
         try:
             return get(ref)

@@ -141,11 +141,14 @@ class WeightedReward:
         return self.score(prompts, completions, columns).total
 
 
-def resolve(spec: str | Sequence[Any], *, setting: str = "reward") -> WeightedReward:
+def resolve(
+    spec: str | Sequence[Any], *, setting: str = "reward", config: Any = None
+) -> WeightedReward:
     """The :class:`WeightedReward` of a config value: a reference (:func:`load`), or a list
     of terms ``{reward: REF, weight: 1.0, name: null}`` (mappings or objects with those
     attributes). Every function is imported and checked here, before any model loads;
-    raises :class:`RewardError` naming ``setting``."""
+    raises :class:`RewardError` naming ``setting``. ``config``: the run's, for reward
+    models (``model:DIR``), which are built by its backend when they first score."""
     if isinstance(spec, str):
         terms = [(spec, 1.0, None, setting)]
     else:
@@ -161,7 +164,7 @@ def resolve(spec: str | Sequence[Any], *, setting: str = "reward") -> WeightedRe
             raise RewardError(f"{where}: each term needs reward: NAME_OR_FUNCTION")
         if not isinstance(weight, int | float) or not math.isfinite(weight):
             raise RewardError(f"{where}: weight must be a finite number, got {weight!r}")
-        reward = load(ref, setting=where)
+        reward = load(ref, setting=where, config=config)
         name = name or reward.name
         if not _NAME.fullmatch(name):
             raise RewardError(

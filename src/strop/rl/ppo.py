@@ -76,7 +76,7 @@ class PpoResult:
 def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     """Train for ``ppo.steps`` iterations (or until ``stop_after``), resuming if possible."""
     _check(config)
-    reward = rewards.resolve(config.ppo.reward, setting="ppo.reward")  # imported and checked
+    reward = rewards.resolve(config.ppo.reward, setting="ppo.reward", config=config)  # checked
     preflight(config, "ppo", config.checkpoint_path())  # before anything loads
     figures = {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"}
     with training_job(config, "ppo", config.ppo.steps, figures) as progress:
