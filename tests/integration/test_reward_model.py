@@ -85,13 +85,14 @@ def transformers_batch_scores(directory, rows, *, left):
     return out[:, 0].numpy()
 
 
-def run_config(backend, rows=3):
-    """What a backend's build_reward_model reads of a run's config."""
+def run_config(backend, rows=3, **mesh):
+    """What a backend's build_reward_model reads of a run's config (the mesh: all devices
+    on ``fsdp`` by default: JAX sees 8 in the tests)."""
     from strop.config import MeshConfig
 
     return SimpleNamespace(
         backend=backend,
-        mesh=MeshConfig(fsdp=1, tensor=-1),
+        mesh=MeshConfig(**mesh),
         model=SimpleNamespace(dtype="float32", param_dtype="float32"),
         ppo=SimpleNamespace(rows_per_micro_batch=rows),
     )
@@ -110,6 +111,14 @@ def test_scores_equal_transformers(tmp_path, backend, arch, chat, pad):
     expected = transformers_scores(directory, PROMPTS, COMPLETIONS)
     np.testing.assert_allclose(scores, expected, atol=1e-4, rtol=0)
     assert reward.stats.errors == 0 and np.ptp(scores) > 1e-3  # the rows really differ
+
+
+def test_a_reward_model_split_over_tensor_scores_the_same_on_jax(tmp_path):
+    directory = save_reward_model(tmp_path / "rm")
+    config = run_config("jax", rows=4, fsdp=1, tensor=-1)
+    reward = rewards.resolve(f"model:{directory}", config=config)
+    expected = transformers_scores(directory, PROMPTS, COMPLETIONS)
+    np.testing.assert_allclose(reward(PROMPTS, COMPLETIONS), expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("left", [False, True], ids=["right-padded", "left-padded"])

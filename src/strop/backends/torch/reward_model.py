@@ -102,6 +102,8 @@ class TorchRewardModel:
         mine = mine + [[0]] * (share - len(mine))  # equal shares: the same forwards per rank
         parts = [self._forward(mine[b : b + self.rows]) for b in range(0, share, self.rows)]
         local = torch.cat(parts) if parts else torch.zeros(0, device=self.placement.device)
+        if self.placement.distributed:  # FSDP2 keeps the root's weights gathered after a forward
+            self.model.reshard()
         return all_gather_rows(local, self.placement)[:n].cpu().numpy().astype(np.float32)
 
     def score(self, prompts: list[str], completions: list[str]) -> np.ndarray:
