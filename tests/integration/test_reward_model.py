@@ -20,8 +20,9 @@ from tests.integration.test_reward_file_cli import cli_args, strop
 from tests.tiny_models import TINY
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
-PROMPTS = ["What is 2 + 3?", "Hi", "Tell me a story about a cat and a dog.", "x"]
-COMPLETIONS = ["5", "Hello there, how are you today?", "", "#### 7"]
+PROMPTS = ["What is 2 + 3?", "Hi", "Tell me a story about a cat and a dog.", "x", "y"]
+# The last ends in the pad token's text: transformers pools the token before it.
+COMPLETIONS = ["5", "Hello there, how are you today?", "", "#### 7", "8<|endoftext|>"]
 
 
 def save_reward_model(directory, arch="qwen2", *, chat=True, pad=True, vocab=None, seed=0):
