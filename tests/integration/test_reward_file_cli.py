@@ -44,11 +44,15 @@ def strop(args, cwd):
     )
 
 
+ESTIMATORS = {"gae": (), "grpo": ("ppo.advantage_estimator=grpo", "ppo.kl_in_reward=false")}
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_reward_from_a_file_drives_ppo_through_the_cli(task, tmp_path, backend):  # noqa: F811
+def test_a_reward_from_a_file_drives_ppo_through_the_cli(task, tmp_path, backend, estimator):  # noqa: F811
     (tmp_path / "my_reward.py").write_text(REWARD_FILE)
     run_dir = tmp_path / "run"
-    done = strop(cli_args(task, run_dir, backend, WEIGHTED), cwd=tmp_path)
+    done = strop(cli_args(task, run_dir, backend, WEIGHTED, *ESTIMATORS[estimator]), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
