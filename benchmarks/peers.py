@@ -107,6 +107,7 @@ def describe(config) -> str:
         f"and critic (one frozen base); mini-batch {ppo.mini_batch_size}, "
         f"{ppo.ppo_epochs} epoch; AdamW lr {optim.lr:g} / critic {config.critic.lr or optim.lr:g}, "
         f"weight decay {optim.weight_decay:g}, clip norm {optim.max_grad_norm}; "
+        f"advantages: {getattr(ppo, 'advantage_estimator', 'gae')}, "
         f"gamma {ppo.gamma:g} lambda {ppo.lam:g}; ratio clip {ppo.clip_low:g}/{ppo.clip_high:g}, "
         f"dual clip {ppo.dual_clip}, value clip {ppo.value_clip:g}; kl_coef {ppo.kl_coef:g}; "
         f"old log-probs: {ppo.old_logprobs}; advantages whitened: {ppo.whiten_advantages}"
