@@ -17,11 +17,15 @@ the directory again. Saves are blocking, so a returned ``save`` is on disk.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
+import inspect
 import json
 import logging
 import os
 import sys
+import types
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -132,6 +136,29 @@ def _quiet_stragglers_of_failed_saves(directory: Path) -> None:
 
     hook._strop_straggler_hook = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
+
+
+def _quiet_unawaited_writes() -> None:
+    """After a failed save: writes TensorStore had not started are coroutines nobody will
+    await, and when one is collected (often at interpreter exit, after the error line)
+    Python warns ``coroutine '...write_fragment' was never awaited`` on stderr, past any
+    warnings filter at that point of the exit. The save's failure is already reported, so
+    such coroutines are closed (which is all awaiting them would do now) right away and
+    again when the process exits; other coroutines are left alone."""
+    _close_unstarted_writes()
+    if not getattr(_close_unstarted_writes, "registered", False):
+        atexit.register(_close_unstarted_writes)
+        _close_unstarted_writes.registered = True  # type: ignore[attr-defined]
+
+
+def _close_unstarted_writes() -> None:
+    for obj in gc.get_objects():
+        if (
+            type(obj) is types.CoroutineType  # not isinstance: no object's __class__ is read
+            and obj.cr_code.co_name == "write_fragment"
+            and inspect.getcoroutinestate(obj) == inspect.CORO_CREATED
+        ):
+            obj.close()
 
 
 @contextlib.contextmanager
@@ -263,6 +290,7 @@ class TrainCheckpoints:
                 self._manager.save(step, args=args, force=True)
                 self._manager.wait_until_finished()
         except Exception as err:  # orbax surfaces I/O failures as assorted types
+            _quiet_unawaited_writes()
             self._manager.reload()  # forget the failed step; re-read what is on disk
             reason = f"{type(err).__name__}: {' '.join(str(err).split())}"
             raise save_failed(step, self.directory, reason, self.latest_step()) from err
