@@ -26,6 +26,14 @@ TRL and Tunix live in their own virtualenvs, built on request (PyPI only; CPU to
 
 The peers' scripts are ``benchmarks/peers/trl_ppo.py`` and ``benchmarks/peers/tunix_ppo.py``.
 A peer whose venv is missing or whose run fails is reported as not run, with the reason.
+
+``--grpo``: the same job with GRPO advantages (``ppo.advantage_estimator=grpo``, no critic)
+on strop's torch backend against TRL 1.16's ``GRPOTrainer`` (its own venv,
+``benchmarks/.venvs/trl-grpo``; script ``benchmarks/peers/trl_grpo.py``): one generation of
+16 prompts x 4 samples, then two optimizer steps of 32 completions, per iteration::
+
+    .venv/bin/python benchmarks/peers.py --setup --grpo   # benchmarks/.venvs/trl-grpo
+    .venv/bin/python benchmarks/peers.py --grpo [--iterations 8] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -55,9 +63,14 @@ VENVS = REPO / "benchmarks" / ".venvs"
 REQUIREMENTS = {
     "trl": [["torch==2.13.0"], ["trl==1.12.0", "peft==0.21.2"]],
     "tunix": [["google-tunix==0.1.7"]],
+    "trl-grpo": [["torch==2.13.0"], ["trl==1.16.0", "peft==0.21.2"]],
 }
-SYSTEMS = ("strop-torch", "trl", "strop-jax", "tunix")
-PAIRS = (("strop-torch", "trl"), ("strop-jax", "tunix"))
+SYSTEMS = ("strop-torch", "trl", "strop-jax", "tunix", "trl-grpo")
+PAIRS = (("strop-torch", "trl"), ("strop-jax", "tunix"), ("strop-torch", "trl-grpo"))
+PPO_SYSTEMS = ("strop-torch", "trl", "strop-jax", "tunix")
+GRPO_SYSTEMS = ("strop-torch", "trl-grpo")
+SCRIPTS = {"trl": "trl_ppo.py", "tunix": "tunix_ppo.py", "trl-grpo": "trl_grpo.py"}
+GRPO = ["ppo.advantage_estimator=grpo"]
 N_TRAIN, N_VALIDATION = 2000, 256  # strop.demo's split sizes
 PHASES = ("generate", "reward", "logprobs", "values", "train_critic", "train_policy")
 
@@ -74,6 +87,7 @@ def job_settings(config) -> dict:
     ppo, optim = config.ppo, config.optim
     return {
         "rollouts": ppo.prompts_per_step * ppo.num_generations_per_prompt,
+        "samples": ppo.num_generations_per_prompt,
         "mini_batch": ppo.mini_batch_size,
         "epochs": ppo.ppo_epochs,
         "max_new_tokens": config.generation.max_new_tokens,
@@ -100,6 +114,18 @@ def job_settings(config) -> dict:
 def describe(config) -> str:
     """strop's side of the job in one line."""
     ppo, optim, gen = config.ppo, config.optim, config.generation
+    if ppo.advantage_estimator != "gae":
+        return (
+            f"{ppo.prompts_per_step} prompts x {ppo.num_generations_per_prompt} samples, "
+            f"<= {gen.max_new_tokens} new tokens at temperature {gen.temperature:g}; "
+            f"LoRA r{config.lora.rank}/a{config.lora.alpha:g} on q,k,v,o,gate,up,down, no "
+            f"critic; mini-batch {ppo.mini_batch_size}, {ppo.ppo_epochs} epoch; AdamW lr "
+            f"{optim.lr:g}, weight decay {optim.weight_decay:g}, clip norm {optim.max_grad_norm}; "
+            f"advantages: {ppo.advantage_estimator} (std-normalized: {ppo.grpo_std_normalize}); "
+            f"ratio clip {ppo.clip_low:g}/{ppo.clip_high:g}, dual clip {ppo.dual_clip}; "
+            f"loss {ppo.loss_aggregation}; kl_coef {ppo.kl_coef:g}; "
+            f"old log-probs: {ppo.old_logprobs}"
+        )
     return (
         f"{ppo.prompts_per_step} prompts x {ppo.num_generations_per_prompt} samples, "
         f"<= {gen.max_new_tokens} new tokens at temperature {gen.temperature:g}; "
@@ -179,15 +205,33 @@ def differences(config) -> dict[str, list[str]]:
         "turns into the same PRNG key at every generate call",
         "per mini-batch the actor update runs before the critic's (strop: critic first)",
     ]
-    return {"trl": trl, "tunix": tunix}
+    trl_grpo = [
+        f"old log-probs: TRL recomputes them with a forward of the policy over the 64 before "
+        f"the first of the {rollouts // ppo.mini_batch_size} optimizer steps (it does whenever "
+        "steps_per_generation exceeds gradient_accumulation_steps); strop takes the sampler's "
+        f"own (ppo.old_logprobs={ppo.old_logprobs}), no forward"
+        if sampler_logprobs
+        else "old log-probs: both recompute them with a forward of the policy",
+    ]
+    if ppo.dual_clip:
+        trl_grpo.append(f"no dual clip (strop: dual_clip {ppo.dual_clip:g})")
+    trl_grpo += [
+        "the reward: a TRL reward function scoring each completion by the rule (the answer "
+        "after '####', else the last number, equal to the gold number), as strop's gsm8k "
+        "reward does here",
+        f"generation: transformers generate() (dynamic KV cache), all {rollouts} in one batch, "
+        "prompts left-padded to the batch's longest",
+    ]
+    return {"trl": trl, "tunix": tunix, "trl-grpo": trl_grpo}
 
 
 # ---------------------------------------------------------------- setup
 
 
-def setup() -> None:
+def setup(peers: list[str]) -> None:
     """Create benchmarks/.venvs/<peer> and install each peer's pinned packages."""
-    for peer, steps in REQUIREMENTS.items():
+    for peer in peers:
+        steps = REQUIREMENTS[peer]
         venv = VENVS / peer
         if not (venv / "bin" / "python").exists():
             print(f"creating {venv}", flush=True)
@@ -198,14 +242,20 @@ def setup() -> None:
                 [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *packages],
                 check=True,
             )
-    print("done; run: .venv/bin/python benchmarks/peers.py")
+    print(
+        "done; run: .venv/bin/python benchmarks/peers.py"
+        + (" --grpo" if "trl-grpo" in peers else "")
+    )
 
 
 # ---------------------------------------------------------------- strop's side
 
 
-def strop_child(backend: str, data: Path, run_dir: Path, iterations: int, seed: int) -> None:
-    """Run strop's PPO (the `strop ppo` code path) with the demo recipe; print RESULT."""
+def strop_child(
+    backend: str, data: Path, run_dir: Path, iterations: int, seed: int, grpo: bool = False
+) -> None:
+    """Run strop's PPO (the `strop ppo` code path) with the demo recipe (``grpo``: with
+    GRPO advantages, no critic); print RESULT."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if backend == "torch":
         import torch
@@ -228,6 +278,7 @@ def strop_child(backend: str, data: Path, run_dir: Path, iterations: int, seed: 
             "ppo.validate_every=0",
             "checkpoint.every_steps=100000",
             "logging.tensorboard=false",
+            *(GRPO if grpo else []),
         ],
     )
     history = run_ppo(config).history
@@ -247,15 +298,16 @@ def strop_child(backend: str, data: Path, run_dir: Path, iterations: int, seed: 
 
 
 def command_for(
-    system: str, data: Path, work: Path, iterations: int, seed: int, job: dict
+    system: str, data: Path, work: Path, iterations: int, seed: int, job: dict, grpo: bool
 ) -> list[str]:
     if system.startswith("strop-"):
         backend = system.removeprefix("strop-")
         return [sys.executable, __file__, "--child", backend, "--data", str(data),
                 "--run-dir", str(work / f"{system}-{os.urandom(4).hex()}"),
-                "--iterations", str(iterations), "--seed", str(seed)]  # fmt: skip
+                "--iterations", str(iterations), "--seed", str(seed),
+                *(["--grpo"] if grpo else [])]  # fmt: skip
     python = VENVS / system / "bin" / "python"
-    script = PEERS_DIR / f"{system}_ppo.py"
+    script = PEERS_DIR / SCRIPTS[system]
     return [str(python), str(script), "--model", str(tiny_math()), "--train",
             str(data / "train.jsonl"), "--iterations", str(iterations), "--seed", str(seed),
             "--job", json.dumps(job)]  # fmt: skip
@@ -309,7 +361,7 @@ def run_system(command: list[str], log: Path, timeout: float) -> dict:
     return {**json.loads(lines[-1].removeprefix("RESULT ")), "others_cpu": others_cpu}
 
 
-def versions() -> str:
+def versions(grpo: bool = False) -> str:
     import importlib.metadata as md
 
     def have(venv: Path, names: list[str]) -> str:
@@ -326,6 +378,9 @@ def versions() -> str:
     strop = " ".join(f"{n} {md.version(n)}" for n in ("jax", "flax", "qwix", "torch", "peft"))
     trl = have(VENVS / "trl", ["trl", "transformers", "peft", "torch"])
     tunix = have(VENVS / "tunix", ["google-tunix", "jax", "flax", "qwix", "optax"])
+    if grpo:
+        trl = have(VENVS / "trl-grpo", ["trl", "transformers", "peft", "torch"])
+        return f"strop side: {strop}\n           TRL GRPO venv: {trl}"
     return f"strop side: {strop}\n           TRL venv: {trl}\n           Tunix venv: {tunix}"
 
 
@@ -372,7 +427,7 @@ def summarize(results: dict[str, list[dict]], config) -> None:
     headers = ["system", "median s/iter", "min-max", "median per round", "n",
                "1st iter s", "mean reward", "others' CPU"]  # fmt: skip
     print(
-        "Seconds per PPO iteration (64 rollouts), iterations after the first of each run;\n"
+        "Seconds per iteration (64 rollouts), iterations after the first of each run;\n"
         "others' CPU: the share of the CPUs that other processes kept busy during each run\n"
     )
     print_table(headers, rows)
@@ -428,7 +483,12 @@ def main() -> None:
     parser.add_argument("--setup", action="store_true", help="build the peers' virtualenvs")
     parser.add_argument("--iterations", type=int, default=8, help="PPO iterations per run")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each system, interleaved")
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument(
+        "--grpo",
+        action="store_true",
+        help="GRPO: strop-torch (advantage_estimator=grpo) vs TRL's GRPOTrainer",
+    )
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, help="default: the mode's")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -436,27 +496,34 @@ def main() -> None:
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.setup:
-        setup()
+        setup(["trl-grpo"] if args.grpo else [p for p in REQUIREMENTS if p != "trl-grpo"])
         return
     if args.child:
-        strop_child(args.child, Path(args.data), Path(args.run_dir), args.iterations, args.seed)
+        strop_child(
+            args.child, Path(args.data), Path(args.run_dir), args.iterations, args.seed, args.grpo
+        )
         return
+    args.systems = args.systems or list(GRPO_SYSTEMS if args.grpo else PPO_SYSTEMS)
     if args.iterations < 2:
         parser.error("--iterations must be at least 2 (the first of each run is not counted)")
 
     from strop.data.synthetic import write_splits
 
-    config = demo_config([f"seed={args.seed}"])
+    config = demo_config([f"seed={args.seed}", *(GRPO if args.grpo else [])])
     job = job_settings(config)
 
     command = " ".join(["benchmarks/peers.py", *sys.argv[1:]])
-    print("PPO iteration: strop vs TRL and Tunix, on strop demo's job")
+    print(
+        "GRPO iteration: strop vs TRL's GRPOTrainer, on strop demo's job with GRPO advantages"
+        if args.grpo
+        else "PPO iteration: strop vs TRL and Tunix, on strop demo's job"
+    )
     print(f"date:      {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}")
     print(f"machine:   {cpu_name()} ({platform.machine()}), os.cpu_count()={os.cpu_count()}, "
           f"{platform.system()} {platform.release()}")  # fmt: skip
     print(f"command:   .venv/bin/python {command}")
     print(f"strop:     {strop_revision()}")
-    print(f"versions:  {versions()}")
+    print(f"versions:  {versions(args.grpo)}")
     print(f"job:       {describe(config)}")
     print(f"run:       {args.rounds} round(s) of {' -> '.join(args.systems)}, "
           f"{args.iterations} iterations each; torch at 1 thread, JAX at XLA's default")  # fmt: skip
@@ -470,7 +537,7 @@ def main() -> None:
         logs = Path(tempfile.mkdtemp(prefix="strop-peers-logs-"))
         for round_ in range(args.rounds):
             for system in args.systems:
-                cmd = command_for(system, data, work, args.iterations, args.seed, job)
+                cmd = command_for(system, data, work, args.iterations, args.seed, job, args.grpo)
                 log = logs / f"{system}-round{round_ + 1}.log"
                 result = run_system(cmd, log, args.timeout)
                 results[system].append(result)

@@ -23,6 +23,7 @@ DEFAULT_JOB = {
     "rollouts": 64,
     "mini_batch": 32,
     "epochs": 1,
+    "samples": 4,
     "max_new_tokens": 48,
     "temperature": 1.0,
     "lora_rank": 8,
