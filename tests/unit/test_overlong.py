@@ -27,3 +27,13 @@ def test_masked_truncated_rows_weigh_nothing_in_the_losses():
     assert (
         np.isclose(weights.sum(), 1.0) and (weights[mini["response_mask"].sum(1) == 0] == 0).all()
     )
+
+
+def test_a_buffer_longer_than_the_responses_is_refused():
+    import pytest
+
+    from strop.config import load_config
+    from strop.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"ppo.overlong_buffer \(30\) is longer than"):
+        load_config("ppo-lora-tiny", ["ppo.overlong_buffer=30"])  # max_new_tokens 24

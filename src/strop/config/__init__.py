@@ -110,6 +110,15 @@ class Config(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _overlong_buffer_fits(self) -> Self:
+        if self.ppo.overlong_buffer > self.generation.max_new_tokens:
+            raise ValueError(
+                f"ppo.overlong_buffer ({self.ppo.overlong_buffer}) is longer than "
+                f"generation.max_new_tokens ({self.generation.max_new_tokens})"
+            )
+        return self
+
     def checkpoint_path(self) -> Path:
         """Where the run's checkpoints go: ``checkpoint.dir``, else ``<run_dir>/checkpoints``."""
         return Path(self.checkpoint.dir or Path(self.run_dir) / "checkpoints")
