@@ -35,9 +35,12 @@ from strop.generation import SamplingParams
 from strop.io.atomic import write_text_atomically
 from strop.io.model_spec import read_model_spec
 from strop.io.peft import load_adapter
-from strop.preflight import holding_run_dir, preflight
-from strop.progress import RunProgress, is_main_by_environment
+from strop.job import eval_job
+from strop.preflight import preflight
+from strop.progress import RunProgress
 from strop.rl.prompts import record_columns
+from strop.scoring import eos_ids as model_eos_ids
+from strop.scoring import sample_and_score
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +90,7 @@ def run_eval(config: Config) -> EvalResult:
         raise ConfigError("strop eval needs model.path and eval.path (or data.eval_path)")
     reward = rewards.load(config.eval.reward, setting="eval.reward", config=config)  # checked
     preflight(config, "eval", checkpoint_dir=None)  # before anything loads
-    progress = RunProgress("eval", 0, {"solved": "solved {:.1%}"}, enabled=is_main_by_environment())
-    with holding_run_dir(config), progress:
+    with eval_job(config, {"solved": "solved {:.1%}"}) as progress:
         return _evaluate(config, path, reward, progress)
 
 
@@ -119,7 +121,7 @@ def _evaluate(config: Config, path: str, reward, progress: RunProgress) -> EvalR
     params = dataclasses.replace(
         SamplingParams.from_config(config.generation), temperature=config.eval.temperature
     )
-    eos_ids = sorted({tokenizer.eos_token_id, *_model_eos_ids(config)})
+    eos_ids = model_eos_ids(tokenizer, config.model.path)
     k = config.eval.num_samples
 
     records, tokens, stopped = [], 0, 0
@@ -129,22 +131,18 @@ def _evaluate(config: Config, path: str, reward, progress: RunProgress) -> EvalR
     for start in range(0, len(examples), config.eval.batch_size):
         batch = range(start, min(start + config.eval.batch_size, len(examples)))
         rows = [i for i in batch for _ in range(k)]
-        generation = policy.generate(
-            [prompts[i] for i in rows],
-            params,
-            seed=config.seed + start,
-            eos_ids=eos_ids,
-            pad_id=tokenizer.pad_token_id,
-            tokenizer=tokenizer,
-        )
-        texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in generation.responses()]
-        scores = reward(
-            [examples[i].prompt or "" for i in rows],
-            texts,
-            **{key: [values[i] for i in rows] for key, values in columns.items()},
-        )
-        tokens += int(generation.lengths.sum())
-        stopped += sum(reason == "stop" for reason in generation.finish_reasons)
+
+        def score(texts: list[str], rows: list[int] = rows) -> list[float]:
+            asked = [examples[i].prompt or "" for i in rows]
+            return reward(asked, texts, **{n: [v[i] for i in rows] for n, v in columns.items()})
+
+        scored = sample_and_score(
+            policy, [prompts[i] for i in rows], params, score, seed=config.seed + start,
+            eos_ids=eos_ids, tokenizer=tokenizer,
+        )  # fmt: skip
+        texts, scores = scored.texts, scored.scores
+        tokens += int(scored.generation.lengths.sum())
+        stopped += sum(reason == "stop" for reason in scored.generation.finish_reasons)
         for j, i in enumerate(batch):
             mine = slice(j * k, (j + 1) * k)
             hits = [score >= 1.0 for score in scores[mine]]
@@ -191,8 +189,3 @@ def _evaluate(config: Config, path: str, reward, progress: RunProgress) -> EvalR
 
     backend.write_once(write, f"writing the results in {out_dir}")
     return result
-
-
-def _model_eos_ids(config: Config) -> list[int]:
-    """EOS ids from the model's config (``generation_config`` may list several)."""
-    return list(read_model_spec(config.model.path).eos_token_ids)

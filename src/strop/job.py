@@ -1,18 +1,33 @@
-"""What a training command (``strop sft``, ``strop ppo``) holds for its whole life, after
-its preflight: the run directory (:func:`~strop.preflight.holding_run_dir`), its progress
-report (:class:`~strop.progress.RunProgress`) and the Ctrl-C / SIGTERM report that names
-the checkpoint to resume from (:func:`~strop.interrupts.reporting_interrupts`).
+"""The skeleton every command's run shares (``strop sft``, ``strop ppo``, ``strop eval``).
+
+- :func:`training_job` / :func:`eval_job`: what a command holds for its whole life, after
+  its preflight: the run directory (:func:`~strop.preflight.holding_run_dir`), its
+  progress report (:class:`~strop.progress.RunProgress`) and, for training, the Ctrl-C /
+  SIGTERM report that names the checkpoint to resume from
+  (:func:`~strop.interrupts.reporting_interrupts`);
+- :func:`run_steps`: resume (or seed the adapter from ``lora.restore_path``), the steps,
+  metrics on the logging cadence, checkpoints on theirs (never cut by Ctrl-C), and the
+  final export (the adapter with LoRA, else the merged model). A command supplies only
+  what one of its steps does (:class:`Steps`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 from strop.config import Config
-from strop.interrupts import reporting_interrupts
+from strop.interrupts import deferred_interrupts, reporting_interrupts
+from strop.metrics import MetricsWriter
+from strop.nonfinite import CHECKPOINT_KEY
 from strop.preflight import holding_run_dir
 from strop.progress import RunProgress, is_main_by_environment
+
+logger = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -32,3 +47,101 @@ def training_job(
         reporting_interrupts(step_running, config.checkpoint_path(), config.backend),
     ):
         yield progress
+
+
+@contextmanager
+def eval_job(config: Config, figures: Mapping[str, str]) -> Iterator[RunProgress]:
+    """Hold ``config.run_dir`` for ``strop eval`` and yield its progress report (the
+    total is set once the data is read)."""
+    progress = RunProgress("eval", 0, figures, enabled=is_main_by_environment())
+    with holding_run_dir(config), progress:
+        yield progress
+
+
+class Steps(Protocol):
+    """What one training command does, for :func:`run_steps` to drive."""
+
+    model: Any
+    """The backend's ``Policy`` or ``ActorCritic``: checkpoints, adapter, export."""
+    always_written: tuple[str, ...]
+    """Metrics that are written whenever a record has them, whatever the cadence."""
+
+    def restore_counters(self, saved: Any) -> None:
+        """Set the run's counters from a checkpoint (``None`` if it has none)."""
+
+    def counters(self) -> Any:
+        """The run's counters (JSON), saved with each checkpoint."""
+
+    def first_record(self) -> dict[str, float] | None:
+        """Metrics of step 0 of a fresh run (before any update), if any."""
+
+    def step(self, step: int) -> dict[str, float]:
+        """Run step ``step`` (0-based) and return its metrics."""
+
+    def figures(self, record: Mapping[str, float]) -> dict[str, float]:
+        """The progress report's figures from a step's metrics."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What :func:`run_steps` did: the steps it ran and what it exported."""
+
+    resumed_from: int | None
+    end: int  # steps done when it returned
+    records: list[dict[str, float]]  # one per step run in this call
+    export_path: Path | None  # set once the run's last step is done
+
+
+def run_steps(
+    config: Config, steps: Steps, progress: RunProgress, *, total: int, stop_after: int | None
+) -> Finished:
+    """Resume ``steps.model`` from its latest checkpoint (or seed it from
+    ``lora.restore_path``), run steps up to ``total`` (or ``stop_after``), and export once
+    all ``total`` are done."""
+    model, run_dir = steps.model, Path(config.run_dir)
+    start, resumed_from = 0, model.latest_checkpoint()
+    if resumed_from is not None:
+        extra = model.restore_checkpoint(resumed_from)
+        start = int(extra["step"])
+        steps.restore_counters(extra.get(CHECKPOINT_KEY))
+        logger.info("resumed from checkpoint step %d in %s", start, run_dir)
+        progress.resumed_at(start)
+        if config.lora.restore_path:
+            logger.info("ignoring lora.restore_path on a resumed run (the checkpoint has it)")
+    elif config.lora.restore_path:
+        model.load_adapter(config.lora.restore_path)
+        logger.info("initialised the adapter from %s", config.lora.restore_path)
+
+    end = total if stop_after is None else min(stop_after, total)
+    records: list[dict[str, float]] = []
+    with MetricsWriter.for_run(config, enabled=model.is_main, resumed_from=resumed_from) as writer:
+        first = steps.first_record() if start == 0 else None
+        if first is not None:
+            writer.write(0, first)
+            progress.update(0, **steps.figures(first))
+        progress.phase("")
+        for step in range(start, end):
+            record = steps.step(step)
+            records.append(record)
+            done = step + 1
+            if (
+                done % config.logging.every_steps == 0
+                or done == end
+                or any(name in record for name in steps.always_written)
+            ):
+                writer.write(done, record)
+            progress.update(done, **steps.figures(record))
+            if done % config.checkpoint.every_steps == 0 or done == total:
+                extra = {"step": done, "seed": config.seed, CHECKPOINT_KEY: steps.counters()}
+                with deferred_interrupts():  # a save is never cut
+                    model.save_checkpoint(done, extra)
+
+    export_path = None
+    if end == total:
+        progress.phase("exporting")
+        if config.lora.enabled:
+            export_path = model.export_adapter(run_dir / "adapter", overwrite=True)
+        else:
+            export_path = model.export_merged(run_dir / "model", overwrite=True)
+        logger.info("exported %s", export_path)
+    return Finished(resumed_from, end, records, export_path)

@@ -43,7 +43,7 @@ def test_no_compile_after_the_first_iteration(task, early_stopping_task, tmp_pat
             traces.append(str(kwargs.get("fun_name")))
 
     widths: list[int] = []
-    iteration, validate = ppo_module.ppo_iteration, ppo_module.validation_accuracy
+    iteration, validate = ppo_module.PpoLoop.iteration, ppo_module.PpoLoop.validate
     per_call: list[tuple[str, list[str]]] = []
 
     def counted(name, fn):
@@ -61,8 +61,8 @@ def test_no_compile_after_the_first_iteration(task, early_stopping_task, tmp_pat
             widths.append(generation.tokens.shape[1])
             return super().from_generation(prompts, generation, tokenizer)
 
-    monkeypatch.setattr(ppo_module, "ppo_iteration", counted("iteration", iteration))
-    monkeypatch.setattr(ppo_module, "validation_accuracy", counted("validation", validate))
+    monkeypatch.setattr(ppo_module.PpoLoop, "iteration", counted("iteration", iteration))
+    monkeypatch.setattr(ppo_module.PpoLoop, "validate", counted("validation", validate))
     monkeypatch.setattr(ppo_module, "Rollout", Recorded)
     config = config_for(
         task, tmp_path / "run", "jax", f"model.path={early_stopping_task}",

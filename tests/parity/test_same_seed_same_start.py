@@ -136,7 +136,7 @@ def test_ppo_engines_start_alike(qwen2):
 
 def test_first_ppo_iteration_agrees_on_the_same_rollout(qwen2):
     """The recipe's own optimizers (AdamW, clipping), each engine's own forwards and
-    experience, one PPO epoch (critic then policy per mini-batch) as ``ppo_iteration``
+    experience, one PPO epoch (critic then policy per mini-batch) as ``PpoLoop.iteration``
     runs it."""
     config = make_config(qwen2, f"seed={SEED}", "ppo.kl_in_reward=false", "ppo.kl_coef=0.1")
     engines = {

@@ -35,8 +35,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -46,17 +48,15 @@ from strop.config import Config
 from strop.data import Tokenizer
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
-from strop.interrupts import deferred_interrupts
-from strop.io.model_spec import read_model_spec
-from strop.job import training_job
-from strop.metrics import MetricsWriter
-from strop.nonfinite import CHECKPOINT_KEY, count_skipped
+from strop.job import run_steps, training_job
+from strop.nonfinite import count_skipped
 from strop.preflight import preflight
 from strop.progress import RunProgress
 from strop.rl.experience import build_experience, minibatches, pad_columns, round_up
 from strop.rl.overlong import length_penalty, without_truncated
 from strop.rl.prompts import PromptSet
 from strop.rl.rollout import Rollout, token_mult_prob_error
+from strop.scoring import eos_ids, sample_and_score
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +86,7 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
 def _train(
     config: Config, stop_after: int | None, progress: RunProgress, reward: rewards.WeightedReward
 ) -> PpoResult:
-    ppo, run_dir = config.ppo, Path(config.run_dir)
-    checkpoint_dir = config.checkpoint_path()
+    ppo = config.ppo
     progress.phase("reading the prompts")
     tokenizer = Tokenizer.from_pretrained(config.model.path)
     train = PromptSet.read(config.data.train_path, config, tokenizer, reward=reward)
@@ -96,70 +95,17 @@ def _train(
         validation = PromptSet.read(
             config.data.eval_path, config, tokenizer, ppo.validation_size, reward=reward
         )
-    eos_ids = sorted({tokenizer.eos_token_id, *read_model_spec(config.model.path).eos_token_ids})
-    sampling = SamplingParams.from_config(config.generation)
 
     progress.phase("loading the models")
     engine = get_backend(config.backend).build_actor_critic(
-        config, total_updates=ppo.optimizer_updates(), checkpoint_dir=checkpoint_dir
+        config, total_updates=ppo.optimizer_updates(), checkpoint_dir=config.checkpoint_path()
     )
-    start, resumed_from = 0, engine.latest_checkpoint()
-    skipped = {"policy": 0, "critic": 0}  # non-finite updates skipped, cumulative
-    if resumed_from is not None:
-        extra = engine.restore_checkpoint(resumed_from)
-        start = int(extra["step"])
-        skipped.update(extra.get(CHECKPOINT_KEY, {}))
-        logger.info("resumed from checkpoint step %d in %s", start, run_dir)
-        progress.resumed_at(start)
-        if config.lora.restore_path:
-            logger.info("ignoring lora.restore_path for the actor on a resumed run")
-    elif config.lora.restore_path:
-        engine.load_adapter(config.lora.restore_path)
-        logger.info("initialised the actor's adapter from %s", config.lora.restore_path)
-
-    def validate() -> float:
-        progress.phase("validating")
-        return validation_accuracy(engine, validation, tokenizer, reward, sampling, eos_ids, config)
-
-    end = ppo.steps if stop_after is None else min(stop_after, ppo.steps)
-    history: list[dict[str, float]] = []
-    with MetricsWriter.for_run(config, enabled=engine.is_main, resumed_from=resumed_from) as writer:
-        if validation is not None and start == 0:
-            accuracy = validate()
-            writer.write(0, {"validation/accuracy": accuracy})
-            progress.update(0, accuracy=accuracy)
-        progress.phase("")
-        for step in range(start, end):
-            context = (engine, train, tokenizer, reward, sampling, eos_ids, config)
-            record = ppo_iteration(step, *context, skipped=skipped)
-            done = step + 1
-            if validation is not None and (done % ppo.validate_every == 0 or done == ppo.steps):
-                record["validation/accuracy"] = validate()
-            history.append(record)
-            if (
-                done % config.logging.every_steps == 0
-                or done == end
-                or "validation/accuracy" in record
-            ):
-                writer.write(done, record)
-            figures = {"reward": record["train/reward"]}
-            if "validation/accuracy" in record:
-                figures["accuracy"] = record["validation/accuracy"]
-            progress.update(done, **figures)
-            if done % config.checkpoint.every_steps == 0 or done == ppo.steps:
-                extra = {"step": done, "seed": config.seed, CHECKPOINT_KEY: dict(skipped)}
-                with deferred_interrupts():  # a save is never cut
-                    engine.save_checkpoint(done, extra)
-
-    export_path = None
-    if end == ppo.steps:
-        progress.phase("exporting")
-        if config.lora.enabled:
-            export_path = engine.export_adapter(run_dir / "adapter", overwrite=True)
-        else:
-            export_path = engine.export_merged(run_dir / "model", overwrite=True)
-        logger.info("exported the actor to %s", export_path)
-    return PpoResult(run_dir, end, resumed_from, history, export_path, engine.is_main)
+    loop = PpoLoop(config, engine, train, validation, tokenizer, reward, progress)
+    run = run_steps(config, loop, progress, total=ppo.steps, stop_after=stop_after)
+    return PpoResult(
+        Path(config.run_dir), run.end, run.resumed_from, run.records, run.export_path,
+        engine.is_main,
+    )  # fmt: skip
 
 
 def _check(config: Config) -> None:
@@ -181,141 +127,194 @@ def _check(config: Config) -> None:
         )  # fmt: skip
 
 
-def ppo_iteration(
-    step, engine, train, tokenizer, reward, sampling, eos_ids, config, *, skipped=None
-):
-    """Run iteration ``step`` (0-based) and return its metrics.
+@dataclass
+class PpoLoop:
+    """PPO's iterations and validation over one engine (:class:`strop.job.Steps`).
 
-    An update whose loss or gradient norm is NaN/Inf is not applied by the engine; it
-    raises :class:`~strop.errors.NonFiniteError`, or with ``train.skip_nonfinite`` is
-    counted in ``skipped`` (``{"policy": n, "critic": n}``, updated in place, cumulative
-    over the run), which the metrics ``policy/nonfinite_skipped`` and
-    ``critic/nonfinite_skipped`` report.
+    ``skipped`` counts the updates not applied because their loss or gradient norm was
+    NaN/Inf (``train.skip_nonfinite``; without it the engine raises
+    :class:`~strop.errors.NonFiniteError`), per role, cumulative over the run (resumes
+    included): the metrics ``policy/nonfinite_skipped`` and ``critic/nonfinite_skipped``.
     """
-    ppo, seed = config.ppo, config.seed
-    skipped = {"policy": 0, "critic": 0} if skipped is None else skipped
-    checkpoint_dir = str(config.checkpoint_path())
-    timings: dict[str, float] = {}
-    began = time.perf_counter()
 
-    def timed(name, fn, *args, **kwargs):
-        t = time.perf_counter()
-        out = fn(*args, **kwargs)
-        timings[f"timing/{name}"] = timings.get(f"timing/{name}", 0.0) + time.perf_counter() - t
-        return out
+    config: Config
+    model: Any  # the backend's ActorCritic
+    train: PromptSet
+    validation: PromptSet | None
+    tokenizer: Tokenizer
+    reward: rewards.WeightedReward
+    progress: RunProgress | None = None
+    skipped: dict[str, int] = field(default_factory=lambda: {"policy": 0, "critic": 0})
+    always_written: tuple[str, ...] = ("validation/accuracy",)
 
-    chosen = train.draw(step, ppo.prompts_per_step, seed)
-    rows = [i for i in chosen for _ in range(ppo.num_generations_per_prompt)]
-    prompts = [train.ids[i] for i in rows]
-    prompt_columns = round_up(train.longest) if engine.static_shapes else None
-    generation = timed(
-        "generate", engine.generate, prompts, sampling, seed=_seed(seed, step),
-        eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, tokenizer=tokenizer,
-        prompt_columns=prompt_columns,
-    )  # fmt: skip
-    rollout = Rollout.from_generation(prompts, generation, tokenizer)
-    before = reward.stats
-    texts, columns, golds = train.reward_inputs(rows)
-    scored = timed("reward", reward.score, texts, rollout.response_texts, columns, golds)
-    task_scores = np.asarray(scored.total)
-    truncated = np.array([reason == "length" for reason in rollout.finish_reasons])
-    penalty = np.zeros(len(task_scores))
-    if ppo.overlong == "penalty":  # DAPO's soft overlong punishment (strop.rl.overlong)
-        penalty = length_penalty(
-            rollout.lengths, sampling.max_new_tokens, ppo.overlong_buffer, ppo.overlong_penalty
-        )
-    scores = task_scores + penalty
-    batch = rollout.teacher_forcing_batch(tokenizer.pad_token_id)
-    sampled = rollout.align(rollout.logprobs)  # the sampler's log-probabilities
-    if prompt_columns is not None:  # one shape for the run: the widest rollout possible
-        width = round_up(prompt_columns + sampling.max_new_tokens)
-        batch, sampled = pad_columns(batch, width), pad_columns({"x": sampled}, width)["x"]
-    gap = {}
-    if ppo.old_logprobs == "sampler":
-        old = sampled
-    else:
-        old = timed("logprobs", engine.logprobs, batch)
-        gap = {"token_mult_prob_error": token_mult_prob_error(sampled, old, batch["response_mask"])}
-    ref = None  # with no KL in the reward or the loss, and none to report: not computed
-    if ppo.reference_forward:
-        ref = timed("logprobs", engine.logprobs, batch, reference=True)
-    values = timed("values", engine.values, batch) if ppo.has_critic else None
-    arrays, stats = build_experience(batch, scores, old, ref, values, ppo)
-    if ppo.overlong == "mask":
-        arrays = without_truncated(arrays, truncated)
+    def __post_init__(self) -> None:
+        self.sampling = SamplingParams.from_config(self.config.generation)
+        self.eos_ids = eos_ids(self.tokenizer, self.config.model.path)
 
-    updates: dict[str, list[float]] = defaultdict(list)
-    micro_batches = ppo.mini_batch_size // ppo.rows_per_micro_batch
-    train_policy = step >= ppo.critic_warmup_steps
+    # run_steps' side (strop.job.Steps) ---------------------------------------------------
 
-    def update(role: str, fn, mini, epoch: int, index: int) -> None:
-        stats = timed(f"train_{role}", fn, mini, micro_batches)
-        skipped[role] += count_skipped(
-            stats,
-            where=f"ppo iteration {step + 1} {role} update (epoch {epoch + 1}, "
-            f"mini-batch {index + 1})",
-            skip=config.train.skip_nonfinite,
-            latest_checkpoint=engine.latest_checkpoint,
-            checkpoint_dir=checkpoint_dir,
-        )
-        for name, value in stats.items():
-            updates[f"{role}/{name}"].append(value)
+    def restore_counters(self, saved: Any) -> None:
+        self.skipped.update(saved or {})
 
-    for epoch in range(ppo.ppo_epochs):
-        rng = np.random.default_rng([seed, step, epoch])
-        for index, mini in enumerate(
-            minibatches(
-                arrays, ppo.mini_batch_size, ppo.loss_aggregation, rng, sampling.max_new_tokens
-            )
-        ):
-            if ppo.has_critic:
-                update("critic", engine.train_critic, mini, epoch, index)
-            if train_policy:
-                update("policy", engine.train_policy, mini, epoch, index)
+    def counters(self) -> dict[str, int]:
+        return dict(self.skipped)
 
-    seconds = time.perf_counter() - began
-    tokens = float(rollout.lengths.sum())
-    record = {
-        "train/reward": float(task_scores.mean()),
-        **({"train/overlong_penalty": float(penalty.mean())} if ppo.overlong == "penalty" else {}),
-        "train/response_length": float(rollout.lengths.mean()),
-        "train/stopped_fraction": float(np.mean([r == "stop" for r in rollout.finish_reasons])),
-        "train/truncated_fraction": float(truncated.mean()),
-        **gap,  # sampler vs trainer log-probabilities, when the trainer's are computed
-        **stats,
-        **{name: float(np.mean(values)) for name, values in updates.items()},
-        **({"critic/nonfinite_skipped": skipped["critic"]} if ppo.has_critic else {}),
-        "policy/nonfinite_skipped": skipped["policy"],
-        **timings,
-        "timing/step": seconds,
-        "throughput/tokens_per_s": tokens / seconds,
-        **scored.metrics(),  # reward/<name>: each component's mean score
-        **(reward.stats - before).as_metrics(),
-    }
-    return record
+    def first_record(self) -> dict[str, float] | None:
+        return None if self.validation is None else {"validation/accuracy": self.validate()}
 
+    def figures(self, record: Mapping[str, float]) -> dict[str, float]:
+        names = {"train/reward": "reward", "validation/accuracy": "accuracy"}
+        return {short: record[name] for name, short in names.items() if name in record}
 
-def validation_accuracy(engine, prompts, tokenizer, reward, sampling, eos_ids, config) -> float:
-    """Greedy accuracy of the actor on the validation prompts: the share whose response
-    scores >= 1 on the first component of the reward (unweighted)."""
-    greedy = SamplingParams(
-        max_new_tokens=sampling.max_new_tokens, temperature=0.0,
-        stop_strings=sampling.stop_strings,
-    )  # fmt: skip
-    size = config.ppo.rollouts_per_step
-    prompt_columns = round_up(prompts.longest) if engine.static_shapes else None
-    correct = 0
-    for begin in range(0, len(prompts), size):
-        ids = prompts.ids[begin : begin + size]
-        generation = engine.generate(
-            ids, greedy, seed=config.seed, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
-            tokenizer=tokenizer, prompt_columns=prompt_columns,
+    def step(self, step: int) -> dict[str, float]:
+        """Iteration ``step``, then validation when ``ppo.validate_every`` says so."""
+        record = self.iteration(step)
+        done, ppo = step + 1, self.config.ppo
+        if self.validation is not None and (done % ppo.validate_every == 0 or done == ppo.steps):
+            record["validation/accuracy"] = self.validate()
+        return record
+
+    # PPO ---------------------------------------------------------------------------------
+
+    def iteration(self, step: int) -> dict[str, float]:
+        """Run iteration ``step`` (0-based) and return its metrics."""
+        config, engine, train, tokenizer, reward = (
+            self.config, self.model, self.train, self.tokenizer, self.reward
         )  # fmt: skip
-        texts = [tokenizer.decode(r, skip_special_tokens=True) for r in generation.responses()]
-        asked, columns, golds = prompts.reward_inputs(range(begin, begin + len(ids)))
-        scores = reward.score(asked, texts, columns, golds, primary_only=True).total
-        correct += sum(score >= 1.0 for score in scores)
-    return correct / len(prompts)
+        sampling, eos_ids, skipped = self.sampling, self.eos_ids, self.skipped
+        ppo, seed = config.ppo, config.seed
+        checkpoint_dir = str(config.checkpoint_path())
+        timings: dict[str, float] = {}
+        began = time.perf_counter()
+
+        def timed(name, fn, *args, **kwargs):
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            timings[f"timing/{name}"] = timings.get(f"timing/{name}", 0.0) + time.perf_counter() - t
+            return out
+
+        chosen = train.draw(step, ppo.prompts_per_step, seed)
+        rows = [i for i in chosen for _ in range(ppo.num_generations_per_prompt)]
+        prompts = [train.ids[i] for i in rows]
+        prompt_columns = round_up(train.longest) if engine.static_shapes else None
+        generation = timed(
+            "generate", engine.generate, prompts, sampling, seed=_seed(seed, step),
+            eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, tokenizer=tokenizer,
+            prompt_columns=prompt_columns,
+        )  # fmt: skip
+        rollout = Rollout.from_generation(prompts, generation, tokenizer)
+        before = reward.stats
+        texts, columns, golds = train.reward_inputs(rows)
+        scored = timed("reward", reward.score, texts, rollout.response_texts, columns, golds)
+        task_scores = np.asarray(scored.total)
+        truncated = np.array([reason == "length" for reason in rollout.finish_reasons])
+        penalty = np.zeros(len(task_scores))
+        if ppo.overlong == "penalty":  # DAPO's soft overlong punishment (strop.rl.overlong)
+            penalty = length_penalty(
+                rollout.lengths, sampling.max_new_tokens, ppo.overlong_buffer, ppo.overlong_penalty
+            )
+        scores = task_scores + penalty
+        batch = rollout.teacher_forcing_batch(tokenizer.pad_token_id)
+        sampled = rollout.align(rollout.logprobs)  # the sampler's log-probabilities
+        if prompt_columns is not None:  # one shape for the run: the widest rollout possible
+            width = round_up(prompt_columns + sampling.max_new_tokens)
+            batch, sampled = pad_columns(batch, width), pad_columns({"x": sampled}, width)["x"]
+        gap = {}
+        if ppo.old_logprobs == "sampler":
+            old = sampled
+        else:
+            old = timed("logprobs", engine.logprobs, batch)
+            gap = {
+                "token_mult_prob_error": token_mult_prob_error(sampled, old, batch["response_mask"])
+            }
+        ref = None  # with no KL in the reward or the loss, and none to report: not computed
+        if ppo.reference_forward:
+            ref = timed("logprobs", engine.logprobs, batch, reference=True)
+        values = timed("values", engine.values, batch) if ppo.has_critic else None
+        arrays, stats = build_experience(batch, scores, old, ref, values, ppo)
+        if ppo.overlong == "mask":
+            arrays = without_truncated(arrays, truncated)
+
+        updates: dict[str, list[float]] = defaultdict(list)
+        micro_batches = ppo.mini_batch_size // ppo.rows_per_micro_batch
+        train_policy = step >= ppo.critic_warmup_steps
+
+        def update(role: str, fn, mini, epoch: int, index: int) -> None:
+            stats = timed(f"train_{role}", fn, mini, micro_batches)
+            skipped[role] += count_skipped(
+                stats,
+                where=f"ppo iteration {step + 1} {role} update (epoch {epoch + 1}, "
+                f"mini-batch {index + 1})",
+                skip=config.train.skip_nonfinite,
+                latest_checkpoint=engine.latest_checkpoint,
+                checkpoint_dir=checkpoint_dir,
+            )
+            for name, value in stats.items():
+                updates[f"{role}/{name}"].append(value)
+
+        for epoch in range(ppo.ppo_epochs):
+            rng = np.random.default_rng([seed, step, epoch])
+            for index, mini in enumerate(
+                minibatches(
+                    arrays, ppo.mini_batch_size, ppo.loss_aggregation, rng, sampling.max_new_tokens
+                )
+            ):
+                if ppo.has_critic:
+                    update("critic", engine.train_critic, mini, epoch, index)
+                if train_policy:
+                    update("policy", engine.train_policy, mini, epoch, index)
+
+        seconds = time.perf_counter() - began
+        tokens = float(rollout.lengths.sum())
+        record = {
+            "train/reward": float(task_scores.mean()),
+            **(
+                {"train/overlong_penalty": float(penalty.mean())}
+                if ppo.overlong == "penalty"
+                else {}
+            ),
+            "train/response_length": float(rollout.lengths.mean()),
+            "train/stopped_fraction": float(np.mean([r == "stop" for r in rollout.finish_reasons])),
+            "train/truncated_fraction": float(truncated.mean()),
+            **gap,  # sampler vs trainer log-probabilities, when the trainer's are computed
+            **stats,
+            **{name: float(np.mean(values)) for name, values in updates.items()},
+            **({"critic/nonfinite_skipped": skipped["critic"]} if ppo.has_critic else {}),
+            "policy/nonfinite_skipped": skipped["policy"],
+            **timings,
+            "timing/step": seconds,
+            "throughput/tokens_per_s": tokens / seconds,
+            **scored.metrics(),  # reward/<name>: each component's mean score
+            **(reward.stats - before).as_metrics(),
+        }
+        return record
+
+    def validate(self) -> float:
+        """Greedy accuracy of the actor on the validation prompts: the share whose response
+        scores >= 1 on the first component of the reward (unweighted)."""
+        if self.progress is not None:
+            self.progress.phase("validating")
+        prompts, sampling = self.validation, self.sampling
+        greedy = SamplingParams(
+            max_new_tokens=sampling.max_new_tokens, temperature=0.0,
+            stop_strings=sampling.stop_strings,
+        )  # fmt: skip
+        size = self.config.ppo.rollouts_per_step
+        prompt_columns = round_up(prompts.longest) if self.model.static_shapes else None
+        correct = 0
+        for begin in range(0, len(prompts), size):
+            rows = range(begin, min(begin + size, len(prompts)))
+            asked, columns, golds = prompts.reward_inputs(rows)
+
+            def score(texts, asked=asked, columns=columns, golds=golds):
+                return self.reward.score(asked, texts, columns, golds, primary_only=True).total
+
+            scored = sample_and_score(
+                self.model, [prompts.ids[i] for i in rows], greedy, score, seed=self.config.seed,
+                eos_ids=self.eos_ids, tokenizer=self.tokenizer, prompt_columns=prompt_columns,
+            )  # fmt: skip
+            correct += sum(value >= 1.0 for value in scored.scores)
+        return correct / len(prompts)
 
 
 def _seed(seed: int, step: int) -> int:

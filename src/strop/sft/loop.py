@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from strop.backends import get_backend
 from strop.config import Config
 from strop.data import Tokenizer, load_sft_examples, make_sft_batcher
 from strop.errors import ConfigError
-from strop.interrupts import deferred_interrupts
-from strop.job import training_job
-from strop.metrics import MetricsWriter
-from strop.nonfinite import CHECKPOINT_KEY, count_skipped
+from strop.job import run_steps, training_job
+from strop.nonfinite import count_skipped
 from strop.preflight import preflight
 from strop.progress import RunProgress
 
@@ -62,11 +62,7 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
 
 
 def _train(config: Config, stop_after: int | None, progress: RunProgress) -> SftResult:
-    run_dir = Path(config.run_dir)
     sft = config.sft
-    micro_batches = sft.batch_size // sft.micro_batch_size
-    checkpoint_dir = config.checkpoint_path()
-
     progress.phase("reading the data")
     tokenizer = Tokenizer.from_pretrained(config.model.path)
     train_examples, stats = load_sft_examples(config.data.train_path, config.data, tokenizer)
@@ -83,70 +79,67 @@ def _train(config: Config, stop_after: int | None, progress: RunProgress) -> Sft
 
     progress.phase("loading the model")
     policy = get_backend(config.backend).build_policy(
-        config, total_steps=sft.steps, checkpoint_dir=checkpoint_dir
+        config, total_steps=sft.steps, checkpoint_dir=config.checkpoint_path()
     )
-    start, resumed_from, skipped = 0, policy.latest_checkpoint(), 0
-    if resumed_from is not None:
-        extra = policy.restore_checkpoint(resumed_from)
-        start = int(extra["step"])
-        skipped = int(extra.get(CHECKPOINT_KEY, 0))
-        logger.info("resumed from checkpoint step %d in %s", start, run_dir)
-        progress.resumed_at(start)
-        if config.lora.restore_path:
-            logger.info(
-                "ignoring lora.restore_path on a resumed run (state comes from the checkpoint)"
-            )
-    elif config.lora.restore_path:
-        policy.load_adapter(config.lora.restore_path)
-        logger.info("initialised adapters from %s", config.lora.restore_path)
+    steps = SftSteps(config, policy, batcher, eval_batcher)
+    run = run_steps(config, steps, progress, total=sft.steps, stop_after=stop_after)
+    losses = [record["train/loss"] for record in run.records]
+    return SftResult(
+        Path(config.run_dir), run.end, run.resumed_from, losses, run.export_path, policy.is_main
+    )
 
-    end = sft.steps if stop_after is None else min(stop_after, sft.steps)
-    losses: list[float] = []
-    with MetricsWriter.for_run(config, enabled=policy.is_main, resumed_from=resumed_from) as writer:
-        progress.phase("")
-        for step in range(start, end):
-            began = time.perf_counter()
-            metrics = policy.train_step(batcher.batch(step), micro_batches)
-            seconds = time.perf_counter() - began
-            done = step + 1
-            skipped += count_skipped(
-                metrics,
-                where=f"sft step {done}",
-                skip=config.train.skip_nonfinite,
-                latest_checkpoint=policy.latest_checkpoint,
-                checkpoint_dir=str(checkpoint_dir),
-            )
-            losses.append(metrics["loss"])
-            record = {
-                "train/loss": metrics["loss"],
-                "train/grad_norm": metrics["grad_norm"],
-                "train/tokens": metrics["tokens"],
-                "train/epoch": batcher.epoch_of(step),
-                "train/nonfinite_skipped": skipped,  # cumulative over the run
-                "timing/step_s": seconds,
-                "throughput/tokens_per_s": metrics["tokens"] / seconds,
-            }
-            if eval_batcher is not None and done % sft.eval_every == 0:
-                record["eval/loss"] = _eval_loss(policy, eval_batcher, sft.micro_batch_size)
-            if done % config.logging.every_steps == 0 or done == end or "eval/loss" in record:
-                writer.write(done, record)
-            progress.update(
-                done, loss=metrics["loss"], tokens_per_s=record["throughput/tokens_per_s"]
-            )
-            if done % config.checkpoint.every_steps == 0 or done == sft.steps:
-                extra = {"step": done, "seed": config.seed, CHECKPOINT_KEY: skipped}
-                with deferred_interrupts():  # a save is never cut
-                    policy.save_checkpoint(done, extra)
 
-    export_path = None
-    if end == sft.steps:
-        progress.phase("exporting")
-        if config.lora.enabled:
-            export_path = policy.export_adapter(run_dir / "adapter", overwrite=True)
-        else:
-            export_path = policy.export_merged(run_dir / "model", overwrite=True)
-        logger.info("exported %s", export_path)
-    return SftResult(run_dir, end, resumed_from, losses, export_path, policy.is_main)
+@dataclass
+class SftSteps:
+    """One SFT step per batch (:class:`strop.job.Steps`); ``skipped`` counts the
+    non-finite steps skipped over the whole run, resumes included."""
+
+    config: Config
+    model: Any  # the backend's Policy
+    batcher: Any
+    eval_batcher: Any | None
+    skipped: int = 0
+    always_written: tuple[str, ...] = ("eval/loss",)
+
+    def restore_counters(self, saved: Any) -> None:
+        self.skipped = int(saved or 0)
+
+    def counters(self) -> int:
+        return self.skipped
+
+    def first_record(self) -> None:
+        return None
+
+    def figures(self, record: Mapping[str, float]) -> dict[str, float]:
+        return {"loss": record["train/loss"], "tokens_per_s": record["throughput/tokens_per_s"]}
+
+    def step(self, step: int) -> dict[str, float]:
+        config, sft = self.config, self.config.sft
+        began = time.perf_counter()
+        metrics = self.model.train_step(
+            self.batcher.batch(step), sft.batch_size // sft.micro_batch_size
+        )
+        seconds = time.perf_counter() - began
+        done = step + 1
+        self.skipped += count_skipped(
+            metrics,
+            where=f"sft step {done}",
+            skip=config.train.skip_nonfinite,
+            latest_checkpoint=self.model.latest_checkpoint,
+            checkpoint_dir=str(config.checkpoint_path()),
+        )
+        record = {
+            "train/loss": metrics["loss"],
+            "train/grad_norm": metrics["grad_norm"],
+            "train/tokens": metrics["tokens"],
+            "train/epoch": self.batcher.epoch_of(step),
+            "train/nonfinite_skipped": self.skipped,  # cumulative over the run
+            "timing/step_s": seconds,
+            "throughput/tokens_per_s": metrics["tokens"] / seconds,
+        }
+        if self.eval_batcher is not None and done % sft.eval_every == 0:
+            record["eval/loss"] = _eval_loss(self.model, self.eval_batcher, sft.micro_batch_size)
+        return record
 
 
 def _eval_loss(policy, batcher, batch_size: int) -> float:

@@ -1,0 +1,50 @@
+"""Sampling a model's responses to prompts and scoring them: what PPO's validation
+(:meth:`strop.rl.ppo.PpoLoop.validate`) and ``strop eval`` (:mod:`strop.evaluation`) share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from strop.data import Tokenizer
+from strop.generation import Generation, SamplingParams
+from strop.io.model_spec import read_model_spec
+
+
+def eos_ids(tokenizer: Tokenizer, model_path: str) -> list[int]:
+    """The ids that end a response: the tokenizer's EOS and every EOS id of the model's
+    config (``generation_config`` may list several)."""
+    return sorted({tokenizer.eos_token_id, *read_model_spec(model_path).eos_token_ids})
+
+
+@dataclass(frozen=True)
+class Scored:
+    """Responses to a batch of prompts: the generation, its decoded texts and their scores."""
+
+    generation: Generation
+    texts: list[str]
+    scores: list[float]
+
+
+def sample_and_score(
+    model: Any,
+    prompts: Sequence[list[int]],
+    params: SamplingParams,
+    score: Callable[[list[str]], Sequence[float]],
+    *,
+    seed: int,
+    eos_ids: Sequence[int],
+    tokenizer: Tokenizer,
+    **generate_options: Any,
+) -> Scored:
+    """Sample one response to each of ``prompts`` from ``model`` (a ``Policy`` or an
+    ``ActorCritic``: its ``generate``, with ``generate_options`` such as ``prompt_columns``)
+    and score the decoded texts with ``score(texts)``."""
+    generation = model.generate(
+        list(prompts), params, seed=seed, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
+        tokenizer=tokenizer, **generate_options,
+    )  # fmt: skip
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in generation.responses()]
+    return Scored(generation, texts, [float(s) for s in score(texts)])
