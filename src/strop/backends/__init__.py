@@ -1,15 +1,16 @@
 """Backends: ``jax`` (Flax NNX, Qwix, optax, Orbax) and ``torch`` (transformers, PEFT, FSDP2).
 
 Each backend is a subpackage imported only when asked for, so the core and the CLI work
-with either framework missing.
+with either framework missing. :func:`get_backend` returns the package's ``BACKEND``, a
+:class:`~strop.backends.base.Backend`.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from types import ModuleType
 
+from strop.backends.base import Backend
 from strop.errors import BackendUnavailableError
 
 BACKENDS = ("jax", "torch")
@@ -19,12 +20,12 @@ _PACKAGES = {
 }
 
 
-def get_backend(name: str) -> ModuleType:
-    """Import and return the backend package ``strop.backends.<name>``."""
+def get_backend(name: str) -> Backend:
+    """Import the backend package ``strop.backends.<name>`` and return its ``BACKEND``."""
     if name not in BACKENDS:
         raise BackendUnavailableError(f"unknown backend {name!r}; choose one of {list(BACKENDS)}")
     try:
-        return importlib.import_module(f"strop.backends.{name}")
+        package = importlib.import_module(f"strop.backends.{name}")
     except ModuleNotFoundError as err:
         if err.name and err.name.startswith("strop.backends"):
             raise BackendUnavailableError(
@@ -34,6 +35,7 @@ def get_backend(name: str) -> ModuleType:
             f"backend {name!r} needs {_PACKAGES[name]} (missing: {err.name}); "
             f"install with: pip install 'strop[{name}]'"
         ) from None
+    return package.BACKEND
 
 
 def shut_down_loaded_backends() -> bool:
@@ -45,7 +47,7 @@ def shut_down_loaded_backends() -> bool:
     """
     skip_finalization = False
     for name in BACKENDS:
-        backend = sys.modules.get(f"strop.backends.{name}")
-        if backend is not None:
-            skip_finalization |= bool(backend.shut_down())
+        package = sys.modules.get(f"strop.backends.{name}")
+        if package is not None:
+            skip_finalization |= bool(package.BACKEND.shut_down())
     return skip_finalization

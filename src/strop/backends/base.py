@@ -1,24 +1,30 @@
 """The protocols a backend implements. The core talks to backends only through these.
 
 Arrays cross the boundary as numpy: the core never sees a jax or torch array.
-Each backend package exposes ``load_model(path, ...) -> ModelHandle``,
-``build_policy(config, total_steps=, checkpoint_dir=) -> Policy`` (SFT, eval) and
-``build_actor_critic(config, total_updates=, checkpoint_dir=) -> ActorCritic`` (PPO) and
-``build_reward_model(config, path) -> RewardModel`` (``ppo.reward: model:DIR``).
+:func:`strop.backends.get_backend` returns a :class:`Backend`: each backend package
+builds one as ``BACKEND`` (a :class:`BackendFunctions` of its functions), whose
+``build_policy`` gives a :class:`Policy` (SFT, eval), ``build_actor_critic`` an
+:class:`ActorCritic` (PPO), ``build_reward_model`` a :class:`RewardModel`
+(``ppo.reward: model:DIR``) and ``load_model`` a :class:`ModelHandle`. ``Policy`` and
+``ActorCritic`` share the methods of :class:`TrainableModel`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from strop.errors import StropError
 from strop.generation import Decoder, Generation, SamplingParams
 from strop.io.model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from strop.config import Config
 
 
 def logits_inputs(
@@ -67,20 +73,55 @@ class ModelHandle(Protocol):
 
 
 @runtime_checkable
-class Policy(Protocol):
-    """A causal LM being fine-tuned (LoRA or full): what the backend-neutral loops drive.
+class TrainableModel(Protocol):
+    """What :class:`Policy` and :class:`ActorCritic` share: a model being fine-tuned,
+    checkpointed and exported.
 
     Distributed runs call every method on every process (they may be collectives); only
-    the process with ``is_main`` writes files. Batches are global ``[B, L]`` numpy arrays
-    (``input_ids``, ``attention_mask``, ``loss_mask``), identical on every process.
+    the process with ``is_main`` writes files. Under PPO, checkpoints hold the actor's and
+    the critic's weights and optimizers; the adapter and the exports are the actor's.
     """
 
     backend: str
+    """``"jax"`` or ``"torch"``: the backend that built it."""
 
     @property
     def is_main(self) -> bool:
         """True on the one process that writes metrics, logs and exports."""
         ...
+
+    def latest_checkpoint(self) -> int | None:
+        """The step of the newest complete checkpoint of this run, if any."""
+        ...
+
+    def save_checkpoint(self, step: int, extra: dict[str, Any]) -> None:
+        """Save trainable weights, optimizer states and JSON ``extra`` atomically."""
+        ...
+
+    def restore_checkpoint(self, step: int) -> dict[str, Any]:
+        """Restore checkpoint ``step`` (identity-checked) and return its ``extra``."""
+        ...
+
+    def load_adapter(self, path: str | os.PathLike) -> None:
+        """Seed the (actor's) LoRA weights from a PEFT adapter directory."""
+        ...
+
+    def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the (actor's) LoRA weights as a PEFT adapter directory."""
+        ...
+
+    def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the fine-tuned model (the actor) as a HF checkpoint, LoRA merged in."""
+        ...
+
+
+@runtime_checkable
+class Policy(TrainableModel, Protocol):
+    """A causal LM being fine-tuned (LoRA or full): what the backend-neutral loops drive.
+
+    Batches are global ``[B, L]`` numpy arrays (``input_ids``, ``attention_mask``,
+    ``loss_mask``), identical on every process.
+    """
 
     def train_step(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
         """One optimizer update; returns ``loss`` (mean per target token), ``tokens``,
@@ -104,33 +145,9 @@ class Policy(Protocol):
         """Sample a response to each (ragged) prompt; see :mod:`strop.generation`."""
         ...
 
-    def latest_checkpoint(self) -> int | None:
-        """The step of the newest complete checkpoint of this run, if any."""
-        ...
-
-    def save_checkpoint(self, step: int, extra: dict[str, Any]) -> None:
-        """Save trainable weights, optimizer state and JSON ``extra`` atomically."""
-        ...
-
-    def restore_checkpoint(self, step: int) -> dict[str, Any]:
-        """Restore checkpoint ``step`` (identity-checked) and return its ``extra``."""
-        ...
-
-    def load_adapter(self, path: str | os.PathLike) -> None:
-        """Seed the LoRA weights from a PEFT adapter directory."""
-        ...
-
-    def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        """Write the LoRA weights as a PEFT adapter directory."""
-        ...
-
-    def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        """Write a HF checkpoint with the adapters merged in (or the fine-tuned model)."""
-        ...
-
 
 @runtime_checkable
-class ActorCritic(Protocol):
+class ActorCritic(TrainableModel, Protocol):
     """PPO's models: the actor, the critic (value head included) and the frozen reference.
 
     With LoRA all three share one frozen base in device memory. Per-token arrays are
@@ -139,14 +156,10 @@ class ActorCritic(Protocol):
     weighted sums, exact under micro-batching and data parallelism.
     """
 
-    backend: str
     static_shapes: bool
     """True where each new array shape compiles (JAX): the PPO loop then pads prompts and
     rollouts to one shape per run. False (torch, eager): nothing is padded beyond the
     batch, and each micro-batch runs without the columns none of its rows attends."""
-
-    @property
-    def is_main(self) -> bool: ...
 
     def generate(
         self,
@@ -181,24 +194,6 @@ class ActorCritic(Protocol):
         ``entropy``, ``grad_norm`` (and ``kl_loss``, ``dual_clip_frac`` when on)."""
         ...
 
-    def latest_checkpoint(self) -> int | None: ...
-
-    def save_checkpoint(self, step: int, extra: dict[str, Any]) -> None:
-        """Actor and critic trainable weights, both optimizers and ``extra``, atomically."""
-        ...
-
-    def restore_checkpoint(self, step: int) -> dict[str, Any]: ...
-
-    def load_adapter(self, path: str | os.PathLike) -> None:
-        """Seed the actor's adapter from a PEFT directory."""
-        ...
-
-    def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path: ...
-
-    def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        """The actor as a HF checkpoint (its adapter folded in, under LoRA)."""
-        ...
-
 
 @runtime_checkable
 class RewardModel(Protocol):
@@ -214,3 +209,76 @@ class RewardModel(Protocol):
         """``[len(completions)]`` float32: the score of each (prompt, completion), texts
         rendered with the reward model's own tokenizer and chat template."""
         ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One backend as the core sees it: what :func:`strop.backends.get_backend` returns.
+
+    Only these functions cross the boundary; everything else in a backend package is its
+    own. The functions that touch several processes (``device_count``, ``write_once``,
+    ``shut_down``) are called on every process.
+    """
+
+    name: str
+    """``"jax"`` or ``"torch"``: what ``config.backend`` names, and the ``backend`` of the
+    models this backend builds."""
+
+    def load_model(
+        self,
+        path: str | os.PathLike,
+        *,
+        dtype: str = "float32",
+        param_dtype: str = "float32",
+        mesh: Any = None,
+    ) -> ModelHandle:
+        """Load a HF checkpoint directory for inference (:func:`strop.load_model`);
+        ``mesh``: this backend's mesh object or axis sizes, default FSDP over all devices."""
+        ...
+
+    def build_policy(
+        self, config: Config, *, total_steps: int, checkpoint_dir: str | os.PathLike | None
+    ) -> Policy:
+        """The :class:`Policy` of ``config`` (SFT, eval, export of an SFT run); the
+        learning-rate schedule spans ``total_steps``, checkpoints live in
+        ``checkpoint_dir`` (``None``: none are kept)."""
+        ...
+
+    def build_actor_critic(
+        self, config: Config, *, total_updates: int, checkpoint_dir: str | os.PathLike | None
+    ) -> ActorCritic:
+        """The :class:`ActorCritic` of ``config`` (PPO, export of a PPO run); schedules span
+        ``total_updates``, checkpoints live in ``checkpoint_dir`` (``None``: none are kept)."""
+        ...
+
+    def build_reward_model(self, config: Config, path: str | os.PathLike) -> RewardModel:
+        """The frozen :class:`RewardModel` in directory ``path``, on ``config``'s mesh."""
+        ...
+
+    def device_count(self) -> int:
+        """The devices a mesh spans, every process's together (what preflight checks)."""
+        ...
+
+    def write_once(self, write: Callable[[], object], what: str) -> None:
+        """Run ``write`` (``what`` it does: "writing X") on the main process only; every
+        process returns once it has ended, and raises if it failed."""
+        ...
+
+    def shut_down(self) -> bool:
+        """Leave the process group once a command has succeeded; returns whether the
+        process should end without interpreter finalization."""
+        ...
+
+
+@dataclass(frozen=True)
+class BackendFunctions:
+    """A :class:`Backend` made of a backend package's functions: its ``BACKEND``."""
+
+    name: str
+    load_model: Callable[..., ModelHandle]
+    build_policy: Callable[..., Policy]
+    build_actor_critic: Callable[..., ActorCritic]
+    build_reward_model: Callable[..., RewardModel]
+    device_count: Callable[[], int]
+    write_once: Callable[[Callable[[], object], str], None]
+    shut_down: Callable[[], bool]
