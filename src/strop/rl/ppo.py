@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,7 @@ from strop.job import run_steps, training_job
 from strop.nonfinite import count_skipped
 from strop.preflight import preflight
 from strop.progress import RunProgress
+from strop.rewards.weighted import ScoredBatch
 from strop.rl.experience import build_experience, minibatches, pad_columns, round_up
 from strop.rl.overlong import length_penalty, without_truncated
 from strop.rl.prompts import PromptSet
@@ -127,6 +128,18 @@ def _check(config: Config) -> None:
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class _Sample:
+    """An iteration's responses and their scores (``task_scores``: the reward's;
+    ``penalty``: the overlong penalty, zeros without one)."""
+
+    rollout: Rollout
+    scored: ScoredBatch
+    task_scores: np.ndarray
+    penalty: np.ndarray
+    truncated: np.ndarray
+
+
 @dataclass
 class PpoLoop:
     """PPO's iterations and validation over one engine (:class:`strop.job.Steps`).
@@ -178,116 +191,133 @@ class PpoLoop:
 
     def iteration(self, step: int) -> dict[str, float]:
         """Run iteration ``step`` (0-based) and return its metrics."""
-        config, engine, train, tokenizer, reward = (
-            self.config, self.model, self.train, self.tokenizer, self.reward
-        )  # fmt: skip
-        sampling, eos_ids, skipped = self.sampling, self.eos_ids, self.skipped
-        ppo, seed = config.ppo, config.seed
-        checkpoint_dir = str(config.checkpoint_path())
-        timings: dict[str, float] = {}
+        ppo = self.config.ppo
+        self._timings: dict[str, float] = {}
         began = time.perf_counter()
-
-        def timed(name, fn, *args, **kwargs):
-            t = time.perf_counter()
-            out = fn(*args, **kwargs)
-            timings[f"timing/{name}"] = timings.get(f"timing/{name}", 0.0) + time.perf_counter() - t
-            return out
-
-        chosen = train.draw(step, ppo.prompts_per_step, seed)
-        rows = [i for i in chosen for _ in range(ppo.num_generations_per_prompt)]
-        prompts = [train.ids[i] for i in rows]
-        prompt_columns = round_up(train.longest) if engine.static_shapes else None
-        generation = timed(
-            "generate", engine.generate, prompts, sampling, seed=_seed(seed, step),
-            eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, tokenizer=tokenizer,
-            prompt_columns=prompt_columns,
-        )  # fmt: skip
-        rollout = Rollout.from_generation(prompts, generation, tokenizer)
-        before = reward.stats
-        texts, columns, golds = train.reward_inputs(rows)
-        scored = timed("reward", reward.score, texts, rollout.response_texts, columns, golds)
-        task_scores = np.asarray(scored.total)
-        truncated = np.array([reason == "length" for reason in rollout.finish_reasons])
-        penalty = np.zeros(len(task_scores))
-        if ppo.overlong == "penalty":  # DAPO's soft overlong punishment (strop.rl.overlong)
-            penalty = length_penalty(
-                rollout.lengths, sampling.max_new_tokens, ppo.overlong_buffer, ppo.overlong_penalty
-            )
-        scores = task_scores + penalty
-        batch = rollout.teacher_forcing_batch(tokenizer.pad_token_id)
-        sampled = rollout.align(rollout.logprobs)  # the sampler's log-probabilities
-        if prompt_columns is not None:  # one shape for the run: the widest rollout possible
-            width = round_up(prompt_columns + sampling.max_new_tokens)
-            batch, sampled = pad_columns(batch, width), pad_columns({"x": sampled}, width)["x"]
-        gap = {}
-        if ppo.old_logprobs == "sampler":
-            old = sampled
-        else:
-            old = timed("logprobs", engine.logprobs, batch)
-            gap = {
-                "token_mult_prob_error": token_mult_prob_error(sampled, old, batch["response_mask"])
-            }
-        ref = None  # with no KL in the reward or the loss, and none to report: not computed
-        if ppo.reference_forward:
-            ref = timed("logprobs", engine.logprobs, batch, reference=True)
-        values = timed("values", engine.values, batch) if ppo.has_critic else None
-        arrays, stats = build_experience(batch, scores, old, ref, values, ppo)
-        if ppo.overlong == "mask":
-            arrays = without_truncated(arrays, truncated)
-
-        updates: dict[str, list[float]] = defaultdict(list)
-        micro_batches = ppo.mini_batch_size // ppo.rows_per_micro_batch
-        train_policy = step >= ppo.critic_warmup_steps
-
-        def update(role: str, fn, mini, epoch: int, index: int) -> None:
-            stats = timed(f"train_{role}", fn, mini, micro_batches)
-            skipped[role] += count_skipped(
-                stats,
-                where=f"ppo iteration {step + 1} {role} update (epoch {epoch + 1}, "
-                f"mini-batch {index + 1})",
-                skip=config.train.skip_nonfinite,
-                latest_checkpoint=engine.latest_checkpoint,
-                checkpoint_dir=checkpoint_dir,
-            )
-            for name, value in stats.items():
-                updates[f"{role}/{name}"].append(value)
-
-        for epoch in range(ppo.ppo_epochs):
-            rng = np.random.default_rng([seed, step, epoch])
-            for index, mini in enumerate(
-                minibatches(
-                    arrays, ppo.mini_batch_size, ppo.loss_aggregation, rng, sampling.max_new_tokens
-                )
-            ):
-                if ppo.has_critic:
-                    update("critic", engine.train_critic, mini, epoch, index)
-                if train_policy:
-                    update("policy", engine.train_policy, mini, epoch, index)
-
+        before = self.reward.stats
+        sample = self._sample(step)
+        arrays, stats = self._experience(sample)
+        updates = self._update(step, arrays)
         seconds = time.perf_counter() - began
-        tokens = float(rollout.lengths.sum())
-        record = {
-            "train/reward": float(task_scores.mean()),
+        rollout, skipped = sample.rollout, self.skipped
+        return {
+            "train/reward": float(sample.task_scores.mean()),
             **(
-                {"train/overlong_penalty": float(penalty.mean())}
+                {"train/overlong_penalty": float(sample.penalty.mean())}
                 if ppo.overlong == "penalty"
                 else {}
             ),
             "train/response_length": float(rollout.lengths.mean()),
             "train/stopped_fraction": float(np.mean([r == "stop" for r in rollout.finish_reasons])),
-            "train/truncated_fraction": float(truncated.mean()),
-            **gap,  # sampler vs trainer log-probabilities, when the trainer's are computed
+            "train/truncated_fraction": float(sample.truncated.mean()),
             **stats,
             **{name: float(np.mean(values)) for name, values in updates.items()},
             **({"critic/nonfinite_skipped": skipped["critic"]} if ppo.has_critic else {}),
             "policy/nonfinite_skipped": skipped["policy"],
-            **timings,
+            **self._timings,
             "timing/step": seconds,
-            "throughput/tokens_per_s": tokens / seconds,
-            **scored.metrics(),  # reward/<name>: each component's mean score
-            **(reward.stats - before).as_metrics(),
+            "throughput/tokens_per_s": float(rollout.lengths.sum()) / seconds,
+            **sample.scored.metrics(),  # reward/<name>: each component's mean score
+            **(self.reward.stats - before).as_metrics(),
         }
-        return record
+
+    def _timed(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        out = fn(*args, **kwargs)
+        key = f"timing/{name}"
+        self._timings[key] = self._timings.get(key, 0.0) + time.perf_counter() - began
+        return out
+
+    def _prompt_columns(self, prompts: PromptSet) -> int | None:
+        """Where shapes compile: every prompt left-padded to the set's longest."""
+        return round_up(prompts.longest) if self.model.static_shapes else None
+
+    def _sample(self, step: int) -> _Sample:
+        """Draw the iteration's prompts, sample responses and score them."""
+        ppo, train, sampling = self.config.ppo, self.train, self.sampling
+        chosen = train.draw(step, ppo.prompts_per_step, self.config.seed)
+        rows = [i for i in chosen for _ in range(ppo.num_generations_per_prompt)]
+        prompts = [train.ids[i] for i in rows]
+        generation = self._timed(
+            "generate", self.model.generate, prompts, sampling,
+            seed=_seed(self.config.seed, step), eos_ids=self.eos_ids,
+            pad_id=self.tokenizer.pad_token_id, tokenizer=self.tokenizer,
+            prompt_columns=self._prompt_columns(train),
+        )  # fmt: skip
+        rollout = Rollout.from_generation(prompts, generation, self.tokenizer)
+        texts, columns, golds = train.reward_inputs(rows)
+        scored = self._timed(
+            "reward", self.reward.score, texts, rollout.response_texts, columns, golds
+        )
+        task_scores = np.asarray(scored.total)
+        penalty = np.zeros(len(task_scores))
+        if ppo.overlong == "penalty":  # DAPO's soft overlong punishment (strop.rl.overlong)
+            penalty = length_penalty(
+                rollout.lengths, sampling.max_new_tokens, ppo.overlong_buffer, ppo.overlong_penalty
+            )
+        truncated = np.array([reason == "length" for reason in rollout.finish_reasons])
+        return _Sample(rollout, scored, task_scores, penalty, truncated)
+
+    def _experience(self, sample: _Sample) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """The forwards the estimator needs, then advantages and returns: the update
+        arrays and their statistics (with the sampler/trainer gap when both exist)."""
+        ppo, engine, rollout = self.config.ppo, self.model, sample.rollout
+        batch = rollout.teacher_forcing_batch(self.tokenizer.pad_token_id)
+        sampled = rollout.align(rollout.logprobs)  # the sampler's log-probabilities
+        prompt_columns = self._prompt_columns(self.train)
+        if prompt_columns is not None:  # one shape for the run: the widest rollout possible
+            width = round_up(prompt_columns + self.sampling.max_new_tokens)
+            batch, sampled = pad_columns(batch, width), pad_columns({"x": sampled}, width)["x"]
+        gap = {}
+        if ppo.old_logprobs == "sampler":
+            old = sampled
+        else:
+            old = self._timed("logprobs", engine.logprobs, batch)
+            gap = {
+                "token_mult_prob_error": token_mult_prob_error(sampled, old, batch["response_mask"])
+            }
+        ref = None  # with no KL in the reward or the loss, and none to report: not computed
+        if ppo.reference_forward:
+            ref = self._timed("logprobs", engine.logprobs, batch, reference=True)
+        values = self._timed("values", engine.values, batch) if ppo.has_critic else None
+        scores = sample.task_scores + sample.penalty
+        arrays, stats = build_experience(batch, scores, old, ref, values, ppo)
+        if ppo.overlong == "mask":
+            arrays = without_truncated(arrays, sample.truncated)
+        return arrays, {**gap, **stats}
+
+    def _update(self, step: int, arrays: dict[str, np.ndarray]) -> dict[str, list[float]]:
+        """``ppo.ppo_epochs`` passes over shuffled mini-batches: a critic update (with a
+        critic), then a policy update (after the warm-up); their stats by name."""
+        ppo, engine = self.config.ppo, self.model
+        updates: dict[str, list[float]] = defaultdict(list)
+        micro_batches = ppo.mini_batch_size // ppo.rows_per_micro_batch
+
+        def update(role: str, fn, mini, epoch: int, index: int) -> None:
+            stats = self._timed(f"train_{role}", fn, mini, micro_batches)
+            self.skipped[role] += count_skipped(
+                stats,
+                where=f"ppo iteration {step + 1} {role} update (epoch {epoch + 1}, "
+                f"mini-batch {index + 1})",
+                skip=self.config.train.skip_nonfinite,
+                latest_checkpoint=engine.latest_checkpoint,
+                checkpoint_dir=str(self.config.checkpoint_path()),
+            )
+            for name, value in stats.items():
+                updates[f"{role}/{name}"].append(value)
+
+        for epoch in range(ppo.ppo_epochs):
+            rng = np.random.default_rng([self.config.seed, step, epoch])
+            minis = minibatches(
+                arrays, ppo.mini_batch_size, ppo.loss_aggregation, rng,
+                self.sampling.max_new_tokens,
+            )  # fmt: skip
+            for index, mini in enumerate(minis):
+                if ppo.has_critic:
+                    update("critic", engine.train_critic, mini, epoch, index)
+                if step >= ppo.critic_warmup_steps:
+                    update("policy", engine.train_policy, mini, epoch, index)
+        return updates
 
     def validate(self) -> float:
         """Greedy accuracy of the actor on the validation prompts: the share whose response
@@ -300,7 +330,7 @@ class PpoLoop:
             stop_strings=sampling.stop_strings,
         )  # fmt: skip
         size = self.config.ppo.rollouts_per_step
-        prompt_columns = round_up(prompts.longest) if self.model.static_shapes else None
+        prompt_columns = self._prompt_columns(prompts)
         correct = 0
         for begin in range(0, len(prompts), size):
             rows = range(begin, min(begin + size, len(prompts)))
