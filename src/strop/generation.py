@@ -20,9 +20,10 @@ FinishReason = Literal["stop", "length"]
 
 
 class Decoder(Protocol):
-    """What stop strings need of a tokenizer (``strop.data.Tokenizer`` and HF ones fit)."""
+    """What stop strings and rollouts need of a tokenizer (``strop.data.Tokenizer`` and HF
+    ones fit)."""
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
 
 @dataclass(frozen=True)

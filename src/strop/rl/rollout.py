@@ -20,17 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
-from strop.generation import FinishReason, Generation
-
-
-class Decoder(Protocol):
-    """What a rollout needs of a tokenizer (``strop.data.Tokenizer`` and HF ones fit)."""
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+from strop.generation import Decoder, FinishReason, Generation
 
 
 @dataclass(frozen=True)
@@ -45,8 +38,8 @@ class Rollout:
         distribution (see :class:`~strop.generation.Generation`); 0 on padding.
       lengths: ``[B] int32`` response lengths (an ending EOS included).
       finish_reasons: ``"stop"`` or ``"length"`` per row.
-      prompt_texts, response_texts: the decoded prompts and responses, special tokens
-        (EOS, chat-template markers) skipped: what a reward function reads.
+      response_texts: the decoded responses, special tokens (EOS, chat-template markers)
+        skipped: what a reward function reads.
     """
 
     prompt_ids: list[list[int]]
@@ -55,14 +48,13 @@ class Rollout:
     logprobs: np.ndarray
     lengths: np.ndarray
     finish_reasons: list[FinishReason]
-    prompt_texts: list[str]
     response_texts: list[str]
 
     @classmethod
     def from_generation(
         cls, prompts: Sequence[Sequence[int]], generation: Generation, tokenizer: Decoder
     ) -> Rollout:
-        """Pair ``prompts`` with the ``generation`` sampled for them, and decode both."""
+        """Pair ``prompts`` with the ``generation`` sampled for them; decode the responses."""
         if len(prompts) != len(generation.lengths):
             raise ValueError(
                 f"{len(prompts)} prompts but the generation has {len(generation.lengths)} rows"
@@ -76,7 +68,6 @@ class Rollout:
             logprobs=generation.logprobs.astype(np.float32),
             lengths=generation.lengths.astype(np.int32),
             finish_reasons=list(generation.finish_reasons),
-            prompt_texts=[tokenizer.decode(p, skip_special_tokens=True) for p in prompt_ids],
             response_texts=[tokenizer.decode(r, skip_special_tokens=True) for r in responses],
         )
 

@@ -234,7 +234,7 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
-class Decoder(nnx.Module):
+class DecoderStack(nnx.Module):
     """Embeddings, the stack of layers and the final norm (HF's ``model.*``)."""
 
     def __init__(self, spec: ModelSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
@@ -305,7 +305,7 @@ class CausalLM(nnx.Module):
         common = {"dtype": DTYPES[dtype], "param_dtype": DTYPES[param_dtype], "rngs": rngs}
         self.spec = spec
         self.dtype = DTYPES[dtype]
-        self.model = Decoder(spec, **common)
+        self.model = DecoderStack(spec, **common)
         self.lm_head = nnx.data(None)  # tied: logits come from the embedding table
         if not spec.tie_word_embeddings:
             self.lm_head = Dense((spec.hidden_size,), (spec.vocab_size,), ("embed",), ("vocab",),

@@ -21,8 +21,6 @@ divide stays replicated). The bias (``(None,)``) is replicated.
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +30,6 @@ from jax.sharding import Mesh
 from strop.backends.jax.losses import shift_values
 from strop.backends.jax.model import CausalLM
 from strop.backends.jax.sharding import logical_to_sharding, to_host
-from strop.backends.jax.weights import load_hf_model
 from strop.lora_init import value_head as initial_value_head
 
 KERNEL_AXES = ("embed", None)
@@ -110,16 +107,3 @@ class ValueModel(nnx.Module):
         kernel = to_host(self.value_head.kernel.get_value())[:, 0]
         bias = float(to_host(self.value_head.bias.get_value())[0])
         return kernel.astype(np.float32), bias
-
-
-def load_value_model(
-    path: str | os.PathLike,
-    mesh: Mesh,
-    *,
-    dtype: str = "float32",
-    param_dtype: str = "float32",
-    seed: int = 0,
-) -> ValueModel:
-    """A HF checkpoint as the backbone (see :func:`load_hf_model`) plus a fresh head."""
-    lm = load_hf_model(path, mesh, dtype=dtype, param_dtype=param_dtype)
-    return ValueModel(lm, seed=seed, mesh=mesh)
