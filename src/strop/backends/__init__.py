@@ -1,7 +1,7 @@
 """Backends: ``jax`` (Flax NNX, Qwix, optax, Orbax) and ``torch`` (transformers, PEFT, FSDP2).
 
 Each backend is a subpackage imported only when asked for, so the core and the CLI work
-with either framework missing. :func:`get_backend` returns the package's ``BACKEND``, a
+with either framework missing. :func:`get_backend` returns its functions as a
 :class:`~strop.backends.base.Backend`.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from strop.backends.base import Backend
+from strop.backends.base import Backend, BackendFunctions
 from strop.errors import BackendUnavailableError
 
 BACKENDS = ("jax", "torch")
@@ -21,7 +21,7 @@ _PACKAGES = {
 
 
 def get_backend(name: str) -> Backend:
-    """Import the backend package ``strop.backends.<name>`` and return its ``BACKEND``."""
+    """Import the backend package ``strop.backends.<name>`` and return its functions."""
     if name not in BACKENDS:
         raise BackendUnavailableError(f"unknown backend {name!r}; choose one of {list(BACKENDS)}")
     try:
@@ -35,7 +35,7 @@ def get_backend(name: str) -> Backend:
             f"backend {name!r} needs {_PACKAGES[name]} (missing: {err.name}); "
             f"install with: pip install 'strop[{name}]'"
         ) from None
-    return package.BACKEND
+    return BackendFunctions.of(name, package)
 
 
 def shut_down_loaded_backends() -> bool:
@@ -49,5 +49,5 @@ def shut_down_loaded_backends() -> bool:
     for name in BACKENDS:
         package = sys.modules.get(f"strop.backends.{name}")
         if package is not None:
-            skip_finalization |= bool(package.BACKEND.shut_down())
+            skip_finalization |= bool(package.shut_down())
     return skip_finalization

@@ -1,8 +1,8 @@
 """The protocols a backend implements. The core talks to backends only through these.
 
 Arrays cross the boundary as numpy: the core never sees a jax or torch array.
-:func:`strop.backends.get_backend` returns a :class:`Backend`: each backend package
-builds one as ``BACKEND`` (a :class:`BackendFunctions` of its functions), whose
+:func:`strop.backends.get_backend` returns a :class:`Backend` (the package's functions
+of those names, as a :class:`BackendFunctions`), whose
 ``build_policy`` gives a :class:`Policy` (SFT, eval), ``build_actor_critic`` an
 :class:`ActorCritic` (PPO), ``build_reward_model`` a :class:`RewardModel`
 (``ppo.reward: model:DIR``) and ``load_model`` a :class:`ModelHandle`. ``Policy`` and
@@ -11,10 +11,12 @@ builds one as ``BACKEND`` (a :class:`BackendFunctions` of its functions), whose
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -272,7 +274,7 @@ class Backend(Protocol):
 
 @dataclass(frozen=True)
 class BackendFunctions:
-    """A :class:`Backend` made of a backend package's functions: its ``BACKEND``."""
+    """A :class:`Backend` made of a backend package's functions (:meth:`of`)."""
 
     name: str
     load_model: Callable[..., ModelHandle]
@@ -282,3 +284,9 @@ class BackendFunctions:
     device_count: Callable[[], int]
     write_once: Callable[[Callable[[], object], str], None]
     shut_down: Callable[[], bool]
+
+    @classmethod
+    def of(cls, name: str, package: ModuleType) -> BackendFunctions:
+        """The backend ``name`` whose functions are ``package``'s of the same names."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "name"]
+        return cls(name=name, **{attribute: getattr(package, attribute) for attribute in names})

@@ -1,6 +1,5 @@
 """The JAX backend: Flax NNX models sharded over a ``jax.sharding.Mesh``."""
 
-from strop.backends.base import BackendFunctions
 from strop.backends.jax.actor_critic import JaxActorCritic
 from strop.backends.jax.compile_cache import enable_compilation_cache
 from strop.backends.jax.handle import JaxModelHandle, load_model
@@ -13,19 +12,7 @@ enable_compilation_cache()  # importing compiles nothing; every compile after th
 build_policy = JaxPolicy
 build_actor_critic = JaxActorCritic
 
-BACKEND = BackendFunctions(
-    name="jax",
-    load_model=load_model,
-    build_policy=build_policy,
-    build_actor_critic=build_actor_critic,
-    build_reward_model=build_reward_model,
-    device_count=device_count,
-    write_once=write_once,
-    shut_down=shut_down,
-)
-
 __all__ = [
-    "BACKEND",
     "JaxActorCritic",
     "JaxModelHandle",
     "JaxPolicy",

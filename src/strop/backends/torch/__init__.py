@@ -1,6 +1,5 @@
 """The torch backend: ``transformers`` models, PEFT LoRA, FSDP2/DTensor sharding, DCP."""
 
-from strop.backends.base import BackendFunctions
 from strop.backends.torch.actor_critic import TorchActorCritic
 from strop.backends.torch.fsdp import device_count, shut_down, write_once
 from strop.backends.torch.handle import TorchModelHandle, load_model
@@ -10,19 +9,7 @@ from strop.backends.torch.reward_model import TorchRewardModel, build_reward_mod
 build_policy = TorchPolicy
 build_actor_critic = TorchActorCritic
 
-BACKEND = BackendFunctions(
-    name="torch",
-    load_model=load_model,
-    build_policy=build_policy,
-    build_actor_critic=build_actor_critic,
-    build_reward_model=build_reward_model,
-    device_count=device_count,
-    write_once=write_once,
-    shut_down=shut_down,
-)
-
 __all__ = [
-    "BACKEND",
     "TorchActorCritic",
     "TorchModelHandle",
     "TorchPolicy",
