@@ -155,14 +155,20 @@ def sft(recipe: Recipe, overrides: Overrides = None) -> None:
     _print_sft_summary("strop sft", run_sft(load_config(recipe, overrides or ())))
 
 
+def _run_table(title: str, result, steps: str) -> Table:
+    """The rows every training command's summary starts with."""
+    table = Table(title=title, show_header=False)
+    table.add_row("run directory", str(result.run_dir))
+    table.add_row(steps, str(result.final_step))
+    if result.resumed_from is not None:
+        table.add_row("resumed from step", str(result.resumed_from))
+    return table
+
+
 def _print_sft_summary(title: str, result) -> None:
     if not result.is_main:
         return
-    table = Table(title=title, show_header=False)
-    table.add_row("run directory", str(result.run_dir))
-    table.add_row("steps", str(result.final_step))
-    if result.resumed_from is not None:
-        table.add_row("resumed from step", str(result.resumed_from))
+    table = _run_table(title, result, "steps")
     if result.losses:
         table.add_row("loss first -> last", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
     table.add_row("exported", str(result.export_path or "-"))
@@ -180,11 +186,7 @@ def ppo(recipe: Recipe, overrides: Overrides = None) -> None:
 def _print_ppo_summary(title: str, result) -> None:
     if not result.is_main:
         return
-    table = Table(title=title, show_header=False)
-    table.add_row("run directory", str(result.run_dir))
-    table.add_row("iterations", str(result.final_step))
-    if result.resumed_from is not None:
-        table.add_row("resumed from step", str(result.resumed_from))
+    table = _run_table(title, result, "iterations")
     if result.history:
         first, last = result.history[0], result.history[-1]
         table.add_row(

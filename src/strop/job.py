@@ -83,6 +83,17 @@ class Steps(Protocol):
 
 
 @dataclass(frozen=True)
+class RunResult:
+    """What a training run produced (``strop sft``, ``strop ppo``)."""
+
+    run_dir: Path
+    final_step: int  # steps done when it returned
+    resumed_from: int | None
+    export_path: Path | None  # <run_dir>/adapter (LoRA) or <run_dir>/model; None if unfinished
+    is_main: bool = True  # False on every process but the first of a distributed run
+
+
+@dataclass(frozen=True)
 class Finished:
     """What :func:`run_steps` did: the steps it ran and what it exported."""
 

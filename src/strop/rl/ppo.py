@@ -48,7 +48,7 @@ from strop.config import Config
 from strop.data import Tokenizer
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
-from strop.job import run_steps, training_job
+from strop.job import RunResult, run_steps, training_job
 from strop.nonfinite import count_skipped
 from strop.preflight import preflight
 from strop.progress import RunProgress
@@ -63,15 +63,10 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class PpoResult:
-    """What a finished (or stopped) run produced."""
+class PpoResult(RunResult):
+    """What a finished (or stopped) run produced; the export is the actor."""
 
-    run_dir: Path
-    final_step: int
-    resumed_from: int | None
-    history: list[dict[str, float]]  # one metrics record per iteration run in this call
-    export_path: Path | None  # the actor: <run_dir>/adapter (LoRA) or <run_dir>/model
-    is_main: bool = True
+    history: list[dict[str, float]] = field(default_factory=list)  # per iteration run
 
 
 def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
@@ -104,8 +99,8 @@ def _train(
     loop = PpoLoop(config, engine, train, validation, tokenizer, reward, progress)
     run = run_steps(config, loop, progress, total=ppo.steps, stop_after=stop_after)
     return PpoResult(
-        Path(config.run_dir), run.end, run.resumed_from, run.records, run.export_path,
-        engine.is_main,
+        run_dir=Path(config.run_dir), final_step=run.end, resumed_from=run.resumed_from,
+        export_path=run.export_path, is_main=engine.is_main, history=run.records,
     )  # fmt: skip
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from strop.backends import get_backend
 from strop.config import Config
 from strop.data import Tokenizer, load_sft_examples, make_sft_batcher
 from strop.errors import ConfigError
-from strop.job import run_steps, training_job
+from strop.job import RunResult, run_steps, training_job
 from strop.nonfinite import count_skipped
 from strop.preflight import preflight
 from strop.progress import RunProgress
@@ -27,15 +27,10 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class SftResult:
-    """What a finished run produced."""
+class SftResult(RunResult):
+    """What a finished (or stopped) run produced."""
 
-    run_dir: Path
-    final_step: int
-    resumed_from: int | None
-    losses: list[float]
-    export_path: Path | None
-    is_main: bool = True  # False on every process but the first of a distributed run
+    losses: list[float] = field(default_factory=list)  # per step run in this call
 
 
 def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
@@ -83,10 +78,11 @@ def _train(config: Config, stop_after: int | None, progress: RunProgress) -> Sft
     )
     steps = SftSteps(config, policy, batcher, eval_batcher)
     run = run_steps(config, steps, progress, total=sft.steps, stop_after=stop_after)
-    losses = [record["train/loss"] for record in run.records]
     return SftResult(
-        Path(config.run_dir), run.end, run.resumed_from, losses, run.export_path, policy.is_main
-    )
+        run_dir=Path(config.run_dir), final_step=run.end, resumed_from=run.resumed_from,
+        export_path=run.export_path, is_main=policy.is_main,
+        losses=[record["train/loss"] for record in run.records],
+    )  # fmt: skip
 
 
 @dataclass
