@@ -1,8 +1,11 @@
 """PPO losses: the JAX and torch implementations equal the numpy float64 reference.
 
-Random cases feed the same float32 inputs to all three; the reference computes in
-float64 on them, the backends in float32, and results must agree at rtol 1e-6 /
-atol 1e-6 (float32's own rounding, ~6e-8 per op, accumulated over a few hundred
+The backends compute per-token terms (``policy_terms``, ``value_terms``); a loss is their
+sum under the loss weights of :func:`strop.rl.objectives.aggregation_weights`, as the PPO
+steps sum them (:func:`backend_policy_loss`, :func:`backend_value_loss`). Random cases feed
+the same float32 inputs to all three; the reference (``tests/losses_reference.py``)
+computes in float64 on them, the backends in float32, and results must agree at rtol 1e-6
+/ atol 1e-6 (float32's own rounding, ~6e-8 per op, accumulated over a few hundred
 tokens). Hand-computed cases check the reference itself (and, through the same helper,
 both backends) for each option. Gradients of the policy loss agree between jax.grad and
 torch autograd at 1e-6.
@@ -17,18 +20,24 @@ import pytest
 import torch
 
 from strop.backends.jax import losses as jax_losses
+from strop.backends.jax import ppo_steps as jax_steps
 from strop.backends.torch import losses as torch_losses
-from strop.rl import losses_reference as ref
+from strop.backends.torch import ppo_steps as torch_steps
+from strop.rl.losses import explained_variance
+from strop.rl.objectives import PolicyObjective, aggregation_weights
+from tests import losses_reference as ref
 
 RTOL = ATOL = 1e-6
 
 
 def to_jax(x):
-    return jnp.asarray(np.asarray(x, np.float32))
+    """float32 numpy -> jax; a jax array (a tracer, one to differentiate) passes through."""
+    return x if isinstance(x, jax.Array) else jnp.asarray(np.asarray(x, np.float32))
 
 
 def to_torch(x):
-    return torch.from_numpy(np.asarray(x, np.float32))
+    """float32 numpy -> torch; a tensor (one that requires grad) passes through."""
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x, np.float32))
 
 
 def to_numpy(x) -> np.ndarray:
@@ -45,16 +54,56 @@ def numpy_tree(out):
     return to_numpy(out)
 
 
-IMPLS = {
-    "numpy": (ref, lambda x: np.asarray(x, np.float32)),
-    "jax": (jax_losses, to_jax),
-    "torch": (torch_losses, to_torch),
-}
+BACKENDS = {"jax": (jax_losses, to_jax), "torch": (torch_losses, to_torch)}
+
+
+def weighted_sum(impl: str, per_token, mask: np.ndarray, mode: str = "token_mean"):
+    """``sum(per_token * w)`` with ``w = aggregation_weights(mask, mode)`` in the backend's
+    float32, as the PPO steps sum a micro-batch (``ppo_steps._weighted_sum``)."""
+    weights = BACKENDS[impl][1](aggregation_weights(np.asarray(mask), mode))
+    return (per_token * weights).sum()
+
+
+def backend_policy_loss(
+    impl, logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip=None,
+    aggregation="token_mean",
+):  # fmt: skip
+    """``ref.policy_loss`` from a backend: its ``policy_terms`` summed under the loss
+    weights of ``aggregation``, and the statistics under token-mean weights (the
+    reference's statistics are token means whatever the aggregation). ``mask`` is numpy."""
+    module, convert = BACKENDS[impl]
+    arrays = [convert(a) for a in (logprobs, old_logprobs, advantages, mask)]
+    per_token, terms = module.policy_terms(*arrays, clip_low, clip_high, dual_clip)
+    stats = {name: weighted_sum(impl, term, mask) for name, term in terms.items()}
+    return weighted_sum(impl, per_token, mask, aggregation), stats
+
+
+def backend_value_loss(
+    impl, values, old_values, returns, mask, value_clip, aggregation="token_mean"
+):
+    """``ref.value_loss`` from a backend: its ``value_terms`` summed under the loss weights
+    of ``aggregation``, ``vf_clipfrac`` under token-mean weights. ``mask`` is numpy."""
+    module, convert = BACKENDS[impl]
+    arrays = [convert(a) for a in (values, old_values, returns, mask)]
+    per_token, clipped = module.value_terms(*arrays, value_clip)
+    stats = {"vf_clipfrac": weighted_sum(impl, clipped, mask)}
+    return weighted_sum(impl, per_token, mask, aggregation), stats
+
+
+LOSSES = {"policy_loss": backend_policy_loss, "value_loss": backend_value_loss}
 
 
 def call(impl: str, name: str, *arrays, **kwargs):
-    """``impl.name(*arrays, **kwargs)`` with float32 array inputs, results as float64 numpy."""
-    module, convert = IMPLS[impl]
+    """``name(*arrays, **kwargs)`` of the reference (``impl`` "numpy") or a backend, with
+    float32 array inputs, results as float64 numpy. A backend's ``policy_loss`` and
+    ``value_loss`` are its per-token terms under the loss weights (``LOSSES``)."""
+    if impl == "numpy":
+        return numpy_tree(
+            getattr(ref, name)(*[np.asarray(a, np.float32) for a in arrays], **kwargs)
+        )
+    if name in LOSSES:
+        return numpy_tree(LOSSES[name](impl, *arrays, **kwargs))
+    module, convert = BACKENDS[impl]
     return numpy_tree(getattr(module, name)(*[convert(a) for a in arrays], **kwargs))
 
 
@@ -129,10 +178,11 @@ def test_kl_penalty_matches_reference(impl, seed, estimator):
 @pytest.mark.parametrize("impl", ["jax", "torch"])
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("mode", ["token_mean", "sequence_mean"])
-def test_aggregate_matches_reference(impl, seed, mode):
+def test_weighted_sum_matches_the_reference_aggregate(impl, seed, mode):
     c = random_case(seed)
     expected = ref.aggregate(c["advantages"], c["mask"], mode)
-    assert_tree_close(call(impl, "aggregate", c["advantages"], c["mask"], mode=mode), expected)
+    values = BACKENDS[impl][1](c["advantages"])
+    assert_tree_close(to_numpy(weighted_sum(impl, values, c["mask"], mode)), expected)
 
 
 POLICY_OPTIONS = [
@@ -188,25 +238,46 @@ def test_shift_values_matches_reference(impl):
 
 
 def test_backend_stats_are_0d_and_gradient_free():
+    """The PPO steps' micro-batch loss is a differentiable float32 scalar, its statistics
+    0-d and without gradient; the reference's are Python floats."""
     c = random_case(0)
-    args = (c["logprobs"], c["old_logprobs"], c["advantages"], c["mask"])
-    t_args = [to_torch(a) for a in args]
-    t_args[0].requires_grad_(True)
-    loss, stats = torch_losses.policy_loss(*t_args, 0.2, 0.2, dual_clip=2.0)
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(*c["mask"].shape, 16)).astype(np.float32)
+    micro = {
+        "input_ids": rng.integers(0, 16, c["mask"].shape).astype(np.int32),
+        "loss_weights": aggregation_weights(c["mask"], "token_mean"),
+        **{k: c[k] for k in ("old_logprobs", "advantages", "ref_logprobs")},
+    }
+    objective = PolicyObjective(
+        temperature=1.0, clip_low=0.2, clip_high=0.2, dual_clip=2.0, kl_in_loss=True,
+        kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01,
+    )  # fmt: skip
+    t_logits = torch.from_numpy(logits).requires_grad_(True)
+    t_micro = {k: torch.from_numpy(v) for k, v in micro.items()}
+    loss, stats = torch_steps.policy_micro_loss(t_logits, t_micro, objective)
     assert loss.requires_grad and loss.dtype == torch.float32 and loss.ndim == 0
+    assert {"clipfrac", "approx_kl", "dual_clip_frac", "kl_loss"} <= stats.keys()
     assert all(s.ndim == 0 and not s.requires_grad for s in stats.values())
-    j_loss, j_stats = jax_losses.policy_loss(*[to_jax(a) for a in args], 0.2, 0.2, dual_clip=2.0)
+    j_micro = {k: jnp.asarray(v) for k, v in micro.items()}
+    j_loss, j_stats = jax_steps.policy_micro_loss(jnp.asarray(logits), j_micro, objective)
     assert j_loss.dtype == jnp.float32 and all(s.shape == () for s in j_stats.values())
+
+    def stats_sum(lg):
+        return sum(jax_steps.policy_micro_loss(lg, j_micro, objective)[1].values())
+
+    assert not np.asarray(jax.grad(stats_sum)(jnp.asarray(logits))).any()  # stop_gradient
+    args = (c["logprobs"], c["old_logprobs"], c["advantages"], c["mask"])
     r_loss, r_stats = ref.policy_loss(*args, 0.2, 0.2, dual_clip=2.0)
     assert isinstance(r_loss, float) and all(isinstance(s, float) for s in r_stats.values())
 
 
 def test_jax_losses_jit():
     c = random_case(1)
-    args = [to_jax(c[k]) for k in ("logprobs", "old_logprobs", "advantages", "mask")]
-    fn = jax.jit(lambda *a: jax_losses.policy_loss(*a, 0.2, 0.28, dual_clip=3.0))
+    mask = c["mask"]
+    args = [to_jax(c[k]) for k in ("logprobs", "old_logprobs", "advantages")]
+    fn = jax.jit(lambda *a: backend_policy_loss("jax", *a, mask, 0.2, 0.28, dual_clip=3.0))
     assert_tree_close(
-        numpy_tree(fn(*args)), ref.policy_loss(*map(np.asarray, args), 0.2, 0.28, 3.0)
+        numpy_tree(fn(*args)), ref.policy_loss(*map(np.asarray, args), mask, 0.2, 0.28, 3.0)
     )
 
 
@@ -226,16 +297,12 @@ def test_policy_loss_gradients_agree(options):
     old, adv, mask = c["old_logprobs"], c["advantages"], c["mask"]
 
     def jax_loss(logprobs):
-        return jax_losses.policy_loss(logprobs, to_jax(old), to_jax(adv), to_jax(mask), **options)[
-            0
-        ]
+        return backend_policy_loss("jax", logprobs, old, adv, mask, **options)[0]
 
     j_grad = np.asarray(jax.grad(jax_loss)(to_jax(c["logprobs"])), np.float64)
 
     logprobs = to_torch(c["logprobs"]).requires_grad_(True)
-    t_loss, _ = torch_losses.policy_loss(
-        logprobs, to_torch(old), to_torch(adv), to_torch(mask), **options
-    )
+    t_loss, _ = backend_policy_loss("torch", logprobs, old, adv, mask, **options)
     t_loss.backward()
     t_grad = logprobs.grad.numpy().astype(np.float64)
 
@@ -394,18 +461,25 @@ def test_backend_kl_equals_the_reference_at_extreme_log_ratios(impl, estimator):
     np.testing.assert_allclose(got, slope, rtol=1e-5, atol=1e-6)
 
 
+def aggregate(impl: str, values, mask, mode: str) -> float:
+    """The reference's ``aggregate``, or a backend's weighted sum under the loss weights."""
+    if impl == "numpy":
+        return ref.aggregate(values, mask, mode)
+    return float(to_numpy(weighted_sum(impl, BACKENDS[impl][1](values), mask, mode)))
+
+
 @pytest.mark.parametrize("impl", ALL)
 def test_aggregations(impl):
     values = np.array([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0]])
     mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
     # token_mean: (1 + 2 + 3 + 4) / 4; sequence_mean: (mean(1, 2, 3) + 4) / 2, row 2 skipped
-    assert call(impl, "aggregate", values, mask, mode="token_mean") == pytest.approx(2.5)
-    assert call(impl, "aggregate", values, mask, mode="sequence_mean") == pytest.approx(3.0)
+    assert aggregate(impl, values, mask, "token_mean") == pytest.approx(2.5)
+    assert aggregate(impl, values, mask, "sequence_mean") == pytest.approx(3.0)
     empty = np.zeros_like(mask)
     for mode in ("token_mean", "sequence_mean"):
-        assert call(impl, "aggregate", values, empty, mode=mode) == 0.0
+        assert aggregate(impl, values, empty, mode) == 0.0
     with pytest.raises(ValueError, match="unknown loss aggregation"):
-        call(impl, "aggregate", values, mask, mode="sum")
+        aggregate(impl, values, mask, "sum")
     # the policy loss aggregates its per-token terms the same way
     adv = -values  # ratio 1, nothing clipped: per-token loss = A... negated twice = values
     zeros = np.zeros_like(values)
@@ -449,10 +523,10 @@ def test_entropy(impl):
 def test_explained_variance():
     mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0]])
     returns = np.array([[1.0, 2.0, 3.0, 50.0], [4.0, 50.0, 50.0, 50.0]])
-    assert ref.explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
     mean = np.full_like(returns, 2.5)
-    assert ref.explained_variance(mean, returns, mask) == pytest.approx(0.0)
+    assert explained_variance(mean, returns, mask) == pytest.approx(0.0)
     # V = R + (1, -1, 1, -1): var(R - V) = 1, var(R) = 1.25
     values = returns + np.array([[1.0, -1.0, 1.0, 0.0], [-1.0, 0.0, 0.0, 0.0]])
-    assert ref.explained_variance(values, returns, mask) == pytest.approx(1 - 1 / 1.25)
-    assert np.isnan(ref.explained_variance(returns, np.ones_like(returns), mask))
+    assert explained_variance(values, returns, mask) == pytest.approx(1 - 1 / 1.25)
+    assert np.isnan(explained_variance(returns, np.ones_like(returns), mask))

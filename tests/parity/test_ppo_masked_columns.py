@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from strop.backends.jax import losses as jax_losses
 from strop.backends.jax import ppo_steps as jax_steps
-from strop.backends.torch import losses as torch_losses
 from strop.backends.torch import ppo_steps as torch_steps
-from strop.rl import losses_reference as ref
 from strop.rl.objectives import PolicyObjective, ValueObjective, aggregation_weights
+from tests import losses_reference as ref
+from tests.parity.test_ppo_losses import backend_policy_loss, backend_value_loss
 
 GARBAGE = np.array([np.nan, np.inf, -np.inf, 1e30, -3e38, np.nan, 7.0], np.float32)
 
@@ -91,9 +90,7 @@ def assert_same(clean, dirty):
     np.testing.assert_array_equal(d_grad, c_grad)
 
 
-# --- the losses -----------------------------------------------------------------------------
-
-LOSS_MODULES = {"jax": jax_losses, "torch": torch_losses}
+# --- the losses: each backend's per-token terms under the loss weights ---------------------
 
 
 @pytest.mark.parametrize("impl", ["jax", "torch"])
@@ -106,10 +103,9 @@ def test_policy_loss_ignores_garbage_in_masked_columns(impl, options):
     options = {"clip_low": 0.2, "clip_high": 0.2, **options}
     c = policy_inputs(0)
     mask = c["mask"]
-    loss = LOSS_MODULES[impl].policy_loss
 
     def fn(logprobs, old, adv):
-        return loss(logprobs, old, adv, mask, **options)
+        return backend_policy_loss(impl, logprobs, old, adv, mask, **options)
 
     clean = value_and_grad(impl, fn, c["logprobs"], c["old_logprobs"], c["advantages"])
     old, adv = poison(c["old_logprobs"], mask, 1), poison(c["advantages"], mask, 2)
@@ -134,10 +130,9 @@ def test_policy_loss_ignores_garbage_in_masked_columns(impl, options):
 def test_value_loss_ignores_garbage_in_masked_columns(impl, value_clip):
     c = value_inputs(1)
     mask = c["mask"]
-    loss = LOSS_MODULES[impl].value_loss
 
     def fn(values, old, returns):
-        return loss(values, old, returns, mask, value_clip)
+        return backend_value_loss(impl, values, old, returns, mask, value_clip)
 
     clean = value_and_grad(impl, fn, c["values"], c["old_values"], c["returns"])
     old, returns = poison(c["old_values"], mask, 3), poison(c["returns"], mask, 4)

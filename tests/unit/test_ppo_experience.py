@@ -7,9 +7,9 @@ import pytest
 
 from strop.config import PpoConfig
 from strop.rl.experience import build_experience, minibatches, pad_columns
-from strop.rl.losses_reference import aggregate
 from strop.rl.objectives import aggregation_weights
 from strop.rl.prompts import PromptSet
+from tests.losses_reference import aggregate
 
 
 @pytest.mark.parametrize("mode", ["token_mean", "sequence_mean", "seq_mean_token_sum_norm"])

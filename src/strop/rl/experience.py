@@ -15,7 +15,7 @@ import numpy as np
 
 from strop.config import PpoConfig
 from strop.rl import estimators, gae
-from strop.rl.losses_reference import explained_variance, kl_penalty
+from strop.rl.losses import explained_variance, kl_penalty
 from strop.rl.objectives import aggregation_weights
 
 COLUMN_MULTIPLE = 16

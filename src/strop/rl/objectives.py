@@ -2,12 +2,13 @@
 that make micro-batching and data parallelism exact.
 
 A PPO loss is an aggregate of per-token terms over a mini-batch's response tokens
-(``token_mean`` or ``sequence_mean``, see :func:`strop.rl.losses_reference.aggregate`).
-Both aggregates are linear in the per-token terms, so the core computes, once per
-mini-batch, weights ``w [B, L]`` with ``aggregate(x, mask, mode) == (x * w).sum()``. A
-backend then sums ``x * w`` over whatever rows it holds (a micro-batch, a rank's shard)
-and the sums add up to the mini-batch loss exactly, with no division by a local count
-(ARCHITECTURE invariant 9). Statistics (clip fractions, entropy, KL) use the same weights.
+(``token_mean``, ``sequence_mean`` or Dr. GRPO's ``seq_mean_token_sum_norm``, see
+:func:`aggregation_weights`). All three are linear in the per-token terms, so the core
+computes, once per mini-batch, weights ``w [B, L]`` with ``aggregate(x, mask, mode) ==
+(x * w).sum()``. A backend then sums ``x * w`` over whatever rows it holds (a micro-batch,
+a rank's shard) and the sums add up to the mini-batch loss exactly, with no division by a
+local count (ARCHITECTURE invariant 9). Statistics (clip fractions, entropy, KL) use the
+same weights. The per-token terms follow the conventions of :mod:`strop.rl.losses`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from strop.config import Config
-from strop.rl.losses_reference import (
+from strop.rl.losses import (
     CONSTANT_NORMALISED,
     Aggregation,
     KlEstimator,

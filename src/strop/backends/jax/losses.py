@@ -1,10 +1,11 @@
 """PPO losses in ``jax.numpy``: differentiable, float32, jit-friendly.
 
-Same functions, arguments and semantics as the numpy reference
-:mod:`strop.rl.losses_reference` (see it and ``docs/ppo.md`` for the formulas); tested
-against it in ``tests/parity/test_ppo_losses.py``. Inputs are cast to float32. The
-string and clip arguments (``estimator``, ``mode``, ``aggregation``, ``dual_clip``,
-``value_clip``) are static Python values. Statistics are 0-d arrays with no gradient.
+The per-token terms the PPO steps (:mod:`strop.backends.jax.ppo_steps`) sum under the
+loss weights of :func:`strop.rl.objectives.aggregation_weights`, with the conventions of
+:mod:`strop.rl.losses` (see ``docs/ppo.md`` for the formulas); tested against the numpy
+float64 reference ``tests/losses_reference.py`` in ``tests/parity/test_ppo_losses.py``.
+Inputs are cast to float32. The clip arguments (``dual_clip``, ``value_clip``) and
+``estimator`` are static Python values.
 """
 
 from __future__ import annotations
@@ -12,14 +13,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from strop.rl.losses_reference import (
-    KL_VALUE_LIMIT,
+from strop.rl.losses import (
     LOG_RATIO_LIMIT,
-    Aggregation,
     KlEstimator,
-    check_aggregation,
     check_dual_clip,
-    check_estimator,
+    kl_estimate,
 )
 
 F32 = jnp.float32
@@ -47,35 +45,9 @@ def shift_values(raw: jax.Array) -> jax.Array:
 
 
 def kl_penalty(logprobs, ref_logprobs, estimator: KlEstimator) -> jax.Array:
-    """Per-token KL(pi || ref) estimate ``[B, L]``: k1, k2 or k3 (log-ratio clamped before
-    ``exp``), each value bounded to ``[-KL_VALUE_LIMIT, KL_VALUE_LIMIT]``."""
-    check_estimator(estimator)
-    d = jnp.clip(_f32(logprobs) - _f32(ref_logprobs), -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    if estimator == "k1":
-        kl = d
-    elif estimator == "k2":
-        kl = 0.5 * d * d
-    else:
-        kl = jnp.exp(-d) + d - 1.0
-    return jnp.clip(kl, -KL_VALUE_LIMIT, KL_VALUE_LIMIT)
-
-
-def aggregate(values, mask, mode: Aggregation) -> jax.Array:
-    """``token_mean`` or ``sequence_mean`` of ``values [B, L]`` over response tokens."""
-    check_aggregation(mode)
-    on = _on(mask)
-    x = jnp.where(on, _f32(values), 0.0)
-    count = on.astype(F32)
-    if mode == "token_mean":
-        return x.sum() / jnp.maximum(count.sum(), 1.0)
-    counts = count.sum(axis=1)
-    row_means = x.sum(axis=1) / jnp.maximum(counts, 1.0)
-    has = counts > 0
-    return jnp.where(has, row_means, 0.0).sum() / jnp.maximum(has.astype(F32).sum(), 1.0)
-
-
-def _stat(values, mask) -> jax.Array:
-    return jax.lax.stop_gradient(aggregate(values, mask, "token_mean"))
+    """Per-token KL(pi || ref) estimate ``[B, L]`` in float32: k1, k2 or k3, log-ratio
+    clamped, each value bounded (:func:`strop.rl.losses.kl_estimate`)."""
+    return kl_estimate(_f32(logprobs) - _f32(ref_logprobs), estimator, jnp)
 
 
 def policy_terms(
@@ -106,26 +78,6 @@ def policy_terms(
     return jnp.where(adv < 0, jnp.minimum(clipped, bound), clipped), terms
 
 
-def policy_loss(
-    logprobs,
-    old_logprobs,
-    advantages,
-    mask,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None = None,
-    aggregation: Aggregation = "token_mean",
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Clipped-surrogate PPO loss and stats ``clipfrac``, ``approx_kl`` (and
-    ``dual_clip_frac`` with a dual clip)."""
-    check_aggregation(aggregation)
-    per_token, terms = policy_terms(
-        logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip
-    )
-    stats = {name: _stat(term, mask) for name, term in terms.items()}
-    return aggregate(per_token, mask, aggregation), stats
-
-
 def entropy_from_logits(logits) -> jax.Array:
     """Entropy ``[B, L]`` of ``softmax(logits [B, L, V])`` per column, in float32
     (column ``j`` is the distribution of ``x_{j+1}``: shift right to align)."""
@@ -147,18 +99,3 @@ def value_terms(
     old = _select(on, old_values)
     clipped = (jnp.clip(v, old - value_clip, old + value_clip) - r) ** 2
     return 0.5 * jnp.maximum(unclipped, clipped), (clipped > unclipped).astype(F32)
-
-
-def value_loss(
-    values,
-    old_values,
-    returns,
-    mask,
-    value_clip: float | None,
-    aggregation: Aggregation = "token_mean",
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Clipped critic loss ``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)`` and stat
-    ``vf_clipfrac``; ``value_clip`` 0 or None means no clipping."""
-    check_aggregation(aggregation)
-    per_token, clipped = value_terms(values, old_values, returns, mask, value_clip)
-    return aggregate(per_token, mask, aggregation), {"vf_clipfrac": _stat(clipped, mask)}

@@ -1,59 +1,40 @@
 """PPO losses in numpy float64: the reference the backends' losses are tested against.
 
-``strop.backends.jax.losses`` and ``strop.backends.torch.losses`` implement the same
-functions with the same names, arguments and semantics, differentiably, in float32.
-Inputs are ``[B, L]`` in the teacher-forcing layout of :mod:`strop.rl.gae` (column ``t`` is
-about emitting ``x_t``; ``mask[b, t] = 1`` marks response tokens); ``docs/ppo.md`` has
-each formula.
-
-Shared conventions (all three implementations):
-
-- Log-ratios ``a - b`` are clamped to ``[-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT]`` before
-  ``exp`` (k3 and the policy ratio), so one absurd token cannot make ``inf``/``NaN``.
-- Every per-token KL value (k1, k2, k3) is bounded to ``[-KL_VALUE_LIMIT,
-  KL_VALUE_LIMIT]`` (verl's ``kl_penalty`` clamps k3 the same way), so one token the
-  reference finds absurd cannot swamp a reward or a loss (k3 at a log-ratio of -15 is
-  ``e^15 - 16 = 3.3e6``). Where the bound is in force the token's KL has no gradient.
-- Masked-out columns are selected away (``where``) before any non-linear op, never
-  multiplied by 0, so whatever they hold (NaN and Inf included) reaches neither a result
-  nor, in the backends, a gradient (the gradient of ``where(m, f(x), 0)`` is NaN where
-  ``f'(x)`` is, so the inputs themselves are selected first).
-- ``token_mean`` over no tokens is 0, not NaN (``sum / max(count, 1)``).
-- Statistics are token means over response tokens, whatever the loss's aggregation.
+``strop.backends.jax.losses`` and ``strop.backends.torch.losses`` compute the per-token
+terms (``policy_terms``, ``value_terms``, ``kl_penalty``, ``entropy_from_logits``) in float32,
+differentiably; the PPO steps sum them under the loss weights of
+:func:`strop.rl.objectives.aggregation_weights`. This module computes the same losses
+directly, in float64: ``aggregate`` (``token_mean``, ``sequence_mean``, Dr. GRPO's
+``seq_mean_token_sum_norm``), ``policy_loss``, ``value_loss``, ``entropy_from_logits``.
+``kl_penalty`` and ``explained_variance`` are the core's own numpy functions
+(:mod:`strop.rl.losses`, which also states the conventions all of them follow), re-exported.
+Statistics are token means over response tokens, whatever the loss's aggregation.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import numpy as np
 
-KlEstimator = Literal["k1", "k2", "k3"]
-Aggregation = Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"]
+from strop.rl.losses import (
+    CONSTANT_NORMALISED,
+    KL_VALUE_LIMIT,
+    LOG_RATIO_LIMIT,
+    Aggregation,
+    check_aggregation,
+    check_dual_clip,
+    explained_variance,
+    kl_penalty,
+)
 
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
-AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean")
-# Dr. GRPO's constant normaliser needs the response-length budget: the PPO loop reaches it
-# through loss weights (strop.rl.objectives.aggregation_weights), and only this oracle
-# computes it directly.
-CONSTANT_NORMALISED = "seq_mean_token_sum_norm"
-LOG_RATIO_LIMIT = 20.0
-KL_VALUE_LIMIT = 10.0
-
-
-def check_estimator(estimator: str) -> None:
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
-
-
-def check_aggregation(mode: str) -> None:
-    if mode not in AGGREGATIONS:
-        raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGGREGATIONS}")
-
-
-def check_dual_clip(dual_clip: float | None) -> None:
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+__all__ = [
+    "KL_VALUE_LIMIT",
+    "aggregate",
+    "entropy_from_logits",
+    "explained_variance",
+    "kl_penalty",
+    "policy_loss",
+    "value_loss",
+]
 
 
 def _f64(x) -> np.ndarray:
@@ -67,27 +48,6 @@ def _on(mask) -> np.ndarray:
 def _select(on: np.ndarray, x) -> np.ndarray:
     """``x`` (float64) where ``on``, else 0: nothing is computed on masked columns."""
     return np.where(on, _f64(x), 0.0)
-
-
-def kl_penalty(
-    logprobs: np.ndarray, ref_logprobs: np.ndarray, estimator: KlEstimator
-) -> np.ndarray:
-    """Per-token estimate ``[B, L]`` of KL(pi || ref) from the sampled tokens' log-probs.
-
-    With ``d = logprobs - ref_logprobs``: ``k1 = d``; ``k2 = d^2 / 2``;
-    ``k3 = exp(-d) + d - 1`` (Schulman's estimator, unbiased and non-negative; ``d``
-    clamped to ``[-20, 20]`` before ``exp``). Each value is then bounded to ``[-10, 10]``
-    (``KL_VALUE_LIMIT``). Not masked: the caller aggregates or puts it in rewards.
-    """
-    check_estimator(estimator)
-    d = np.clip(_f64(logprobs) - _f64(ref_logprobs), -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    if estimator == "k1":
-        kl = d
-    elif estimator == "k2":
-        kl = 0.5 * d * d
-    else:
-        kl = np.exp(-d) + d - 1.0
-    return np.clip(kl, -KL_VALUE_LIMIT, KL_VALUE_LIMIT)
 
 
 def aggregate(
@@ -210,20 +170,3 @@ def value_loss(
         per_token = 0.5 * unclipped
         frac = 0.0
     return aggregate(per_token, mask, aggregation), {"vf_clipfrac": frac}
-
-
-def explained_variance(values: np.ndarray, returns: np.ndarray, mask: np.ndarray) -> float:
-    """``1 - var(R - V) / var(R)`` over response tokens (biased variances).
-
-    1 is a perfect critic, 0 one no better than the mean return, negative worse than
-    that. NaN when the returns have no variance (or there are no response tokens).
-    """
-    on = _on(mask)
-    if not on.any():
-        return float("nan")
-    r = _f64(returns)[on]
-    v = _f64(values)[on]
-    var_r = r.var()
-    if var_r == 0:
-        return float("nan")
-    return float(1.0 - (r - v).var() / var_r)
