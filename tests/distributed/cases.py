@@ -85,3 +85,16 @@ def sample_prompts(policy) -> dict[str, np.ndarray]:
         out[f"{name}/logprobs"] = generation.logprobs
         out[f"{name}/lengths"] = generation.lengths
     return out
+
+
+def sft_gradients(policy, batch, micro_batches: int) -> tuple[float, float]:
+    """An SFT pass of a ``TorchPolicy`` over ``batch`` that leaves the gradients and applies
+    nothing: (summed loss, target tokens)."""
+    from strop.sft.objective import SFT_BATCH, target_tokens, with_loss_weights
+
+    weighted = with_loss_weights(batch)
+    stats = policy.trainer.accumulate(
+        weighted, SFT_BATCH, micro_batches, policy.micro_loss, dropout=True
+    )
+    count = target_tokens(batch["loss_mask"])
+    return stats["loss"] * count, count

@@ -25,6 +25,7 @@ from tests.distributed.cases import (
     named_grads,
     sample_prompts,
     seeded_adapter,
+    sft_gradients,
 )
 
 
@@ -65,7 +66,7 @@ def main() -> None:
     sharded = all(type(p).__name__ == "DTensor" for p in params.values())
     layers = len(decoder_layers(policy.model))
     set_adapter_weights(policy.model, seeded_adapter(policy.model), "test")
-    loss_sum, count = policy.trainer.accumulate(batch, micro_batches=2)
+    loss_sum, count = sft_gradients(policy, batch, micro_batches=2)
     grads = named_grads(policy.model)
     norm, applied = policy.trainer.apply(loss_sum / count)
     assert applied
@@ -84,7 +85,7 @@ def main() -> None:
     policy = TorchPolicy(
         full_config(full_model, out / "full-run"), total_steps=4, checkpoint_dir=out / "full-ckpt"
     )
-    loss_sum, count = policy.trainer.accumulate(batch, micro_batches=1)
+    loss_sum, count = sft_gradients(policy, batch, micro_batches=1)
     full = {
         "loss_sum": loss_sum,
         "count": count,

@@ -27,6 +27,7 @@ from tests.distributed.cases import (
     named_grads,
     sample_prompts,
     seeded_adapter,
+    sft_gradients,
 )
 from tests.distributed.write_recorder import assert_each_output_written_once
 
@@ -69,7 +70,7 @@ def test_lora_two_processes_equal_one(two_process_run, tmp_path):
         lora_config(lora_model, tmp_path), total_steps=4, checkpoint_dir=tmp_path / "c"
     )
     set_adapter_weights(policy.model, seeded_adapter(policy.model), "test")
-    loss_sum, count = policy.trainer.accumulate(global_batch(), micro_batches=2)
+    loss_sum, count = sft_gradients(policy, global_batch(), micro_batches=2)
     grads = named_grads(policy.model)
     norm, applied = policy.trainer.apply(loss_sum / count)
     assert applied
@@ -105,7 +106,7 @@ def test_full_finetuning_two_processes_equal_one(two_process_run, tmp_path):
     policy = TorchPolicy(
         full_config(tied_model, tmp_path), total_steps=4, checkpoint_dir=tmp_path / "c"
     )
-    loss_sum, _ = policy.trainer.accumulate(global_batch(), micro_batches=1)
+    loss_sum, _ = sft_gradients(policy, global_batch(), micro_batches=1)
     grads = named_grads(policy.model)
     assert "model.embed_tokens.weight" in grads  # tied with lm_head: one gradient, both uses
     assert len(grads) == len([k for k in sharded if k.startswith("grad/")])

@@ -247,10 +247,7 @@ class TorchActorCritic:
                 logits = forward_logits(loaded, micro["input_ids"], micro["attention_mask"])
                 return policy_micro_loss(logits, micro, self.policy_objective)
 
-            stats = self.actor_trainer.accumulate_weighted(batch, names, micro_batches, loss_fn)
-        stats["grad_norm"], applied = self.actor_trainer.apply(stats["loss"])
-        stats["skipped"] = float(not applied)
-        return stats
+            return self.actor_trainer.update(batch, names, micro_batches, loss_fn)
 
     def train_critic(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
         with self._role("critic"):
@@ -259,10 +256,7 @@ class TorchActorCritic:
                 values = self.critic.values(micro["input_ids"], micro["attention_mask"])
                 return critic_micro_loss(values, micro, self.value_objective)
 
-            trainer = self.critic_trainer
-            stats = trainer.accumulate_weighted(batch, CRITIC_BATCH, micro_batches, loss_fn)
-        stats["grad_norm"], applied = self.critic_trainer.apply(stats["loss"])
-        stats["skipped"] = float(not applied)
+            stats = self.critic_trainer.update(batch, CRITIC_BATCH, micro_batches, loss_fn)
         stats["loss"] = stats.pop("value_loss")
         return stats
 

@@ -20,12 +20,13 @@ from strop.backends.torch.generate import generate
 from strop.backends.torch.handle import save_hf_model
 from strop.backends.torch.lora import export_adapter, set_adapter_weights
 from strop.backends.torch.model import build_model, forward_logits
-from strop.backends.torch.train import BATCH_KEYS, Trainer, token_loss_sum
+from strop.backends.torch.train import BATCH_KEYS, Trainer, sft_micro_loss, token_loss_sum
 from strop.config import Config
 from strop.errors import ConfigError
 from strop.generation import Decoder, Generation, SamplingParams
 from strop.io.peft import read_adapter_for
 from strop.io.run_identity import run_identity
+from strop.sft.objective import SFT_BATCH, target_tokens, with_loss_weights
 
 _UPDATES_KEY = "optimizer_updates"  # the schedule's clock, kept in the checkpoint's extra
 
@@ -70,7 +71,14 @@ class TorchPolicy:
         return self.placement.is_main
 
     def train_step(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
-        return self.trainer.step(batch, micro_batches)
+        batch = with_loss_weights(batch)
+        stats = self.trainer.update(batch, SFT_BATCH, micro_batches, self.micro_loss, dropout=True)
+        return {**stats, "tokens": target_tokens(batch["loss_mask"])}
+
+    def micro_loss(self, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """A micro-batch's weighted share of the SFT loss (:func:`sft_micro_loss`)."""
+        logits = forward_logits(self.loaded, micro["input_ids"], micro["attention_mask"])
+        return sft_micro_loss(logits, micro)
 
     @torch.no_grad()
     def eval_loss(self, batch: dict[str, np.ndarray]) -> tuple[float, float]:

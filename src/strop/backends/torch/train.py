@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from strop.backends.torch.fsdp import Placement, all_reduce_sum
-from strop.backends.torch.model import LoadedModel, forward_logits
+from strop.backends.torch.model import LoadedModel
 from strop.config import OptimConfig
 from strop.errors import ConfigError
 from strop.schedules import learning_rate
@@ -60,6 +60,20 @@ def token_loss_sum(
     )
     mask = loss_mask[:, 1:].reshape(-1).float()
     return (losses * mask).sum(), mask.sum()
+
+
+def sft_micro_loss(
+    logits: torch.Tensor, micro: Mapping[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A micro-batch's share of the SFT loss: next-token cross-entropy weighted by its
+    ``loss_weights`` (:mod:`strop.sft.objective`); no stats besides the loss."""
+    vocab = logits.shape[-1]
+    losses = F.cross_entropy(
+        logits[:, :-1].reshape(-1, vocab).float(),
+        micro["input_ids"][:, 1:].reshape(-1),
+        reduction="none",
+    )
+    return (losses * micro["loss_weights"][:, 1:].reshape(-1).float()).sum(), {}
 
 
 def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -143,9 +157,6 @@ class Trainer:
         self.optimizer = make_optimizer(self.params, optim)
         self.updates = 0  # optimizer updates applied so far: the schedule's clock
 
-    def _rank_rows(self, batch: Mapping[str, np.ndarray], micro_batches: int) -> dict:
-        return rank_rows(batch, BATCH_KEYS, micro_batches, self.loaded.placement)
-
     def _reseed(self) -> None:
         """Seed in-step randomness (dropout) from (seed, update, rank)."""
         seed = np.random.SeedSequence([self.seed, self.updates, self.loaded.placement.rank])
@@ -156,23 +167,29 @@ class Trainer:
             if isinstance(module, FSDPModule):  # reduce-scatter once, after the last one
                 module.set_requires_gradient_sync(now)
 
-    def accumulate_weighted(
+    def accumulate(
         self,
         batch: Mapping[str, np.ndarray],
         names: Sequence[str],
         micro_batches: int,
         loss_fn: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+        *,
+        dropout: bool = False,
     ) -> dict[str, float]:
-        """Backpropagate ``loss_fn`` over this rank's micro-batches of ``batch``.
+        """Backpropagate ``loss_fn`` over this rank's micro-batches of ``batch``, leaving the
+        gradients in ``.grad`` (reduced over ranks; sharded for DTensors).
 
         ``loss_fn(micro) -> (loss, stats)`` returns sums already weighted for the whole
-        global batch (PPO's ``loss_weights``), so gradients and stats just add up over
-        micro-batches and ranks. Returns the global sums of ``loss`` and every stat.
-        Every array is per token (``[B, L]``); each micro-batch is cut to the columns its
-        rows use (:func:`without_padding_columns`).
+        global batch (its ``loss_weights``: :mod:`strop.sft.objective`,
+        :mod:`strop.rl.objectives`), so gradients and stats just add up over micro-batches
+        and ranks. Returns the global sums of ``loss`` and every stat. Every array is per
+        token (``[B, L]``); each micro-batch is cut to the columns its rows use
+        (:func:`without_padding_columns`). ``dropout``: run the model in training mode.
         """
         local = rank_rows(batch, names, micro_batches, self.loaded.placement)
         self._reseed()
+        if dropout:
+            self.loaded.model.train()
         sums: dict[str, float] = {}
         for micro in range(micro_batches):
             self._sync_gradients(micro == micro_batches - 1)
@@ -182,32 +199,8 @@ class Trainer:
             loss.backward()
             for name, value in {"loss": loss, **stats}.items():
                 sums[name] = sums.get(name, 0.0) + float(value.detach())
+        self.loaded.model.eval()
         return {name: all_reduce_sum(v, self.loaded.placement) for name, v in sums.items()}
-
-    def accumulate(
-        self, batch: Mapping[str, np.ndarray], micro_batches: int = 1
-    ) -> tuple[float, float]:
-        """Forward and backward over the global ``batch``, leaving gradients in ``.grad``.
-
-        Returns the global (summed loss, target-token count); the gradients are those of
-        ``summed loss / count``, already reduced over ranks (sharded for DTensors).
-        """
-        model, placement = self.loaded.model, self.loaded.placement
-        local = self._rank_rows(batch, micro_batches)
-        local_count = float(local["loss_mask"][..., 1:].sum())
-        count = max(all_reduce_sum(local_count, placement), 1.0)
-        self._reseed()
-        model.train()
-        loss_sum = 0.0
-        for micro in range(micro_batches):
-            self._sync_gradients(micro == micro_batches - 1)
-            ids, mask = local["input_ids"][micro], local["attention_mask"][micro]
-            logits = forward_logits(self.loaded, ids, mask)
-            micro_sum, _ = token_loss_sum(logits, ids, local["loss_mask"][micro])
-            (micro_sum / count).backward()
-            loss_sum += float(micro_sum.detach())
-        model.eval()
-        return all_reduce_sum(loss_sum, placement), count
 
     def apply(self, loss: float) -> tuple[float, bool]:
         """Clip, set the scheduled learning rate, step the optimizer; return the grad norm
@@ -232,14 +225,19 @@ class Trainer:
         self.updates += 1
         return host_norm, True
 
-    def step(self, batch: Mapping[str, np.ndarray], micro_batches: int = 1) -> dict[str, float]:
-        """One optimizer update over the global ``batch`` (``[B, L]`` numpy, same on every rank).
-
-        Returns host floats: ``loss`` (mean over all target tokens), ``tokens``,
-        ``grad_norm`` (before clipping) and ``skipped`` (1.0 when the loss or gradient norm
-        was not finite and the step was not applied: see :meth:`apply`).
-        """
-        loss_sum, count = self.accumulate(batch, micro_batches)
-        loss = loss_sum / count
-        norm, applied = self.apply(loss)
-        return {"loss": loss, "tokens": count, "grad_norm": norm, "skipped": float(not applied)}
+    def update(
+        self,
+        batch: Mapping[str, np.ndarray],
+        names: Sequence[str],
+        micro_batches: int,
+        loss_fn: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+        *,
+        dropout: bool = False,
+    ) -> dict[str, float]:
+        """One optimizer update: :meth:`accumulate`, then :meth:`apply`. Returns the global
+        ``loss`` and stats, ``grad_norm`` (before clipping) and ``skipped`` (1.0 when the
+        loss or gradient norm was not finite and the update was not applied)."""
+        stats = self.accumulate(batch, names, micro_batches, loss_fn, dropout=dropout)
+        stats["grad_norm"], applied = self.apply(stats["loss"])
+        stats["skipped"] = float(not applied)
+        return stats
