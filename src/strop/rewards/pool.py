@@ -23,20 +23,17 @@ interpreter exits. Workers also die with their parent on Linux (``PR_SET_PDEATHS
 exit when their stdin closes, so none outlives the trainer. (The death signal follows the
 thread that started a process, so workers are started from one long-lived thread rather
 than from whichever thread called the pool.) A used pool can be used again
-after :meth:`~VerifierPool.close`; it starts new workers. POSIX only.
+after :meth:`~VerifierPool.close`; it starts new workers. POSIX only. (The parent's end of
+one worker, and the thread that starts them, are in :mod:`strop.rewards.workers`.)
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import importlib.util
-import json
 import logging
 import os
-import queue
 import select
-import struct
 import subprocess
 import sys
 import threading
@@ -46,14 +43,13 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from strop.errors import BackendUnavailableError
+from strop.rewards.workers import Worker, kill, spawner
 
 logger = logging.getLogger(__name__)
 
 _WORKER_SCRIPT = str(Path(__file__).with_name("_verify_worker.py"))
-_HEADER = struct.Struct(">I")
 _MAX_START_FAILURES = 3
 
 
@@ -83,118 +79,12 @@ class PoolStats:
     restarts: int = 0
 
 
-class _Worker:
-    """One child process and the parent's end of its pipes."""
-
-    def __init__(self, proc: subprocess.Popen, now: float):
-        self.proc = proc
-        assert proc.stdout is not None and proc.stdin is not None
-        self.fd = proc.stdout.fileno()
-        os.set_blocking(self.fd, False)
-        self.buffer = bytearray()
-        self.started = now
-        self.ready = False
-        self.item: int | None = None  # index of the pair it is checking
-        self.since = 0.0  # when it was handed that pair
-
-    def send(self, message: dict) -> None:
-        data = json.dumps(message).encode()
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(_HEADER.pack(len(data)) + data)
-        self.proc.stdin.flush()
-
-    def receive(self) -> list[dict] | None:
-        """The complete messages that arrived; ``None`` once the worker closed its stdout."""
-        eof = False
-        while True:
-            try:
-                chunk = os.read(self.fd, 1 << 16)
-            except BlockingIOError:
-                break
-            if not chunk:
-                eof = True
-                break
-            self.buffer += chunk
-        messages = []
-        while len(self.buffer) >= _HEADER.size:
-            (size,) = _HEADER.unpack_from(self.buffer)
-            if len(self.buffer) < _HEADER.size + size:
-                break
-            messages.append(json.loads(self.buffer[_HEADER.size : _HEADER.size + size]))
-            del self.buffer[: _HEADER.size + size]
-        if eof and not messages:
-            return None
-        return messages
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    """SIGKILL and reap ``proc``; close its pipes. Never raises."""
-    with contextlib.suppress(OSError):
-        proc.kill()
-    for pipe in (proc.stdin, proc.stdout):
-        if pipe is not None:
-            with contextlib.suppress(OSError):
-                pipe.close()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:  # pragma: no cover - a process stuck in the kernel
-        logger.warning("verifier worker %d did not exit after SIGKILL", proc.pid)
-
-
-class _Spawner:
-    """Starts processes from one long-lived daemon thread.
-
-    ``PR_SET_PDEATHSIG`` fires when the *thread* that started a process exits, not the
-    process. Starting workers from whichever thread happened to call the pool (a short-lived
-    executor thread, say) would get them killed when that thread ends; this thread lives as
-    long as the interpreter.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._pid = 0
-
-    def popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen:
-        with self._lock:
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                self._requests = queue.SimpleQueue()
-                self._thread = threading.Thread(
-                    target=self._serve,
-                    args=(self._requests,),
-                    name="strop-verify-spawner",
-                    daemon=True,
-                )
-                self._thread.start()
-                self._pid = os.getpid()
-            requests = self._requests
-        reply: queue.SimpleQueue = queue.SimpleQueue()
-        requests.put((args, kwargs, reply))
-        ok, value = reply.get()
-        if not ok:
-            raise value
-        return value
-
-    @staticmethod
-    def _serve(requests: queue.SimpleQueue) -> None:
-        while True:
-            args, kwargs, reply = requests.get()
-            try:
-                reply.put((True, subprocess.Popen(*args, **kwargs)))
-            except BaseException as exc:
-                reply.put((False, exc))
-
-
-_spawner = _Spawner()
-
-
 def _kill_all(procs: set[subprocess.Popen], owner_pid: int) -> None:
     # A forked child inherits this finalizer; the workers belong to its parent, not to it.
     if os.getpid() != owner_pid:
         return
     while procs:
-        _kill(procs.pop())
+        kill(procs.pop())
 
 
 class VerifierPool:
@@ -229,7 +119,7 @@ class VerifierPool:
         self.max_memory_bytes = max_memory_bytes
         self.start_timeout_s = float(start_timeout_s)
         self._lock = threading.Lock()
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         self._stats = PoolStats()
         self._start_failures = 0
         self._adopt_process()
@@ -278,7 +168,7 @@ class VerifierPool:
     def _close_locked(self) -> None:
         for worker in self._workers:
             self._procs.discard(worker.proc)
-            _kill(worker.proc)
+            kill(worker.proc)
         self._workers = []
         self._start_failures = 0
 
@@ -307,11 +197,11 @@ class VerifierPool:
                 self._close_locked()
                 raise
 
-    def _spawn(self) -> _Worker:
+    def _spawn(self) -> Worker:
         env = dict(os.environ)
         env["STROP_VERIFY_PARENT_PID"] = str(os.getpid())
         env["STROP_VERIFY_MAX_MEMORY"] = str(self.max_memory_bytes or 0)
-        proc = _spawner.popen(
+        proc = spawner.popen(
             [sys.executable, "-P", _WORKER_SCRIPT],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -320,15 +210,15 @@ class VerifierPool:
             start_new_session=True,
         )
         self._procs.add(proc)
-        return _Worker(proc, time.monotonic())
+        return Worker(proc, time.monotonic())
 
-    def _replace(self, worker: _Worker) -> None:
+    def _replace(self, worker: Worker) -> None:
         self._procs.discard(worker.proc)
-        _kill(worker.proc)
+        kill(worker.proc)
         self._workers[self._workers.index(worker)] = self._spawn()
         self._stats = replace(self._stats, restarts=self._stats.restarts + 1)
 
-    def _start_failed(self, worker: _Worker, why: str) -> None:
+    def _start_failed(self, worker: Worker, why: str) -> None:
         self._start_failures += 1
         if self._start_failures >= _MAX_START_FAILURES:
             raise BackendUnavailableError(
@@ -338,7 +228,7 @@ class VerifierPool:
         logger.warning("verifier worker %d failed to start (%s); retrying", worker.proc.pid, why)
         self._replace(worker)
 
-    def _finish(self, worker: _Worker, verdicts: list[Verdict | None], verdict: Verdict) -> None:
+    def _finish(self, worker: Worker, verdicts: list[Verdict | None], verdict: Verdict) -> None:
         assert worker.item is not None
         verdicts[worker.item] = verdict
         worker.item = None
@@ -351,97 +241,131 @@ class VerifierPool:
         )
 
     def _run(self, pairs: Sequence[tuple[str, str]]) -> list[Verdict]:
+        self._start_workers()
+        verdicts: list[Verdict | None] = [None] * len(pairs)
+        pending = deque(range(len(pairs)))
+        while pending or any(w.item is not None for w in self._workers):
+            self._hand_out(pairs, pending, verdicts)
+            readable = self._wait()
+            self._collect(readable, verdicts)
+            self._expire(verdicts)
+        assert all(v is not None for v in verdicts)
+        return verdicts  # type: ignore[return-value]
+
+    def _start_workers(self) -> None:
+        """Start the workers if none run (on first use, and after :meth:`close`)."""
         if not self._workers:
             if importlib.util.find_spec("math_verify") is None:
                 raise BackendUnavailableError(
                     "the math rewards need math-verify: pip install 'math-verify>=0.9'"
                 )
             self._workers = [self._spawn() for _ in range(self.workers)]
-        verdicts: list[Verdict | None] = [None] * len(pairs)
-        queue = deque(range(len(pairs)))
-        while queue or any(w.item is not None for w in self._workers):
-            now = time.monotonic()
-            for worker in list(self._workers):
-                if not (queue and worker.ready and worker.item is None):
-                    continue
-                if worker.proc.poll() is not None:  # died while idle: not the item's fault
-                    self._replace(worker)
-                    continue
-                index = queue.popleft()
-                gold, answer = pairs[index]
-                worker.item, worker.since = index, now
-                try:
-                    worker.send({"id": index, "gold": str(gold), "answer": str(answer)})
-                except OSError as exc:
-                    logger.debug("verifier worker %d: send failed: %r", worker.proc.pid, exc)
-                    self._finish(worker, verdicts, Verdict.ERROR)
-                    self._replace(worker)
 
-            waits = [
-                (w.since + self.deadline_s)
-                if w.item is not None
-                else (w.started + self.start_timeout_s)
-                for w in self._workers
-                if w.item is not None or not w.ready
-            ]
-            if not waits:
+    def _hand_out(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        pending: deque[int],
+        verdicts: list[Verdict | None],
+    ) -> None:
+        """Give the next pending pair to each ready, idle worker; its deadline starts now."""
+        now = time.monotonic()
+        for worker in list(self._workers):
+            if not (pending and worker.ready and worker.item is None):
                 continue
-            timeout = max(0.0, min(waits) - time.monotonic())
-            readable, _, _ = select.select([w.fd for w in self._workers], [], [], timeout)
+            if worker.proc.poll() is not None:  # died while idle: not the item's fault
+                self._replace(worker)
+                continue
+            index = pending.popleft()
+            gold, answer = pairs[index]
+            worker.item, worker.since = index, now
+            try:
+                worker.send({"id": index, "gold": str(gold), "answer": str(answer)})
+            except OSError as exc:
+                logger.debug("verifier worker %d: send failed: %r", worker.proc.pid, exc)
+                self._finish(worker, verdicts, Verdict.ERROR)
+                self._replace(worker)
 
-            for worker in [w for w in self._workers if w.fd in readable]:
-                messages = worker.receive()
-                if messages is None:  # the worker exited
-                    code = worker.proc.wait()
-                    if worker.item is not None:
-                        logger.debug("verifier worker died (exit %s) on item %d", code, worker.item)
-                        self._finish(worker, verdicts, Verdict.ERROR)
-                        self._replace(worker)
-                    elif not worker.ready:
-                        self._start_failed(worker, f"exit code {code}")
-                    else:
-                        self._replace(worker)
-                    continue
-                for message in messages:
-                    if "ready" in message:
-                        worker.ready = True
-                        self._start_failures = 0
-                    elif "fatal" in message:
-                        raise BackendUnavailableError(
-                            f"math-verify cannot be loaded in the reward worker "
-                            f"({message['fatal']}); pip install 'math-verify>=0.9'"
-                        )
-                    elif worker.item is not None and message.get("id") == worker.item:
-                        if "error" in message:
-                            logger.debug("math-verify failed: %s", message["error"])
-                            self._finish(worker, verdicts, Verdict.ERROR)
-                        else:
-                            equal = bool(message.get("equal"))
-                            self._finish(
-                                worker, verdicts, Verdict.EQUAL if equal else Verdict.NOT_EQUAL
-                            )
-                    else:  # cannot happen with this worker script; never trust the pipe blindly
-                        logger.warning("verifier worker sent an unexpected message: %r", message)
-                        if worker.item is not None:
-                            self._finish(worker, verdicts, Verdict.ERROR)
-                        self._replace(worker)
-                        break
+    def _wait(self) -> list[int]:
+        """Block until a worker has output or the nearest deadline (an item's, or a start-up's)
+        passes; the file descriptors that can be read. At once, with none, when every worker
+        is ready and idle."""
+        waits = [
+            (w.since + self.deadline_s)
+            if w.item is not None
+            else (w.started + self.start_timeout_s)
+            for w in self._workers
+            if w.item is not None or not w.ready
+        ]
+        if not waits:
+            return []
+        timeout = max(0.0, min(waits) - time.monotonic())
+        readable, _, _ = select.select([w.fd for w in self._workers], [], [], timeout)
+        return readable
 
-            now = time.monotonic()
-            for worker in list(self._workers):
-                if worker.item is not None and now - worker.since >= self.deadline_s:
-                    logger.debug(
-                        "verifier item %d exceeded %.1f s; killing worker %d",
-                        worker.item,
-                        self.deadline_s,
-                        worker.proc.pid,
-                    )
-                    self._finish(worker, verdicts, Verdict.TIMEOUT)
-                    self._replace(worker)
-                elif not worker.ready and now - worker.started >= self.start_timeout_s:
-                    self._start_failed(worker, f"not ready after {self.start_timeout_s:.0f} s")
-        assert all(v is not None for v in verdicts)
-        return verdicts  # type: ignore[return-value]
+    def _collect(self, readable: list[int], verdicts: list[Verdict | None]) -> None:
+        """Read the workers with output: readiness, verdicts and exits."""
+        for worker in [w for w in self._workers if w.fd in readable]:
+            messages = worker.receive()
+            if messages is None:
+                self._exited(worker, verdicts)
+                continue
+            for message in messages:
+                if not self._on_message(worker, message, verdicts):
+                    break
+
+    def _exited(self, worker: Worker, verdicts: list[Verdict | None]) -> None:
+        """``worker`` closed its stdout: reap it and start another."""
+        code = worker.proc.wait()
+        if worker.item is not None:
+            logger.debug("verifier worker died (exit %s) on item %d", code, worker.item)
+            self._finish(worker, verdicts, Verdict.ERROR)
+            self._replace(worker)
+        elif not worker.ready:
+            self._start_failed(worker, f"exit code {code}")
+        else:
+            self._replace(worker)
+
+    def _on_message(self, worker: Worker, message: dict, verdicts: list[Verdict | None]) -> bool:
+        """Act on one message from ``worker``; ``False`` once it has been replaced."""
+        if "ready" in message:
+            worker.ready = True
+            self._start_failures = 0
+        elif "fatal" in message:
+            raise BackendUnavailableError(
+                f"math-verify cannot be loaded in the reward worker "
+                f"({message['fatal']}); pip install 'math-verify>=0.9'"
+            )
+        elif worker.item is not None and message.get("id") == worker.item:
+            if "error" in message:
+                logger.debug("math-verify failed: %s", message["error"])
+                self._finish(worker, verdicts, Verdict.ERROR)
+            else:
+                equal = bool(message.get("equal"))
+                self._finish(worker, verdicts, Verdict.EQUAL if equal else Verdict.NOT_EQUAL)
+        else:  # cannot happen with this worker script; never trust the pipe blindly
+            logger.warning("verifier worker sent an unexpected message: %r", message)
+            if worker.item is not None:
+                self._finish(worker, verdicts, Verdict.ERROR)
+            self._replace(worker)
+            return False
+        return True
+
+    def _expire(self, verdicts: list[Verdict | None]) -> None:
+        """Kill and replace the workers past their deadline: an item's (a
+        :attr:`Verdict.TIMEOUT`) or start-up's."""
+        now = time.monotonic()
+        for worker in list(self._workers):
+            if worker.item is not None and now - worker.since >= self.deadline_s:
+                logger.debug(
+                    "verifier item %d exceeded %.1f s; killing worker %d",
+                    worker.item,
+                    self.deadline_s,
+                    worker.proc.pid,
+                )
+                self._finish(worker, verdicts, Verdict.TIMEOUT)
+                self._replace(worker)
+            elif not worker.ready and now - worker.started >= self.start_timeout_s:
+                self._start_failed(worker, f"not ready after {self.start_timeout_s:.0f} s")
 
 
 _default_pool: VerifierPool | None = None
