@@ -248,3 +248,34 @@ def test_a_worker_without_math_verify_raises_a_clear_error(monkeypatch, tmp_path
     reward = rewards.Reward("math", rewards.MathReward(pool=VerifierPool(workers=1)))
     with pytest.raises(BackendUnavailableError, match="math-verify"):
         reward(["q"], ["\\boxed{\\frac{1}{2}}"], answer=["0.5"])
+
+
+def test_error_replies_and_unexpected_messages_are_errors(monkeypatch, tmp_path, caplog):
+    """A reply that names math-verify's error, and one the pool did not ask for (a worker it
+    can no longer trust: replaced), make their pair an ERROR; the rest of the batch is scored."""
+    fake = tmp_path / "fake_worker.py"
+    fake.write_text(
+        "import json, struct, sys\n"
+        "def put(m):\n"
+        "    b = json.dumps(m).encode()\n"
+        '    sys.stdout.buffer.write(struct.pack(">I", len(b)) + b); sys.stdout.buffer.flush()\n'
+        'put({"ready": True})\n'
+        "while (h := sys.stdin.buffer.read(4)):\n"
+        '    r = json.loads(sys.stdin.buffer.read(struct.unpack(">I", h)[0]))\n'
+        '    if r["answer"] == "stray": put({"id": -1})\n'
+        '    elif r["answer"] == "raise": put({"id": r["id"], "error": "boom"})\n'
+        '    else: put({"id": r["id"], "equal": r["gold"] == r["answer"]})\n'
+    )
+    monkeypatch.setattr(pool_module, "_WORKER_SCRIPT", str(fake))
+    pairs = [("1", "1"), ("1", "stray"), ("1", "2"), ("1", "raise"), ("2", "2")]
+    with VerifierPool(workers=2) as pool, caplog.at_level("WARNING", logger=pool_module.__name__):
+        verdicts = pool.verify_many(pairs)
+        assert verdicts == [
+            Verdict.EQUAL,
+            Verdict.ERROR,
+            Verdict.NOT_EQUAL,
+            Verdict.ERROR,
+            Verdict.EQUAL,
+        ]
+        assert pool.stats == pool_module.PoolStats(items=5, timeouts=0, errors=2, restarts=1)
+    assert "unexpected message" in caplog.text
