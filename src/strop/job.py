@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from strop.backends.base import TrainableModel
 from strop.config import Config
 from strop.interrupts import deferred_interrupts, reporting_interrupts
 from strop.metrics import MetricsWriter
@@ -61,7 +62,7 @@ def eval_job(config: Config, figures: Mapping[str, str]) -> Iterator[RunProgress
 class Steps(Protocol):
     """What one training command does, for :func:`run_steps` to drive."""
 
-    model: Any
+    model: TrainableModel
     """The backend's ``Policy`` or ``ActorCritic``: checkpoints, adapter, export."""
     always_written: tuple[str, ...]
     """Metrics that are written whenever a record has them, whatever the cadence."""

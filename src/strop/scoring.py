@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from strop.backends.base import ActorCritic, Policy
 from strop.data import Tokenizer
 from strop.generation import Generation, SamplingParams
 from strop.io.model_spec import read_model_spec
@@ -29,7 +30,7 @@ class Scored:
 
 
 def sample_and_score(
-    model: Any,
+    model: Policy | ActorCritic,
     prompts: Sequence[list[int]],
     params: SamplingParams,
     score: Callable[[list[str]], Sequence[float]],

@@ -44,6 +44,7 @@ import numpy as np
 
 from strop import rewards
 from strop.backends import get_backend
+from strop.backends.base import ActorCritic
 from strop.config import Config
 from strop.data import Tokenizer
 from strop.errors import ConfigError
@@ -146,7 +147,7 @@ class PpoLoop:
     """
 
     config: Config
-    model: Any  # the backend's ActorCritic
+    model: ActorCritic
     train: PromptSet
     validation: PromptSet | None
     tokenizer: Tokenizer

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from strop.backends import get_backend
+from strop.backends.base import Policy
 from strop.config import Config
 from strop.data import Tokenizer, load_sft_examples, make_sft_batcher
+from strop.data.batching import SftBatcher
 from strop.errors import ConfigError
 from strop.job import RunResult, run_steps, training_job
 from strop.nonfinite import count_skipped
@@ -91,9 +93,9 @@ class SftSteps:
     non-finite steps skipped over the whole run, resumes included."""
 
     config: Config
-    model: Any  # the backend's Policy
-    batcher: Any
-    eval_batcher: Any | None
+    model: Policy
+    batcher: SftBatcher
+    eval_batcher: SftBatcher | None
     skipped: int = 0
     always_written: tuple[str, ...] = ("eval/loss",)
 
