@@ -8,7 +8,7 @@ What it measures, and prints as tables (no assertions):
    median wall time of ``Trainer.step`` over ``--steps`` steps after 2 warm-up steps
    (the first one compiles; warm-up is excluded), the first (compiling) step's time,
    the trainable parameter count and the optimizer-state bytes (sum of ``nbytes`` of
-   ``nnx.state(trainer.optimizer)`` leaves), plus the full/LoRA ratios. The two
+   ``trainer.opt_state`` leaves), plus the full/LoRA ratios. The two
    trainers' timed steps are interleaved so that machine noise hits both alike.
 2. Qwen2.5-1.5B shapes without any weights: the model (and its LoRA r=8 adapters) is
    built under ``nnx.eval_shape`` and the AdamW state under ``jax.eval_shape``, giving
@@ -148,7 +148,7 @@ def bench_tiny(steps: int, batch: int, length: int) -> None:
         results[name] = {
             "total": leaf_count(nnx.state(model, nnx.Param)),
             "trainable": leaf_count(nnx.state(model, trainable)),
-            "opt_bytes": sum(x.nbytes for x in jax.tree.leaves(nnx.state(trainer.optimizer))),
+            "opt_bytes": sum(x.nbytes for x in jax.tree.leaves(trainer.opt_state)),
             "median": statistics.median(timed),
             "min": min(timed),
             "max": max(timed),

@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -51,13 +52,21 @@ def host(tree) -> list[np.ndarray]:
     return [np.array(leaf) for leaf in jax.tree.leaves(tree)]
 
 
-def perturb(model, optimizer) -> None:
-    """Move every trainable and optimizer array away from its current value, in place."""
-    for node, state in (
-        (model, nnx.state(model, nnx.LoRAParam)),
-        (optimizer, nnx.state(optimizer)),
-    ):
-        nnx.update(node, jax.tree.map(lambda x: x + 1, state))
+def perturb(trainer) -> None:
+    """Move every trainable and optimizer array away from its current value."""
+    trainer.load(*jax.tree.map(lambda x: x + 1, (trainer.params, trainer.opt_state)))
+
+
+def restore(saver, step, trainer) -> dict:
+    """Load checkpoint ``step`` into ``trainer``, as ``JaxPolicy`` does; return ``extra``."""
+    params, opt_state, extra = saver.restore(step, trainer.params, trainer.opt_state)
+    trainer.load(params, opt_state)
+    return extra
+
+
+def updates_applied(trainer) -> list[int]:
+    """The optax state's step counters (the schedule's clock among them)."""
+    return [int(count) for _, count in optax.tree.get_all_with_path(trainer.opt_state, "count")]
 
 
 def checkpoints(directory, model_dir, lora=LORA, keep=3) -> TrainCheckpoints:
@@ -77,15 +86,15 @@ def test_resume_is_exact(tiny_model_dir, tmp_path):
     resumed = [trainer.step(next_batch(rng), 2)["loss"] for _ in range(3)]
     saver = checkpoints(tmp_path / "ck", model_dir)
     extra = {"data_position": 3, "rng": rng.bit_generator.state}
-    saver.save(3, model, trainer.optimizer, trainer.trainable, extra)
+    saver.save(3, trainer.params, trainer.opt_state, extra)
     del model, trainer, rng, saver
 
     model, trainer = setup(model_dir)  # a new process: fresh adapters, fresh optimizer
     saver = checkpoints(tmp_path / "ck", model_dir)
     step = saver.latest_step()
     assert step == 3
-    extra = saver.restore(step, model, trainer.optimizer, trainer.trainable)
-    assert extra["data_position"] == 3 and int(trainer.optimizer.step[...]) == 3
+    extra = restore(saver, step, trainer)
+    assert extra["data_position"] == 3 and set(updates_applied(trainer)) == {3}
     rng = np.random.default_rng()
     rng.bit_generator.state = extra["rng"]
     resumed += [trainer.step(next_batch(rng), 2)["loss"] for _ in range(3)]
@@ -104,7 +113,7 @@ def test_lora_checkpoint_stores_no_base_weights(tiny_model_dir, tmp_path):
     for name, lora in (("lora", LORA), ("full", NO_LORA)):
         model, trainer = setup(model_dir, lora=lora)
         saver = checkpoints(tmp_path / name, model_dir, lora=lora)
-        saver.save(1, model, trainer.optimizer, trainer.trainable)
+        saver.save(1, trainer.params, trainer.opt_state)
         stored = saver.stored_params(1)
         expected = nnx.to_flat_state(nnx.state(model, trainer.trainable))
         assert stored == sorted(".".join(map(str, path)) for path, _ in expected)
@@ -120,21 +129,21 @@ def test_lora_checkpoint_stores_no_base_weights(tiny_model_dir, tmp_path):
 
 def test_keeps_only_the_last_k(tiny_model_dir, tmp_path):
     model_dir = tiny_model_dir("qwen2")
-    model, trainer = setup(model_dir)
+    _, trainer = setup(model_dir)
     saver = checkpoints(tmp_path, model_dir, keep=2)
     assert saver.latest_step() is None
     for step in range(1, 6):
-        saver.save(step, model, trainer.optimizer, trainer.trainable, {"step": step})
+        saver.save(step, trainer.params, trainer.opt_state, {"step": step})
     assert saver.all_steps() == [4, 5] and saver.latest_step() == 5
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["4", "5"]
     with pytest.raises(CheckpointError, match="already exists"):
-        saver.save(5, model, trainer.optimizer, trainer.trainable)
+        saver.save(5, trainer.params, trainer.opt_state)
 
 
 def test_identity_mismatch_is_refused(tiny_model_dir, tmp_path):
     model_dir = tiny_model_dir("qwen2")
     model, trainer = setup(model_dir)
-    checkpoints(tmp_path, model_dir).save(1, model, trainer.optimizer, trainer.trainable)
+    checkpoints(tmp_path, model_dir).save(1, trainer.params, trainer.opt_state)
     before = host(nnx.state(model, nnx.LoRAParam))
     cases = {
         "lora.rank is 4 in the checkpoint but 8 now": run_identity(
@@ -155,12 +164,12 @@ def test_identity_mismatch_is_refused(tiny_model_dir, tmp_path):
     for expected, identity in cases.items():
         saver = TrainCheckpoints(tmp_path, identity)
         with pytest.raises(CheckpointError, match="new run directory") as err:
-            saver.restore(1, model, trainer.optimizer, trainer.trainable)
+            restore(saver, 1, trainer)
         assert expected in str(err.value)
     for got, want in zip(host(nnx.state(model, nnx.LoRAParam)), before, strict=True):
         np.testing.assert_array_equal(got, want)  # nothing was loaded
     with pytest.raises(CheckpointError, match="no complete checkpoint for step 9"):
-        checkpoints(tmp_path, model_dir).restore(9, model, trainer.optimizer, trainer.trainable)
+        restore(checkpoints(tmp_path, model_dir), 9, trainer)
 
 
 def test_same_base_at_another_path_matches(tiny_model_dir, tmp_path):
@@ -185,17 +194,17 @@ def test_restore_keeps_shardings_on_8_devices(tiny_model_dir, tmp_path):
     model_dir = tiny_model_dir("qwen2")
     mesh = make_mesh({"fsdp": 4, "tensor": 2})
     model, trainer = setup(model_dir, mesh=mesh)
-    perturb(model, trainer.optimizer)  # non-trivial values (a step would compile: slow)
+    perturb(trainer)  # non-trivial values (a step would compile: slow)
     saver = checkpoints(tmp_path, model_dir)
-    saver.save(1, model, trainer.optimizer, trainer.trainable)
-    saved = host(nnx.state(model, nnx.LoRAParam)) + host(nnx.state(trainer.optimizer))
+    saver.save(1, trainer.params, trainer.opt_state)
+    saved = host(nnx.state(model, nnx.LoRAParam)) + host(trainer.opt_state)
 
     model, trainer = setup(model_dir, mesh=mesh, seed=1)
-    live = nnx.state(model, nnx.LoRAParam), nnx.state(trainer.optimizer)
+    live = nnx.state(model, nnx.LoRAParam), trainer.opt_state
     want = [leaf.sharding for leaf in jax.tree.leaves(live)]
     assert any(len(s.device_set) == 8 and not s.is_fully_replicated for s in want)
-    saver.restore(1, model, trainer.optimizer, trainer.trainable)
-    restored = jax.tree.leaves((nnx.state(model, nnx.LoRAParam), nnx.state(trainer.optimizer)))
+    restore(saver, 1, trainer)
+    restored = jax.tree.leaves((nnx.state(model, nnx.LoRAParam), trainer.opt_state))
     assert [leaf.sharding for leaf in restored] == want
     for got, expected in zip(host(restored), saved, strict=True):
         np.testing.assert_array_equal(got, expected)
@@ -205,9 +214,9 @@ def test_half_written_checkpoint_is_ignored(tiny_model_dir, tmp_path, monkeypatc
     model_dir = tiny_model_dir("qwen2")
     model, trainer = setup(model_dir)
     saver = checkpoints(tmp_path, model_dir)
-    saver.save(1, model, trainer.optimizer, trainer.trainable, {"at": 1})
+    saver.save(1, trainer.params, trainer.opt_state, {"at": 1})
     saved = host(nnx.state(model, nnx.LoRAParam))
-    perturb(model, trainer.optimizer)
+    perturb(trainer)
 
     # The disk fails at the last moment: step 2 is fully written under its temporary name.
     real_rename = os.rename
@@ -219,7 +228,7 @@ def test_half_written_checkpoint_is_ignored(tiny_model_dir, tmp_path, monkeypatc
 
     monkeypatch.setattr(os, "rename", failing_rename)
     with pytest.raises(CheckpointError, match="previous checkpoint \\(1\\) is intact"):
-        saver.save(2, model, trainer.optimizer, trainer.trainable, {"at": 2})
+        saver.save(2, trainer.params, trainer.opt_state, {"at": 2})
     monkeypatch.undo()
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith("2.orbax-checkpoint-tmp")]
     assert leftovers and (leftovers[0] / "params").is_dir()
@@ -229,11 +238,11 @@ def test_half_written_checkpoint_is_ignored(tiny_model_dir, tmp_path, monkeypatc
     (tmp_path / "7.orbax-checkpoint-tmp-123" / "params").mkdir()
     reopened = checkpoints(tmp_path, model_dir)
     assert reopened.all_steps() == [1] and reopened.latest_step() == 1
-    assert reopened.restore(1, model, trainer.optimizer, trainer.trainable) == {"at": 1}
+    assert restore(reopened, 1, trainer) == {"at": 1}
     for got, want in zip(host(nnx.state(model, nnx.LoRAParam)), saved, strict=True):
         np.testing.assert_array_equal(got, want)
     # The resumed run saves step 2 again over the leftover; leftovers are cleaned up.
-    reopened.save(2, model, trainer.optimizer, trainer.trainable, {"at": 2})
+    reopened.save(2, trainer.params, trainer.opt_state, {"at": 2})
     assert reopened.all_steps() == [1, 2]
     assert not any("orbax-checkpoint-tmp" in p.name for p in tmp_path.iterdir())
 
@@ -244,10 +253,10 @@ def test_unusable_directory_and_bad_extra(tiny_model_dir, tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(CheckpointError, match="cannot use checkpoint directory"):
         checkpoints(blocker / "checkpoints", model_dir)
-    model, trainer = setup(model_dir)
+    _, trainer = setup(model_dir)
     saver = checkpoints(tmp_path / "ck", model_dir)
     with pytest.raises(CheckpointError, match="not JSON-serialisable"):
-        saver.save(1, model, trainer.optimizer, trainer.trainable, {"rng": object()})
+        saver.save(1, trainer.params, trainer.opt_state, {"rng": object()})
     assert saver.latest_step() is None
     with pytest.raises(CheckpointError, match="cannot identify base model"):
         run_identity(tmp_path / "nowhere", LORA, backend="jax")
@@ -259,15 +268,15 @@ def test_non_finite_state_is_never_saved(tmp_path):
     saver = TrainCheckpoints(tmp_path, {"run": 1})
     params = {"layer": {"kernel": jnp.ones((2, 3)), "count": jnp.arange(3)}}
     moments = {"mu": jnp.zeros((2, 3)), "step": jnp.asarray(1)}
-    saver.save_trees(1, params, moments, {"step": 1})
+    saver.save(1, params, moments, {"step": 1})
     poisoned = {
         "layer": {**params["layer"], "kernel": params["layer"]["kernel"].at[0, 2].set(jnp.inf)}
     }
     with pytest.raises(NonFiniteStateError, match=r"checkpoint step 2: non-finite values in "
                        r"params\.layer\.kernel; this state was not saved \(last complete "
                        r"checkpoint: step 1"):  # fmt: skip
-        saver.save_trees(2, poisoned, moments, {"step": 2})
+        saver.save(2, poisoned, moments, {"step": 2})
     with pytest.raises(NonFiniteStateError, match=r"optimizer\.mu"):
-        saver.save_trees(2, params, {**moments, "mu": moments["mu"].at[1, 1].set(jnp.nan)})
+        saver.save(2, params, {**moments, "mu": moments["mu"].at[1, 1].set(jnp.nan)})
     assert saver.all_steps() == [1]
     assert not [p.name for p in tmp_path.iterdir() if "tmp" in p.name]

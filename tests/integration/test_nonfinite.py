@@ -144,7 +144,7 @@ def _trainable_and_optimizer(policy) -> dict[str, np.ndarray]:
 
         trees = {
             "param": nnx.state(policy.model, policy.trainable),
-            "opt": nnx.state(policy.trainer.optimizer),
+            "opt": policy.trainer.opt_state,
         }
         return {
             f"{kind}{jax.tree_util.keystr(path)}": np.array(leaf)

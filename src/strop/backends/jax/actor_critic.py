@@ -41,7 +41,12 @@ from strop.backends.jax.lora import (
     with_adapters_merged,
 )
 from strop.backends.jax.sharding import batch_sharding, is_main_process, make_mesh, to_host
-from strop.backends.jax.train import make_optimizer, put_micro_batches, replicate_unplaced
+from strop.backends.jax.train import (
+    jit_update,
+    make_optimizer,
+    put_micro_batches,
+    replicate_unplaced,
+)
 from strop.backends.jax.value import ValueModel
 from strop.backends.jax.weights import load_hf_model, save_hf_model
 from strop.config import Config
@@ -105,9 +110,8 @@ class JaxActorCritic:
 
         actor_tx = make_optimizer(config.optim, total_updates)
         self.actor_opt = replicate_unplaced(actor_tx.init(self.actor), self.mesh)
-        self._policy_update = jax.jit(
-            partial(ppo_steps.policy_update, self.actor_graph, self.policy_objective, actor_tx),
-            donate_argnums=(0, 1),
+        self._policy_update = jit_update(
+            actor_tx, partial(ppo_steps.policy_loss, self.actor_graph, self.policy_objective)
         )
         self.checkpoints = (
             None
@@ -139,14 +143,9 @@ class JaxActorCritic:
         )
         critic_tx = make_optimizer(config.critic_optim(), total_updates)
         self.critic_opt = replicate_unplaced(critic_tx.init(self.critic), self.mesh)
-        self._critic_update = jax.jit(
-            partial(
-                ppo_steps.critic_update,
-                self.critic_graph,
-                ValueObjective.from_config(config),
-                critic_tx,
-            ),
-            donate_argnums=(0, 1),
+        self._critic_update = jit_update(
+            critic_tx,
+            partial(ppo_steps.critic_loss, self.critic_graph, ValueObjective.from_config(config)),
         )
 
     def _initial_reference(self) -> nnx.State:
@@ -257,10 +256,10 @@ class JaxActorCritic:
         return None if self.checkpoints is None else self.checkpoints.latest_step()
 
     def save_checkpoint(self, step: int, extra: dict[str, Any]) -> None:
-        self.checkpoints.save_trees(step, self._params(), self._optimizers(), extra)
+        self.checkpoints.save(step, self._params(), self._optimizers(), extra)
 
     def restore_checkpoint(self, step: int) -> dict[str, Any]:
-        params, optimizers, extra = self.checkpoints.restore_trees(
+        params, optimizers, extra = self.checkpoints.restore(
             step, self._params(), self._optimizers()
         )
         self.actor, self.actor_opt = params["actor"], optimizers["actor"]

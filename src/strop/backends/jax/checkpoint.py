@@ -3,9 +3,10 @@
 A checkpoint holds exactly what a resumed run cannot rebuild from its config:
 
 - ``params``: the trainable part of the model (the one trainable filter, invariant 1), so
-  with LoRA on only the adapters are stored, never the base weights;
-- ``optimizer``: ``nnx.state(optimizer)`` (optax moments and counters plus the step;
-  in Flax 0.12 the optimizer no longer references the model, so no params ride along);
+  with LoRA on only the adapters are stored, never the base weights (PPO: one such tree
+  per role);
+- ``optimizer``: the optax state of those params (moments and counters: the schedule's
+  clock), SFT's and PPO's alike (:mod:`strop.backends.jax.train`);
 - ``extra``: JSON the loop wants back (data position, RNG state, ...);
 - ``identity``: JSON naming the base model, the LoRA shape and the backend, checked on
   restore so a checkpoint is never loaded into a model it does not belong to.
@@ -56,33 +57,39 @@ def _key_name(key: Any) -> str:
     return str(key)
 
 
+def _is_variable(node: Any) -> bool:
+    return isinstance(node, nnx.Variable)
+
+
 def _paths(tree: Any) -> tuple[list[tuple[str, ...]], list[Any], Any]:
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    """Path names, leaves and structure of ``tree``, an ``nnx.Variable`` counting as one
+    leaf (so a parameter is stored under its own path, as ``nnx.to_pure_dict`` names it)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)
     paths = [tuple(_key_name(k) for k in path) for path, _ in leaves]
     return paths, [leaf for _, leaf in leaves], treedef
 
 
 def to_pure(tree: Any) -> dict:
-    """Any pytree (``nnx.State``, optax states, dicts) as nested plain dicts of its leaves,
-    keyed by the path names, which is what Orbax stores."""
+    """Any pytree (``nnx.State``, optax states, dicts of them) as nested plain dicts of its
+    arrays, keyed by the path names, which is what Orbax stores."""
     pure: dict = {}
     for path, leaf in zip(*_paths(tree)[:2], strict=True):
         node = pure
         for name in path[:-1]:
             node = node.setdefault(name, {})
-        node[path[-1]] = leaf
+        node[path[-1]] = leaf.get_value() if _is_variable(leaf) else leaf
     return pure
 
 
 def from_pure(like: Any, pure: dict) -> Any:
-    """The inverse of :func:`to_pure`: ``pure``'s leaves in the structure of ``like``."""
-    paths, _, treedef = _paths(like)
+    """The inverse of :func:`to_pure`: ``pure``'s arrays in the structure of ``like``."""
+    paths, like_leaves, treedef = _paths(like)
     leaves = []
-    for path in paths:
+    for path, like_leaf in zip(paths, like_leaves, strict=True):
         node = pure
         for name in path:
             node = node[name]
-        leaves.append(node)
+        leaves.append(like_leaf.replace(node) if _is_variable(like_leaf) else node)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
@@ -236,31 +243,16 @@ class TrainCheckpoints:
         return self._manager.latest_step()
 
     def save(
-        self,
-        step: int,
-        model: nnx.Module,
-        optimizer: nnx.Optimizer,
-        trainable: nnx.filterlib.Filter,
-        extra: Mapping[str, Any] | None = None,
+        self, step: int, params: Any, optimizer: Any, extra: Mapping[str, Any] | None = None
     ) -> None:
         """Write checkpoint ``step`` and return once it is complete on disk.
 
-        Stores ``nnx.state(model, trainable)``, ``nnx.state(optimizer)``, ``extra`` (must
-        be JSON-serialisable) and the identity. On failure raises :class:`CheckpointError`;
-        earlier checkpoints are untouched and nothing half-written becomes visible.
+        Stores the pytrees ``params`` (the trainable state: an ``nnx.State``, or a dict of
+        them such as PPO's ``{"actor": ..., "critic": ...}``) and ``optimizer`` (their optax
+        states, alike), ``extra`` (must be JSON-serialisable) and the identity. On failure
+        raises :class:`CheckpointError`; earlier checkpoints are untouched and nothing
+        half-written becomes visible.
         """
-        self._save(
-            step,
-            nnx.to_pure_dict(nnx.state(model, trainable)),
-            nnx.to_pure_dict(nnx.state(optimizer)),
-            extra,
-        )
-
-    def save_trees(
-        self, step: int, params: Any, optimizer: Any, extra: Mapping[str, Any] | None = None
-    ) -> None:
-        """:meth:`save` for state held as pytrees (e.g. ``{"actor": ..., "critic": ...}``
-        of ``nnx.State`` and optax states): same files, same guarantees."""
         self._save(step, to_pure(params), to_pure(optimizer), extra)
 
     def _save(
@@ -317,32 +309,10 @@ class TrainCheckpoints:
                 "start this run in a new run directory."
             )
 
-    def restore(
-        self,
-        step: int,
-        model: nnx.Module,
-        optimizer: nnx.Optimizer,
-        trainable: nnx.filterlib.Filter,
-    ) -> dict[str, Any]:
-        """Load checkpoint ``step`` into the live ``model`` and ``optimizer``; return ``extra``.
-
-        Arrays are restored with the shardings of the current ones, so the jitted train
-        step does not recompile. The identity is checked before any array is read.
-        """
-        params_state = nnx.state(model, trainable)
-        optim_state = nnx.state(optimizer)
-        params, optim, extra = self._restore(
-            step, nnx.to_pure_dict(params_state), nnx.to_pure_dict(optim_state)
-        )
-        nnx.replace_by_pure_dict(params_state, params)
-        nnx.replace_by_pure_dict(optim_state, optim)
-        nnx.update(model, params_state)
-        nnx.update(optimizer, optim_state)
-        return extra
-
-    def restore_trees(self, step: int, params: Any, optimizer: Any) -> tuple[Any, Any, dict]:
-        """:meth:`restore` for pytree state: returns ``(params, optimizer, extra)`` with the
-        structure and shardings of the live ``params`` and ``optimizer`` given."""
+    def restore(self, step: int, params: Any, optimizer: Any) -> tuple[Any, Any, dict]:
+        """Load checkpoint ``step``: returns ``(params, optimizer, extra)`` with the
+        structure and shardings of the live ``params`` and ``optimizer`` given (so a jitted
+        update does not recompile). The identity is checked before any array is read."""
         pure_params, pure_optim, extra = self._restore(step, to_pure(params), to_pure(optimizer))
         return from_pure(params, pure_params), from_pure(optimizer, pure_optim), extra
 

@@ -122,10 +122,14 @@ class JaxPolicy:
         return None if self.checkpoints is None else self.checkpoints.latest_step()
 
     def save_checkpoint(self, step: int, extra: dict[str, Any]) -> None:
-        self.checkpoints.save(step, self.model, self.trainer.optimizer, self.trainable, extra)
+        self.checkpoints.save(step, self.trainer.params, self.trainer.opt_state, extra)
 
     def restore_checkpoint(self, step: int) -> dict[str, Any]:
-        return self.checkpoints.restore(step, self.model, self.trainer.optimizer, self.trainable)
+        params, opt_state, extra = self.checkpoints.restore(
+            step, self.trainer.params, self.trainer.opt_state
+        )
+        self.trainer.load(params, opt_state)
+        return extra
 
     # adapters and exports ----------------------------------------------------------------
 

@@ -10,20 +10,20 @@ arguments and ``frozen`` as a plain one, so an update never invalidates the shar
 Per-token arrays follow :mod:`strop.rl.gae`: column ``t`` is about token ``x_t``, read
 from the logits (or hidden state) at column ``t - 1``; column 0 is 0. Micro-batch arrays
 come stacked ``[micro, rows, L]``; losses are ``sum(per_token * loss_weights)`` (see
-:mod:`strop.rl.objectives`), so the micro-batch sums add up to the mini-batch loss. Columns
+:mod:`strop.rl.objectives`), so the micro-batch sums add up to the mini-batch loss. The two
+updates are :func:`strop.backends.jax.train.update` (the one accumulate-and-apply, with
+the one non-finite guard, that SFT uses too) of :func:`policy_loss` and
+:func:`critic_loss`. Columns
 without a loss weight are selected away (``where``) before any non-linear op, never
 multiplied by 0, so whatever they hold (NaN, Inf) reaches neither a loss nor a gradient.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from strop.backends.jax.losses import (
@@ -32,7 +32,6 @@ from strop.backends.jax.losses import (
     policy_terms,
     value_terms,
 )
-from strop.backends.jax.train import is_finite_step
 from strop.rl.objectives import PolicyObjective, ValueObjective
 
 F32 = jnp.float32
@@ -133,78 +132,22 @@ def critic_micro_loss(
     return objective.coef * loss, jax.tree.map(jax.lax.stop_gradient, stats)
 
 
-def _accumulate(micro_loss: Callable, trainable, batch: dict[str, jax.Array]):
-    """Sum of ``micro_loss``'s (loss, stats) and gradients over the leading micro axis."""
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-    def body(carry, micro):
-        (loss, stats), grads = grad_fn(trainable, micro)
-        return jax.tree.map(jnp.add, carry, (grads, loss, stats)), None
-
-    first = jax.tree.map(lambda x: x[0], batch)
-    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, trainable, first))
-    (loss_zero, stats_zero), grads_zero = zeros
-    (grads, loss, stats), _ = jax.lax.scan(body, (grads_zero, loss_zero, stats_zero), batch)
-    return grads, loss, stats
+def policy_loss(
+    graphdef: nnx.GraphDef, objective: PolicyObjective, trainable, frozen, micro
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The actor's micro-batch loss (:func:`policy_micro_loss`) for
+    :func:`~strop.backends.jax.train.update`, whose stats are then ``loss``, ``clipfrac``,
+    ``approx_kl``, ``entropy``, ..., ``grad_norm`` and ``skipped``."""
+    logits = _lm_logits(graphdef, trainable, frozen, micro["input_ids"], micro["attention_mask"])
+    return policy_micro_loss(logits, micro, objective)
 
 
-def _apply(tx: optax.GradientTransformation, trainable, opt_state, grads, loss):
-    """The optimizer step, applied only if ``loss`` and the gradient norm are finite
-    (:func:`~strop.backends.jax.train.is_finite_step`); otherwise ``trainable`` and
-    ``opt_state`` come back unchanged. Returns them, the norm and ``skipped`` (0 or 1)."""
-    norm = optax.tree.norm(grads)
-    applied = is_finite_step(loss, norm)
-
-    def update(trainable, opt_state):
-        updates, opt_state = tx.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state
-
-    trainable, opt_state = jax.lax.cond(applied, update, lambda *state: state, trainable, opt_state)
-    return trainable, opt_state, norm, jnp.logical_not(applied).astype(F32)
-
-
-def policy_update(
-    graphdef: nnx.GraphDef,
-    objective: PolicyObjective,
-    tx: optax.GradientTransformation,
-    trainable,
-    opt_state,
-    frozen,
-    batch: dict[str, jax.Array],
-) -> tuple[Any, Any, dict[str, jax.Array]]:
-    """One actor update over a mini-batch; returns the new trainable part, optimizer state
-    and the summed statistics (``loss``, ``clipfrac``, ``approx_kl``, ``entropy``, ...,
-    ``skipped``: 1 when a non-finite loss or gradient norm left everything unchanged)."""
-
-    def micro_loss(trainable, micro):
-        logits = _lm_logits(
-            graphdef, trainable, frozen, micro["input_ids"], micro["attention_mask"]
-        )
-        return policy_micro_loss(logits, micro, objective)
-
-    grads, loss, stats = _accumulate(micro_loss, trainable, batch)
-    trainable, opt_state, norm, skipped = _apply(tx, trainable, opt_state, grads, loss)
-    return trainable, opt_state, {"loss": loss, "grad_norm": norm, "skipped": skipped, **stats}
-
-
-def critic_update(
-    graphdef: nnx.GraphDef,
-    objective: ValueObjective,
-    tx: optax.GradientTransformation,
-    trainable,
-    opt_state,
-    frozen,
-    batch: dict[str, jax.Array],
-) -> tuple[Any, Any, dict[str, jax.Array]]:
-    """One critic update over a mini-batch; stats ``loss`` (the unscaled value loss),
-    ``vf_clipfrac``, ``value_mean``, ``grad_norm`` and ``skipped`` (as in the policy's)."""
-
-    def micro_loss(trainable, micro):
-        new = _critic_values(
-            graphdef, trainable, frozen, micro["input_ids"], micro["attention_mask"]
-        )
-        return critic_micro_loss(new, micro, objective)
-
-    grads, scaled_loss, stats = _accumulate(micro_loss, trainable, batch)
-    trainable, opt_state, norm, skipped = _apply(tx, trainable, opt_state, grads, scaled_loss)
-    return trainable, opt_state, {"grad_norm": norm, "skipped": skipped, **stats}
+def critic_loss(
+    graphdef: nnx.GraphDef, objective: ValueObjective, trainable, frozen, micro
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The critic's micro-batch loss (:func:`critic_micro_loss`) for
+    :func:`~strop.backends.jax.train.update`; stat ``loss`` is the unscaled value loss."""
+    values = _critic_values(
+        graphdef, trainable, frozen, micro["input_ids"], micro["attention_mask"]
+    )
+    return critic_micro_loss(values, micro, objective)

@@ -1,8 +1,12 @@
-"""The jitted train step: micro-batch gradient accumulation, optax update, one compile.
+"""The JAX backend's one update path: micro-batch gradient accumulation and one guarded
+optax update, jitted, for SFT (:class:`Trainer`) and PPO (:mod:`~strop.backends.jax.ppo_steps`).
 
-Losses are (sum, token count) pairs: gradients of the summed loss accumulate over the
-micro-batches and are divided once by the global token count, so splitting a batch into
-micro-batches (or over devices) does not change the update.
+A model trains held functionally as ``nnx.split(model, trainable_filter, ...)``: the
+trainable state and its optax state are donated to the jitted update, the frozen rest is
+not. Losses are sums weighted for the whole batch (``loss_weights``:
+:mod:`strop.sft.objective`, :mod:`strop.rl.objectives`), so the gradients and stats of the
+micro-batches (and of the devices' rows) just add up: splitting a batch does not change
+the update.
 
 Token alignment: ``loss_mask[:, t] = 1`` means token ``x_t`` is a target, predicted
 from the logits at position ``t - 1``.
@@ -10,8 +14,9 @@ from the logits at position ``t - 1``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import jax
@@ -25,8 +30,7 @@ from strop.backends.jax.model import CausalLM
 from strop.backends.jax.sharding import logical_to_partition_spec
 from strop.config import OptimConfig
 from strop.errors import ConfigError
-
-BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")
+from strop.sft.objective import SFT_BATCH, target_tokens, with_loss_weights
 
 
 def put_micro_batches(
@@ -94,15 +98,27 @@ def make_optimizer(config: OptimConfig, total_steps: int) -> optax.GradientTrans
     return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), update)
 
 
+def token_nll(logits: jax.Array, input_ids: jax.Array) -> jax.Array:
+    """``[B, L-1]`` float32 next-token cross-entropy; column ``t`` is that of ``x_{t+1}``."""
+    logprobs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logprobs, input_ids[:, 1:, None], axis=-1)[..., 0]
+
+
 def token_loss_sum(
     logits: jax.Array, input_ids: jax.Array, loss_mask: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy over target tokens, and their count (float32)."""
-    logprobs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    targets = input_ids[:, 1:]
-    token_logprobs = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
     mask = loss_mask[:, 1:].astype(jnp.float32)
-    return -(token_logprobs * mask).sum(), mask.sum()
+    return (token_nll(logits, input_ids) * mask).sum(), mask.sum()
+
+
+def sft_micro_loss(
+    logits: jax.Array, micro: Mapping[str, jax.Array]
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A micro-batch's share of the SFT loss: next-token cross-entropy weighted by its
+    ``loss_weights`` (:mod:`strop.sft.objective`); no stats besides the loss."""
+    weights = micro["loss_weights"][:, 1:].astype(jnp.float32)
+    return (token_nll(logits, micro["input_ids"]) * weights).sum(), {}
 
 
 def is_finite_step(loss: jax.Array, grad_norm: jax.Array) -> jax.Array:
@@ -119,54 +135,109 @@ def is_finite_step(loss: jax.Array, grad_norm: jax.Array) -> jax.Array:
     return jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
 
-@dataclass(eq=False)  # hashed by identity: it is a static argument of the jitted step
+MicroLoss = Callable[[Any, Any, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
+"""``micro_loss(trainable, frozen, micro) -> (loss, stats)``: one micro-batch's share of
+the loss (weighted for the whole batch, so shares add up) and its stats, differentiated in
+``trainable``."""
+
+
+def accumulate(micro_loss: MicroLoss, trainable: Any, frozen: Any, batch: dict[str, jax.Array]):
+    """Sums of ``micro_loss``'s gradients, loss and stats over the leading micro axis of
+    ``batch`` (a ``lax.scan``): ``(grads, loss, stats)``."""
+    grad_fn = jax.value_and_grad(
+        lambda trainable, micro: micro_loss(trainable, frozen, micro), has_aux=True
+    )
+
+    def body(carry, micro):
+        (loss, stats), grads = grad_fn(trainable, micro)
+        return jax.tree.map(jnp.add, carry, (grads, loss, stats)), None
+
+    first = jax.tree.map(lambda x: x[0], batch)
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, trainable, first))
+    (loss_zero, stats_zero), grads_zero = zeros
+    (grads, loss, stats), _ = jax.lax.scan(body, (grads_zero, loss_zero, stats_zero), batch)
+    return grads, loss, stats
+
+
+def apply(tx: optax.GradientTransformation, trainable: Any, opt_state: Any, grads: Any, loss):
+    """The optimizer step, applied only if ``loss`` and the gradient norm are finite
+    (:func:`is_finite_step`, the one non-finite guard); otherwise ``trainable`` and
+    ``opt_state`` come back unchanged. Returns them, the norm and ``skipped`` (0 or 1)."""
+    norm = optax.tree.norm(grads)
+    applied = is_finite_step(loss, norm)
+
+    def step(trainable, opt_state):
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state
+
+    trainable, opt_state = jax.lax.cond(applied, step, lambda *state: state, trainable, opt_state)
+    return trainable, opt_state, norm, jnp.logical_not(applied).astype(jnp.float32)
+
+
+def update(
+    tx: optax.GradientTransformation,
+    micro_loss: MicroLoss,
+    trainable: Any,
+    opt_state: Any,
+    frozen: Any,
+    batch: dict[str, jax.Array],
+) -> tuple[Any, Any, dict[str, jax.Array]]:
+    """One optimizer update of a model held as ``nnx.split(model, trainable_filter, ...)``
+    over ``batch`` (``[micro, rows, ...]``): :func:`accumulate`, then :func:`apply`.
+
+    Returns the new ``trainable`` and ``opt_state`` and the summed ``loss`` and stats (a
+    stat named ``loss`` replaces it), ``grad_norm`` (before clipping) and ``skipped`` (1
+    when a non-finite loss or gradient norm left everything unchanged). The SFT step
+    (:func:`sft_loss`) and both PPO updates (``ppo_steps.policy_loss``, ``critic_loss``)
+    are this, each with its own ``micro_loss``; see :func:`jit_update`."""
+    grads, loss, stats = accumulate(micro_loss, trainable, frozen, batch)
+    trainable, opt_state, norm, skipped = apply(tx, trainable, opt_state, grads, loss)
+    return trainable, opt_state, {"loss": loss, "grad_norm": norm, "skipped": skipped, **stats}
+
+
+def jit_update(
+    tx: optax.GradientTransformation,
+    micro_loss: MicroLoss,
+    on_trace: Callable[[dict[str, jax.Array]], None] | None = None,
+) -> Callable:
+    """``update(trainable, opt_state, frozen, batch)`` jitted, ``trainable`` and
+    ``opt_state`` donated (``frozen`` not: PPO's roles share it). ``on_trace(batch)`` runs
+    each time it is traced (= compiled)."""
+
+    def traced(trainable, opt_state, frozen, batch):
+        if on_trace is not None:
+            on_trace(batch)
+        return update(tx, micro_loss, trainable, opt_state, frozen, batch)
+
+    return jax.jit(traced, donate_argnums=(0, 1))
+
+
+def sft_loss(graphdef: nnx.GraphDef, trainable: Any, frozen: Any, micro: dict[str, jax.Array]):
+    """The SFT :data:`MicroLoss` (:func:`sft_micro_loss`); ``micro`` holds ``SFT_BATCH``."""
+    model = nnx.merge(graphdef, trainable, frozen)
+    return sft_micro_loss(model(micro["input_ids"], micro["attention_mask"]).logits, micro)
+
+
+@dataclass
 class TraceCounter:
     """Counts how often the train step is traced (= compiled), for tests and logs."""
 
     count: int = 0
     shapes: list[tuple[int, ...]] = field(default_factory=list)
 
-
-def _update(model, optimizer, grads) -> None:
-    optimizer.update(model, grads)
-
-
-def _keep(model, optimizer, grads) -> None:
-    """The branch of a non-finite step: nothing changes."""
-
-
-def _train_step(model, optimizer, batch, trainable, counter):
-    counter.count += 1
-    counter.shapes.append(tuple(batch["input_ids"].shape))
-    graphdef, params, rest = nnx.split(model, trainable, ...)
-
-    def micro_loss(params, micro):
-        merged = nnx.merge(graphdef, params, rest)
-        logits = merged(micro["input_ids"], micro["attention_mask"]).logits
-        return token_loss_sum(logits, micro["input_ids"], micro["loss_mask"])
-
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-    def accumulate(carry, micro):
-        grads, loss_sum, count = carry
-        (micro_sum, micro_count), micro_grads = grad_fn(params, micro)
-        grads = jax.tree.map(jnp.add, grads, micro_grads)
-        return (grads, loss_sum + micro_sum, count + micro_count), None
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, batch)
-    count = jnp.maximum(count, 1.0)
-    grads = jax.tree.map(lambda g: g / count, grads)
-    loss, norm = loss_sum / count, optax.tree.norm(grads)
-    applied = is_finite_step(loss, norm)
-    nnx.cond(applied, _update, _keep, model, optimizer, grads)
-    skipped = jnp.logical_not(applied).astype(jnp.float32)
-    return {"loss": loss, "tokens": count, "grad_norm": norm, "skipped": skipped}
+    def record(self, batch: Mapping[str, jax.Array]) -> None:
+        self.count += 1
+        self.shapes.append(tuple(batch["input_ids"].shape))
 
 
 class Trainer:
-    """Owns the optimizer over the trainable part of ``model`` and the jitted step."""
+    """The SFT update of the trainable part of ``model``: its optax state and the jitted
+    :func:`update` of :func:`sft_loss` (:func:`jit_update`).
+
+    ``params`` (the trainable state) and ``opt_state`` are the trees a checkpoint holds
+    (:class:`~strop.backends.jax.checkpoint.TrainCheckpoints`); :meth:`load` puts restored
+    ones back.
+    """
 
     def __init__(
         self,
@@ -180,11 +251,21 @@ class Trainer:
         self.model = model
         self.mesh = mesh
         self.trainable = trainable
-        self.optimizer = nnx.Optimizer(model, make_optimizer(optim, total_steps), wrt=trainable)
-        state = nnx.state(self.optimizer)
-        nnx.update(self.optimizer, replicate_unplaced(state, mesh))
+        graphdef = nnx.split(model, trainable, ...)[0]
+        tx = make_optimizer(optim, total_steps)
+        self.opt_state = replicate_unplaced(tx.init(self.params), mesh)
         self.traces = TraceCounter()
-        self._step = nnx.jit(_train_step, donate_argnums=(0, 1), static_argnums=(3, 4))
+        self._update = jit_update(tx, partial(sft_loss, graphdef), on_trace=self.traces.record)
+
+    @property
+    def params(self) -> nnx.State:
+        """The trainable state of the model (live arrays, not copies)."""
+        return nnx.state(self.model, self.trainable)
+
+    def load(self, params: nnx.State, opt_state: Any) -> None:
+        """Put ``params`` into the model and make ``opt_state`` the optimizer's state."""
+        nnx.update(self.model, params)
+        self.opt_state = opt_state
 
     def step(self, batch: Mapping[str, np.ndarray], micro_batches: int = 1) -> dict[str, float]:
         """One optimizer step over ``batch`` (``[B, L]`` numpy), in ``micro_batches`` passes.
@@ -193,11 +274,10 @@ class Trainer:
         and ``skipped`` (1.0 when the loss or gradient norm was not finite and the step was
         not applied: see :func:`is_finite_step`).
         """
-        metrics = self._step(
-            self.model,
-            self.optimizer,
-            put_micro_batches(batch, BATCH_KEYS, micro_batches, self.mesh),
-            self.trainable,
-            self.traces,
-        )
-        return {name: float(value) for name, value in jax.device_get(metrics).items()}
+        batch = with_loss_weights(batch)
+        arrays = put_micro_batches(batch, SFT_BATCH, micro_batches, self.mesh)
+        _, params, frozen = nnx.split(self.model, self.trainable, ...)
+        params, self.opt_state, stats = self._update(params, self.opt_state, frozen, arrays)
+        nnx.update(self.model, params)
+        metrics = {name: float(value) for name, value in jax.device_get(stats).items()}
+        return {**metrics, "tokens": target_tokens(batch["loss_mask"])}
