@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +32,9 @@ from strop.errors import ConfigError
 from strop.schedules import learning_rate
 
 BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")
+
+MicroLoss = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""``loss_fn(micro) -> (loss, stats)``: a micro-batch's weighted share of an update's loss."""
 
 
 def make_optimizer(params: list[torch.nn.Parameter], config: OptimConfig) -> torch.optim.Optimizer:
@@ -172,7 +176,7 @@ class Trainer:
         batch: Mapping[str, np.ndarray],
         names: Sequence[str],
         micro_batches: int,
-        loss_fn: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+        loss_fn: MicroLoss,
         *,
         dropout: bool = False,
     ) -> dict[str, float]:
@@ -225,19 +229,12 @@ class Trainer:
         self.updates += 1
         return host_norm, True
 
-    def update(
-        self,
-        batch: Mapping[str, np.ndarray],
-        names: Sequence[str],
-        micro_batches: int,
-        loss_fn: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]],
-        *,
-        dropout: bool = False,
-    ) -> dict[str, float]:
-        """One optimizer update: :meth:`accumulate`, then :meth:`apply`. Returns the global
-        ``loss`` and stats, ``grad_norm`` (before clipping) and ``skipped`` (1.0 when the
-        loss or gradient norm was not finite and the update was not applied)."""
-        stats = self.accumulate(batch, names, micro_batches, loss_fn, dropout=dropout)
+    def update(self, *accumulate_args: Any, **accumulate_kwargs: Any) -> dict[str, float]:
+        """One optimizer update: :meth:`accumulate` (same arguments), then :meth:`apply`.
+        Returns the global ``loss`` and stats, ``grad_norm`` (before clipping) and
+        ``skipped`` (1.0 when the loss or gradient norm was not finite and the update was
+        not applied)."""
+        stats = self.accumulate(*accumulate_args, **accumulate_kwargs)
         stats["grad_norm"], applied = self.apply(stats["loss"])
         stats["skipped"] = float(not applied)
         return stats
