@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strop.config import PpoConfig
+from strop.config import Config, PpoConfig
 from strop.rl.experience import build_experience, minibatches, pad_columns
-from strop.rl.objectives import aggregation_weights
+from strop.rl.objectives import PolicyObjective, ValueObjective, aggregation_weights
 from strop.rl.prompts import PromptSet
 from tests.losses_reference import aggregate
 
@@ -98,3 +98,33 @@ def test_kl_in_the_reward_is_bounded_per_token(estimator):
     # lam = gamma = 1, values 0: the return is the reward-to-go
     np.testing.assert_allclose(arrays["returns"][0, 1:4], np.cumsum(rewards[::-1])[::-1])
     assert stats["policy/kl"] == pytest.approx(np.mean(kl))
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"kl_coef": 0.0},
+        {"kl_coef": 0.1, "kl_in_reward": False},  # the KL is a loss term: ref_logprobs
+        {"kl_coef": 0.1, "kl_in_reward": True},
+        {"advantage_estimator": "grpo", "kl_coef": 0.0},  # critic-free: no critic update
+        {"advantage_estimator": "grpo", "kl_coef": 0.1, "kl_in_reward": False},
+    ],
+)
+def test_each_objective_names_the_arrays_its_update_gets(settings):
+    """The core decides what an update reads (``batch_names``), and the mini-batches it
+    hands out carry exactly that and nothing the objective does not know about."""
+    ppo = PpoConfig(prompts_per_step=1, num_generations_per_prompt=2, mini_batch_size=2,
+                    **settings)  # fmt: skip
+    config = Config(ppo=ppo)
+    policy, value = PolicyObjective.from_config(config), ValueObjective.from_config(config)
+    mask = np.array([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1]], np.float32)
+    batch = {"input_ids": np.ones((2, 5), np.int32), "attention_mask": np.ones((2, 5)),
+             "response_mask": mask}  # fmt: skip
+    old = np.full((2, 5), -1.0, np.float32)
+    ref = old if ppo.reference_forward else None
+    values = np.zeros((2, 5), np.float32) if ppo.has_critic else None
+    arrays, _ = build_experience(batch, np.array([1.0, 0.0]), old, ref, values, ppo)
+    needed = set(policy.batch_names) | (set(value.batch_names) if ppo.has_critic else set())
+    for mini in minibatches(arrays, 2, "token_mean", np.random.default_rng(0)):
+        assert needed <= set(mini), needed - set(mini)
+    assert ("ref_logprobs" in policy.batch_names) == policy.kl_in_loss

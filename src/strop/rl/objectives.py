@@ -25,6 +25,9 @@ from strop.rl.losses import (
     check_aggregation,
 )
 
+UPDATE_COLUMNS = ("input_ids", "attention_mask", "loss_weights")
+"""The arrays every update reads: tokens, attention and the loss weights."""
+
 
 @dataclass(frozen=True)
 class PolicyObjective:
@@ -59,6 +62,14 @@ class PolicyObjective:
             entropy_coef=ppo.entropy_coef,
         )
 
+    @property
+    def batch_names(self) -> tuple[str, ...]:
+        """The arrays an actor update reads (all made by
+        :func:`strop.rl.experience.build_experience`): the reference's log-probabilities
+        only with a KL term in the loss."""
+        kl = ("ref_logprobs",) if self.kl_in_loss else ()
+        return (*UPDATE_COLUMNS, "old_logprobs", "advantages", *kl)
+
 
 @dataclass(frozen=True)
 class ValueObjective:
@@ -70,6 +81,11 @@ class ValueObjective:
     @classmethod
     def from_config(cls, config: Config) -> ValueObjective:
         return cls(value_clip=config.ppo.value_clip or None, coef=config.ppo.value_loss_coef)
+
+    @property
+    def batch_names(self) -> tuple[str, ...]:
+        """The arrays a critic update reads."""
+        return (*UPDATE_COLUMNS, "old_values", "returns")
 
 
 def aggregation_weights(

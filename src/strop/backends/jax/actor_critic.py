@@ -59,9 +59,6 @@ from strop.rl.objectives import PolicyObjective, ValueObjective
 
 logger = logging.getLogger(__name__)
 
-POLICY_BATCH = ("input_ids", "attention_mask", "loss_weights", "old_logprobs", "advantages")
-CRITIC_BATCH = ("input_ids", "attention_mask", "loss_weights", "old_values", "returns")
-
 
 def critic_trainable_filter(lora_enabled: bool) -> nnx.filterlib.Filter:
     """What trains in the critic: its LoRA params (or all params) *and* the value head."""
@@ -91,6 +88,7 @@ class JaxActorCritic:
         self.config = config
         self.mesh = make_mesh(config.mesh)
         self.policy_objective = PolicyObjective.from_config(config)
+        self.value_objective = ValueObjective.from_config(config)
         load = partial(
             load_hf_model,
             mesh=self.mesh,
@@ -145,7 +143,7 @@ class JaxActorCritic:
         self.critic_opt = replicate_unplaced(critic_tx.init(self.critic), self.mesh)
         self._critic_update = jit_update(
             critic_tx,
-            partial(ppo_steps.critic_loss, self.critic_graph, ValueObjective.from_config(config)),
+            partial(ppo_steps.critic_loss, self.critic_graph, self.value_objective),
         )
 
     def _initial_reference(self) -> nnx.State:
@@ -235,7 +233,7 @@ class JaxActorCritic:
 
     def train_policy(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
         """One actor update over the mini-batch ``batch`` (see :mod:`ppo_steps`)."""
-        names = POLICY_BATCH + (("ref_logprobs",) if self.policy_objective.kl_in_loss else ())
+        names = self.policy_objective.batch_names
         arrays = put_micro_batches(batch, names, micro_batches, self.mesh)
         self.actor, self.actor_opt, stats = self._policy_update(
             self.actor, self.actor_opt, self.frozen, arrays
@@ -244,7 +242,9 @@ class JaxActorCritic:
 
     def train_critic(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
         """One critic update over the mini-batch ``batch``."""
-        arrays = put_micro_batches(batch, CRITIC_BATCH, micro_batches, self.mesh)
+        arrays = put_micro_batches(
+            batch, self.value_objective.batch_names, micro_batches, self.mesh
+        )
         self.critic, self.critic_opt, stats = self._critic_update(
             self.critic, self.critic_opt, self.critic_frozen, arrays
         )

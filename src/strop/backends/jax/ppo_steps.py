@@ -35,7 +35,6 @@ from strop.backends.jax.losses import (
 from strop.rl.objectives import PolicyObjective, ValueObjective
 
 F32 = jnp.float32
-Role = tuple[nnx.GraphDef, nnx.State, nnx.State]
 
 
 def _shift(per_column: jax.Array) -> jax.Array:

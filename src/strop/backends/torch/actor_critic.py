@@ -56,8 +56,6 @@ from strop.rl.objectives import PolicyObjective, ValueObjective
 
 logger = logging.getLogger(__name__)
 
-POLICY_BATCH = ("input_ids", "attention_mask", "loss_weights", "old_logprobs", "advantages")
-CRITIC_BATCH = ("input_ids", "attention_mask", "loss_weights", "old_values", "returns")
 CRITIC_ADAPTER, REFERENCE_ADAPTER = "critic", "reference"
 _UPDATES_KEY = "optimizer_updates"
 
@@ -240,7 +238,7 @@ class TorchActorCritic:
             return self._forward_rows(batch, self.critic.values)
 
     def train_policy(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
-        names = POLICY_BATCH + (("ref_logprobs",) if self.policy_objective.kl_in_loss else ())
+        names = self.policy_objective.batch_names
         with self._role("actor") as loaded:
 
             def loss_fn(micro):
@@ -256,7 +254,8 @@ class TorchActorCritic:
                 values = self.critic.values(micro["input_ids"], micro["attention_mask"])
                 return critic_micro_loss(values, micro, self.value_objective)
 
-            stats = self.critic_trainer.update(batch, CRITIC_BATCH, micro_batches, loss_fn)
+            names = self.value_objective.batch_names
+            stats = self.critic_trainer.update(batch, names, micro_batches, loss_fn)
         stats["loss"] = stats.pop("value_loss")
         return stats
 
