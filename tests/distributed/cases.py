@@ -93,8 +93,8 @@ def sft_gradients(policy, batch, micro_batches: int) -> tuple[float, float]:
     from strop.sft.objective import SFT_BATCH, target_tokens, with_loss_weights
 
     weighted = with_loss_weights(batch)
-    stats = policy.trainer.accumulate(
+    loss, _ = policy.trainer.accumulate(
         weighted, SFT_BATCH, micro_batches, policy.micro_loss, dropout=True
     )
     count = target_tokens(batch["loss_mask"])
-    return stats["loss"] * count, count
+    return loss * count, count

@@ -255,9 +255,7 @@ class TorchActorCritic:
                 return critic_micro_loss(values, micro, self.value_objective)
 
             names = self.value_objective.batch_names
-            stats = self.critic_trainer.update(batch, names, micro_batches, loss_fn)
-        stats["loss"] = stats.pop("value_loss")
-        return stats
+            return self.critic_trainer.update(batch, names, micro_batches, loss_fn)
 
     # checkpoints -------------------------------------------------------------------------
 

@@ -79,7 +79,7 @@ def policy_micro_loss(
 def critic_micro_loss(
     values: torch.Tensor, micro: dict[str, torch.Tensor], objective: ValueObjective
 ) -> tuple[torch.Tensor, Stats]:
-    """The critic's weighted (scaled) loss over one micro-batch; stat ``value_loss`` is the
+    """The critic's weighted (scaled) loss over one micro-batch; stat ``loss`` is the
     unscaled one, plus ``vf_clipfrac`` and ``value_mean``. NaN/Inf in ``old_values`` or
     ``returns`` off the response change neither the loss nor its gradient."""
     weights = micro["loss_weights"]
@@ -89,7 +89,7 @@ def critic_micro_loss(
     )
     loss = _weighted_sum(per_token, weights)
     stats = {
-        "value_loss": loss.detach(),
+        "loss": loss.detach(),
         "vf_clipfrac": _weighted_sum(clipped, weights).detach(),
         "value_mean": _weighted_sum(values.detach(), weights),
     }

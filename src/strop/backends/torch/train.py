@@ -179,14 +179,14 @@ class Trainer:
         loss_fn: MicroLoss,
         *,
         dropout: bool = False,
-    ) -> dict[str, float]:
+    ) -> tuple[float, dict[str, float]]:
         """Backpropagate ``loss_fn`` over this rank's micro-batches of ``batch``, leaving the
         gradients in ``.grad`` (reduced over ranks; sharded for DTensors).
 
         ``loss_fn(micro) -> (loss, stats)`` returns sums already weighted for the whole
         global batch (its ``loss_weights``: :mod:`strop.sft.objective`,
         :mod:`strop.rl.objectives`), so gradients and stats just add up over micro-batches
-        and ranks. Returns the global sums of ``loss`` and every stat. Every array is per
+        and ranks. Returns the global sums of the loss and of every stat. Every array is per
         token (``[B, L]``); each micro-batch is cut to the columns its rows use
         (:func:`without_padding_columns`). ``dropout``: run the model in training mode.
         """
@@ -194,17 +194,20 @@ class Trainer:
         self._reseed()
         if dropout:
             self.loaded.model.train()
-        sums: dict[str, float] = {}
+        loss_sum, sums = 0.0, {}
         for micro in range(micro_batches):
             self._sync_gradients(micro == micro_batches - 1)
             loss, stats = loss_fn(
                 without_padding_columns({name: value[micro] for name, value in local.items()})
             )
             loss.backward()
-            for name, value in {"loss": loss, **stats}.items():
+            loss_sum += float(loss.detach())
+            for name, value in stats.items():
                 sums[name] = sums.get(name, 0.0) + float(value.detach())
         self.loaded.model.eval()
-        return {name: all_reduce_sum(v, self.loaded.placement) for name, v in sums.items()}
+        placement = self.loaded.placement
+        stats = {name: all_reduce_sum(value, placement) for name, value in sums.items()}
+        return all_reduce_sum(loss_sum, placement), stats
 
     def apply(self, loss: float) -> tuple[float, bool]:
         """Clip, set the scheduled learning rate, step the optimizer; return the grad norm
@@ -231,10 +234,10 @@ class Trainer:
 
     def update(self, *accumulate_args: Any, **accumulate_kwargs: Any) -> dict[str, float]:
         """One optimizer update: :meth:`accumulate` (same arguments), then :meth:`apply`.
-        Returns the global ``loss`` and stats, ``grad_norm`` (before clipping) and
-        ``skipped`` (1.0 when the loss or gradient norm was not finite and the update was
-        not applied)."""
-        stats = self.accumulate(*accumulate_args, **accumulate_kwargs)
-        stats["grad_norm"], applied = self.apply(stats["loss"])
-        stats["skipped"] = float(not applied)
-        return stats
+        Returns the global ``loss`` and stats (a stat named ``loss`` replaces it, as in the
+        JAX backend's ``train.update``), ``grad_norm`` (before clipping) and ``skipped``
+        (1.0 when the loss or gradient norm was not finite and the update was not
+        applied)."""
+        loss, stats = self.accumulate(*accumulate_args, **accumulate_kwargs)
+        grad_norm, applied = self.apply(loss)
+        return {"loss": loss, "grad_norm": grad_norm, "skipped": float(not applied), **stats}
