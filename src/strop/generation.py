@@ -134,3 +134,60 @@ def check_generate_args(
         raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
     if params.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer to decode responses")
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """What a sampler needs besides the prompts and :class:`SamplingParams`: the
+    keyword arguments of :meth:`Sampler.generate`, bundled.
+
+    Attributes:
+      seed: the sampling seed (the same seed, the same responses).
+      eos_ids: the token ids that end a response.
+      pad_id: what fills ``Generation.tokens`` past each row's length.
+      tokenizer: decodes responses for ``SamplingParams.stop_strings``.
+      prompt_columns: left-pad the prompts to this width, so that every rollout of a run
+        has one shape; a hint for samplers that compile each shape, others ignore it.
+    """
+
+    seed: int
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    tokenizer: Decoder | None = None
+    prompt_columns: int | None = None
+
+    def keywords(self, *, shape_hint: bool) -> dict[str, object]:
+        """The keyword arguments of a backend's ``generate`` function (``prompt_columns``
+        only where ``shape_hint``: a sampler that compiles each shape)."""
+        keywords = dict(vars(self))
+        if not shape_hint:
+            del keywords["prompt_columns"]
+        return keywords
+
+
+class Sampler(Protocol):
+    """A model that samples responses: what ``Policy`` and ``ActorCritic``
+    (:mod:`strop.backends.base`) share. A backend's class subclasses it and implements
+    :meth:`sample`; :meth:`generate` is the one signature callers use."""
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        seed: int,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        tokenizer: Decoder | None = None,
+        prompt_columns: int | None = None,
+    ) -> Generation:
+        """Sample a response to each (ragged) prompt with the current weights (adapters
+        included; the actor's under PPO); the arguments are :class:`Decoding`'s."""
+        decoding = Decoding(seed, tuple(eos_ids), pad_id, tokenizer, prompt_columns)
+        return self.sample(prompts, params, decoding)
+
+    def sample(
+        self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
+    ) -> Generation:
+        """What :meth:`generate` does, its keyword arguments as one :class:`Decoding`."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement sample")

@@ -26,8 +26,9 @@ from strop.backends.base import (
     TrainableModel,
 )
 from strop.config import load_config
+from strop.generation import Decoding, Sampler, SamplingParams
 
-PROTOCOLS = (ModelHandle, TrainableModel, Policy, ActorCritic, RewardModel, Backend)
+PROTOCOLS = (Sampler, ModelHandle, TrainableModel, Policy, ActorCritic, RewardModel, Backend)
 FRAMEWORK = {"jax": "jax", "torch": "torch"}
 PREFIX = {"jax": "Jax", "torch": "Torch"}
 
@@ -97,13 +98,35 @@ def test_importing_the_core_imports_no_framework():
 
 
 def test_policy_and_actor_critic_share_one_base():
-    """What both protocols ask for lives once, in TrainableModel; only ``generate`` is in
-    each (the actor's takes ``prompt_columns``)."""
+    """What both protocols ask for lives once, in TrainableModel, ``generate`` included
+    (declared once, by :class:`Sampler`)."""
     for protocol in (Policy, ActorCritic):
         assert TrainableModel in protocol.__mro__
     own = [{n for n in vars(p) if not n.startswith("_")} for p in (Policy, ActorCritic)]
-    assert own[0] & own[1] == {"generate"}
+    assert own[0] & own[1] == set()
     assert members(TrainableModel) >= {"backend", "is_main", "save_checkpoint", "export_merged"}
+    assert {"generate", "sample"} <= members(TrainableModel)
+    assert Sampler in TrainableModel.__mro__
+
+
+def test_generate_bundles_its_keywords_into_one_decoding():
+    """Callers keep ``generate(prompts, params, seed=, eos_ids=, pad_id=, tokenizer=,
+    prompt_columns=)``; a backend implements ``sample`` with one :class:`Decoding`."""
+
+    class Recorder(Sampler):
+        def sample(self, prompts, params, decoding):
+            return prompts, params, decoding
+
+    params = SamplingParams(max_new_tokens=3)
+    prompts, got_params, decoding = Recorder().generate(
+        [[1, 2]], params, seed=7, eos_ids=[3, 4], pad_id=0, prompt_columns=8
+    )
+    assert (prompts, got_params) == ([[1, 2]], params)
+    assert decoding == Decoding(seed=7, eos_ids=(3, 4), pad_id=0, prompt_columns=8)
+    assert decoding.keywords(shape_hint=True) == {
+        "seed": 7, "eos_ids": (3, 4), "pad_id": 0, "tokenizer": None, "prompt_columns": 8,
+    }  # fmt: skip
+    assert "prompt_columns" not in decoding.keywords(shape_hint=False)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS, ids=lambda p: p.__name__)

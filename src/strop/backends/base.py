@@ -6,14 +6,14 @@ of those names, as a :class:`BackendFunctions`), whose
 ``build_policy`` gives a :class:`Policy` (SFT, eval), ``build_actor_critic`` an
 :class:`ActorCritic` (PPO), ``build_reward_model`` a :class:`RewardModel`
 (``ppo.reward: model:DIR``) and ``load_model`` a :class:`ModelHandle`. ``Policy`` and
-``ActorCritic`` share the methods of :class:`TrainableModel`.
+``ActorCritic`` share the methods of :class:`TrainableModel` (``generate`` included).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 from strop.errors import StropError
-from strop.generation import Decoder, Generation, SamplingParams
+from strop.generation import Sampler
 from strop.io.model_spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -75,9 +75,11 @@ class ModelHandle(Protocol):
 
 
 @runtime_checkable
-class TrainableModel(Protocol):
+class TrainableModel(Sampler, Protocol):
     """What :class:`Policy` and :class:`ActorCritic` share: a model being fine-tuned,
-    checkpointed and exported.
+    checkpointed and exported, and sampled from (:class:`~strop.generation.Sampler`'s
+    ``generate``: the actor's under PPO, ``prompt_columns`` a hint where
+    ``static_shapes``).
 
     Distributed runs call every method on every process (they may be collectives); only
     the process with ``is_main`` writes files. Under PPO, checkpoints hold the actor's and
@@ -134,19 +136,6 @@ class Policy(TrainableModel, Protocol):
         """(summed loss, target-token count) of ``batch``, without training."""
         ...
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        *,
-        seed: int,
-        eos_ids: Sequence[int],
-        pad_id: int,
-        tokenizer: Decoder | None = None,
-    ) -> Generation:
-        """Sample a response to each (ragged) prompt; see :mod:`strop.generation`."""
-        ...
-
 
 @runtime_checkable
 class ActorCritic(TrainableModel, Protocol):
@@ -162,21 +151,6 @@ class ActorCritic(TrainableModel, Protocol):
     """True where each new array shape compiles (JAX): the PPO loop then pads prompts and
     rollouts to one shape per run. False (torch, eager): nothing is padded beyond the
     batch, and each micro-batch runs without the columns none of its rows attends."""
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        *,
-        seed: int,
-        eos_ids: Sequence[int],
-        pad_id: int,
-        tokenizer: Decoder | None = None,
-        prompt_columns: int | None = None,
-    ) -> Generation:
-        """Sample from the actor; ``prompt_columns``: left-pad the prompts to this width
-        (where ``static_shapes``), so that every rollout of a run has one shape."""
-        ...
 
     def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:
         """``log pi(x_t | x_<t)`` at the rollout temperature, actor or reference."""

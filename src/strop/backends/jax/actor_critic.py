@@ -51,7 +51,7 @@ from strop.backends.jax.value import ValueModel
 from strop.backends.jax.weights import load_hf_model, save_hf_model
 from strop.config import Config
 from strop.errors import ConfigError
-from strop.generation import Decoder, Generation, SamplingParams
+from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for
 from strop.io.run_identity import ppo_identity
 from strop.lora_init import critic_seed as critic_seed_of
@@ -72,7 +72,7 @@ def _twin(module: nnx.Module) -> nnx.Module:
     return nnx.merge(*nnx.split(module))
 
 
-class JaxActorCritic:
+class JaxActorCritic(Sampler):
     """Actor, critic and reference for PPO on a JAX mesh."""
 
     backend = "jax"
@@ -193,22 +193,13 @@ class JaxActorCritic:
         """The actor as a module (over the live arrays: no copy)."""
         return nnx.merge(self.actor_graph, self.actor, self.frozen)
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        *,
-        seed: int,
-        eos_ids: Sequence[int],
-        pad_id: int,
-        tokenizer: Decoder | None = None,
-        prompt_columns: int | None = None,
+    def sample(
+        self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
     ) -> Generation:
-        """Sample a response to each prompt from the actor."""
-        return generate(
-            self.actor_module(), prompts, params, eos_ids=eos_ids, pad_id=pad_id, seed=seed,
-            tokenizer=tokenizer, prompt_columns=prompt_columns,
-        )  # fmt: skip
+        """Sample from the actor (:meth:`Sampler.generate`), prompts left-padded to
+        ``prompt_columns``."""
+        module = self.actor_module()
+        return generate(module, prompts, params, **decoding.keywords(shape_hint=True))
 
     def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:
         """``[B, L]`` ``log pi(x_t | x_<t)`` at the rollout temperature, of the actor or the

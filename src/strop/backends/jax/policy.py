@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from strop.backends.jax.train import Trainer, token_loss_sum
 from strop.backends.jax.weights import load_hf_model, save_hf_model
 from strop.config import Config
 from strop.errors import ConfigError
-from strop.generation import Decoder, Generation, SamplingParams
+from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for
 from strop.io.run_identity import run_identity
 
@@ -42,7 +41,7 @@ def _loss_sum(model, input_ids, attention_mask, loss_mask):
     return token_loss_sum(logits, input_ids, loss_mask)
 
 
-class JaxPolicy:
+class JaxPolicy(Sampler):
     """A causal LM being fine-tuned (LoRA or full) on a mesh."""
 
     backend = "jax"
@@ -100,21 +99,11 @@ class JaxPolicy:
         )
         return float(total), float(count)
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        *,
-        seed: int,
-        eos_ids: Sequence[int],
-        pad_id: int,
-        tokenizer: Decoder | None = None,
+    def sample(
+        self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
     ) -> Generation:
-        """Sample a response to each prompt with the current weights (adapters included)."""
-        return generate(
-            self.model, prompts, params, eos_ids=eos_ids, pad_id=pad_id, seed=seed,
-            tokenizer=tokenizer,
-        )  # fmt: skip
+        """Sample with the current weights (adapters included): :meth:`Sampler.generate`."""
+        return generate(self.model, prompts, params, **decoding.keywords(shape_hint=True))
 
     # checkpoints -------------------------------------------------------------------------
 

@@ -48,7 +48,7 @@ from strop.backends.torch.train import Trainer, rank_rows, used_columns
 from strop.backends.torch.value import ValueModel
 from strop.config import Config
 from strop.errors import ConfigError
-from strop.generation import Decoder, Generation, SamplingParams
+from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for
 from strop.io.run_identity import ppo_identity
 from strop.lora_init import critic_seed as critic_seed_of
@@ -60,7 +60,7 @@ CRITIC_ADAPTER, REFERENCE_ADAPTER = "critic", "reference"
 _UPDATES_KEY = "optimizer_updates"
 
 
-class TorchActorCritic:
+class TorchActorCritic(Sampler):
     """Actor, critic and reference for PPO, FSDP2-sharded under ``torchrun``."""
 
     backend = "torch"
@@ -204,24 +204,13 @@ class TorchActorCritic:
     def is_main(self) -> bool:
         return self.placement.is_main
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        *,
-        seed: int,
-        eos_ids: Sequence[int],
-        pad_id: int,
-        tokenizer: Decoder | None = None,
-        prompt_columns: int | None = None,
+    def sample(
+        self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
     ) -> Generation:
-        """Sample a response to each prompt from the actor (``prompt_columns``, a shape
+        """Sample from the actor (:meth:`Sampler.generate`; ``prompt_columns``, a shape
         hint for compiled samplers, does not apply: prompts are padded to the longest)."""
         with self._role("actor") as loaded:
-            return generate(
-                loaded.model, prompts, params, eos_ids=eos_ids, pad_id=pad_id, seed=seed,
-                tokenizer=tokenizer,
-            )  # fmt: skip
+            return generate(loaded.model, prompts, params, **decoding.keywords(shape_hint=False))
 
     def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:
         temperature = self.policy_objective.temperature

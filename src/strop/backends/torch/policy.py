@@ -7,7 +7,6 @@ backend-neutral loops drive either without a branch.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from strop.backends.torch.model import build_model, forward_logits
 from strop.backends.torch.train import BATCH_KEYS, Trainer, sft_micro_loss, token_loss_sum
 from strop.config import Config
 from strop.errors import ConfigError
-from strop.generation import Decoder, Generation, SamplingParams
+from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for
 from strop.io.run_identity import run_identity
 from strop.sft.objective import SFT_BATCH, target_tokens, with_loss_weights
@@ -31,7 +30,7 @@ from strop.sft.objective import SFT_BATCH, target_tokens, with_loss_weights
 _UPDATES_KEY = "optimizer_updates"  # the schedule's clock, kept in the checkpoint's extra
 
 
-class TorchPolicy:
+class TorchPolicy(Sampler):
     """A causal LM being fine-tuned (LoRA or full), FSDP2-sharded under ``torchrun``."""
 
     backend = "torch"
@@ -94,21 +93,12 @@ class TorchPolicy:
         total, count = token_loss_sum(forward_logits(self.loaded, ids, mask), ids, loss_mask)
         return float(total), float(count)
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        *,
-        seed: int,
-        eos_ids: Sequence[int],
-        pad_id: int,
-        tokenizer: Decoder | None = None,
+    def sample(
+        self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
     ) -> Generation:
-        """Sample a response to each prompt with the current weights (adapters included)."""
-        return generate(
-            self.model, prompts, params, eos_ids=eos_ids, pad_id=pad_id, seed=seed,
-            tokenizer=tokenizer,
-        )  # fmt: skip
+        """Sample with the current weights (adapters included): :meth:`Sampler.generate`
+        (``prompt_columns`` does not apply: prompts are padded to the longest)."""
+        return generate(self.model, prompts, params, **decoding.keywords(shape_hint=False))
 
     # checkpoints -------------------------------------------------------------------------
 
