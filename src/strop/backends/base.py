@@ -51,7 +51,11 @@ def logits_inputs(
 
 @runtime_checkable
 class ModelHandle(Protocol):
-    """A loaded causal language model, as returned by :func:`strop.load_model`."""
+    """A loaded causal language model, as returned by :func:`strop.load_model`.
+
+    A backend's handle subclasses it and implements :meth:`forward`; :meth:`logits`
+    checks the arrays first.
+    """
 
     backend: str
     spec: ModelSpec
@@ -67,7 +71,11 @@ class ModelHandle(Protocol):
         ``attention_mask`` (1 = real token, 0 = padding) defaults to all ones; positions
         default to counting from each row's first real token.
         """
-        ...
+        return self.forward(*logits_inputs(input_ids, attention_mask, positions))
+
+    def forward(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """:meth:`logits` of checked int64 ``[B, L]`` arrays (:func:`logits_inputs`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement forward")
 
     def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the model as a HF checkpoint directory that ``transformers`` loads."""

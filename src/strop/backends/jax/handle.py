@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from strop.backends.base import logits_inputs
+from strop.backends.base import ModelHandle
 from strop.backends.jax.model import CausalLM
 from strop.backends.jax.sharding import batch_sharding, make_mesh, to_host
 from strop.backends.jax.weights import load_hf_model, save_hf_model
@@ -23,7 +23,7 @@ def _logits(model: CausalLM, input_ids, attention_mask, positions) -> jax.Array:
     return model(input_ids, attention_mask, positions).logits
 
 
-class JaxModelHandle:
+class JaxModelHandle(ModelHandle):
     """A :class:`CausalLM` on a mesh, with numpy in and out."""
 
     backend = "jax"
@@ -40,15 +40,10 @@ class JaxModelHandle:
     def _put(self, array: np.ndarray) -> jax.Array:
         return jax.device_put(array, batch_sharding(array.shape, self.mesh))
 
-    def logits(
-        self,
-        input_ids: np.ndarray,
-        attention_mask: np.ndarray | None = None,
-        positions: np.ndarray | None = None,
-    ) -> np.ndarray:
-        arrays = logits_inputs(input_ids, attention_mask, positions)
-        out = _logits(self.model, *(self._put(a.astype(np.int32)) for a in arrays))
-        return to_host(out).astype(np.float32)
+    def forward(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Float32 logits of checked arrays (:meth:`ModelHandle.logits`), on the mesh."""
+        arrays = (self._put(a.astype(np.int32)) for a in (ids, mask, positions))
+        return to_host(_logits(self.model, *arrays)).astype(np.float32)
 
     def save(
         self, path: str | os.PathLike, *, overwrite: bool = False, max_shard_bytes: int = 4 << 30

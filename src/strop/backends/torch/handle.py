@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from strop.backends.base import logits_inputs
+from strop.backends.base import ModelHandle
 from strop.backends.torch.fsdp import place, write_once
 from strop.backends.torch.model import LoadedModel, build_model, forward_logits, hf_weights
 from strop.config import MeshConfig
@@ -17,7 +17,7 @@ from strop.io.hf import write_checkpoint_once
 from strop.io.model_spec import ModelSpec
 
 
-class TorchModelHandle:
+class TorchModelHandle(ModelHandle):
     """A ``transformers`` model (FSDP2-sharded under ``torchrun``), numpy in and out."""
 
     backend = "torch"
@@ -35,16 +35,11 @@ class TorchModelHandle:
         return self.loaded.model
 
     @torch.no_grad()
-    def logits(
-        self,
-        input_ids: np.ndarray,
-        attention_mask: np.ndarray | None = None,
-        positions: np.ndarray | None = None,
-    ) -> np.ndarray:
+    def forward(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Float32 logits of checked arrays (:meth:`ModelHandle.logits`)."""
         device = self.loaded.placement.device
-        arrays = logits_inputs(input_ids, attention_mask, positions)
-        out = forward_logits(self.loaded, *(torch.from_numpy(a).to(device) for a in arrays))
-        return out.cpu().numpy()
+        arrays = (torch.from_numpy(a).to(device) for a in (ids, mask, positions))
+        return forward_logits(self.loaded, *arrays).cpu().numpy()
 
     def save(
         self, path: str | os.PathLike, *, overwrite: bool = False, max_shard_bytes: int = 4 << 30
