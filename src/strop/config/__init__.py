@@ -119,6 +119,13 @@ class Config(_Section):
             )
         return self
 
+    def model_path(self) -> str:
+        """``model.path``, which building a trainable model needs (a ``ConfigError`` if
+        unset)."""
+        if self.model.path is None:
+            raise ConfigError("model.path: set it to a Hugging Face checkpoint directory")
+        return self.model.path
+
     def checkpoint_path(self) -> Path:
         """Where the run's checkpoints go: ``checkpoint.dir``, else ``<run_dir>/checkpoints``."""
         return Path(self.checkpoint.dir or Path(self.run_dir) / "checkpoints")

@@ -36,6 +36,7 @@ from strop.backends.jax.generate import generate
 from strop.backends.jax.lora import (
     adapter_weights,
     apply_lora,
+    check_supported,
     export_adapter,
     set_adapter_weights,
     with_adapters_merged,
@@ -50,7 +51,6 @@ from strop.backends.jax.train import (
 from strop.backends.jax.value import ValueModel
 from strop.backends.jax.weights import load_hf_model, save_hf_model
 from strop.config import Config
-from strop.errors import ConfigError
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for
 from strop.io.run_identity import ppo_identity
@@ -81,10 +81,7 @@ class JaxActorCritic(Sampler):
     def __init__(
         self, config: Config, *, total_updates: int, checkpoint_dir: str | os.PathLike | None
     ):
-        if config.model.path is None:
-            raise ConfigError("model.path: set it to a Hugging Face checkpoint directory")
-        if config.lora.dropout > 0:
-            raise ConfigError("lora.dropout: the jax backend supports only 0 for now")
+        check_supported(config.lora)
         self.config = config
         self.mesh = make_mesh(config.mesh)
         self.policy_objective = PolicyObjective.from_config(config)
@@ -95,7 +92,7 @@ class JaxActorCritic(Sampler):
             dtype=config.model.dtype,
             param_dtype=config.model.param_dtype,
         )
-        lm = load(config.model.path)
+        lm = load(config.model_path())
         self.has_critic = config.ppo.has_critic  # critic-free estimators build none
         if self.has_critic:
             self._build_critic(config, lm, load, total_updates)

@@ -52,6 +52,12 @@ def dense_modules(model: CausalLM) -> dict[str, Dense]:
     }
 
 
+def check_supported(config: LoraConfig) -> None:
+    """Refuse, before anything loads, the LoRA settings this backend lacks (dropout)."""
+    if config.dropout > 0:
+        raise ConfigError("lora.dropout: the jax backend supports only 0 for now")
+
+
 def apply_lora(model: CausalLM, config: LoraConfig, seed: int) -> CausalLM:
     """Return ``model`` with LoRA adapters on the modules ``config.target_modules`` selects.
 

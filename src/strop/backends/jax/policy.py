@@ -18,6 +18,7 @@ from strop.backends.jax.checkpoint import TrainCheckpoints
 from strop.backends.jax.generate import generate
 from strop.backends.jax.lora import (
     apply_lora,
+    check_supported,
     export_adapter,
     set_adapter_weights,
     trainable_filter,
@@ -27,7 +28,6 @@ from strop.backends.jax.sharding import batch_sharding, is_main_process, make_me
 from strop.backends.jax.train import Trainer, token_loss_sum
 from strop.backends.jax.weights import load_hf_model, save_hf_model
 from strop.config import Config
-from strop.errors import ConfigError
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for
 from strop.io.run_identity import run_identity
@@ -49,14 +49,11 @@ class JaxPolicy(Sampler):
     def __init__(
         self, config: Config, *, total_steps: int, checkpoint_dir: str | os.PathLike | None
     ):
-        if config.model.path is None:
-            raise ConfigError("model.path: set it to a Hugging Face checkpoint directory")
-        if config.lora.dropout > 0:
-            raise ConfigError("lora.dropout: the jax backend supports only 0 for now")
+        check_supported(config.lora)
         self.config = config
         self.mesh = make_mesh(config.mesh)
         model = load_hf_model(
-            config.model.path,
+            config.model_path(),
             self.mesh,
             dtype=config.model.dtype,
             param_dtype=config.model.param_dtype,

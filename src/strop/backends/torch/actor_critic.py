@@ -47,7 +47,6 @@ from strop.backends.torch.ppo_steps import critic_micro_loss, policy_micro_loss,
 from strop.backends.torch.train import Trainer, rank_rows, used_columns
 from strop.backends.torch.value import ValueModel
 from strop.config import Config
-from strop.errors import ConfigError
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for
 from strop.io.run_identity import ppo_identity
@@ -69,8 +68,7 @@ class TorchActorCritic(Sampler):
     def __init__(
         self, config: Config, *, total_updates: int, checkpoint_dir: str | os.PathLike | None
     ):
-        if config.model.path is None:
-            raise ConfigError("model.path: set it to a Hugging Face checkpoint directory")
+        model_path = config.model_path()
         self.config = config
         self.placement = place(config.mesh)
         self.policy_objective = PolicyObjective.from_config(config)
@@ -94,11 +92,11 @@ class TorchActorCritic(Sampler):
             extra = ((CRITIC_ADAPTER,) if critic else ()) + (
                 (REFERENCE_ADAPTER,) if reference_path else ()
             )
-            self.loaded = build(config.model.path, extra_adapters=extra)
+            self.loaded = build(model_path, extra_adapters=extra)
             self.critic_loaded = self.loaded if critic else None
             self.reference_loaded = None
             if reference_path:
-                weights = read_adapter_for(reference_path, config.lora, config.model.path)
+                weights = read_adapter_for(reference_path, config.lora, model_path)
                 set_adapter_weights(
                     self.loaded.model, weights, str(reference_path), REFERENCE_ADAPTER
                 )
@@ -116,11 +114,9 @@ class TorchActorCritic(Sampler):
                     p for p in adapter_params(self.loaded.model, CRITIC_ADAPTER) if p.requires_grad
                 ]
         else:
-            self.loaded = build(config.model.path)
-            self.critic_loaded = (
-                build(config.critic.model_path or config.model.path) if critic else None
-            )
-            self.reference_loaded = build(config.model.path)
+            self.loaded = build(model_path)
+            self.critic_loaded = build(config.critic.model_path or model_path) if critic else None
+            self.reference_loaded = build(model_path)
             self.reference_loaded.model.requires_grad_(False)
             actor_params = list(self.loaded.model.parameters())
             if critic:

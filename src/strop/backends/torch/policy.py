@@ -21,7 +21,6 @@ from strop.backends.torch.lora import export_adapter, set_adapter_weights
 from strop.backends.torch.model import build_model, forward_logits
 from strop.backends.torch.train import BATCH_KEYS, Trainer, sft_micro_loss, token_loss_sum
 from strop.config import Config
-from strop.errors import ConfigError
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for
 from strop.io.run_identity import run_identity
@@ -38,12 +37,10 @@ class TorchPolicy(Sampler):
     def __init__(
         self, config: Config, *, total_steps: int, checkpoint_dir: str | os.PathLike | None
     ):
-        if config.model.path is None:
-            raise ConfigError("model.path: set it to a Hugging Face checkpoint directory")
         self.config = config
         self.placement = place(config.mesh)
         self.loaded = build_model(
-            config.model.path,
+            config.model_path(),
             self.placement,
             dtype=config.model.dtype,
             param_dtype=config.model.param_dtype,
