@@ -16,6 +16,7 @@ import contextlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -166,6 +167,28 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def run_model(
+    loaded: LoadedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    **outputs: Any,
+) -> Any:
+    """The model's forward without a cache, in its compute dtype; ``positions`` default
+    to counting from each row's first real token. ``outputs``: more of the model's
+    keyword arguments (``output_hidden_states=True``, ``logits_to_keep=1``)."""
+    if positions is None:
+        positions = positions_from_mask(attention_mask)
+    with loaded.autocast():
+        return loaded.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=False,
+            **outputs,
+        )
+
+
 def forward_logits(
     loaded: LoadedModel,
     input_ids: torch.Tensor,
@@ -173,16 +196,7 @@ def forward_logits(
     positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float32 logits ``[B, L, V]``."""
-    if positions is None:
-        positions = positions_from_mask(attention_mask)
-    with loaded.autocast():
-        out = loaded.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            use_cache=False,
-        )
-    return out.logits.float()
+    return run_model(loaded, input_ids, attention_mask, positions).logits.float()
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:

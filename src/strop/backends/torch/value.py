@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from strop.backends.torch.losses import shift_values
-from strop.backends.torch.model import LoadedModel, positions_from_mask
+from strop.backends.torch.model import LoadedModel, run_model
 from strop.lora_init import value_head as initial_value_head
 
 
@@ -67,17 +67,10 @@ class ValueModel(nn.Module):
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final normed hidden state ``[B, L, E]`` (in the compute dtype)."""
-        if positions is None:
-            positions = positions_from_mask(attention_mask)
-        with self.loaded.autocast():
-            out = self.lm(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=positions,
-                use_cache=False,
-                output_hidden_states=True,
-                logits_to_keep=1,
-            )
+        out = run_model(
+            self.loaded, input_ids, attention_mask, positions,
+            output_hidden_states=True, logits_to_keep=1,
+        )  # fmt: skip
         return out.hidden_states[-1]
 
     def raw_values(
