@@ -27,9 +27,11 @@ from pathlib import Path
 
 from strop import rewards
 from strop.backends import get_backend
+from strop.backends.base import Policy
 from strop.config import Config
 from strop.data import Tokenizer, read_data_file
 from strop.data.prompts import gold_answers, prompt_ids
+from strop.engines import rollout_engine
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
 from strop.io.atomic import write_text_atomically
@@ -117,6 +119,17 @@ def _evaluate(config: Config, path: str, reward, progress: RunProgress) -> EvalR
     policy = backend.build_policy(config, total_steps=1, checkpoint_dir=None)
     if config.eval.adapter is not None:
         policy.load_adapter(config.eval.adapter)
+    longest = max(len(p) for p in prompts)
+    with rollout_engine(config, policy, max_prompt_tokens=longest) as sampled:
+        return _sample_and_record(
+            config, path, reward, progress, sampled, tokenizer, examples, golds, columns, prompts
+        )
+
+
+def _sample_and_record(
+    config: Config, path: str, reward, progress: RunProgress, policy: Policy,
+    tokenizer: Tokenizer, examples, golds, columns, prompts: list[list[int]],
+) -> EvalResult:  # fmt: skip
     # generation: supplies length, top-k/top-p and stop strings; eval: the temperature
     params = dataclasses.replace(
         SamplingParams.from_config(config.generation), temperature=config.eval.temperature
@@ -187,5 +200,5 @@ def _evaluate(config: Config, path: str, reward, progress: RunProgress) -> EvalR
         )
         write_text_atomically(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
 
-    backend.write_once(write, f"writing the results in {out_dir}")
+    get_backend(config.backend).write_once(write, f"writing the results in {out_dir}")
     return result

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from strop.backends import get_backend
 from strop.config import Config
+from strop.engines import check_engine
 from strop.errors import ConfigError
 from strop.io import run_lock
 from strop.io.checkpoint_dir import refuse_other_backends_checkpoints
@@ -77,6 +78,7 @@ def preflight(config: Config, job: str, checkpoint_dir: str | os.PathLike | None
     refuse_launcher_of_another_backend(config)
     if checkpoint_dir is not None:
         refuse_other_backends_checkpoints(checkpoint_dir, config.backend)
+    check_engine(config)
     devices = get_backend(config.backend).device_count()
     check_parallel_layout(config, devices, rows_per_pass(config, job))
     if config.model.path is not None and not Path(config.model.path).is_dir():

