@@ -87,8 +87,9 @@ def check_vllm(config: Config, *, world_size: int = 1) -> None:
             "generation.engine=native under torchrun"
         )
     vllm = _import_vllm()
-    from vllm import ModelRegistry
     from vllm.platforms import current_platform
+
+    from vllm import ModelRegistry
 
     spec = read_model_spec(config.model.path)
     architectures = spec.raw.get("architectures") or []
