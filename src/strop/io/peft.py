@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -273,3 +274,49 @@ def save_adapter_for(
         base_model=str(Path(base_model).absolute()),
         overwrite=overwrite,
     )
+
+
+def write_adapter_once(
+    path: str | os.PathLike,
+    gather: Callable[[], AdapterWeights],
+    lora: LoraConfig,
+    *,
+    base_model: str | os.PathLike,
+    write_once: Callable[[Callable[[], object], str], None],
+    overwrite: bool = False,
+) -> Path:
+    """Export a run's adapter as a PEFT directory, called on every process: each gathers
+    the weights (``gather``, collective), the main one writes them (``write_once``, the
+    backend's) and every process returns once the directory is complete."""
+    if not lora.enabled:
+        raise ConfigError("export --adapter needs lora.enabled=true")
+    weights = gather()
+    write_once(
+        lambda: save_adapter_for(path, weights, lora, base_model=base_model, overwrite=overwrite),
+        f"writing the adapter {path}",
+    )
+    return Path(path)
+
+
+def check_adapter_targets(weights: AdapterWeights, modules: Iterable[str], source: str) -> None:
+    """Refuse adapter ``weights`` (from ``source``) unless they are for exactly the model's
+    LoRA ``modules`` (module paths)."""
+    modules = set(modules)
+    if set(weights) != modules:
+        missing, extra = sorted(modules - set(weights)), sorted(set(weights) - modules)
+        raise ConfigError(
+            f"{source}: adapter targets do not match lora.target_modules "
+            f"(missing: {missing[:6]}, unexpected: {extra[:6]})"
+        )
+
+
+def check_adapter_shape(
+    source: str, path: str, shape: Sequence[int], expected: Sequence[int]
+) -> None:
+    """Refuse an adapter tensor (of module ``path``, from ``source``) whose PEFT-layout
+    ``shape`` is not the ``expected`` one."""
+    if tuple(shape) != tuple(expected):
+        raise ConfigError(
+            f"{source}: adapter for {path} has shape {list(shape)}, the model "
+            f"expects {list(expected)} (is lora.rank the adapter's rank?)"
+        )

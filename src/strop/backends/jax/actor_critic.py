@@ -37,11 +37,16 @@ from strop.backends.jax.lora import (
     adapter_weights,
     apply_lora,
     check_supported,
-    export_adapter,
     set_adapter_weights,
     with_adapters_merged,
 )
-from strop.backends.jax.sharding import batch_sharding, is_main_process, make_mesh, to_host
+from strop.backends.jax.sharding import (
+    batch_sharding,
+    is_main_process,
+    make_mesh,
+    to_host,
+    write_once,
+)
 from strop.backends.jax.train import (
     jit_update,
     make_optimizer,
@@ -52,7 +57,7 @@ from strop.backends.jax.value import ValueModel
 from strop.backends.jax.weights import load_hf_model, save_hf_model
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
-from strop.io.peft import read_adapter_for
+from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import ppo_identity
 from strop.lora_init import critic_seed as critic_seed_of
 from strop.rl.objectives import PolicyObjective, ValueObjective
@@ -310,9 +315,9 @@ class JaxActorCritic(Sampler):
 
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the actor's LoRA weights as a PEFT adapter directory."""
-        return export_adapter(
-            self.actor_module(), path, self.config.lora, base_model=self.config.model.path,
-            overwrite=overwrite,
+        return write_adapter_once(
+            path, partial(adapter_weights, self.actor_module()), self.config.lora,
+            base_model=self.config.model.path, write_once=write_once, overwrite=overwrite,
         )  # fmt: skip
 
 

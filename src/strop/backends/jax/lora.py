@@ -13,9 +13,7 @@ torch backend), placed with each parameter's sharding.
 from __future__ import annotations
 
 import math
-import os
 import re
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -23,10 +21,10 @@ import qwix
 from flax import nnx
 
 from strop.backends.jax.model import CausalLM, Dense
-from strop.backends.jax.sharding import to_host, write_once
+from strop.backends.jax.sharding import to_host
 from strop.config import LoraConfig
 from strop.errors import ConfigError
-from strop.io.peft import save_adapter_for
+from strop.io.peft import check_adapter_shape, check_adapter_targets
 from strop.lora_init import adapters as initial_adapters
 from strop.lora_targets import match_targets
 
@@ -124,12 +122,7 @@ def set_adapter_weights(
 ) -> None:
     """Overwrite the model's LoRA weights with PEFT-layout ``weights`` (see above)."""
     modules = {p: m for p, m in dense_modules(model).items() if hasattr(m, "kernel_lora_a")}
-    if set(weights) != set(modules):
-        missing, extra = sorted(set(modules) - set(weights)), sorted(set(weights) - set(modules))
-        raise ConfigError(
-            f"{source}: adapter targets do not match lora.target_modules "
-            f"(missing: {missing[:6]}, unexpected: {extra[:6]})"
-        )
+    check_adapter_targets(weights, modules, source)
     for path, (a, b) in weights.items():
         module = modules[path]
         n_in, n_out = math.prod(module.in_shape), math.prod(module.out_shape)
@@ -139,31 +132,7 @@ def set_adapter_weights(
             (module.kernel_lora_b, b, (n_out, rank), (rank, *module.out_shape)),
         ):
             # Compared in the PEFT layout (as the torch backend does) before any reshape.
-            if tuple(value.shape) != peft_shape:
-                raise ConfigError(
-                    f"{source}: adapter for {path} has shape {list(value.shape)}, the model "
-                    f"expects {list(peft_shape)} (is lora.rank the adapter's rank?)"
-                )
+            check_adapter_shape(source, path, value.shape, peft_shape)
             current = variable.get_value()
             new = value.T.reshape(shape)
             variable.set_value(jnp.asarray(new, dtype=current.dtype, device=current.sharding))
-
-
-def export_adapter(
-    model: CausalLM,
-    path: str | os.PathLike,
-    lora: LoraConfig,
-    *,
-    base_model: str | os.PathLike,
-    overwrite: bool = False,
-) -> Path:
-    """Write ``model``'s LoRA weights as a PEFT adapter directory: every process gathers
-    them, process 0 writes, and every process returns once the directory is complete."""
-    if not lora.enabled:
-        raise ConfigError("export --adapter needs lora.enabled=true")
-    weights = adapter_weights(model)
-    write_once(
-        lambda: save_adapter_for(path, weights, lora, base_model=base_model, overwrite=overwrite),
-        f"writing the adapter {path}",
-    )
-    return Path(path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +18,19 @@ from flax import nnx
 from strop.backends.jax.checkpoint import TrainCheckpoints
 from strop.backends.jax.generate import generate
 from strop.backends.jax.lora import (
+    adapter_weights,
     apply_lora,
     check_supported,
-    export_adapter,
     set_adapter_weights,
     trainable_filter,
     with_adapters_merged,
 )
-from strop.backends.jax.sharding import batch_sharding, is_main_process, make_mesh
+from strop.backends.jax.sharding import batch_sharding, is_main_process, make_mesh, write_once
 from strop.backends.jax.train import Trainer, token_loss_sum
 from strop.backends.jax.weights import load_hf_model, save_hf_model
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
-from strop.io.peft import read_adapter_for
+from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_identity
 
 logger = logging.getLogger(__name__)
@@ -126,9 +127,9 @@ class JaxPolicy(Sampler):
         )
 
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        return export_adapter(
-            self.model, path, self.config.lora, base_model=self.config.model.path,
-            overwrite=overwrite,
+        return write_adapter_once(
+            path, partial(adapter_weights, self.model), self.config.lora,
+            base_model=self.config.model.path, write_once=write_once, overwrite=overwrite,
         )  # fmt: skip
 
     def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:

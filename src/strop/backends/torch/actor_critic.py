@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +31,13 @@ import torch
 from torch import nn
 
 from strop.backends.torch.checkpoint import TrainCheckpoints
-from strop.backends.torch.fsdp import all_gather_rows, place, shard_module
+from strop.backends.torch.fsdp import all_gather_rows, place, shard_module, write_once
 from strop.backends.torch.generate import generate
 from strop.backends.torch.handle import save_hf_model
 from strop.backends.torch.lora import (
     ADAPTER_NAME,
     adapter_params,
     adapter_weights,
-    export_adapter,
     hf_module_path,
     set_adapter_weights,
     use_adapter,
@@ -48,7 +48,7 @@ from strop.backends.torch.train import Trainer, rank_rows, used_columns
 from strop.backends.torch.value import ValueModel
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
-from strop.io.peft import read_adapter_for
+from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import ppo_identity
 from strop.lora_init import critic_seed as critic_seed_of
 from strop.rl.objectives import PolicyObjective, ValueObjective
@@ -309,7 +309,7 @@ class TorchActorCritic(Sampler):
 
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the actor's LoRA weights as a PEFT adapter directory."""
-        return export_adapter(
-            self.loaded.model, path, self.config.lora, base_model=self.config.model.path,
-            overwrite=overwrite,
+        return write_adapter_once(
+            path, partial(adapter_weights, self.loaded.model), self.config.lora,
+            base_model=self.config.model.path, write_once=write_once, overwrite=overwrite,
         )  # fmt: skip

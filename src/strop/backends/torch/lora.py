@@ -15,19 +15,16 @@ and the same numbers the JAX backend starts from.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 
 import numpy as np
 import peft
 import torch
 from torch import nn
 
-from strop.backends.torch.fsdp import copy_full_into, write_once
+from strop.backends.torch.fsdp import copy_full_into
 from strop.config import LoraConfig
-from strop.errors import ConfigError
-from strop.io.peft import AdapterWeights, save_adapter_for, target_regex
+from strop.io.peft import AdapterWeights, check_adapter_shape, check_adapter_targets, target_regex
 from strop.lora_init import lora_a, lora_b
 from strop.lora_targets import match_targets
 
@@ -166,41 +163,12 @@ def set_adapter_weights(
 ) -> None:
     """Overwrite the model's LoRA weights with PEFT-layout ``weights``."""
     modules = lora_modules(model)
-    if set(weights) != set(modules):
-        missing, extra = sorted(set(modules) - set(weights)), sorted(set(weights) - set(modules))
-        raise ConfigError(
-            f"{source}: adapter targets do not match lora.target_modules "
-            f"(missing: {missing[:6]}, unexpected: {extra[:6]})"
-        )
+    check_adapter_targets(weights, modules, source)
     for path, (a, b) in weights.items():
         module = modules[path]
         for param, value in (
             (module.lora_A[adapter].weight, a),
             (module.lora_B[adapter].weight, b),
         ):
-            if tuple(value.shape) != tuple(param.shape):
-                raise ConfigError(
-                    f"{source}: adapter for {path} has shape {list(value.shape)}, the model "
-                    f"expects {list(param.shape)} (is lora.rank the adapter's rank?)"
-                )
+            check_adapter_shape(source, path, value.shape, param.shape)
             copy_full_into(param, torch.from_numpy(np.ascontiguousarray(value, np.float32)))
-
-
-def export_adapter(
-    model: nn.Module,
-    path: str | os.PathLike,
-    lora: LoraConfig,
-    *,
-    base_model: str | os.PathLike,
-    overwrite: bool = False,
-) -> Path:
-    """Write ``model``'s LoRA weights as a PEFT adapter directory: every rank gathers
-    them, rank 0 writes, and every rank returns once the directory is complete."""
-    if not lora.enabled:
-        raise ConfigError("export --adapter needs lora.enabled=true")
-    weights = adapter_weights(model)
-    write_once(
-        lambda: save_adapter_for(path, weights, lora, base_model=base_model, overwrite=overwrite),
-        f"writing the adapter {path}",
-    )
-    return Path(path)

@@ -7,6 +7,7 @@ backend-neutral loops drive either without a branch.
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +15,15 @@ import numpy as np
 import torch
 
 from strop.backends.torch.checkpoint import TrainCheckpoints
-from strop.backends.torch.fsdp import place
+from strop.backends.torch.fsdp import place, write_once
 from strop.backends.torch.generate import generate
 from strop.backends.torch.handle import save_hf_model
-from strop.backends.torch.lora import export_adapter, set_adapter_weights
+from strop.backends.torch.lora import adapter_weights, set_adapter_weights
 from strop.backends.torch.model import build_model, forward_logits
 from strop.backends.torch.train import BATCH_KEYS, Trainer, sft_micro_loss, token_loss_sum
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
-from strop.io.peft import read_adapter_for
+from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_identity
 from strop.sft.objective import SFT_BATCH, target_tokens, with_loss_weights
 
@@ -120,9 +121,9 @@ class TorchPolicy(Sampler):
         )
 
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        return export_adapter(
-            self.model, path, self.config.lora, base_model=self.config.model.path,
-            overwrite=overwrite,
+        return write_adapter_once(
+            path, partial(adapter_weights, self.model), self.config.lora,
+            base_model=self.config.model.path, write_once=write_once, overwrite=overwrite,
         )  # fmt: skip
 
     def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
