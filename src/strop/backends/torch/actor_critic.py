@@ -33,7 +33,7 @@ from torch import nn
 from strop.backends.torch.checkpoint import TrainCheckpoints
 from strop.backends.torch.fsdp import all_gather_rows, place, shard_module, write_once
 from strop.backends.torch.generate import generate
-from strop.backends.torch.handle import save_hf_model
+from strop.backends.torch.handle import export_merged
 from strop.backends.torch.lora import (
     ADAPTER_NAME,
     adapter_params,
@@ -298,14 +298,7 @@ class TorchActorCritic(Sampler):
     def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the actor as a HF checkpoint: its adapter folded into the base (LoRA), or
         the fine-tuned model. The critic's and reference's adapters are left out."""
-        lora = self.config.lora
-        return save_hf_model(
-            self.loaded,
-            path,
-            source_dir=self.config.model.path,
-            lora_scale=lora.alpha / lora.rank if lora.enabled else None,
-            overwrite=overwrite,
-        )
+        return export_merged(self.loaded, path, self.config, overwrite=overwrite)
 
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the actor's LoRA weights as a PEFT adapter directory."""

@@ -12,7 +12,7 @@ import torch
 from strop.backends.base import ModelHandle
 from strop.backends.torch.fsdp import place, write_once
 from strop.backends.torch.model import LoadedModel, build_model, forward_logits, hf_weights
-from strop.config import MeshConfig
+from strop.config import Config, MeshConfig
 from strop.io.hf import write_checkpoint_once
 from strop.io.model_spec import ModelSpec
 
@@ -77,6 +77,22 @@ def save_hf_model(
         dtype_name=dtype_name,
         source_dir=source_dir,
         max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+    )
+
+
+def export_merged(
+    loaded: LoadedModel, path: str | os.PathLike, config: Config, *, overwrite: bool = False
+) -> Path:
+    """``loaded``, fine-tuned under ``config``, as a HF checkpoint beside its base model's
+    files: the default adapter folded in (scaled ``lora.alpha / lora.rank``), or the full
+    model."""
+    lora = config.lora
+    return save_hf_model(
+        loaded,
+        path,
+        source_dir=config.model.path,
+        lora_scale=lora.alpha / lora.rank if lora.enabled else None,
         overwrite=overwrite,
     )
 

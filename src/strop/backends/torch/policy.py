@@ -17,7 +17,7 @@ import torch
 from strop.backends.torch.checkpoint import TrainCheckpoints
 from strop.backends.torch.fsdp import place, write_once
 from strop.backends.torch.generate import generate
-from strop.backends.torch.handle import save_hf_model
+from strop.backends.torch.handle import export_merged
 from strop.backends.torch.lora import adapter_weights, set_adapter_weights
 from strop.backends.torch.model import build_model, forward_logits
 from strop.backends.torch.train import BATCH_KEYS, Trainer, sft_micro_loss, token_loss_sum
@@ -128,11 +128,4 @@ class TorchPolicy(Sampler):
 
     def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """A HF checkpoint with the adapters folded into the kernels (or the full model)."""
-        lora = self.config.lora
-        return save_hf_model(
-            self.loaded,
-            path,
-            source_dir=self.config.model.path,
-            lora_scale=lora.alpha / lora.rank if lora.enabled else None,
-            overwrite=overwrite,
-        )
+        return export_merged(self.loaded, path, self.config, overwrite=overwrite)
