@@ -105,6 +105,15 @@ def save_failed(step: int, directory: Path, reason: str, previous: int | None) -
     )
 
 
+def require_step(step: int, directory: Path, steps: list[int]) -> None:
+    """Raise :class:`CheckpointError` unless ``step`` is one of the complete ``steps`` in
+    ``directory``."""
+    if step not in steps:
+        raise CheckpointError(
+            f"no complete checkpoint for step {step} in {directory} (available: {steps or 'none'})"
+        )
+
+
 def _free_space(directory: Path) -> str:
     try:
         stat = os.statvfs(directory)

@@ -95,3 +95,18 @@ def identity_differences(stored: Mapping[str, Any], current: Mapping[str, Any]) 
         else:
             diffs.append(f"{key} is {old.get(key)!r} in the checkpoint but {new.get(key)!r} now")
     return list(dict.fromkeys(diffs))
+
+
+def check_same_run(
+    checkpoint: str | os.PathLike, stored: Mapping[str, Any], current: Mapping[str, Any]
+) -> None:
+    """Raise :class:`CheckpointError` if the identity ``stored`` with ``checkpoint`` (a
+    directory) is not the run's ``current`` one, naming each difference."""
+    diffs = identity_differences(stored, current)
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} was written by a different run: "
+            + "; ".join(diffs)
+            + ". Resume with the base model, LoRA settings and backend it was written "
+            "with, or start this run in a new run directory."
+        )

@@ -41,9 +41,10 @@ from strop.errors import CheckpointError, NonFiniteStateError
 from strop.io.checkpoint_dir import (
     refuse_other_backends_checkpoints,
     remove_unfinished_saves,
+    require_step,
     save_failed,
 )
-from strop.io.run_identity import flatten, identity_differences
+from strop.io.run_identity import check_same_run, flatten
 
 logger = logging.getLogger(__name__)
 
@@ -300,14 +301,7 @@ class TrainCheckpoints:
                 stored.get("base_model"),
                 self.identity.get("base_model"),
             )
-        diffs = identity_differences(stored, self.identity)
-        if diffs:
-            raise CheckpointError(
-                f"checkpoint {self.directory / str(step)} was written by a different run: "
-                + "; ".join(diffs)
-                + ". Resume with the base model and LoRA settings it was written with, or "
-                "start this run in a new run directory."
-            )
+        check_same_run(self.directory / str(step), stored, self.identity)
 
     def restore(self, step: int, params: Any, optimizer: Any) -> tuple[Any, Any, dict]:
         """Load checkpoint ``step``: returns ``(params, optimizer, extra)`` with the
@@ -339,12 +333,7 @@ class TrainCheckpoints:
         return sorted(flatten(metadata.tree))
 
     def _require(self, step: int) -> None:
-        steps = self.all_steps()
-        if step not in steps:
-            raise CheckpointError(
-                f"no complete checkpoint for step {step} in {self.directory} "
-                f"(available: {steps or 'none'})"
-            )
+        require_step(step, self.directory, self.all_steps())
 
     def close(self) -> None:
         """Wait for pending work and release the manager's resources."""

@@ -52,9 +52,10 @@ from strop.errors import CheckpointError, NonFiniteStateError
 from strop.io.checkpoint_dir import (
     refuse_other_backends_checkpoints,
     remove_unfinished_saves,
+    require_step,
     save_failed,
 )
-from strop.io.run_identity import identity_differences
+from strop.io.run_identity import check_same_run
 
 logger = logging.getLogger(__name__)
 
@@ -300,14 +301,7 @@ class TrainCheckpoints:
             stored = json.loads((path / "identity.json").read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise CheckpointError(f"cannot read {path / 'identity.json'}: {err}") from None
-        diffs = identity_differences(stored, self.identity)
-        if diffs:
-            raise CheckpointError(
-                f"checkpoint {path} was written by a different run: "
-                + "; ".join(diffs)
-                + ". Resume with the base model, LoRA settings and backend it was written "
-                "with, or start this run in a new run directory."
-            )
+        check_same_run(path, stored, self.identity)
 
     def restore(
         self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
@@ -359,9 +353,4 @@ class TrainCheckpoints:
         )
 
     def _require(self, step: int) -> None:
-        steps = self.all_steps()
-        if step not in steps:
-            raise CheckpointError(
-                f"no complete checkpoint for step {step} in {self.directory} "
-                f"(available: {steps or 'none'})"
-            )
+        require_step(step, self.directory, self.all_steps())
