@@ -2,9 +2,10 @@
 computes itself in numpy: the per-token KL estimate (for the reward) and the critic's
 explained variance.
 
-``strop.backends.jax.losses`` and ``strop.backends.torch.losses`` hold the differentiable,
-float32 per-token terms the PPO steps train with; ``tests/losses_reference.py`` is their
-float64 numpy reference. Inputs are ``[B, L]`` in the teacher-forcing layout of
+The differentiable, float32 per-token terms the PPO steps train with are written once
+here (:func:`policy_terms`, :func:`value_terms`) over a backend's :class:`ArrayOps`;
+``strop.backends.jax.losses`` and ``strop.backends.torch.losses`` bind them to their own
+arrays. ``tests/losses_reference.py`` is their float64 numpy reference. Inputs are ``[B, L]`` in the teacher-forcing layout of
 :mod:`strop.rl.gae` (column ``t`` is about emitting ``x_t``; ``mask[b, t] = 1`` marks
 response tokens); ``docs/ppo.md`` has each formula.
 
@@ -27,7 +28,9 @@ Shared conventions (numpy, JAX and torch alike):
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 
@@ -102,3 +105,66 @@ def explained_variance(values: np.ndarray, returns: np.ndarray, mask: np.ndarray
     if var_r == 0:
         return float("nan")
     return float(1.0 - (r - v).var() / var_r)
+
+
+@dataclass(frozen=True)
+class ArrayOps:
+    """A backend's array primitives, over which :func:`policy_terms` and :func:`value_terms`
+    are written once for both backends (differentiable, float32).
+
+    ``xp``: ``jax.numpy`` or ``torch`` (its ``clip``, ``exp``, ``maximum``, ``minimum``,
+    ``where``, ``zeros_like``); ``on(mask)``: the boolean response mask; ``select(on, x)``:
+    ``x`` as float32 where ``on``, else 0; ``indicator(b)``: a boolean array as float32.
+    """
+
+    xp: Any
+    on: Callable[[Any], Any]
+    select: Callable[[Any, Any], Any]
+    indicator: Callable[[Any], Any]
+
+
+def policy_terms(
+    ops: ArrayOps,
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """Per-token clipped-surrogate loss ``[B, L]`` and per-token statistics (``clipfrac``
+    and ``dual_clip_frac`` indicators, ``approx_kl``), before any aggregation; all 0 where
+    ``mask`` is 0, whatever the inputs hold there (NaN and Inf included)."""
+    check_dual_clip(dual_clip)
+    xp = ops.xp
+    on = ops.on(mask)
+    log_ratio = ops.select(on, logprobs) - ops.select(on, old_logprobs)
+    ratio = xp.exp(xp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    adv = ops.select(on, advantages)
+    pg1 = -adv * ratio
+    pg2 = -adv * xp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clipped = xp.maximum(pg1, pg2)
+    terms = {"clipfrac": ops.indicator(pg2 > pg1), "approx_kl": 0.5 * log_ratio * log_ratio}
+    if dual_clip is None:
+        return clipped, terms
+    bound = -adv * dual_clip
+    terms["dual_clip_frac"] = ops.indicator((adv < 0) & (clipped > bound))
+    return xp.where(adv < 0, xp.minimum(clipped, bound), clipped), terms
+
+
+def value_terms(
+    ops: ArrayOps, values, old_values, returns, mask, value_clip: float | None
+) -> tuple[Any, Any]:
+    """Per-token ``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)`` ``[B, L]`` and the
+    per-token indicator that the clipped branch won; ``value_clip`` 0/None: no clipping.
+    Both are 0 where ``mask`` is 0, whatever the inputs hold there."""
+    xp = ops.xp
+    on = ops.on(mask)
+    v, r = ops.select(on, values), ops.select(on, returns)
+    unclipped = (v - r) ** 2
+    if not value_clip:
+        return 0.5 * unclipped, xp.zeros_like(v)
+    old = ops.select(on, old_values)
+    clipped = (xp.clip(v, old - value_clip, old + value_clip) - r) ** 2
+    return 0.5 * xp.maximum(unclipped, clipped), ops.indicator(clipped > unclipped)
