@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from strop.errors import StropError
+from strop.io.untrusted import reading
 
 # (metric name, panel title, y-axis label); drawn in this order, those present only.
 PANELS = (
@@ -34,14 +35,9 @@ class PlotError(StropError):
 
 def read_series(path: Path) -> dict[str, tuple[list[int], list[float]]]:
     """``{metric: (steps, values)}`` for each metric of :data:`PANELS` in a metrics file."""
-    try:
+    missing = f"{path} not found: give the run directory of a strop run (it holds metrics.jsonl)"
+    with reading(path, PlotError, missing=missing):
         text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PlotError(
-            f"{path} not found: give the run directory of a strop run (it holds metrics.jsonl)"
-        ) from None
-    except OSError as e:
-        raise PlotError(f"cannot read {path}: {e.strerror}") from None
     series: dict[str, tuple[list[int], list[float]]] = {}
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
 from strop.data import tables
 from strop.errors import ConfigError, DataError
+from strop.io.untrusted import reading
 
 if TYPE_CHECKING:
     from strop.config import DataConfig
@@ -184,14 +185,9 @@ def _check_keys(prompt_key: str | None, answer_key: str | None) -> tuple[str, st
 
 
 def _open_jsonl(path: Path) -> BinaryIO:
-    try:
+    missing = f"data file {path} not found: check data.train_path / data.eval_path"
+    with reading(path, DataError, missing=missing):
         return path.open("rb")
-    except FileNotFoundError:
-        raise DataError(
-            f"data file {path} not found: check data.train_path / data.eval_path"
-        ) from None
-    except OSError as e:
-        raise DataError(f"cannot open data file {path}: {e.strerror}") from None
 
 
 def _jsonl_records(handle: BinaryIO, max_record_bytes: int) -> Iterator[tuple[int, Any]]:

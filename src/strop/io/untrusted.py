@@ -3,7 +3,9 @@ trusting them: a size cap before parsing, one error type per caller, names shown
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,19 @@ def read_json(path: Path, error: type[StropError] = ModelError) -> Any:
         raise error(f"{path}: not valid JSON (nested too deeply)") from None
     except OSError as err:
         raise error(f"{path}: cannot read ({err.strerror or err})") from None
+
+
+@contextlib.contextmanager
+def reading(path: Path, error: type[StropError], *, missing: str) -> Iterator[None]:
+    """Open or read ``path`` (a file the user named) inside: a missing file is
+    ``error(missing)`` (what to check), any other ``OSError`` one ``error`` line naming the
+    file and the reason."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise error(missing) from None
+    except OSError as err:
+        raise error(f"cannot read {path}: {err.strerror or err}") from None
 
 
 def shown_name(name: str, limit: int = 80) -> str:
