@@ -158,6 +158,9 @@ class VllmEngine:
             logprobs_mode="processed_logprobs",
             enforce_eager=current_platform.is_cpu(),  # no compile step on CPU
             enable_sleep_mode=generation.vllm_sleep,
+            # a prompt's KV is always computed the same way, so a resumed run samples what
+            # the uninterrupted one did (cached prefixes take another kernel path)
+            enable_prefix_caching=False,
             trust_remote_code=config.model.trust_remote_code,
             **options,
         )
