@@ -93,30 +93,29 @@ class Config(_Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and logs.")
 
     @model_validator(mode="after")
-    def _reference_adapter_needs_lora(self) -> Self:
-        if self.ppo.reference_adapter is not None and not self.lora.enabled:
-            raise ValueError(
+    def _sections_agree(self) -> Self:
+        """Refuse settings of two sections that contradict each other (the first found)."""
+        conflicts = (
+            (
+                self.ppo.reference_adapter is not None and not self.lora.enabled,
                 f"ppo.reference_adapter ({self.ppo.reference_adapter!r}) is an adapter and "
-                "needs lora.enabled=true, or leave it unset to use the base model as the reference"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _critic_path_needs_full_critic(self) -> Self:
-        if self.critic.model_path is not None and self.lora.enabled:
-            raise ValueError(
-                f"critic.model_path ({self.critic.model_path!r}) needs lora.enabled=false: with "
-                "LoRA the critic is an adapter on the policy's own base model"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _overlong_buffer_fits(self) -> Self:
-        if self.ppo.overlong_buffer > self.generation.max_new_tokens:
-            raise ValueError(
+                "needs lora.enabled=true, or leave it unset to use the base model as the "
+                "reference",
+            ),
+            (
+                self.critic.model_path is not None and self.lora.enabled,
+                f"critic.model_path ({self.critic.model_path!r}) needs lora.enabled=false: "
+                "with LoRA the critic is an adapter on the policy's own base model",
+            ),
+            (
+                self.ppo.overlong_buffer > self.generation.max_new_tokens,
                 f"ppo.overlong_buffer ({self.ppo.overlong_buffer}) is longer than "
-                f"generation.max_new_tokens ({self.generation.max_new_tokens})"
-            )
+                f"generation.max_new_tokens ({self.generation.max_new_tokens})",
+            ),
+        )
+        for conflict, message in conflicts:
+            if conflict:
+                raise ValueError(message)
         return self
 
     def model_path(self) -> str:
