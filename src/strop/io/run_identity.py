@@ -10,12 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
-from strop.config import LoraConfig
+from strop.config import Config, LoraConfig
 from strop.errors import CheckpointError
+
+T = TypeVar("T")
 
 # Identity keys recorded for the reader but not required to match (a base model moved
 # to another path, or mounted elsewhere on another machine, is still the same model).
@@ -69,6 +71,32 @@ def ppo_identity(
     critic carry no such key, as they did before critic-free runs existed."""
     identity = {**run_identity(model_path, lora, backend), "job": "ppo"}
     return identity if has_critic else {**identity, "critic": False}
+
+
+def job_identity(config: Config, backend: str, job: Literal["sft", "ppo"]) -> dict[str, Any]:
+    """The identity of ``config``'s checkpoints of ``job`` on ``backend``:
+    :func:`run_identity` (SFT) or :func:`ppo_identity` (PPO)."""
+    if job == "ppo":
+        has_critic = config.ppo.has_critic
+        return ppo_identity(config.model_path(), config.lora, backend, has_critic=has_critic)
+    return run_identity(config.model_path(), config.lora, backend)
+
+
+def run_checkpoints(
+    kind: Callable[..., T],
+    config: Config,
+    directory: str | os.PathLike | None,
+    backend: str,
+    job: Literal["sft", "ppo"],
+    *args: Any,
+) -> T | None:
+    """A backend's checkpoints (``kind``: its ``TrainCheckpoints``, given ``args`` after the
+    identity) of ``config``'s ``job`` in ``directory``, keeping ``checkpoint.keep``; None
+    where ``directory`` is None (no checkpoints are kept)."""
+    if directory is None:
+        return None
+    identity = job_identity(config, backend, job)
+    return kind(directory, identity, *args, keep=config.checkpoint.keep)
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -58,7 +58,7 @@ from strop.backends.jax.weights import load_hf_model, save_hf_model
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
-from strop.io.run_identity import ppo_identity
+from strop.io.run_identity import run_checkpoints
 from strop.lora_init import critic_seed as critic_seed_of
 from strop.rl.objectives import PolicyObjective, ValueObjective
 
@@ -113,17 +113,7 @@ class JaxActorCritic(Sampler):
         self._policy_update = jit_update(
             actor_tx, partial(ppo_steps.policy_loss, self.actor_graph, self.policy_objective)
         )
-        self.checkpoints = (
-            None
-            if checkpoint_dir is None
-            else TrainCheckpoints(
-                checkpoint_dir,
-                ppo_identity(
-                    config.model.path, config.lora, "jax", has_critic=config.ppo.has_critic
-                ),
-                keep=config.checkpoint.keep,
-            )
-        )
+        self.checkpoints = run_checkpoints(TrainCheckpoints, config, checkpoint_dir, "jax", "ppo")
 
     # construction helpers ----------------------------------------------------------------
 

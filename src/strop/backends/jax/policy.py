@@ -31,7 +31,7 @@ from strop.backends.jax.weights import load_hf_model, save_hf_model
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
-from strop.io.run_identity import run_identity
+from strop.io.run_identity import run_checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +66,7 @@ class JaxPolicy(Sampler):
         self.trainer = Trainer(
             model, self.mesh, config.optim, total_steps=total_steps, trainable=self.trainable
         )
-        self.checkpoints = (
-            None
-            if checkpoint_dir is None
-            else TrainCheckpoints(
-                checkpoint_dir,
-                run_identity(config.model.path, config.lora, backend="jax"),
-                keep=config.checkpoint.keep,
-            )
-        )
+        self.checkpoints = run_checkpoints(TrainCheckpoints, config, checkpoint_dir, "jax", "sft")
 
     @property
     def is_main(self) -> bool:

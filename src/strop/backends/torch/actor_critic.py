@@ -49,7 +49,7 @@ from strop.backends.torch.value import ValueModel
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
-from strop.io.run_identity import ppo_identity
+from strop.io.run_identity import run_checkpoints
 from strop.lora_init import critic_seed as critic_seed_of
 from strop.rl.objectives import PolicyObjective, ValueObjective
 
@@ -131,17 +131,8 @@ class TorchActorCritic(Sampler):
         self.critic = self.critic_trainer = None
         if critic:
             self._build_critic(critic_params, critic_seed, total_updates)
-        self.checkpoints = (
-            None
-            if checkpoint_dir is None
-            else TrainCheckpoints(
-                checkpoint_dir,
-                ppo_identity(
-                    config.model.path, config.lora, "torch", has_critic=config.ppo.has_critic
-                ),
-                self.placement,
-                keep=config.checkpoint.keep,
-            )
+        self.checkpoints = run_checkpoints(
+            TrainCheckpoints, config, checkpoint_dir, "torch", "ppo", self.placement
         )
 
     def _build_critic(

@@ -24,7 +24,7 @@ from strop.backends.torch.train import BATCH_KEYS, Trainer, sft_micro_loss, toke
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
-from strop.io.run_identity import run_identity
+from strop.io.run_identity import run_checkpoints
 from strop.sft.objective import SFT_BATCH, target_tokens, with_loss_weights
 
 _UPDATES_KEY = "optimizer_updates"  # the schedule's clock, kept in the checkpoint's extra
@@ -51,15 +51,8 @@ class TorchPolicy(Sampler):
         )
         self.model = self.loaded.model
         self.trainer = Trainer(self.loaded, config.optim, total_steps=total_steps, seed=config.seed)
-        self.checkpoints = (
-            None
-            if checkpoint_dir is None
-            else TrainCheckpoints(
-                checkpoint_dir,
-                run_identity(config.model.path, config.lora, backend="torch"),
-                self.placement,
-                keep=config.checkpoint.keep,
-            )
+        self.checkpoints = run_checkpoints(
+            TrainCheckpoints, config, checkpoint_dir, "torch", "sft", self.placement
         )
 
     @property
