@@ -64,15 +64,20 @@ def transformers_greedy(model_dir, prompts, max_new_tokens):
     return out
 
 
+@pytest.mark.parametrize("backend", ["torch", "jax"])
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_greedy_tokens_equal_native_and_transformers_before_and_after_an_update(
-    tiny_dir, tmp_path, lora
+    tiny_dir, tmp_path, lora, backend
 ):
-    config = config_for(tiny_dir, tmp_path, f"lora.enabled={str(lora).lower()}")
-    model = get_backend("torch").build_actor_critic(config, total_updates=4, checkpoint_dir=None)
+    """With LoRA on JAX, the adapter the JAX trainer writes is what vLLM serves."""
+    config = config_for(
+        tiny_dir, tmp_path, f"lora.enabled={str(lora).lower()}", f"backend={backend}",
+        "mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
+    )  # fmt: skip
+    model = get_backend(backend).build_actor_critic(config, total_updates=4, checkpoint_dir=None)
     rollouts = VllmRollouts(model, VllmEngine(config), config)
     try:
-        prompts = prompts_for(384)
+        prompts = prompts_for(384, rows=8)  # rows split over JAX's 8 data shards
         greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
         served, native = generate(rollouts, prompts, greedy), generate(model, prompts, greedy)
         assert served.responses() == native.responses()

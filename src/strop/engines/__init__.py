@@ -19,7 +19,8 @@ Model = TypeVar("Model")
 
 
 def _world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE") or 1)
+    """Processes of the run: torchrun's ranks or JAX's processes."""
+    return max(int(os.environ.get(name) or 1) for name in ("WORLD_SIZE", "JAX_NUM_PROCESSES"))
 
 
 def check_engine(config: Config) -> None:

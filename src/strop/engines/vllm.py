@@ -27,7 +27,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,10 @@ from strop.config import Config
 from strop.errors import ConfigError
 from strop.generation import (
     Decoder,
+    Decoding,
     FinishReason,
     Generation,
+    Sampler,
     SamplingParams,
     check_generate_args,
     cut_at_stop_strings,
@@ -82,9 +84,9 @@ def check_vllm(config: Config, *, world_size: int = 1) -> None:
     generation = config.generation
     if world_size > 1 or generation.vllm_tensor_parallel_size > 1:
         raise ConfigError(
-            "generation.engine=vllm runs in a single process for now (torchrun and "
-            "generation.vllm_tensor_parallel_size > 1 are not supported yet); use "
-            "generation.engine=native under torchrun"
+            "generation.engine=vllm runs in a single process for now (torchrun, JAX "
+            "processes and generation.vllm_tensor_parallel_size > 1 are not supported yet); "
+            "use generation.engine=native there"
         )
     vllm = _import_vllm()
     from vllm import ModelRegistry
@@ -128,7 +130,7 @@ def _row_seed(seed: int, row: int) -> int:
     return int(np.random.SeedSequence([seed, row]).generate_state(1)[0] >> 1)
 
 
-class VllmEngine:
+class VllmEngine(Sampler):
     """One vLLM engine in this process, serving ``model.path`` (plus the actor's adapter).
 
     Sampling is reproducible per row: row ``i`` of a call with ``seed`` draws from vLLM's
@@ -220,19 +222,13 @@ class VllmEngine:
 
     # sampling -----------------------------------------------------------------------------
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        *,
-        seed: int,
-        eos_ids: Sequence[int],
-        pad_id: int,
-        tokenizer: Decoder | None = None,
+    def sample(
+        self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
     ) -> Generation:
-        """Sample a response to each prompt (see :mod:`strop.generation`). Stop strings are
-        cut on the host after generation, exactly as the native samplers cut them."""
-        check_generate_args(prompts, params, tokenizer)
+        """Sample a response to each prompt (see :mod:`strop.generation`; ``prompt_columns``,
+        a shape hint for compiled samplers, does not apply). Stop strings are cut on the
+        host after generation, exactly as the native samplers cut them."""
+        check_generate_args(prompts, params, decoding.tokenizer)
         vllm = self._vllm
         requests = [vllm.inputs.TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         sampling = [
@@ -241,15 +237,15 @@ class VllmEngine:
                 top_k=0 if params.greedy else params.top_k,
                 top_p=1.0 if params.greedy else params.top_p,
                 max_tokens=params.max_new_tokens,
-                stop_token_ids=list(eos_ids),
+                stop_token_ids=list(decoding.eos_ids),
                 logprobs=0,  # the sampled token's
                 detokenize=False,
-                seed=_row_seed(seed, row),
+                seed=_row_seed(decoding.seed, row),
             )
             for row in range(len(prompts))
         ]
         outputs = self.llm.generate(requests, sampling, lora_request=self._lora, use_tqdm=False)
-        return _generation(outputs, params, tokenizer, pad_id)
+        return _generation(outputs, params, decoding.tokenizer, decoding.pad_id)
 
     def close(self) -> None:
         """Free the engine (its worker, KV cache and weights)."""
@@ -289,7 +285,7 @@ def _tensors(path: Path) -> Iterable[tuple[str, np.ndarray]]:
         yield name, reader.get(name)
 
 
-class VllmRollouts:
+class VllmRollouts(Sampler):
     """A backend's model (``ActorCritic`` or ``Policy``) whose ``generate`` runs on a vLLM
     engine fed the actor's current weights; everything else is the model's own.
 
@@ -333,25 +329,14 @@ class VllmRollouts:
         self.syncs += 1
         self._stale = False
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        *,
-        seed: int,
-        eos_ids: Sequence[int],
-        pad_id: int,
-        tokenizer: Decoder | None = None,
-        prompt_columns: int | None = None,
+    def sample(
+        self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
     ) -> Generation:
-        """Sample from the actor on vLLM (``prompt_columns``, a shape hint for compiled
-        native samplers, does not apply)."""
+        """Sample from the actor on vLLM, syncing it first if it changed."""
         self.engine.wake_up()
         if self._stale:
             self.sync()
-        generation = self.engine.generate(
-            prompts, params, seed=seed, eos_ids=eos_ids, pad_id=pad_id, tokenizer=tokenizer
-        )
+        generation = self.engine.sample(prompts, params, decoding)
         if self.sleep:
             self.engine.sleep()
         return generation
