@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -124,6 +124,12 @@ class TrainableModel(Sampler, Protocol):
 
     def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the fine-tuned model (the actor) as a HF checkpoint, LoRA merged in."""
+        ...
+
+    def merged_weights(self) -> Iterator[tuple[str, np.ndarray]]:
+        """The fine-tuned model (the actor), LoRA merged in, as (HF tensor name, host
+        array) pairs, one tensor at a time (what ``export_merged`` writes, without the
+        disk). Every process must iterate it together: gathering a tensor is a collective."""
         ...
 
 

@@ -11,11 +11,9 @@ resume, a loaded adapter) it pushes the actor's weights into the engine:
 
 - with LoRA, only the actor's adapter: written as a PEFT adapter directory (the backend's
   ``export_adapter``: JAX and torch alike) and served under a new LoRA id;
-- full fine-tuning, the actor's weights: written as a HF checkpoint by the backend's
-  ``export_merged`` (gathered from FSDP2 / mesh shards one tensor at a time), then read
-  back one tensor at a time into vLLM's ``load_weights``, so that neither side holds a
-  second whole copy in memory. (Through the disk: a direct tensor stream from the
-  trainer is the next step, see docs/generation.md.)
+- full fine-tuning, the actor's weights, streamed one tensor at a time from the backend's
+  ``merged_weights`` (each gathered from its FSDP2 / mesh shards as it is reached) into
+  vLLM's in-place weight reload, so that no second whole copy is ever held.
 
 vLLM is imported only here and only when the engine is built; :func:`check_vllm` refuses,
 before any model loads, what the engine cannot do.
@@ -45,7 +43,6 @@ from strop.generation import (
     check_generate_args,
     cut_at_stop_strings,
 )
-from strop.io.hf import SafetensorsReader
 from strop.io.model_spec import read_model_spec
 
 logger = logging.getLogger(__name__)
@@ -60,7 +57,7 @@ _ENVIRONMENT = {
     # On CPU vLLM pins OpenMP threads to cores and then forbids torch.set_num_threads: the
     # trainer shares this process, so its threads stay strop's (strop.cpu_threads).
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_LOGGING_LEVEL": "ERROR",  # its start-up notes are many and not the user's concern
 }
 
 
@@ -163,6 +160,9 @@ class VllmEngine(Sampler):
             # a prompt's KV is always computed the same way, so a resumed run samples what
             # the uninterrupted one did (cached prefixes take another kernel path)
             enable_prefix_caching=False,
+            # vLLM rewinds a row's seeded generator when a chunked prefill discards its
+            # token, which CPU generators cannot do: on CPU, prompts are prefilled whole
+            enable_chunked_prefill=not current_platform.is_cpu(),
             trust_remote_code=config.model.trust_remote_code,
             **options,
         )
@@ -279,12 +279,6 @@ def _generation(
     return Generation(tokens, logprobs, lengths, reasons)
 
 
-def _tensors(path: Path) -> Iterable[tuple[str, np.ndarray]]:
-    reader = SafetensorsReader(path)
-    for name in reader.names():
-        yield name, reader.get(name)
-
-
 class VllmRollouts(Sampler):
     """A backend's model (``ActorCritic`` or ``Policy``) whose ``generate`` runs on a vLLM
     engine fed the actor's current weights; everything else is the model's own.
@@ -324,8 +318,7 @@ class VllmRollouts(Sampler):
             self.engine.use_adapter(path)
             shutil.rmtree(self._staging / f"adapter-{self.syncs}", ignore_errors=True)
         else:
-            path = self.model.export_merged(self._staging / "weights", overwrite=True)
-            self.engine.load_weights(_tensors(path))
+            self.engine.load_weights(self.model.merged_weights())
         self.syncs += 1
         self._stale = False
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,7 @@ from strop.backends.jax.train import (
     replicate_unplaced,
 )
 from strop.backends.jax.value import ValueModel
-from strop.backends.jax.weights import load_hf_model, save_hf_model
+from strop.backends.jax.weights import hf_weights, load_hf_model, save_hf_model
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
@@ -302,6 +302,10 @@ class JaxActorCritic(Sampler):
         the fine-tuned model."""
         actor = with_adapters_merged(self.actor_module(), self.config.lora)
         return save_hf_model(actor, path, source_dir=self.config.model.path, overwrite=overwrite)
+
+    def merged_weights(self) -> Iterator[tuple[str, np.ndarray]]:
+        """What ``export_merged`` writes, one (HF name, host array) at a time (collective)."""
+        return hf_weights(with_adapters_merged(self.actor_module(), self.config.lora))
 
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the actor's LoRA weights as a PEFT adapter directory."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from strop.backends.jax.lora import (
 )
 from strop.backends.jax.sharding import batch_sharding, is_main_process, make_mesh, write_once
 from strop.backends.jax.train import Trainer, token_loss_sum
-from strop.backends.jax.weights import load_hf_model, save_hf_model
+from strop.backends.jax.weights import hf_weights, load_hf_model, save_hf_model
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
@@ -128,3 +129,7 @@ class JaxPolicy(Sampler):
         """A HF checkpoint with the adapters folded into the kernels (or the full model)."""
         merged = with_adapters_merged(self.model, self.config.lora)
         return save_hf_model(merged, path, source_dir=self.config.model.path, overwrite=overwrite)
+
+    def merged_weights(self) -> Iterator[tuple[str, np.ndarray]]:
+        """What ``export_merged`` writes, one (HF name, host array) at a time (collective)."""
+        return hf_weights(with_adapters_merged(self.model, self.config.lora))

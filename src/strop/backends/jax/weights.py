@@ -108,6 +108,13 @@ def load_hf_model(
     return model
 
 
+def hf_weights(model: CausalLM) -> Iterator[tuple[str, np.ndarray]]:
+    """``model``'s weights as (HF tensor name, host array) pairs, one at a time (a sharded
+    weight is gathered to the host as it is reached: every process iterates together)."""
+    for binding in weight_bindings(model):
+        yield binding.hf_name, binding.to_hf(to_host(binding.variable.get_value()))
+
+
 def save_hf_model(
     model: CausalLM,
     path: str | os.PathLike,
@@ -122,17 +129,11 @@ def save_hf_model(
     weights; process 0 writes, and every process returns once the directory is complete.
     Tokenizer files are copied from ``source_dir``.
     """
-    bindings = weight_bindings(model)
-    dtype_name = np.dtype(bindings[0].variable.get_value().dtype).name
-
-    def tensors() -> Iterator[tuple[str, np.ndarray]]:
-        for binding in bindings:
-            yield binding.hf_name, binding.to_hf(to_host(binding.variable.get_value()))
-
+    dtype_name = np.dtype(weight_bindings(model)[0].variable.get_value().dtype).name
     return write_checkpoint_once(
         path,
         model.spec.raw,
-        tensors(),
+        hf_weights(model),
         is_main=is_main_process(),
         write_once=write_once,
         dtype_name=dtype_name,

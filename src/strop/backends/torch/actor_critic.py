@@ -33,7 +33,7 @@ from torch import nn
 from strop.backends.torch.checkpoint import TrainCheckpoints
 from strop.backends.torch.fsdp import all_gather_rows, place, shard_module, write_once
 from strop.backends.torch.generate import generate
-from strop.backends.torch.handle import export_merged
+from strop.backends.torch.handle import export_merged, merged_weights
 from strop.backends.torch.lora import (
     ADAPTER_NAME,
     adapter_params,
@@ -290,6 +290,10 @@ class TorchActorCritic(Sampler):
         """Write the actor as a HF checkpoint: its adapter folded into the base (LoRA), or
         the fine-tuned model. The critic's and reference's adapters are left out."""
         return export_merged(self.loaded, path, self.config, overwrite=overwrite)
+
+    def merged_weights(self) -> Iterator[tuple[str, np.ndarray]]:
+        """What ``export_merged`` writes, one (HF name, host array) at a time (collective)."""
+        return merged_weights(self.loaded, self.config)
 
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the actor's LoRA weights as a PEFT adapter directory."""

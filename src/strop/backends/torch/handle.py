@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -81,20 +81,25 @@ def save_hf_model(
     )
 
 
+def _lora_scale(config: Config) -> float | None:
+    return config.lora.alpha / config.lora.rank if config.lora.enabled else None
+
+
 def export_merged(
     loaded: LoadedModel, path: str | os.PathLike, config: Config, *, overwrite: bool = False
 ) -> Path:
     """``loaded``, fine-tuned under ``config``, as a HF checkpoint beside its base model's
     files: the default adapter folded in (scaled ``lora.alpha / lora.rank``), or the full
     model."""
-    lora = config.lora
     return save_hf_model(
-        loaded,
-        path,
-        source_dir=config.model.path,
-        lora_scale=lora.alpha / lora.rank if lora.enabled else None,
+        loaded, path, source_dir=config.model.path, lora_scale=_lora_scale(config),
         overwrite=overwrite,
-    )
+    )  # fmt: skip
+
+
+def merged_weights(loaded: LoadedModel, config: Config) -> Iterator[tuple[str, np.ndarray]]:
+    """What :func:`export_merged` writes, as (HF name, host array) pairs, one at a time."""
+    return hf_weights(loaded, lora_scale=_lora_scale(config))
 
 
 def load_model(

@@ -7,6 +7,7 @@ backend-neutral loops drive either without a branch.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 from strop.backends.torch.checkpoint import TrainCheckpoints
 from strop.backends.torch.fsdp import place, write_once
 from strop.backends.torch.generate import generate
-from strop.backends.torch.handle import export_merged
+from strop.backends.torch.handle import export_merged, merged_weights
 from strop.backends.torch.lora import adapter_weights, set_adapter_weights
 from strop.backends.torch.model import build_model, forward_logits
 from strop.backends.torch.train import BATCH_KEYS, Trainer, sft_micro_loss, token_loss_sum
@@ -122,3 +123,7 @@ class TorchPolicy(Sampler):
     def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """A HF checkpoint with the adapters folded into the kernels (or the full model)."""
         return export_merged(self.loaded, path, self.config, overwrite=overwrite)
+
+    def merged_weights(self) -> Iterator[tuple[str, np.ndarray]]:
+        """What ``export_merged`` writes, one (HF name, host array) at a time (collective)."""
+        return merged_weights(self.loaded, self.config)
