@@ -50,20 +50,17 @@ def test_a_model_vllm_cannot_serve_is_refused_before_any_model_loads(
     assert "heads of 16 dims" in line and "generation.engine=native" in line
 
 
-def test_sleep_mode_on_cpu_and_several_processes_are_refused(
-    inputs,
-    tmp_path,
-    capsys,
-    no_model_builds,
-    monkeypatch,
+def test_sleep_mode_on_cpu_jax_processes_and_a_bad_tensor_parallel_size_are_refused(
+    inputs, tmp_path, capsys, no_model_builds, monkeypatch
 ):
     args = cli_args(inputs, tmp_path, *COMMANDS[0])
     line = refused([*args, "generation.vllm_sleep=true"], capsys)
     assert "generation.vllm_sleep=true: vLLM's sleep mode needs a CUDA or ROCm device" in line
     line = refused([*args, "generation.vllm_tensor_parallel_size=2"], capsys)
-    assert "single process" in line
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert "single process" in refused(args, capsys)
+    assert "generation.vllm_tensor_parallel_size=2 must divide the 1 process(es)" in line
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    line = refused([*args, "backend=jax"], capsys)
+    assert "JAX over several processes is not supported yet" in line
 
 
 def test_the_engine_takes_the_smallest_lora_rank_vllm_allows():

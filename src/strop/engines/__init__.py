@@ -18,17 +18,16 @@ from strop.config import Config
 Model = TypeVar("Model")
 
 
-def _world_size() -> int:
-    """Processes of the run: torchrun's ranks or JAX's processes."""
-    return max(int(os.environ.get(name) or 1) for name in ("WORLD_SIZE", "JAX_NUM_PROCESSES"))
-
-
 def check_engine(config: Config) -> None:
     """Refuse, before any model loads, an engine this run cannot use (one line, exit 2)."""
     if config.generation.engine == "vllm":
         from strop.engines.vllm import check_vllm
 
-        check_vllm(config, world_size=_world_size())
+        check_vllm(
+            config,
+            world_size=int(os.environ.get("WORLD_SIZE") or 1),  # torchrun's ranks
+            jax_processes=int(os.environ.get("JAX_NUM_PROCESSES") or 1),
+        )
 
 
 @contextmanager

@@ -74,16 +74,22 @@ def _import_vllm() -> Any:
     return vllm
 
 
-def check_vllm(config: Config, *, world_size: int = 1) -> None:
+def check_vllm(config: Config, *, world_size: int = 1, jax_processes: int = 1) -> None:
     """Refuse (``ConfigError``: one line, exit 2) what a vLLM engine cannot serve, before
     any model loads: vLLM missing, an architecture vLLM has no model for, a LoRA rank
-    above vLLM's largest, sleep mode where the platform has none, several processes."""
+    above vLLM's largest, sleep mode where the platform has none, JAX over several
+    processes, a tensor-parallel size that does not divide torchrun's ranks."""
     generation = config.generation
-    if world_size > 1 or generation.vllm_tensor_parallel_size > 1:
+    tensor_parallel = generation.vllm_tensor_parallel_size
+    if jax_processes > 1:
         raise ConfigError(
-            "generation.engine=vllm runs in a single process for now (torchrun, JAX "
-            "processes and generation.vllm_tensor_parallel_size > 1 are not supported yet); "
-            "use generation.engine=native there"
+            "generation.engine=vllm with JAX over several processes is not supported yet "
+            "(one process, or backend=torch under torchrun); use generation.engine=native"
+        )
+    if world_size % tensor_parallel:
+        raise ConfigError(
+            f"generation.vllm_tensor_parallel_size={tensor_parallel} must divide the "
+            f"{world_size} process(es) of the run (launch it with torchrun --nproc-per-node)"
         )
     vllm = _import_vllm()
     from vllm import ModelRegistry
@@ -134,6 +140,12 @@ class VllmEngine(Sampler):
     per-request generator seeded with ``f(seed, i)``, so a row's tokens do not depend on
     the other rows of its batch beyond floating-point batching effects, which vLLM does not
     make bit-exact across batch sizes.
+
+    Under ``torchrun`` every rank holds an engine (vLLM's ``external_launcher``, as TRL's
+    colocate mode): ``generation.vllm_tensor_parallel_size`` ranks share one model, and
+    each such group samples its own contiguous share of the rows (seeded by their global
+    index, so the rows do not depend on the number of groups); the rows are then gathered,
+    so every rank returns the whole batch, as the native samplers do.
     """
 
     def __init__(self, config: Config, *, max_prompt_tokens: int | None = None) -> None:
@@ -143,7 +155,14 @@ class VllmEngine(Sampler):
 
         generation, lora = config.generation, config.lora
         max_prompt = max_prompt_tokens or config.data.max_length
+        self.rank, self.world_size = _ranks()
+        self.tensor_parallel = generation.vllm_tensor_parallel_size
         options: dict[str, Any] = {}
+        if self.world_size > 1:  # torch.distributed is up (strop's FSDP placement)
+            options.update(
+                distributed_executor_backend="external_launcher",
+                tensor_parallel_size=self.tensor_parallel,
+            )
         if lora.enabled:
             options.update(enable_lora=True, max_loras=1, max_lora_rank=_max_lora_rank(lora.rank))
         self.llm = vllm.LLM(
@@ -229,8 +248,25 @@ class VllmEngine(Sampler):
         a shape hint for compiled samplers, does not apply). Stop strings are cut on the
         host after generation, exactly as the native samplers cut them."""
         check_generate_args(prompts, params, decoding.tokenizer)
+        groups = self.world_size // self.tensor_parallel
+        mine = _share(len(prompts), groups, self.rank // self.tensor_parallel)
+        rows = self._sample_rows(prompts, mine, params, decoding)
+        if groups > 1:
+            import torch.distributed as dist
+
+            everyone: list[Any] = [None] * self.world_size
+            dist.all_gather_object(everyone, rows)
+            rows = [row for share in everyone[:: self.tensor_parallel] for row in share]
+        return _generation(rows, params, decoding.tokenizer, decoding.pad_id)
+
+    def _sample_rows(
+        self, prompts: list[list[int]], mine: range, params: SamplingParams, decoding: Decoding
+    ) -> list[tuple[list[int], list[float], bool]]:
+        """Rows ``mine`` of ``prompts``: (token ids, their log-probabilities, hit the length)."""
+        if not mine:
+            return []
         vllm = self._vllm
-        requests = [vllm.inputs.TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        requests = [vllm.inputs.TokensPrompt(prompt_token_ids=list(prompts[i])) for i in mine]
         sampling = [
             vllm.SamplingParams(
                 temperature=params.temperature,
@@ -242,10 +278,18 @@ class VllmEngine(Sampler):
                 detokenize=False,
                 seed=_row_seed(decoding.seed, row),
             )
-            for row in range(len(prompts))
+            for row in mine
         ]
         outputs = self.llm.generate(requests, sampling, lora_request=self._lora, use_tqdm=False)
-        return _generation(outputs, params, decoding.tokenizer, decoding.pad_id)
+        rows = []
+        for output in outputs:
+            completion = output.outputs[0]
+            ids = list(completion.token_ids)
+            logprobs = [
+                entry[token].logprob for entry, token in zip(completion.logprobs, ids, strict=True)
+            ]
+            rows.append((ids, logprobs, completion.finish_reason == "length"))
+        return rows
 
     def close(self) -> None:
         """Free the engine (its worker, KV cache and weights)."""
@@ -254,23 +298,40 @@ class VllmEngine(Sampler):
             del llm
 
 
+def _ranks() -> tuple[int, int]:
+    """(rank, world size) of this process under torch.distributed, else (0, 1)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover (vLLM brings torch)
+        return 0, 1
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _share(rows: int, groups: int, group: int) -> range:
+    """Group ``group``'s contiguous share of ``rows`` rows split over ``groups`` groups."""
+    per, extra = divmod(rows, groups)
+    begin = group * per + min(group, extra)
+    return range(begin, begin + per + (group < extra))
+
+
 def _generation(
-    outputs: list[Any], params: SamplingParams, tokenizer: Decoder | None, pad_id: int
+    rows: list[tuple[list[int], list[float], bool]],
+    params: SamplingParams,
+    tokenizer: Decoder | None,
+    pad_id: int,
 ) -> Generation:
-    completions = [output.outputs[0] for output in outputs]
-    width = max(1, *(len(c.token_ids) for c in completions))
-    tokens = np.full((len(completions), width), pad_id, dtype=np.int32)
-    logprobs = np.zeros((len(completions), width), dtype=np.float32)
-    lengths = np.zeros(len(completions), dtype=np.int32)
+    width = max(1, *(len(ids) for ids, _, _ in rows))
+    tokens = np.full((len(rows), width), pad_id, dtype=np.int32)
+    logprobs = np.zeros((len(rows), width), dtype=np.float32)
+    lengths = np.zeros(len(rows), dtype=np.int32)
     reasons: list[FinishReason] = []
-    for row, completion in enumerate(completions):
-        ids = list(completion.token_ids)
+    for row, (ids, sampled, truncated) in enumerate(rows):
         tokens[row, : len(ids)] = ids
-        logprobs[row, : len(ids)] = [
-            entry[token].logprob for entry, token in zip(completion.logprobs, ids, strict=True)
-        ]
+        logprobs[row, : len(ids)] = sampled
         lengths[row] = len(ids)
-        reasons.append("length" if completion.finish_reason == "length" else "stop")
+        reasons.append("length" if truncated else "stop")
     if params.stop_strings:
         assert tokenizer is not None  # check_generate_args
         cut_at_stop_strings(
@@ -297,7 +358,15 @@ class VllmRollouts(Sampler):
         self.sleep = config.generation.vllm_sleep
         self.syncs = 0
         self._stale = True  # the engine holds model.path; the actor may already differ
-        self._staging = Path(tempfile.mkdtemp(prefix="strop-vllm-"))
+        # the adapter is written once (by rank 0) and read by every rank's engine: under
+        # torchrun it goes where every rank sees it, the run directory
+        self._shared = engine.world_size > 1
+        if self._shared:
+            self._staging = Path(config.run_dir) / "vllm-sync"
+            if engine.rank == 0:
+                shutil.rmtree(self._staging, ignore_errors=True)  # a killed run's
+        else:
+            self._staging = Path(tempfile.mkdtemp(prefix="strop-vllm-"))
 
     def __getattr__(self, name: str) -> Any:
         attribute = getattr(self.model, name)
@@ -316,7 +385,8 @@ class VllmRollouts(Sampler):
             path = self._staging / f"adapter-{self.syncs + 1}"
             self.model.export_adapter(path)
             self.engine.use_adapter(path)
-            shutil.rmtree(self._staging / f"adapter-{self.syncs}", ignore_errors=True)
+            if self.engine.rank == 0:  # every rank loaded the previous one a sync ago
+                shutil.rmtree(self._staging / f"adapter-{self.syncs}", ignore_errors=True)
         else:
             self.engine.load_weights(self.model.merged_weights())
         self.syncs += 1
@@ -336,4 +406,5 @@ class VllmRollouts(Sampler):
 
     def close(self) -> None:
         self.engine.close()
-        shutil.rmtree(self._staging, ignore_errors=True)
+        if self.engine.rank == 0:
+            shutil.rmtree(self._staging, ignore_errors=True)
