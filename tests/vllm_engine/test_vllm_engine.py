@@ -14,7 +14,8 @@ import torch
 from strop.assets import tiny_math_path
 from strop.backends import get_backend
 from strop.config import load_config
-from strop.engines.vllm import VllmEngine, VllmRollouts
+from strop.engines.vllm import VllmEngine
+from strop.engines.vllm_sync import VllmRollouts
 from strop.generation import SamplingParams
 
 LOGPROB_BOUND = 2e-4  # float32: vLLM's and the trainer's kernels differ in reduction order

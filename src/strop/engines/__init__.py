@@ -41,7 +41,8 @@ def rollout_engine(
     if config.generation.engine == "native":
         yield model
         return
-    from strop.engines.vllm import VllmEngine, VllmRollouts
+    from strop.engines.vllm import VllmEngine
+    from strop.engines.vllm_sync import VllmRollouts
 
     rollouts = VllmRollouts(model, VllmEngine(config, max_prompt_tokens=max_prompt_tokens), config)
     try:

@@ -5,7 +5,7 @@ in-process executor, as TRL's colocate mode), and samples through the same contr
 native samplers (:mod:`strop.generation`): token ids, the sampled token's log-probability
 at the rollout temperature, lengths, finish reasons, EOS ids and stop strings.
 
-:class:`VllmRollouts` puts the engine in front of a backend's model: ``generate`` runs on
+:class:`~strop.engines.vllm_sync.VllmRollouts` puts the engine in front of a backend's model: ``generate`` runs on
 vLLM, and before the first sample after anything that changed the actor (an update, a
 resume, a loaded adapter) it pushes the actor's weights into the engine:
 
@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -338,73 +335,3 @@ def _generation(
             tokens, logprobs, lengths, reasons, params.stop_strings, tokenizer, pad_id
         )
     return Generation(tokens, logprobs, lengths, reasons)
-
-
-class VllmRollouts(Sampler):
-    """A backend's model (``ActorCritic`` or ``Policy``) whose ``generate`` runs on a vLLM
-    engine fed the actor's current weights; everything else is the model's own.
-
-    The engine is synced lazily: anything that changes the actor (an update, a restored
-    checkpoint, a loaded adapter) marks it stale, and the next ``generate`` pushes the
-    actor's adapter (LoRA) or weights (full fine-tuning) first. Every process of the run
-    takes part in a sync (gathers are collectives)."""
-
-    _CHANGES_THE_ACTOR = ("train_policy", "train_step", "restore_checkpoint", "load_adapter")
-
-    def __init__(self, model: Any, engine: VllmEngine, config: Config) -> None:
-        self.model = model
-        self.engine = engine
-        self.lora = config.lora.enabled
-        self.sleep = config.generation.vllm_sleep
-        self.syncs = 0
-        self._stale = True  # the engine holds model.path; the actor may already differ
-        # the adapter is written once (by rank 0) and read by every rank's engine: under
-        # torchrun it goes where every rank sees it, the run directory
-        self._shared = engine.world_size > 1
-        if self._shared:
-            self._staging = Path(config.run_dir) / "vllm-sync"
-            if engine.rank == 0:
-                shutil.rmtree(self._staging, ignore_errors=True)  # a killed run's
-        else:
-            self._staging = Path(tempfile.mkdtemp(prefix="strop-vllm-"))
-
-    def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self.model, name)
-        if name in self._CHANGES_THE_ACTOR and callable(attribute):
-
-            def changing(*args: Any, **kwargs: Any) -> Any:
-                self._stale = True
-                return attribute(*args, **kwargs)
-
-            return changing
-        return attribute
-
-    def sync(self) -> None:
-        """Push the actor's adapter or weights into the engine (every process calls it)."""
-        if self.lora:
-            path = self._staging / f"adapter-{self.syncs + 1}"
-            self.model.export_adapter(path)
-            self.engine.use_adapter(path)
-            if self.engine.rank == 0:  # every rank loaded the previous one a sync ago
-                shutil.rmtree(self._staging / f"adapter-{self.syncs}", ignore_errors=True)
-        else:
-            self.engine.load_weights(self.model.merged_weights())
-        self.syncs += 1
-        self._stale = False
-
-    def sample(
-        self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
-    ) -> Generation:
-        """Sample from the actor on vLLM, syncing it first if it changed."""
-        self.engine.wake_up()
-        if self._stale:
-            self.sync()
-        generation = self.engine.sample(prompts, params, decoding)
-        if self.sleep:
-            self.engine.sleep()
-        return generation
-
-    def close(self) -> None:
-        self.engine.close()
-        if self.engine.rank == 0:
-            shutil.rmtree(self._staging, ignore_errors=True)
