@@ -146,13 +146,13 @@ class VllmEngine(Sampler):
     """
 
     def __init__(self, config: Config, *, max_prompt_tokens: int | None = None) -> None:
-        check_vllm(config)
+        self.rank, self.world_size = _ranks()
+        check_vllm(config, world_size=self.world_size)  # also when built without preflight
         vllm = _import_vllm()
         from vllm.platforms import current_platform
 
         generation, lora = config.generation, config.lora
         max_prompt = max_prompt_tokens or config.data.max_length
-        self.rank, self.world_size = _ranks()
         self.tensor_parallel = generation.vllm_tensor_parallel_size
         options: dict[str, Any] = {}
         if self.world_size > 1:  # torch.distributed is up (strop's FSDP placement)
@@ -290,9 +290,7 @@ class VllmEngine(Sampler):
 
     def close(self) -> None:
         """Free the engine (its worker, KV cache and weights)."""
-        llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
-            del llm
+        self.llm = None
 
 
 def _ranks() -> tuple[int, int]:
