@@ -5,7 +5,9 @@ so the demo sees exactly the devices and threads `make demo` would; the third ru
 demo with GRPO instead of a critic (``ppo.advantage_estimator=grpo``). PPO must lift the
 shipped model's greedy validation accuracy (all 256 held-out problems) by 20 points or
 more. The seed is fixed, so this is one deterministic run per backend, not a lucky draw;
-how long it takes is recorded in docs/benchmarks.md, never asserted here.
+how long it takes is recorded in docs/benchmarks.md, never asserted here. Every run also
+writes what a user looks at afterwards (:func:`check_demo_outputs`): the JAX one is the
+only full check of the default ``make demo`` run's outputs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 import pytest
 
 from strop.metrics.sinks import read_metrics
+from tests.integration.test_short_demo import check_demo_outputs
 
 pytestmark = pytest.mark.slow
 
@@ -51,5 +54,6 @@ def test_full_demo_lifts_validation_accuracy_by_20_points(run, tmp_path):
     before, after = accuracy[0], accuracy[60]
     print(f"{run}: greedy validation accuracy {before:.1%} -> {after:.1%}")
     assert after - before >= MIN_GAIN
-    assert (run_dir / "plot.png").read_bytes().startswith(b"\x89PNG")
-    assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
+    assert (256 * before).is_integer() and (256 * after).is_integer()  # all 256 problems
+    check_demo_outputs(run_dir, steps=60)
+    assert "sampled tok/s" in done.stdout
