@@ -81,9 +81,9 @@ def test_sharded_fsdp4_tensor2_matches_and_is_sharded(tiny_model_dir, kind):
 
     decoder = handle.model.model
     attn, mlp = decoder.layers[0].self_attn, decoder.layers[0].mlp
-    q = attn.q_proj.kernel.get_value()  # [embed, heads, head_dim]
-    assert_spec(q, "fsdp", "tensor", None)
-    assert q.addressable_shards[0].data.shape == (q.shape[0] // 4, q.shape[1] // 2, q.shape[2])
+    q = attn.q_proj.kernel.get_value()  # [embed, heads * head_dim]
+    assert_spec(q, "fsdp", "tensor")
+    assert q.addressable_shards[0].data.shape == (q.shape[0] // 4, q.shape[1] // 2)
     gate = mlp.gate_proj.kernel.get_value()
     assert_spec(gate, "fsdp", "tensor")
     assert gate.addressable_shards[0].data.shape == (gate.shape[0] // 4, gate.shape[1] // 2)

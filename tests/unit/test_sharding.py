@@ -57,6 +57,39 @@ def test_rules_split_only_dimensions_they_divide():
         logical_to_partition_spec(("nonsense",), (4,), mesh)
 
 
+def test_a_flat_heads_dim_splits_only_into_whole_heads():
+    """Flat projection kernels ``[embed, heads * head_dim]``: the divisibility test counts
+    heads (blocks of head_dim), not elements. 2 KV heads x 16 = 32 elements would divide
+    by 4, but splitting them 4 ways would cut each head in half: replicated instead."""
+    mesh = make_mesh({"fsdp": 2, "tensor": 4})
+    q = logical_to_partition_spec(("embed", "heads"), (64, 8 * 16), mesh, blocks=(1, 16))
+    assert q == P("fsdp", "tensor")
+    k = logical_to_partition_spec(("embed", "kv_heads"), (64, 2 * 16), mesh, blocks=(1, 16))
+    assert k == P("fsdp", None)
+    o = logical_to_partition_spec(("heads", "embed"), (8 * 16, 64), mesh, blocks=(16, 1))
+    assert o == P("tensor", "fsdp")
+    with pytest.raises(ValueError, match="do not tile"):
+        logical_to_partition_spec(("embed", "heads"), (64, 100), mesh, blocks=(1, 16))
+
+
+def test_flat_kv_kernels_of_a_loaded_model_keep_whole_heads(tiny_model_dir):
+    """Through the loader: a model whose 2 KV heads do not divide ``tensor=4`` keeps k/v
+    replicated over tensor, while q (4 heads) is split by whole heads."""
+    from strop.backends.jax.weights import load_hf_model
+
+    model = load_hf_model(tiny_model_dir("qwen2"), make_mesh({"fsdp": 2, "tensor": 4}))
+    attn = model.model.layers[0].self_attn
+    spec = model.spec
+    assert (spec.num_heads, spec.num_kv_heads) == (4, 2)
+    k = attn.k_proj.kernel.get_value()
+    assert k.shape == (spec.hidden_size, spec.num_kv_heads * spec.head_dim)
+    assert k.sharding.spec == P("fsdp", None)
+    assert attn.k_proj.bias.get_value().sharding.spec == P(None)
+    q = attn.q_proj.kernel.get_value()
+    assert q.sharding.spec == P("fsdp", "tensor")
+    assert q.addressable_shards[0].data.shape[1] == spec.head_dim  # one whole head each
+
+
 def test_batch_shards_over_data_and_fsdp():
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     assert batch_sharding((8, 16), mesh).spec == P(("data", "fsdp"), None)

@@ -3,8 +3,9 @@
 Targets are chosen by :func:`strop.lora_targets.match_targets` (``re.fullmatch`` on
 HF-style dotted module paths, as PEFT does) and handed to Qwix as an exact alternation
 of its own ``/``-joined paths. Qwix intercepts each targeted
-``jnp.einsum`` and adds ``kernel_lora_a`` (``in_shape + (r,)``) and ``kernel_lora_b``
-(``(r,) + out_shape``) as ``nnx.LoRAParam`` next to the kernel, scaled by alpha / rank.
+``jnp.einsum`` over a flat ``[in, out]`` kernel and adds ``kernel_lora_a`` (``[in, r]``) and
+``kernel_lora_b`` (``[r, out]``) as ``nnx.LoRAParam`` next to the kernel, scaled by alpha /
+rank: PEFT's ``lora_A.weight [r, in]`` and ``lora_B.weight [out, r]`` transposed.
 Their initial values are not Qwix's: :func:`apply_lora` overwrites them with
 :mod:`strop.lora_init`'s (a function of seed, module path and shape, the same on the
 torch backend), placed with each parameter's sharding.
@@ -92,16 +93,14 @@ def with_adapters_merged(model: CausalLM, config: LoraConfig) -> CausalLM:
         if lora_a is None:
             continue
         kernel = module.kernel.get_value()
-        delta = jnp.tensordot(lora_a.get_value(), module.kernel_lora_b.get_value(), axes=1)
+        delta = lora_a.get_value() @ module.kernel_lora_b.get_value()
         module.kernel.set_value((kernel + scale * delta).astype(kernel.dtype))
     return merged
 
 
 def adapter_weights(model: CausalLM) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """LoRA weights per module path as PEFT lays them out: ``A [r, in]``, ``B [out, r]``.
-
-    ``in``/``out`` are the flattened kernel input/output sizes (HF ``nn.Linear`` view).
-    """
+    """LoRA weights per module path as PEFT lays them out: ``A [r, in]``, ``B [out, r]``
+    (the transposes of ``kernel_lora_a [in, r]`` and ``kernel_lora_b [r, out]``)."""
     weights = {}
     for path, module in dense_modules(model).items():
         lora_a = getattr(module, "kernel_lora_a", None)
@@ -109,11 +108,7 @@ def adapter_weights(model: CausalLM) -> dict[str, tuple[np.ndarray, np.ndarray]]
             continue
         a = to_host(lora_a.get_value()).astype(np.float32)
         b = to_host(module.kernel_lora_b.get_value()).astype(np.float32)
-        rank = a.shape[-1]
-        weights[path] = (
-            a.reshape(math.prod(module.in_shape), rank).T,
-            b.reshape(rank, math.prod(module.out_shape)).T,
-        )
+        weights[path] = (a.T, b.T)
     return weights
 
 
@@ -127,12 +122,12 @@ def set_adapter_weights(
         module = modules[path]
         n_in, n_out = math.prod(module.in_shape), math.prod(module.out_shape)
         rank = module.kernel_lora_a.get_value().shape[-1]
-        for variable, value, peft_shape, shape in (
-            (module.kernel_lora_a, a, (rank, n_in), (*module.in_shape, rank)),
-            (module.kernel_lora_b, b, (n_out, rank), (rank, *module.out_shape)),
+        for variable, value, peft_shape in (
+            (module.kernel_lora_a, a, (rank, n_in)),
+            (module.kernel_lora_b, b, (n_out, rank)),
         ):
-            # Compared in the PEFT layout (as the torch backend does) before any reshape.
+            # Compared in the PEFT layout (as the torch backend does) before the transpose.
             check_adapter_shape(source, path, value.shape, peft_shape)
             current = variable.get_value()
-            new = value.T.reshape(shape)
+            new = value.T
             variable.set_value(jnp.asarray(new, dtype=current.dtype, device=current.sharding))

@@ -3,8 +3,8 @@
 Module and attribute names mirror the Hugging Face ones (``model.layers.3.self_attn.q_proj``),
 so module paths read the same as in PEFT and weight names map one to one. Each weight
 carries logical axis names in its ``out_sharding`` metadata; ``sharding.py`` maps them to
-the mesh. Projections are ``jnp.einsum`` over multi-dimensional kernels (``[embed, heads,
-head_dim]`` for q), the form Qwix intercepts for LoRA.
+the mesh. Projections are ``jnp.einsum`` over flat 2-D kernels (``[embed, heads * head_dim]``
+for q, HF's ``nn.Linear`` weight transposed), the form Qwix intercepts for LoRA.
 
 Shapes: B batch, L sequence, E hidden, H heads, K kv heads, D head dim, V vocab, S cache
 slots.
@@ -37,10 +37,19 @@ def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dty
 
 
 class Dense(nnx.Module):
-    """``y = einsum(x, kernel) + bias`` with a kernel of shape ``in_shape + out_shape``.
+    """``y = x @ kernel + bias`` with ``x [..., *in_shape]`` and ``y [..., *out_shape]``.
 
-    The HF equivalent is ``nn.Linear(prod(in_shape), prod(out_shape))`` whose ``weight``
-    is the kernel flattened and transposed.
+    The kernel is flat, ``[prod(in_shape), prod(out_shape)]``: HF's
+    ``nn.Linear(prod(in_shape), prod(out_shape)).weight`` transposed, and the bias is
+    ``[prod(out_shape)]``. ``x``'s trailing ``in_shape`` dims are flattened before the
+    einsum and the output's last dim is unflattened after it, so callers see the
+    multi-dimensional shapes (``[B, L, H, D]`` from q) while the einsum (the one Qwix
+    intercepts, adding ``kernel_lora_a [in, r]`` and ``kernel_lora_b [r, out]``) is a plain
+    2-D matrix product: a multi-dimensional kernel made the LoRA path about twice as costly.
+
+    A flat dim carries one logical axis, the leading name of its group (``heads`` for
+    ``heads x head_dim``); :meth:`kernel_blocks` says how many elements one unit of that name
+    spans (``head_dim``), so sharding splits it only into whole heads.
     """
 
     def __init__(
@@ -57,22 +66,26 @@ class Dense(nnx.Module):
     ):
         self.in_shape, self.out_shape = in_shape, out_shape
         self.dtype = dtype
+        n_in, n_out = math.prod(in_shape), math.prod(out_shape)
         init = nnx.initializers.normal(0.02)
-        self.kernel = _param(rngs, in_shape + out_shape, in_axes + out_axes, param_dtype, init)
+        self.kernel = _param(rngs, (n_in, n_out), (in_axes[0], out_axes[0]), param_dtype, init)
         self.bias = (
-            _param(rngs, out_shape, out_axes, param_dtype, nnx.initializers.zeros)
+            _param(rngs, (n_out,), (out_axes[0],), param_dtype, nnx.initializers.zeros)
             if use_bias
             else None
         )
-        letters = "abcdefgh"
-        ins, outs = letters[: len(in_shape)], letters[len(in_shape) : len(in_shape + out_shape)]
-        self.equation = f"...{ins},{ins}{outs}->...{outs}"
+
+    def kernel_blocks(self) -> tuple[int, int]:
+        """Elements per unit of each kernel dim's logical axis (``head_dim`` for ``heads``)."""
+        return math.prod(self.in_shape[1:]), math.prod(self.out_shape[1:])
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum(self.equation, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        batch = x.shape[: x.ndim - len(self.in_shape)]
+        x = x.reshape(*batch, math.prod(self.in_shape)).astype(self.dtype)
+        y = jnp.einsum("...a,ab->...b", x, self.kernel[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
-        return y
+        return y.reshape(*batch, *self.out_shape)
 
 
 class Embedding(nnx.Module):

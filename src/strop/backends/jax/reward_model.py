@@ -70,8 +70,7 @@ def load_score_model(path, mesh, *, dtype: str = "float32", param_dtype: str = "
         variable = binding.variable
         abstract = variable.get_value()
         host = binding.to_model(reader.get(binding.hf_name)).astype(abstract.dtype)
-        axes = variable.get_metadata()["out_sharding"]
-        sharding = logical_to_sharding(axes, abstract.shape, mesh)
+        sharding = binding.sharding(mesh)
         variable.set_value(
             jax.make_array_from_callback(abstract.shape, sharding, lambda i, h=host: h[i])
         )

@@ -4,7 +4,9 @@ Every weight of the model carries logical axis names (``vocab``, ``embed``, ``he
 ``kv_heads``, ``head_dim``, ``mlp``, ``norm``) in its ``out_sharding`` metadata. The rules
 below say which mesh axis (``data``, ``fsdp``, ``tensor``) each logical axis is split over.
 A dimension that a mesh axis does not divide evenly stays replicated on that axis (for
-example 2 KV heads on ``tensor=4``), so any model runs on any mesh.
+example 2 KV heads on ``tensor=4``), so any model runs on any mesh. A flattened dimension
+(a projection kernel's ``heads x head_dim``) carries its leading name and is split only
+into whole units of it (``blocks``: whole heads, never part of one).
 """
 
 from __future__ import annotations
@@ -165,16 +167,24 @@ def logical_to_partition_spec(
     shape: Sequence[int],
     mesh: Mesh,
     rules: Mapping[str, MeshAxes] = LOGICAL_AXIS_RULES,
+    blocks: Sequence[int] | None = None,
 ) -> PartitionSpec:
     """The ``PartitionSpec`` for an array of ``shape`` whose dims have ``logical_axes``.
 
-    A mesh axis is used at most once per array, and only on a dimension it divides.
+    A mesh axis is used at most once per array, and only on a dimension it divides into
+    whole ``blocks`` (elements per unit of the dim's logical axis, default 1: a flat
+    ``[embed, heads * head_dim]`` kernel has blocks ``(1, head_dim)``, so its second dim
+    splits only where the number of heads divides).
     """
-    if len(logical_axes) != len(shape):
+    blocks = tuple(blocks) if blocks is not None else (1,) * len(shape)
+    if len(logical_axes) != len(shape) or len(blocks) != len(shape):
         raise ValueError(f"logical axes {tuple(logical_axes)} do not fit shape {tuple(shape)}")
+    if any(block < 1 or dim % block for dim, block in zip(shape, blocks, strict=True)):
+        raise ValueError(f"blocks {blocks} do not tile shape {tuple(shape)}")
     used: set[str] = set()
     spec: list[MeshAxes] = []
-    for name, dim in zip(logical_axes, shape, strict=True):
+    for name, length, block in zip(logical_axes, shape, blocks, strict=True):
+        dim = length // block  # units of the logical axis (heads, not heads x head_dim)
         if name is not None and name not in rules:
             raise ValueError(f"no sharding rule for logical axis {name!r}")
         mapped = rules.get(name) if name is not None else None
@@ -185,7 +195,7 @@ def logical_to_partition_spec(
             if axis in used or size == 1:
                 continue
             if dim % (math.prod(mesh.shape[a] for a in chosen) * size):
-                logger.debug("dim %s (%s) not divisible by mesh axis %s", dim, name, axis)
+                logger.debug("%s %s not divisible by mesh axis %s", dim, name, axis)
                 continue
             chosen.append(axis)
         used.update(chosen)
@@ -194,10 +204,15 @@ def logical_to_partition_spec(
 
 
 def logical_to_sharding(
-    logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
+    logical_axes: Sequence[str | None],
+    shape: Sequence[int],
+    mesh: Mesh,
+    blocks: Sequence[int] | None = None,
 ) -> NamedSharding:
-    """``NamedSharding`` on ``mesh`` for an array with the given logical axes and shape."""
-    return NamedSharding(mesh, logical_to_partition_spec(logical_axes, shape, mesh))
+    """``NamedSharding`` on ``mesh`` for an array with the given logical axes and shape
+    (``blocks``: see :func:`logical_to_partition_spec`)."""
+    spec = logical_to_partition_spec(logical_axes, shape, mesh, blocks=blocks)
+    return NamedSharding(mesh, spec)
 
 
 def batch_sharding(shape: Sequence[int], mesh: Mesh) -> NamedSharding:

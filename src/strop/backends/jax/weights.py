@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from rich.progress import track
 
 from strop.backends.jax.model import CausalLM, Dense, Embedding, RMSNorm
@@ -28,48 +28,51 @@ from strop.io.hf import check_tensors, open_checkpoint, write_checkpoint_once
 
 @dataclass(frozen=True)
 class WeightBinding:
-    """One model weight and its HF counterpart: name, and layout conversions both ways."""
+    """One model weight and its HF counterpart: name, layout conversions both ways, and
+    the ``blocks`` its dims are sharded in (see ``sharding.logical_to_partition_spec``)."""
 
     hf_name: str
     variable: nnx.Variable
     hf_shape: tuple[int, ...]
     to_model: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
+    blocks: tuple[int, ...] | None = None
+
+    def sharding(self, mesh: Mesh) -> NamedSharding:
+        """Where this weight lives on ``mesh``, from its logical axes."""
+        axes = self.variable.get_metadata()["out_sharding"]
+        return logical_to_sharding(axes, self.variable.get_value().shape, mesh, self.blocks)
 
 
 def _identity(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def _transpose(x: np.ndarray) -> np.ndarray:
+    return x.T
+
+
 def weight_bindings(model: CausalLM) -> list[WeightBinding]:
     """Every weight of ``model`` paired with its HF tensor name and layout conversions.
 
-    HF ``nn.Linear.weight`` is ``[out, in]``; a :class:`Dense` kernel is
-    ``in_shape + out_shape``, so the conversion is a transpose plus a reshape.
+    HF ``nn.Linear.weight`` is ``[out, in]`` and a :class:`Dense` kernel ``[in, out]``: the
+    conversion is a transpose; biases and the rest are taken as they are.
     """
     bindings = []
     for path, module in nnx.iter_modules(model):
         prefix = ".".join(str(p) for p in path)
         if isinstance(module, Dense):
             n_in, n_out = math.prod(module.in_shape), math.prod(module.out_shape)
-            kernel_shape = module.in_shape + module.out_shape
+            blocks = module.kernel_blocks()
             bindings.append(
                 WeightBinding(
-                    f"{prefix}.weight",
-                    module.kernel,
-                    (n_out, n_in),
-                    lambda w, s=kernel_shape: w.T.reshape(s),
-                    lambda k, i=n_in, o=n_out: k.reshape(i, o).T,
+                    f"{prefix}.weight", module.kernel, (n_out, n_in), _transpose, _transpose, blocks
                 )
             )
             if module.bias is not None:
                 bindings.append(
                     WeightBinding(
-                        f"{prefix}.bias",
-                        module.bias,
-                        (n_out,),
-                        lambda b, s=module.out_shape: b.reshape(s),
-                        lambda b: b.reshape(-1),
+                        f"{prefix}.bias", module.bias, (n_out,), _identity, _identity, blocks[1:]
                     )
                 )
         elif isinstance(module, Embedding | RMSNorm):
@@ -99,9 +102,7 @@ def load_hf_model(
         variable = binding.variable
         abstract = variable.get_value()
         host = binding.to_model(reader.get(binding.hf_name)).astype(abstract.dtype)
-        sharding = logical_to_sharding(
-            variable.get_metadata()["out_sharding"], abstract.shape, mesh
-        )
+        sharding = binding.sharding(mesh)
         variable.set_value(
             jax.make_array_from_callback(abstract.shape, sharding, lambda index, h=host: h[index])
         )
