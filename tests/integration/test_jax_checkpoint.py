@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import strop
-from strop.backends.jax.checkpoint import TrainCheckpoints
+from strop.backends.jax.checkpoint import TrainCheckpoints, to_pure
 from strop.backends.jax.lora import BASE_WEIGHTS, apply_lora, trainable_filter
 from strop.backends.jax.sharding import make_mesh
 from strop.backends.jax.train import Trainer
@@ -170,6 +170,40 @@ def test_identity_mismatch_is_refused(tiny_model_dir, tmp_path):
         np.testing.assert_array_equal(got, want)  # nothing was loaded
     with pytest.raises(CheckpointError, match="no complete checkpoint for step 9"):
         restore(checkpoints(tmp_path, model_dir), 9, trainer)
+
+
+def test_a_checkpoint_of_multi_dimensional_kernels_is_refused_in_one_line(
+    tiny_model_dir, tmp_path, capfd
+):
+    """Before the projections became flat ``[in, out]`` kernels, k_proj's LoRA B was stored
+    as ``[r, kv_heads, head_dim]``: such a checkpoint is refused from its metadata, in one
+    line that says why, before Orbax reads an array (its own refusal printed pages)."""
+    model_dir = tiny_model_dir("qwen2")
+    model, trainer = setup(model_dir)
+    old = to_pure(trainer.params)
+    spec = model.spec
+    for layer in old["model"]["layers"].values():
+        b = layer["self_attn"]["k_proj"]["kernel_lora_b"]
+        layer["self_attn"]["k_proj"]["kernel_lora_b"] = b.reshape(
+            LORA.rank, spec.num_kv_heads, spec.head_dim
+        )
+    checkpoints(tmp_path, model_dir).save(1, old, trainer.opt_state)
+    before = host(nnx.state(model, nnx.LoRAParam))
+    capfd.readouterr()
+    with pytest.raises(CheckpointError) as err:
+        restore(checkpoints(tmp_path, model_dir), 1, trainer)
+    shape = (LORA.rank, spec.num_kv_heads, spec.head_dim)
+    assert str(err.value) == (
+        f"cannot restore checkpoint {tmp_path / '1'}: params "
+        f"model.layers.0.self_attn.k_proj.kernel_lora_b is stored as {shape}, this model's is "
+        f"{(LORA.rank, spec.num_kv_heads * spec.head_dim)} (and 1 more); it holds "
+        "multi-dimensional projection kernels, the layout strop's JAX backend used before its "
+        "kernels became flat [in, out]: resume it with the strop version that wrote it, or "
+        "start the run afresh"
+    )
+    assert "Traceback" not in "".join(capfd.readouterr())
+    for got, want in zip(host(nnx.state(model, nnx.LoRAParam)), before, strict=True):
+        np.testing.assert_array_equal(got, want)  # nothing was loaded
 
 
 def test_same_base_at_another_path_matches(tiny_model_dir, tmp_path):

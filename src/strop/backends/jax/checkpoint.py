@@ -24,6 +24,7 @@ import gc
 import inspect
 import json
 import logging
+import math
 import os
 import sys
 import types
@@ -33,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -312,6 +314,7 @@ class TrainCheckpoints:
 
     def _restore(self, step: int, params: dict, optimizer: dict) -> tuple[dict, dict, dict]:
         self.check_identity(step)
+        self._check_shapes(step, {"params": params, "optimizer": optimizer})
         args = ocp.args.Composite(
             params=ocp.args.StandardRestore(_abstract(params)),
             optimizer=ocp.args.StandardRestore(_abstract(optimizer)),
@@ -325,6 +328,39 @@ class TrainCheckpoints:
             ) from err
         logger.info("restored checkpoint step %d from %s", step, self.directory)
         return restored.params, restored.optimizer, dict(restored.extra or {})
+
+    def _check_shapes(self, step: int, items: Mapping[str, dict]) -> None:
+        """Raise one :class:`CheckpointError` line if an array stored in ``step`` has
+        another shape than the live one at its path (read from the metadata, before any
+        array: Orbax's own refusal is a page of its threads' tracebacks)."""
+        where = self.directory / str(step)
+        for item, live in items.items():
+            try:
+                stored = ocp.StandardCheckpointHandler().metadata(where / item)
+            except Exception:  # unreadable metadata: the restore itself reports it
+                logger.debug("no metadata for %s in %s", item, where, exc_info=True)
+                continue
+            stored_arrays = flatten(getattr(stored, "tree", stored))
+            differ = []
+            for path, leaf in flatten(live).items():
+                old = getattr(stored_arrays.get(path), "shape", None)
+                if old is not None and tuple(old) != np.shape(leaf):
+                    differ.append((path, tuple(old), np.shape(leaf)))
+            if not differ:
+                continue
+            path, old, new = differ[0]
+            more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+            layout = ""
+            if math.prod(old) == math.prod(new) and len(old) > len(new):
+                layout = (
+                    "; it holds multi-dimensional projection kernels, the layout strop's JAX "
+                    "backend used before its kernels became flat [in, out]: resume it with the "
+                    "strop version that wrote it, or start the run afresh"
+                )
+            raise CheckpointError(
+                f"cannot restore checkpoint {where}: {item} {path} is stored as {old}, "
+                f"this model's is {new}{more}{layout}"
+            )
 
     def stored_params(self, step: int) -> list[str]:
         """Dotted paths of the parameter arrays stored in checkpoint ``step``."""
