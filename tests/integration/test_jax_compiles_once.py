@@ -1,10 +1,14 @@
-"""A JAX PPO run compiles its steps in the first iteration and never again.
+"""A JAX PPO run compiles its steps in the first iteration, and after it at most the
+few packed shapes it has not met yet.
 
 Responses of varying lengths would each give the rollout batch a new width, and each new
 width a new compile of the sampler, both forwards and both updates; the loop pads prompts
-and rollouts to one shape per run instead (:mod:`strop.rl.ppo`). Counted here: every
-trace JAX makes (``jax.monitoring``'s trace event fires for each jitted function and
-eager op traced for a new shape), during the iterations and validations after the first.
+and rollouts to one shape per run instead (:mod:`strop.rl.ppo`). With ``ppo.pack`` the
+forwards and updates see rollouts packed into one of a few bin counts
+(:mod:`strop.rl.packing`), or the batch as it is: at most four shapes each, whatever the
+responses. Counted here: every trace JAX makes (``jax.monitoring``'s trace event fires
+for each jitted function and eager op traced for a new shape), during the iterations and
+validations after the first.
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ import json
 import jax
 import pytest
 
+from strop.rl import packing
 from strop.rl import ppo as ppo_module
 from tests.integration.test_ppo_run import config_for, task  # noqa: F401  (fixture)
 
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+PACKED = {"logprobs", "values", "critic_update", "policy_update"}  # what takes packed batches
+SHAPES = len(packing.BUCKETS) + 1  # a packed bin count, or the batch as it is
 
 
 @pytest.fixture
@@ -35,8 +42,23 @@ def early_stopping_task(task, tmp_path):  # noqa: F811
     return model
 
 
-def test_no_compile_after_the_first_iteration(task, early_stopping_task, tmp_path, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("pack", [False, True])
+def test_no_compile_after_the_first_iteration(
+    task,  # noqa: F811
+    early_stopping_task,
+    tmp_path,
+    monkeypatch,
+    pack,
+):
     traces: list[str] = []
+    plans = []
+    plan = packing.plan
+
+    def recorded_plan(*args, **kwargs):
+        plans.append(plan(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(packing, "plan", recorded_plan)
 
     def on_event(event: str, duration: float, **kwargs) -> None:
         if event == TRACE_EVENT:
@@ -67,7 +89,8 @@ def test_no_compile_after_the_first_iteration(task, early_stopping_task, tmp_pat
     config = config_for(
         task, tmp_path / "run", "jax", f"model.path={early_stopping_task}",
         "ppo.steps=5", "ppo.validate_every=2", "checkpoint.every_steps=100",
-        "ppo.prompts_per_step=2", "ppo.num_generations_per_prompt=2", "ppo.mini_batch_size=2",
+        "ppo.prompts_per_step=8", "ppo.num_generations_per_prompt=2", "ppo.mini_batch_size=16",
+        "ppo.micro_batch_size=8", f"ppo.pack={str(pack).lower()}",
         "mesh.fsdp=2",  # weights sharded: the sampler's inference layout is traced once too
     )  # fmt: skip
     jax.monitoring.register_event_duration_secs_listener(on_event)
@@ -81,4 +104,12 @@ def test_no_compile_after_the_first_iteration(task, early_stopping_task, tmp_pat
     assert names[:2] == ["validation", "iteration"] and names.count("iteration") == 5, names
     assert per_call[1][1], "the first iteration traced nothing: the counter is broken"
     later = {name: new for name, new in per_call[2:] if new}
-    assert not later, f"traced after the first iteration: {later}"
+    if not pack:
+        assert not plans, "ppo.pack=false packed"
+        assert not later, f"traced after the first iteration: {later}"
+        return
+    assert any(p is not None for p in plans), "nothing was packed: the test tests nothing"
+    unexpected = {name: set(new) - PACKED for name, new in later.items() if set(new) - PACKED}
+    assert not unexpected, f"traced after the first iteration: {unexpected}"
+    for name in PACKED:
+        assert traces.count(name) <= SHAPES, (name, traces.count(name), traces)

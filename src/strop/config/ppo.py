@@ -117,6 +117,10 @@ class PpoConfig(_Section):
         gt=0,
         description="Rollouts per forward/backward pass; must divide mini_batch_size; null = mini_batch_size.",
     )
+    pack: bool = Field(
+        True,
+        description="jax: pack each batch's rollouts end to end into fewer rows (a block-diagonal mask keeps them apart) for the forwards and updates, so they skip most padding at a few fixed shapes; the same numbers up to float rounding. torch needs none: it drops each micro-batch's padding columns.",
+    )
     validate_every: int = Field(
         0,
         ge=0,

@@ -19,6 +19,7 @@ Roles are held functionally (see :mod:`strop.backends.jax.ppo_steps`):
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Iterator, Sequence
 from functools import partial
@@ -41,6 +42,7 @@ from strop.backends.jax.lora import (
     with_adapters_merged,
 )
 from strop.backends.jax.sharding import (
+    BATCH_AXES,
     batch_sharding,
     is_main_process,
     make_mesh,
@@ -60,6 +62,7 @@ from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
 from strop.lora_init import critic_seed as critic_seed_of
+from strop.rl import packing
 from strop.rl.objectives import PolicyObjective, ValueObjective
 
 logger = logging.getLogger(__name__)
@@ -81,7 +84,7 @@ class JaxActorCritic(Sampler):
     """Actor, critic and reference for PPO on a JAX mesh."""
 
     backend = "jax"
-    static_shapes = True  # every new array shape compiles: the loop pads to one per run
+    static_shapes = True  # every new shape compiles: one width per run, a few packed row counts
 
     def __init__(
         self, config: Config, *, total_updates: int, checkpoint_dir: str | os.PathLike | None
@@ -163,15 +166,39 @@ class JaxActorCritic(Sampler):
             for name in names
         }
 
+    def _packing(self, attention_mask: np.ndarray, micro_batches: int) -> packing.Packing | None:
+        """How ``ppo.pack`` packs these rows (:mod:`strop.rl.packing`): into a bin count
+        that splits evenly into ``micro_batches`` and over the batch's devices."""
+        if not self.config.ppo.pack:
+            return None
+        shards = math.prod(self.mesh.shape[axis] for axis in BATCH_AXES)
+        return packing.plan(attention_mask, multiple=micro_batches * shards)
+
+    def _packed(
+        self, batch: dict[str, np.ndarray], names: Sequence[str], micro_batches: int
+    ) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
+        """The update's arrays, packed when ``ppo.pack`` saves columns."""
+        plan = self._packing(batch["attention_mask"], micro_batches)
+        if plan is None:
+            return batch, tuple(names)
+        return plan.pack({name: batch[name] for name in names}), (*names, "positions")
+
     def _rows(self, batch: dict[str, np.ndarray], fn) -> np.ndarray:
-        """``fn(ids, mask)`` over the batch in chunks of ``ppo.micro_batch_size`` rows."""
+        """``fn(ids, mask, positions)`` over the batch in chunks of
+        ``ppo.micro_batch_size`` rows (each packed when ``ppo.pack`` saves columns)."""
         rows = len(batch["input_ids"])
         step = min(self.config.ppo.rows_per_micro_batch, rows)
         out = []
         for begin in range(0, rows, step):
             chunk = {k: batch[k][begin : begin + step] for k in ("input_ids", "attention_mask")}
-            arrays = self._put(chunk, ("input_ids", "attention_mask"))
-            out.append(to_host(fn(arrays["input_ids"], arrays["attention_mask"])))
+            plan = self._packing(chunk["attention_mask"], 1)
+            if plan is not None:
+                chunk = plan.pack(chunk)
+            arrays = self._put(chunk, tuple(chunk))
+            result = to_host(
+                fn(arrays["input_ids"], arrays["attention_mask"], arrays.get("positions"))
+            )
+            out.append(result if plan is None else plan.unpack(result))
         return np.concatenate(out, axis=0).astype(np.float32)
 
     # the ActorCritic surface -------------------------------------------------------------
@@ -200,8 +227,8 @@ class JaxActorCritic(Sampler):
         temperature = self.policy_objective.temperature
         return self._rows(
             batch,
-            lambda ids, mask: ppo_steps.logprobs(
-                self.actor_graph, trainable, self.frozen, ids, mask, temperature
+            lambda ids, mask, positions: ppo_steps.logprobs(
+                self.actor_graph, trainable, self.frozen, ids, mask, positions, temperature
             ),
         )
 
@@ -209,14 +236,14 @@ class JaxActorCritic(Sampler):
         """``[B, L]`` critic values ``V(x_<t)``."""
         return self._rows(
             batch,
-            lambda ids, mask: ppo_steps.values(
-                self.critic_graph, self.critic, self.critic_frozen, ids, mask
+            lambda ids, mask, positions: ppo_steps.values(
+                self.critic_graph, self.critic, self.critic_frozen, ids, mask, positions
             ),
         )
 
     def train_policy(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
         """One actor update over the mini-batch ``batch`` (see :mod:`ppo_steps`)."""
-        names = self.policy_objective.batch_names
+        batch, names = self._packed(batch, self.policy_objective.batch_names, micro_batches)
         arrays = put_micro_batches(batch, names, micro_batches, self.mesh)
         self.actor, self.actor_opt, stats = self._policy_update(
             self.actor, self.actor_opt, self.frozen, arrays
@@ -225,9 +252,8 @@ class JaxActorCritic(Sampler):
 
     def train_critic(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
         """One critic update over the mini-batch ``batch``."""
-        arrays = put_micro_batches(
-            batch, self.value_objective.batch_names, micro_batches, self.mesh
-        )
+        batch, names = self._packed(batch, self.value_objective.batch_names, micro_batches)
+        arrays = put_micro_batches(batch, names, micro_batches, self.mesh)
         self.critic, self.critic_opt, stats = self._critic_update(
             self.critic, self.critic_opt, self.critic_frozen, arrays
         )

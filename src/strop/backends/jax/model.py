@@ -348,7 +348,10 @@ class CausalLM(nnx.Module):
 
         ``attention_mask`` (1 = real token) hides padding from attention; without
         ``positions`` each row counts positions from its first real token, so left and
-        right padding give the same result on real tokens.
+        right padding give the same result on real tokens. Without ``cache`` it may also
+        hold segment ids (1, 2, ... : rollouts packed one after another into a row, see
+        :mod:`strop.rl.packing`, with their ``positions``): a token then attends only
+        within its own segment, as if each segment were a row of its own.
 
         With ``cache`` the L tokens are written into it at its ``index`` and attend to
         everything cached before them (see :class:`KVCache`); default positions then
@@ -357,6 +360,7 @@ class CausalLM(nnx.Module):
         """
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
+        segments = attention_mask
         attention_mask = attention_mask.astype(jnp.bool_)
         if positions is None:
             positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
@@ -365,7 +369,9 @@ class CausalLM(nnx.Module):
         length = input_ids.shape[-1]
         if cache is None:
             causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
-            mask = causal[None, :, :] & attention_mask[:, None, :]  # [B, Lq, Lk]
+            # a real query sees its own segment's keys (a 0/1 mask: every real key)
+            own = (segments[:, :, None] == segments[:, None, :]) | ~attention_mask[:, :, None]
+            mask = causal[None, :, :] & attention_mask[:, None, :] & own  # [B, Lq, Lk]
             hidden, _ = self.model(input_ids, positions, mask)
         else:
             valid = jax.lax.dynamic_update_slice_in_dim(

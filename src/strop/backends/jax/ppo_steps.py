@@ -10,7 +10,9 @@ arguments and ``frozen`` as a plain one, so an update never invalidates the shar
 Per-token arrays follow :mod:`strop.rl.gae`: column ``t`` is about token ``x_t``, read
 from the logits (or hidden state) at column ``t - 1``; column 0 is 0. Micro-batch arrays
 come stacked ``[micro, rows, L]``; losses are ``sum(per_token * loss_weights)`` (see
-:mod:`strop.rl.objectives`), so the micro-batch sums add up to the mini-batch loss. The two
+:mod:`strop.rl.objectives`), so the micro-batch sums add up to the mini-batch loss, and a
+packed batch (:mod:`strop.rl.packing`: segment ids in ``attention_mask``, plus
+``positions``) gives the loss of its rows unpacked. The two
 updates are :func:`strop.backends.jax.train.update` (the one accumulate-and-apply, with
 the one non-finite guard, that SFT uses too) of :func:`policy_loss` and
 :func:`critic_loss`. Columns
@@ -49,25 +51,26 @@ def token_logprobs(logits: jax.Array, input_ids: jax.Array, temperature: float) 
     return _shift(chosen)
 
 
-def _lm_logits(graphdef, trainable, frozen, input_ids, attention_mask) -> jax.Array:
-    return nnx.merge(graphdef, trainable, frozen)(input_ids, attention_mask).logits
+def _lm_logits(graphdef, trainable, frozen, input_ids, attention_mask, positions) -> jax.Array:
+    return nnx.merge(graphdef, trainable, frozen)(input_ids, attention_mask, positions).logits
 
 
-def _critic_values(graphdef, trainable, frozen, input_ids, attention_mask) -> jax.Array:
-    return nnx.merge(graphdef, trainable, frozen).values(input_ids, attention_mask)
+def _critic_values(graphdef, trainable, frozen, input_ids, attention_mask, positions):
+    return nnx.merge(graphdef, trainable, frozen).values(input_ids, attention_mask, positions)
 
 
-@partial(jax.jit, static_argnums=(0, 5))
-def logprobs(graphdef, trainable, frozen, input_ids, attention_mask, temperature: float):
-    """``[B, L]`` log-probabilities of the batch's tokens under a policy role."""
-    logits = _lm_logits(graphdef, trainable, frozen, input_ids, attention_mask)
+@partial(jax.jit, static_argnums=(0, 6))
+def logprobs(graphdef, trainable, frozen, input_ids, attention_mask, positions, temperature):
+    """``[B, L]`` log-probabilities of the batch's tokens under a policy role
+    (``positions``: ``None``, or a packed batch's, see :mod:`strop.rl.packing`)."""
+    logits = _lm_logits(graphdef, trainable, frozen, input_ids, attention_mask, positions)
     return token_logprobs(logits, input_ids, temperature)
 
 
 @partial(jax.jit, static_argnums=(0,))
-def values(graphdef, trainable, frozen, input_ids, attention_mask):
+def values(graphdef, trainable, frozen, input_ids, attention_mask, positions):
     """``[B, L]`` critic values ``V(x_<t)`` (the value head at column ``t - 1``)."""
-    return _critic_values(graphdef, trainable, frozen, input_ids, attention_mask)
+    return _critic_values(graphdef, trainable, frozen, input_ids, attention_mask, positions)
 
 
 def _weighted_sum(per_token: jax.Array, weights: jax.Array) -> jax.Array:
@@ -137,7 +140,10 @@ def policy_loss(
     """The actor's micro-batch loss (:func:`policy_micro_loss`) for
     :func:`~strop.backends.jax.train.update`, whose stats are then ``loss``, ``clipfrac``,
     ``approx_kl``, ``entropy``, ..., ``grad_norm`` and ``skipped``."""
-    logits = _lm_logits(graphdef, trainable, frozen, micro["input_ids"], micro["attention_mask"])
+    logits = _lm_logits(
+        graphdef, trainable, frozen, micro["input_ids"], micro["attention_mask"],
+        micro.get("positions"),
+    )  # fmt: skip
     return policy_micro_loss(logits, micro, objective)
 
 
@@ -147,6 +153,7 @@ def critic_loss(
     """The critic's micro-batch loss (:func:`critic_micro_loss`) for
     :func:`~strop.backends.jax.train.update`; stat ``loss`` is the unscaled value loss."""
     values = _critic_values(
-        graphdef, trainable, frozen, micro["input_ids"], micro["attention_mask"]
-    )
+        graphdef, trainable, frozen, micro["input_ids"], micro["attention_mask"],
+        micro.get("positions"),
+    )  # fmt: skip
     return critic_micro_loss(values, micro, objective)

@@ -1,0 +1,136 @@
+"""Rollout rows packed end to end into fewer rows, for backends that compile per shape.
+
+A JAX update sees every rollout batch at the run's one width (the longest prompt plus
+``generation.max_new_tokens``), but a row's real tokens fill about 60% of it on the demo.
+Packing moves each row's real tokens (one contiguous span between the left padding of
+the prompt and the right padding of the response) end to end into *bins* of the same
+width, first-fit by decreasing length, so that the forwards and backwards run over fewer
+rows. (Bins twice as wide hold the rows in fewer columns still, but attention over them
+costs four times as much per bin: on the demo they saved half as much.) Rows never attend across spans:
+``attention_mask`` becomes segment ids (1, 2, ... per bin, 0 for padding) and each span
+gets its own ``positions`` (0, 1, ... from its first token), which the model reads as a
+block-diagonal causal mask. Every other ``[B, L]`` array moves with its tokens, so the
+per-token convention (column ``t`` about ``x_t``, read from column ``t - 1``) holds inside
+each span: a span's first column is a prompt token, which never has a loss weight.
+
+The bin count comes from a few fixed *buckets* (five, six and seven eighths of the
+rows): the smallest that fits is used, else the batch runs as it is, so a run compiles
+at most four shapes per function whatever its responses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+BUCKETS = (5 / 8, 3 / 4, 7 / 8)
+"""Bin counts tried, as fractions of the batch's rows: the smallest that fits is used."""
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where each row's real tokens go: ``[B, L]`` arrays <-> ``[bins, width]`` arrays."""
+
+    rows: int
+    columns: int
+    bins: int
+    width: int
+    source: np.ndarray  # flat indices into [rows, columns] of every real token
+    target: np.ndarray  # their flat indices into [bins, width]
+    segments: np.ndarray  # [bins, width] segment ids, 0 on padding
+    positions: np.ndarray  # [bins, width] position of each token within its row
+
+    def pack(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every ``[rows, columns]`` array as ``[bins, width]``; ``attention_mask`` becomes
+        the segment ids, and ``positions`` is added."""
+        packed = {}
+        for name, array in arrays.items():
+            if name == "attention_mask":
+                packed[name] = self.segments.copy()
+                continue
+            out = np.zeros(self.bins * self.width, array.dtype)
+            out[self.target] = array.reshape(-1)[self.source]
+            packed[name] = out.reshape(self.bins, self.width)
+        packed["positions"] = self.positions.copy()
+        return packed
+
+    def unpack(self, packed: np.ndarray) -> np.ndarray:
+        """A ``[bins, width]`` per-token output back as ``[rows, columns]`` (0 on padding)."""
+        out = np.zeros(self.rows * self.columns, packed.dtype)
+        out[self.source] = packed.reshape(-1)[self.target]
+        return out.reshape(self.rows, self.columns)
+
+
+def bin_counts(rows: int, multiple: int = 1) -> tuple[int, ...]:
+    """The bucketed bin counts for ``rows`` rows, each a multiple of ``multiple`` (so that
+    bins split into micro-batches and over devices evenly), smallest first."""
+    counts = {
+        max(multiple, -(-int(np.ceil(rows * share)) // multiple) * multiple) for share in BUCKETS
+    }
+    return tuple(sorted(counts))
+
+
+def plan(attention_mask: np.ndarray, multiple: int = 1) -> Packing | None:
+    """The packing of a ``[B, L]`` batch into bins ``L`` wide, with the smallest bucketed
+    bin count (:func:`bin_counts`) that holds it; ``None`` (the batch runs as it is) when
+    no bucket with fewer bins than rows holds it, or a row's real tokens are not one
+    contiguous span."""
+    mask = np.asarray(attention_mask) > 0
+    rows, columns = mask.shape
+    real = mask.sum(axis=1)
+    starts = np.where(real > 0, mask.argmax(axis=1), 0)
+    ends = np.where(real > 0, columns - mask[:, ::-1].argmax(axis=1), 0)
+    if np.any(ends - starts != real):
+        return None
+    width = columns
+    order = sorted(range(rows), key=lambda r: (-int(real[r]), r))  # first-fit decreasing
+    for bins in bin_counts(rows, multiple):
+        if bins >= rows:
+            return None
+        placed = _first_fit(order, real, width, bins)
+        if placed is not None:
+            return _packing(mask.shape, starts, real, placed, bins, width)
+    return None
+
+
+def _first_fit(order, lengths, width: int, bins: int) -> dict[int, tuple[int, int]] | None:
+    """``row -> (bin, offset)`` for every row with tokens, or ``None`` if ``bins`` bins
+    are not enough."""
+    used = [0] * bins
+    placed = {}
+    for row in order:
+        n = int(lengths[row])
+        if n == 0:
+            continue
+        for b in range(bins):
+            if used[b] + n <= width:
+                placed[row] = (b, used[b])
+                used[b] += n
+                break
+        else:
+            return None
+    return placed
+
+
+def _packing(shape, starts, lengths, placed, bins: int, width: int) -> Packing:
+    rows, columns = shape
+    segments = np.zeros((bins, width), np.int32)
+    positions = np.zeros((bins, width), np.int32)
+    source, target = [], []
+    next_segment = [1] * bins
+    for row, (b, offset) in sorted(placed.items(), key=lambda item: item[1]):
+        n = int(lengths[row])
+        source.append(row * columns + int(starts[row]) + np.arange(n))
+        target.append(b * width + offset + np.arange(n))
+        segments[b, offset : offset + n] = next_segment[b]
+        positions[b, offset : offset + n] = np.arange(n)
+        next_segment[b] += 1
+    empty = np.zeros(0, np.int64)
+    return Packing(
+        rows=rows, columns=columns, bins=bins, width=width,
+        source=np.concatenate(source) if source else empty,
+        target=np.concatenate(target) if target else empty,
+        segments=segments, positions=positions,
+    )  # fmt: skip
