@@ -25,7 +25,7 @@ def test_every_real_token_is_packed_once_and_unpacked_where_it_was():
     spans = [(10, 30), (0, 40), (25, 15), (5, 35), (38, 2), (0, 0), (12, 28), (20, 20)]
     batch = _batch(spans, 40)
     plan = packing.plan(batch["attention_mask"])
-    assert plan is not None and plan.width == 40 and plan.bins == 5
+    assert plan is not None and plan.width == 40 and plan.bins == 6
     packed = plan.pack(batch)
     assert packed["input_ids"].shape == (plan.bins, 40)
     # all the tokens and nothing else
@@ -48,7 +48,7 @@ def test_every_real_token_is_packed_once_and_unpacked_where_it_was():
 
 def test_the_smallest_bucket_that_fits_is_used():
     short = _batch([(0, 10)] * 16, 40)["attention_mask"]  # 8 rows' worth of tokens per bin
-    assert packing.plan(short).bins == 10  # five eighths of 16 rows
+    assert packing.plan(short).bins == 12  # six eighths of 16 rows
     rng = np.random.default_rng(1)
     for _ in range(50):
         lengths = rng.integers(1, 25, size=12)
@@ -67,12 +67,12 @@ def test_a_batch_no_bucket_holds_runs_as_it_is():
     nearly_full = _batch([(0, 40)] * 14 + [(20, 20)] * 2, 40)["attention_mask"]
     assert packing.plan(nearly_full) is None  # 15 bins: more than seven eighths
     half = _batch([(10, 20)] * 8, 40)["attention_mask"]
-    assert packing.plan(half).bins == 5  # fits in 4: the smallest bucket is 5
+    assert packing.plan(half).bins == 6  # fits in 4: the smallest bucket is 6
     assert packing.plan(half, multiple=4) is None  # 8 bins: as many as rows
 
 
 def test_bin_counts_are_multiples_for_micro_batches_and_devices():
-    assert packing.bin_counts(32) == (20, 24, 28)
+    assert packing.bin_counts(32) == (24, 28)
     assert packing.bin_counts(32, multiple=8) == (24, 32)
     assert packing.bin_counts(8, multiple=4) == (8,)
 

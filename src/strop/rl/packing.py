@@ -13,9 +13,10 @@ block-diagonal causal mask. Every other ``[B, L]`` array moves with its tokens, 
 per-token convention (column ``t`` about ``x_t``, read from column ``t - 1``) holds inside
 each span: a span's first column is a prompt token, which never has a loss weight.
 
-The bin count comes from a few fixed *buckets* (five, six and seven eighths of the
-rows): the smallest that fits is used, else the batch runs as it is, so a run compiles
-at most four shapes per function whatever its responses.
+The bin count comes from two fixed *buckets* (six and seven eighths of the rows): the
+smallest that fits is used, else the batch runs as it is, so a run compiles at most three
+shapes per function whatever its responses (each new one costs a trace, some seconds on
+the demo, so more buckets did not pay).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-BUCKETS = (5 / 8, 3 / 4, 7 / 8)
+BUCKETS = (3 / 4, 7 / 8)
 """Bin counts tried, as fractions of the batch's rows: the smallest that fits is used."""
 
 
