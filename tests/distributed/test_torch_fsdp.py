@@ -163,6 +163,19 @@ def _run_two_ranks_and_one(tmp_path: Path, args: list[str]) -> None:
     assert_each_output_written_once(writes, 2, ["adapter"])
 
 
+def _metric_lines(tmp_path: Path) -> dict[str, list[dict]]:
+    """Each run's ``metrics.jsonl`` records, line by line (``two`` and ``one``)."""
+    import json
+
+    return {
+        name: [
+            json.loads(line)
+            for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        ]
+        for name in ("two", "one")
+    }
+
+
 def test_strop_sft_under_torchrun_equals_a_single_process(tmp_path):
     """``torchrun -m strop sft ...`` just works; rank 0 alone writes metrics and the adapter."""
     from strop.data.synthetic import write_sum_problems
@@ -192,7 +205,6 @@ def test_strop_sft_under_torchrun_equals_a_single_process(tmp_path):
 def test_strop_ppo_under_torchrun_equals_a_single_process(tmp_path):
     """LoRA-PPO with FSDP2 (two adapters on one sharded base, a sharded value head) in two
     processes gives the rewards, losses and actor adapter of a single process."""
-    import json
 
     from strop.io.peft import load_adapter
 
@@ -205,10 +217,7 @@ def test_strop_ppo_under_torchrun_equals_a_single_process(tmp_path):
         "logging.tensorboard=false",
     ]  # fmt: skip
     _run_two_ranks_and_one(tmp_path, ["ppo", "ppo-lora-tiny", *overrides])
-    records = {}
-    for name in ("two", "one"):
-        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        records[name] = [json.loads(line) for line in lines]
+    records = _metric_lines(tmp_path)
     assert len(records["two"]) == 2, "each iteration must be logged once (by rank 0 only)"
     for two, one in zip(records["two"], records["one"], strict=True):
         for key in ("train/reward", "train/response_length", "policy/loss", "critic/loss",

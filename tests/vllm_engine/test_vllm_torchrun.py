@@ -5,13 +5,11 @@ single process's rewards and losses, and rank 0 alone writes the outputs."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from strop.assets import tiny_math_path
 from strop.data.synthetic import write_splits
-from tests.distributed.test_torch_fsdp import _close, _run_two_ranks_and_one
+from tests.distributed.test_torch_fsdp import _close, _metric_lines, _run_two_ranks_and_one
 
 pytestmark = pytest.mark.slow
 
@@ -27,10 +25,7 @@ def test_strop_ppo_on_vllm_under_torchrun_equals_a_single_process(tmp_path):
         "checkpoint.every_steps=2", "logging.tensorboard=false",
     ]  # fmt: skip
     _run_two_ranks_and_one(tmp_path, ["ppo", "ppo-lora-tiny", *overrides])
-    records = {}
-    for name in ("two", "one"):
-        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        records[name] = [json.loads(line) for line in lines]
+    records = _metric_lines(tmp_path)
     assert [r["step"] for r in records["two"]] == [r["step"] for r in records["one"]]
     for two, one in zip(records["two"], records["one"], strict=True):
         for key in ("train/reward", "train/response_length", "policy/loss", "critic/loss",
