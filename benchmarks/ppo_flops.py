@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.report import cpu_name, print_table  # noqa: E402
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def projection_shapes(spec) -> dict[str, tuple[int, int]]:
@@ -49,28 +50,42 @@ def projection_shapes(spec) -> dict[str, tuple[int, int]]:
 
 
 def forward_flops(spec, tokens: float, context: float, head_out: int, lora_rank: int,
-                  lora_targets: tuple[str, ...]) -> tuple[float, float]:  # fmt: skip
-    """``(dense, adapters)`` FLOPs of a forward over ``tokens`` tokens that each attend to
-    ``context`` tokens on average; ``head_out`` is the vocabulary (LM head) or 1 (value)."""
+                  lora_targets: dict[str, int]) -> tuple[float, float, float]:  # fmt: skip
+    """``(dense, attention, adapters)`` FLOPs of a forward over ``tokens`` tokens that each
+    attend to ``context`` tokens on average; ``head_out`` is the vocabulary (LM head) or 1
+    (value); ``lora_targets``: projection name -> layers that carry an adapter on it."""
     shapes = projection_shapes(spec)
     dense = sum(i * o for i, o in shapes.values()) * spec.num_layers + spec.hidden_size * head_out
     attention = 2 * spec.num_heads * spec.head_dim * context * spec.num_layers
-    adapters = sum(lora_rank * (i + o) for name, (i, o) in shapes.items() if name in lora_targets)
-    return 2 * tokens * (dense + attention), 2 * tokens * adapters * spec.num_layers
+    adapters = sum(lora_rank * (i + o) * lora_targets.get(n, 0) for n, (i, o) in shapes.items())
+    return 2 * tokens * dense, 2 * tokens * attention, 2 * tokens * adapters
+
+
+def adapted_projections(spec, lora) -> dict[str, int]:
+    """Projection name -> how many layers ``lora.target_modules`` puts an adapter on (the
+    patterns matched against HF module paths, as strop's backends match them)."""
+    from strop.lora_targets import match_targets
+
+    if not lora.enabled:
+        return {}
+    paths = [f"model.layers.{layer}.{'mlp' if name in MLP else 'self_attn'}.{name}"
+             for layer in range(spec.num_layers) for name in PROJECTIONS]  # fmt: skip
+    matched = match_targets(list(lora.target_modules), paths)
+    return {name: sum(path.endswith("." + name) for path in matched) for name in PROJECTIONS}
 
 
 def phase_flops(spec, config, tokens: float, context: float) -> dict[str, float]:
     """Useful FLOPs of one iteration's phases, ``tokens`` real tokens in the batch."""
     ppo, lora = config.ppo, config.lora
-    rank = lora.rank if lora.enabled else 0
-    targets = tuple(name for name in PROJECTIONS if lora.enabled)  # the demo's: all seven
+    rank, targets = (lora.rank if lora.enabled else 0), adapted_projections(spec, lora)
     lm = forward_flops(spec, tokens, context, spec.vocab_size, rank, targets)
     value = forward_flops(spec, tokens, context, 1, rank, targets)
 
-    def update(forward: tuple[float, float]) -> float:
-        dense, adapters = forward
+    def update(forward: tuple[float, float, float]) -> float:
+        dense, attention, adapters = forward
         weights = adapters if lora.enabled else dense  # the weight gradients of what trains
-        return ppo.ppo_epochs * (2 * (dense + adapters) + weights + adapters)
+        backward = dense + adapters + 2 * attention + weights
+        return ppo.ppo_epochs * (sum(forward) + backward)
 
     flops = {"generate": sum(lm)}
     forwards = (ppo.old_logprobs != "sampler") + bool(ppo.reference_forward)
