@@ -25,7 +25,7 @@ def test_every_real_token_is_packed_once_and_unpacked_where_it_was():
     spans = [(10, 30), (0, 40), (25, 15), (5, 35), (38, 2), (0, 0), (12, 28), (20, 20)]
     batch = _batch(spans, 40)
     plan = packing.plan(batch["attention_mask"])
-    assert plan is not None and plan.width == 40 and plan.bins == 6
+    assert plan is not None and plan.columns == 40 and plan.bins == 6
     packed = plan.pack(batch)
     assert packed["input_ids"].shape == (plan.bins, 40)
     # all the tokens and nothing else

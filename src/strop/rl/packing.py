@@ -32,33 +32,32 @@ BUCKETS = (3 / 4, 7 / 8)
 
 @dataclass(frozen=True)
 class Packing:
-    """Where each row's real tokens go: ``[B, L]`` arrays <-> ``[bins, width]`` arrays."""
+    """Where each row's real tokens go: ``[rows, columns]`` arrays <-> ``[bins, columns]``."""
 
     rows: int
     columns: int
     bins: int
-    width: int
     source: np.ndarray  # flat indices into [rows, columns] of every real token
-    target: np.ndarray  # their flat indices into [bins, width]
-    segments: np.ndarray  # [bins, width] segment ids, 0 on padding
-    positions: np.ndarray  # [bins, width] position of each token within its row
+    target: np.ndarray  # their flat indices into [bins, columns]
+    segments: np.ndarray  # [bins, columns] segment ids, 0 on padding
+    positions: np.ndarray  # [bins, columns] position of each token within its row
 
     def pack(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Every ``[rows, columns]`` array as ``[bins, width]``; ``attention_mask`` becomes
+        """Every ``[rows, columns]`` array as ``[bins, columns]``; ``attention_mask`` becomes
         the segment ids, and ``positions`` is added."""
         packed = {}
         for name, array in arrays.items():
             if name == "attention_mask":
                 packed[name] = self.segments.copy()
                 continue
-            out = np.zeros(self.bins * self.width, array.dtype)
+            out = np.zeros(self.bins * self.columns, array.dtype)
             out[self.target] = array.reshape(-1)[self.source]
-            packed[name] = out.reshape(self.bins, self.width)
+            packed[name] = out.reshape(self.bins, self.columns)
         packed["positions"] = self.positions.copy()
         return packed
 
     def unpack(self, packed: np.ndarray) -> np.ndarray:
-        """A ``[bins, width]`` per-token output back as ``[rows, columns]`` (0 on padding)."""
+        """A ``[bins, columns]`` per-token output back as ``[rows, columns]`` (0 on padding)."""
         out = np.zeros(self.rows * self.columns, packed.dtype)
         out[self.source] = packed.reshape(-1)[self.target]
         return out.reshape(self.rows, self.columns)
@@ -85,14 +84,13 @@ def plan(attention_mask: np.ndarray, multiple: int = 1) -> Packing | None:
     ends = np.where(real > 0, columns - mask[:, ::-1].argmax(axis=1), 0)
     if np.any(ends - starts != real):
         return None
-    width = columns
     order = sorted(range(rows), key=lambda r: (-int(real[r]), r))  # first-fit decreasing
     for bins in bin_counts(rows, multiple):
         if bins >= rows:
             return None
-        placed = _first_fit(order, real, width, bins)
+        placed = _first_fit(order, real, columns, bins)
         if placed is not None:
-            return _packing(mask.shape, starts, real, placed, bins, width)
+            return _packing(mask.shape, starts, real, placed, bins)
     return None
 
 
@@ -115,22 +113,22 @@ def _first_fit(order, lengths, width: int, bins: int) -> dict[int, tuple[int, in
     return placed
 
 
-def _packing(shape, starts, lengths, placed, bins: int, width: int) -> Packing:
+def _packing(shape, starts, lengths, placed, bins: int) -> Packing:
     rows, columns = shape
-    segments = np.zeros((bins, width), np.int32)
-    positions = np.zeros((bins, width), np.int32)
+    segments = np.zeros((bins, columns), np.int32)
+    positions = np.zeros((bins, columns), np.int32)
     source, target = [], []
     next_segment = [1] * bins
     for row, (b, offset) in sorted(placed.items(), key=lambda item: item[1]):
         n = int(lengths[row])
         source.append(row * columns + int(starts[row]) + np.arange(n))
-        target.append(b * width + offset + np.arange(n))
+        target.append(b * columns + offset + np.arange(n))
         segments[b, offset : offset + n] = next_segment[b]
         positions[b, offset : offset + n] = np.arange(n)
         next_segment[b] += 1
     empty = np.zeros(0, np.int64)
     return Packing(
-        rows=rows, columns=columns, bins=bins, width=width,
+        rows=rows, columns=columns, bins=bins,
         source=np.concatenate(source) if source else empty,
         target=np.concatenate(target) if target else empty,
         segments=segments, positions=positions,
