@@ -1,20 +1,27 @@
-"""JAX with ``ppo.pack``: rollouts packed end to end into fewer rows (strop.rl.packing) give the
-forwards, losses, statistics and updated weights of the same rows unpacked.
+"""``ppo.pack``, on both backends: rollouts packed end to end into fewer rows
+(strop.rl.packing) give the forwards, losses, statistics and updated weights of the same
+rows unpacked.
 
 A packed row holds several rollouts one after another; the model must keep them apart
-(block-diagonal causal attention from the segment ids, positions restarting at each
-rollout), or every number below moves.
+(block-diagonal causal attention: from the segment ids on JAX, from positions that
+restart at each rollout in transformers' packed-sequence format on torch), or every
+number below moves.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from strop.backends.jax.actor_critic import JaxActorCritic
 from strop.io.model_spec import read_model_spec
 from strop.rl import packing
 from strop.rl.experience import build_experience, minibatches
-from tests.parity.test_ppo_backends import assert_adapters_close, make_config, random_weights
+from tests.parity.test_ppo_backends import (
+    ENGINES,
+    assert_adapters_close,
+    make_config,
+    random_weights,
+)
 
 TOL = 1e-5
 ROWS = 16
@@ -35,7 +42,8 @@ def rollouts(vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
     return {"input_ids": ids, "attention_mask": attention, "response_mask": response}
 
 
-def test_packed_rows_compute_what_the_rows_do_unpacked(tiny_model_dir):
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_packed_rows_compute_what_the_rows_do_unpacked(tiny_model_dir, backend):
     model = tiny_model_dir("qwen2")
     overrides = (
         "mesh.data=1", "mesh.tensor=-1", "ppo.prompts_per_step=8", "ppo.mini_batch_size=16",
@@ -43,14 +51,14 @@ def test_packed_rows_compute_what_the_rows_do_unpacked(tiny_model_dir):
         "ppo.entropy_coef=0.01", "generation.temperature=0.7",
     )  # fmt: skip
     batch = rollouts(read_model_spec(model).vocab_size)
-    plan = packing.plan(batch["attention_mask"], multiple=2)
+    plan = packing.plan(batch["attention_mask"], multiple=2, buckets=backend == "jax")
     assert plan is not None and plan.bins < ROWS  # packing does pack this batch
     scores = np.random.default_rng(1).random(ROWS)
     mask = batch["response_mask"] > 0
     seen = {}
     for pack in (False, True):
         config = make_config(model, *overrides, f"ppo.pack={str(pack).lower()}")
-        engine = JaxActorCritic(config, total_updates=1, checkpoint_dir=None)
+        engine = ENGINES[backend](config, total_updates=1, checkpoint_dir=None)
         engine.set_lora_weights(**random_weights(engine, seed=1))
         forwards = (engine.logprobs(batch), engine.logprobs(batch, reference=True),
                     engine.values(batch))  # fmt: skip

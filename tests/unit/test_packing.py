@@ -71,6 +71,28 @@ def test_a_batch_no_bucket_holds_runs_as_it_is():
     assert packing.plan(half, multiple=4) is None  # 8 bins: as many as rows
 
 
+def test_without_buckets_the_fewest_bins_that_first_fit_fills_are_used():
+    half = _batch([(10, 20)] * 8, 40)["attention_mask"]
+    assert packing.plan(half, buckets=False).bins == 4  # two rows per bin
+    assert packing.plan(half, multiple=3, buckets=False).bins == 6  # 4 rounded up to 3s
+    assert packing.plan(half, multiple=4, buckets=False).bins == 4
+    # 3 bins' worth of tokens, which first-fit cannot place in 3 bins: 4
+    awkward = _batch([(0, 30)] * 3 + [(0, 20)] * 3, 40)["attention_mask"]
+    assert packing.fewest_bin_counts(6, 150, 40)[0] == 4
+    assert packing.plan(awkward, buckets=False).bins == 5
+    assert packing.plan(np.ones((16, 40), np.int32), buckets=False) is None
+    rng = np.random.default_rng(2)
+    for _ in range(50):
+        lengths = rng.integers(1, 41, size=16)
+        mask = _batch([(0, int(n)) for n in lengths], 40)["attention_mask"]
+        plan = packing.plan(mask, multiple=2, buckets=False)
+        if plan is None:
+            continue
+        assert plan.bins % 2 == 0 and plan.bins < 16
+        order = sorted(range(16), key=lambda r: -lengths[r])
+        assert packing._first_fit(order, lengths, 40, plan.bins - 2) is None
+
+
 def test_bin_counts_are_multiples_for_micro_batches_and_devices():
     assert packing.bin_counts(32) == (24, 28)
     assert packing.bin_counts(32, multiple=8) == (24, 32)

@@ -119,7 +119,7 @@ class PpoConfig(_Section):
     )
     pack: bool = Field(
         True,
-        description="jax: pack each batch's rollouts end to end into fewer rows (a block-diagonal mask keeps them apart) for the forwards and updates, so they skip most padding at a few fixed shapes; the same numbers up to float rounding. torch needs none: it drops each micro-batch's padding columns.",
+        description="Pack each batch's rollouts end to end into fewer rows (a block-diagonal mask keeps them apart) for the forwards and updates, so they skip most padding; the same numbers up to float rounding. jax: at a few fixed row counts (one compile each); torch: the fewest rows that hold them.",
     )
     validate_every: int = Field(
         0,

@@ -1,27 +1,30 @@
-"""Rollout rows packed end to end into fewer rows, for backends that compile per shape.
+"""Rollout rows packed end to end into fewer rows, so that forwards and updates skip padding.
 
-A JAX update sees every rollout batch at the run's one width (the longest prompt plus
-``generation.max_new_tokens``), but a row's real tokens fill about 60% of it on the demo.
-Packing moves each row's real tokens (one contiguous span between the left padding of
-the prompt and the right padding of the response) end to end into *bins* of the same
-width, first-fit by decreasing length, so that the forwards and backwards run over fewer
-rows. (Bins twice as wide hold the rows in fewer columns still, but attention over them
-costs four times as much per bin: on the demo they saved half as much.) Rows never attend across spans:
-``attention_mask`` becomes segment ids (1, 2, ... per bin, 0 for padding) and each span
-gets its own ``positions`` (0, 1, ... from its first token), which the model reads as a
-block-diagonal causal mask. Every other ``[B, L]`` array moves with its tokens, so the
-per-token convention (column ``t`` about ``x_t``, read from column ``t - 1``) holds inside
-each span: a span's first column is a prompt token, which never has a loss weight.
+A rollout batch has the run's width on JAX (the longest prompt plus
+``generation.max_new_tokens``), but a row's real tokens fill about 60% of it on the demo;
+torch trims the columns no row uses, which leaves most of that padding in place. Packing
+moves each row's real tokens (one contiguous span between the left padding of the prompt
+and the right padding of the response) end to end into *bins* of the same width,
+first-fit by decreasing length, so that the forwards and backwards run over fewer rows.
+(Bins twice as wide hold the rows in fewer columns still, but attention over them costs
+four times as much per bin: on the demo they saved half as much.) Rows never attend
+across spans: ``attention_mask`` becomes segment ids (1, 2, ... per bin, 0 for padding)
+and each span gets its own ``positions`` (0, 1, ... from its first token), which the
+model reads as a block-diagonal causal mask. Every other ``[B, L]`` array moves with its
+tokens, so the per-token convention (column ``t`` about ``x_t``, read from column
+``t - 1``) holds inside each span: a span's first column is a prompt token, which never
+has a loss weight.
 
-The bin count comes from two fixed *buckets* (six and seven eighths of the rows): the
-smallest that fits is used, else the batch runs as it is, so a run compiles at most three
-shapes per function whatever its responses (each new one costs a trace, some seconds on
-the demo, so more buckets did not pay).
+For JAX the bin count comes from two fixed *buckets* (six and seven eighths of the rows):
+the smallest that fits is used, else the batch runs as it is, so a run compiles at most
+three shapes per function whatever its responses (each new one costs a trace, some
+seconds on the demo, so more buckets did not pay). Eager torch runs any shape, so it
+takes the fewest bins that first-fit fills (``buckets=False``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +66,16 @@ class Packing:
         return out.reshape(self.rows, self.columns)
 
 
+def packed(
+    batch: Mapping[str, np.ndarray], names: Sequence[str], plan: Packing | None
+) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
+    """An update's ``names`` arrays of ``batch`` packed by ``plan``, and the names its
+    micro-batches read (``positions`` added); without a plan, the batch as it is."""
+    if plan is None:
+        return dict(batch), tuple(names)
+    return plan.pack({name: batch[name] for name in names}), (*names, "positions")
+
+
 def bin_counts(rows: int, multiple: int = 1) -> tuple[int, ...]:
     """The bucketed bin counts for ``rows`` rows, each a multiple of ``multiple`` (so that
     bins split into micro-batches and over devices evenly), smallest first."""
@@ -72,11 +85,21 @@ def bin_counts(rows: int, multiple: int = 1) -> tuple[int, ...]:
     return tuple(sorted(counts))
 
 
-def plan(attention_mask: np.ndarray, multiple: int = 1) -> Packing | None:
-    """The packing of a ``[B, L]`` batch into bins ``L`` wide, with the smallest bucketed
-    bin count (:func:`bin_counts`) that holds it; ``None`` (the batch runs as it is) when
-    no bucket with fewer bins than rows holds it, or a row's real tokens are not one
-    contiguous span."""
+def fewest_bin_counts(rows: int, tokens: int, columns: int, multiple: int = 1) -> range:
+    """Every bin count below ``rows`` that could hold ``tokens`` tokens in bins ``columns``
+    wide, each a multiple of ``multiple``, smallest first: for backends that run any
+    shape (eager torch), where the fewest bins that fit are the cheapest."""
+    least = max(1, -(-tokens // columns))
+    first = max(multiple, -(-least // multiple) * multiple)
+    return range(first, rows, multiple)
+
+
+def plan(attention_mask: np.ndarray, multiple: int = 1, *, buckets: bool = True) -> Packing | None:
+    """The packing of a ``[B, L]`` batch into bins ``L`` wide, with the smallest bin count
+    that holds it: among the buckets of :func:`bin_counts` (``buckets``, for backends that
+    compile per shape), else among :func:`fewest_bin_counts`. ``None`` (the batch runs as
+    it is) when no count with fewer bins than rows holds it, or a row's real tokens are
+    not one contiguous span."""
     mask = np.asarray(attention_mask) > 0
     rows, columns = mask.shape
     real = mask.sum(axis=1)
@@ -85,7 +108,12 @@ def plan(attention_mask: np.ndarray, multiple: int = 1) -> Packing | None:
     if np.any(ends - starts != real):
         return None
     order = sorted(range(rows), key=lambda r: (-int(real[r]), r))  # first-fit decreasing
-    for bins in bin_counts(rows, multiple):
+    counts = (
+        bin_counts(rows, multiple)
+        if buckets
+        else fewest_bin_counts(rows, int(real.sum()), columns, multiple)
+    )
+    for bins in counts:
         if bins >= rows:
             return None
         placed = _first_fit(order, real, columns, bins)

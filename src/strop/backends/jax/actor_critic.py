@@ -177,15 +177,12 @@ class JaxActorCritic(Sampler):
     def _packed(
         self, batch: dict[str, np.ndarray], names: Sequence[str], micro_batches: int
     ) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
-        """The update's arrays, packed when ``ppo.pack`` saves columns."""
-        plan = self._packing(batch["attention_mask"], micro_batches)
-        if plan is None:
-            return batch, tuple(names)
-        return plan.pack({name: batch[name] for name in names}), (*names, "positions")
+        """An update's arrays, packed when ``ppo.pack`` saves rows, and the names to read."""
+        return packing.packed(batch, names, self._packing(batch["attention_mask"], micro_batches))
 
     def _rows(self, batch: dict[str, np.ndarray], fn) -> np.ndarray:
         """``fn(ids, mask, positions)`` over the batch in chunks of
-        ``ppo.micro_batch_size`` rows (each packed when ``ppo.pack`` saves columns)."""
+        ``ppo.micro_batch_size`` rows (each packed when ``ppo.pack`` saves rows)."""
         rows = len(batch["input_ids"])
         step = min(self.config.ppo.rows_per_micro_batch, rows)
         out = []

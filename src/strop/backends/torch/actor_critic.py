@@ -51,6 +51,7 @@ from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
 from strop.lora_init import critic_seed as critic_seed_of
+from strop.rl import packing
 from strop.rl.objectives import PolicyObjective, ValueObjective
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class TorchActorCritic(Sampler):
     """Actor, critic and reference for PPO, FSDP2-sharded under ``torchrun``."""
 
     backend = "torch"
-    static_shapes = False  # eager: each micro-batch runs at its own width, padding trimmed
+    static_shapes = False  # eager: any shape; packed rows, each micro-batch cut to its columns
 
     def __init__(
         self, config: Config, *, total_updates: int, checkpoint_dir: str | os.PathLike | None
@@ -170,8 +171,25 @@ class TorchActorCritic(Sampler):
         with use_adapter(self.loaded.model, adapter):
             yield self.loaded
 
+    def _packing(self, attention_mask: np.ndarray, micro_batches: int) -> packing.Packing | None:
+        """How ``ppo.pack`` packs these rows (:mod:`strop.rl.packing`): into the fewest bins
+        that first-fit fills and that split evenly into ``micro_batches`` on every rank
+        (eager torch runs any shape, so no buckets)."""
+        if not self.config.ppo.pack:
+            return None
+        multiple = micro_batches * self.placement.world_size
+        return packing.plan(attention_mask, multiple=multiple, buckets=False)
+
+    def _packed(
+        self, batch: dict[str, np.ndarray], names: Sequence[str], micro_batches: int
+    ) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
+        """An update's arrays, packed when ``ppo.pack`` saves rows, and the names to read."""
+        return packing.packed(batch, names, self._packing(batch["attention_mask"], micro_batches))
+
     def _forward_rows(self, batch: dict[str, np.ndarray], fn) -> np.ndarray:
-        """``fn(ids, mask)`` on this rank's rows in micro-batch chunks, gathered whole."""
+        """``fn(ids, mask, positions)`` on this rank's rows in chunks of
+        ``ppo.micro_batch_size`` rows, gathered whole. Each chunk is packed when
+        ``ppo.pack`` saves rows, and cut to the columns its rows use."""
         rows = len(batch["input_ids"])
         world = self.placement.world_size
         chunk = min(self.config.ppo.rows_per_micro_batch, rows // world) or 1
@@ -181,9 +199,29 @@ class TorchActorCritic(Sampler):
         with torch.no_grad():
             for begin in range(0, len(ids), chunk):
                 rows = slice(begin, begin + chunk)
-                columns = used_columns(mask[rows])  # padding no row of the chunk attends
-                out[rows, columns] = fn(ids[rows, columns], mask[rows, columns]).float()
+                out[rows] = self._forward_chunk(fn, ids[rows], mask[rows])
         return all_gather_rows(out, self.placement).cpu().numpy()
+
+    def _forward_chunk(self, fn, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``fn`` on one chunk's rows as float32 ``[rows, L]`` on the host, computed packed
+        when ``ppo.pack`` saves rows."""
+        plan = self._packing(mask.cpu().numpy(), 1)
+        if plan is None:
+            arrays = {"input_ids": ids, "attention_mask": mask}
+        else:
+            packed = plan.pack(
+                {"input_ids": ids.cpu().numpy(), "attention_mask": mask.cpu().numpy()}
+            )
+            arrays = {name: torch.from_numpy(value.astype(np.int64)).to(ids.device)
+                      for name, value in packed.items()}  # fmt: skip
+        columns = used_columns(arrays["attention_mask"])  # padding no row of the chunk attends
+        result = torch.zeros(arrays["input_ids"].shape, dtype=torch.float32)
+        positions = arrays.get("positions")
+        result[:, columns] = fn(
+            arrays["input_ids"][:, columns], arrays["attention_mask"][:, columns],
+            None if positions is None else positions[:, columns],
+        ).float().cpu()  # fmt: skip
+        return result if plan is None else torch.from_numpy(plan.unpack(result.numpy()))
 
     # the ActorCritic surface -------------------------------------------------------------
 
@@ -204,8 +242,8 @@ class TorchActorCritic(Sampler):
         with self._role("reference" if reference else "actor") as loaded:
             return self._forward_rows(
                 batch,
-                lambda ids, mask: token_logprobs(
-                    forward_logits(loaded, ids, mask), ids, temperature
+                lambda ids, mask, positions: token_logprobs(
+                    forward_logits(loaded, ids, mask, positions), ids, temperature
                 ),
             )
 
@@ -214,23 +252,27 @@ class TorchActorCritic(Sampler):
             return self._forward_rows(batch, self.critic.values)
 
     def train_policy(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
-        names = self.policy_objective.batch_names
+        batch, names = self._packed(batch, self.policy_objective.batch_names, micro_batches)
         with self._role("actor") as loaded:
 
             def loss_fn(micro):
-                logits = forward_logits(loaded, micro["input_ids"], micro["attention_mask"])
+                logits = forward_logits(
+                    loaded, micro["input_ids"], micro["attention_mask"], micro.get("positions")
+                )
                 return policy_micro_loss(logits, micro, self.policy_objective)
 
             return self.actor_trainer.update(batch, names, micro_batches, loss_fn)
 
     def train_critic(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
+        batch, names = self._packed(batch, self.value_objective.batch_names, micro_batches)
         with self._role("critic"):
 
             def loss_fn(micro):
-                values = self.critic.values(micro["input_ids"], micro["attention_mask"])
+                values = self.critic.values(
+                    micro["input_ids"], micro["attention_mask"], micro.get("positions")
+                )
                 return critic_micro_loss(values, micro, self.value_objective)
 
-            names = self.value_objective.batch_names
             return self.critic_trainer.update(batch, names, micro_batches, loss_fn)
 
     # checkpoints -------------------------------------------------------------------------

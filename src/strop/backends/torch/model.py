@@ -174,11 +174,18 @@ def run_model(
     positions: torch.Tensor | None = None,
     **outputs: Any,
 ) -> Any:
-    """The model's forward without a cache, in its compute dtype; ``positions`` default
-    to counting from each row's first real token. ``outputs``: more of the model's
-    keyword arguments (``output_hidden_states=True``, ``logits_to_keep=1``)."""
+    """The model's forward without a cache, in its compute dtype. ``outputs``: more of the
+    model's keyword arguments (``output_hidden_states=True``, ``logits_to_keep=1``).
+
+    Without ``positions``, ``attention_mask`` is 0/1 and positions count from each row's
+    first real token. With them the rows are packed (:mod:`strop.rl.packing`):
+    ``attention_mask`` holds segment ids and every segment's positions start at 0, which
+    is transformers' packed-sequence format (no 2-D mask, positions that restart): each
+    segment attends only within itself, and so does each padding token."""
     if positions is None:
         positions = positions_from_mask(attention_mask)
+    else:
+        attention_mask = None  # transformers reads the segments from the positions
     with loaded.autocast():
         return loaded.model(
             input_ids=input_ids,
