@@ -11,6 +11,9 @@ VLLM_VENV  := .venv-vllm
 VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.strop-installed
 PYTEST_ARGS ?=
+# The main suite runs on every usable core, one pytest-xdist worker per core (each pinned
+# to its own: tests/conftest.py), longest tests first; worksteal keeps both busy to the end.
+PARALLEL_TESTS ?= -n auto --dist worksteal
 
 .PHONY: install install-vllm test test-vllm lint format demo clean
 
@@ -43,7 +46,7 @@ format: $(STAMP)
 	$(BIN)/ruff format $(LINT_PATHS)
 
 test: lint $(VLLM_STAMP)
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest $(PARALLEL_TESTS) $(PYTEST_ARGS)
 	$(VLLM_BIN)/pytest tests/vllm_engine $(PYTEST_ARGS)
 
 # Only the vLLM engine's tests (in .venv-vllm).

@@ -10,12 +10,30 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
+
+def _pin_this_worker_to_its_own_cores() -> None:
+    """Under ``pytest -n N`` (pytest-xdist, as ``make test`` runs) each worker computes on
+    cores of its own: torch's OpenMP pool and XLA's thread pool size themselves from the
+    CPU affinity, and the test's subprocesses inherit it. Without this, two workers would
+    each start one thread per core, and spinning threads on shared cores make a run several
+    times slower (docs/benchmarks.md)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... ; unset without -n
+    if not worker or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker.removeprefix("gw"))
+    own = cores[index::workers] if workers <= len(cores) else [cores[index % len(cores)]]
+    os.sched_setaffinity(0, own)
+
+
+_pin_this_worker_to_its_own_cores()  # before jax or torch start their thread pools
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import pytest
-
-from tests.tiny_models import save_tiny_model
+from tests.tiny_models import save_tiny_model  # noqa: E402 (imports torch: after the pinning)
 
 
 @pytest.fixture(scope="session")
@@ -57,3 +75,21 @@ def no_model_builds(monkeypatch):
 
     monkeypatch.setattr("strop.evaluation.get_backend", refuse)
     monkeypatch.setattr("strop.rl.ppo.get_backend", refuse)
+
+
+_LONG_RUNNING_FOLDERS = ("acceptance", "distributed", "integration", "vllm_engine")
+
+
+def pytest_collection_modifyitems(items):
+    """Longest tests first (``slow``, then the end-to-end folders), so that workers under
+    ``pytest -n N`` do not end with one long test running alone; the order is otherwise
+    kept, and it is the same in every worker, as pytest-xdist requires."""
+
+    def rank(item) -> int:
+        if item.get_closest_marker("slow"):
+            return 0
+        return (
+            1 if any(f"tests/{folder}/" in item.nodeid for folder in _LONG_RUNNING_FOLDERS) else 2
+        )
+
+    items.sort(key=rank)
