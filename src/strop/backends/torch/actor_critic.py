@@ -205,13 +205,12 @@ class TorchActorCritic(Sampler):
     def _forward_chunk(self, fn, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``fn`` on one chunk's rows as float32 ``[rows, L]`` on the host, computed packed
         when ``ppo.pack`` saves rows."""
-        plan = self._packing(mask.cpu().numpy(), 1)
+        host_mask = mask.cpu().numpy()
+        plan = self._packing(host_mask, 1)
         if plan is None:
             arrays = {"input_ids": ids, "attention_mask": mask}
         else:
-            packed = plan.pack(
-                {"input_ids": ids.cpu().numpy(), "attention_mask": mask.cpu().numpy()}
-            )
+            packed = plan.pack({"input_ids": ids.cpu().numpy(), "attention_mask": host_mask})
             arrays = {name: torch.from_numpy(value.astype(np.int64)).to(ids.device)
                       for name, value in packed.items()}  # fmt: skip
         columns = used_columns(arrays["attention_mask"])  # padding no row of the chunk attends
