@@ -61,6 +61,15 @@ def forward_flops(spec, tokens: float, context: float, head_out: int, lora_rank:
     return 2 * tokens * dense, 2 * tokens * attention, 2 * tokens * adapters
 
 
+def training_flops(forward: tuple[float, float, float], *, adapters_only: bool) -> float:
+    """A training step's FLOPs from its forward's ``(dense, attention, adapters)``: the
+    forward, the input gradients (attention's twice), and the weight gradients of what
+    trains (only the adapters with LoRA; every weight without)."""
+    dense, attention, adapters = forward
+    weights = adapters if adapters_only else dense + adapters
+    return dense + attention + adapters + (dense + adapters + 2 * attention) + weights
+
+
 def adapted_projections(spec, lora) -> dict[str, int]:
     """Projection name -> how many layers ``lora.target_modules`` puts an adapter on (the
     patterns matched against HF module paths, as strop's backends match them)."""
@@ -82,10 +91,7 @@ def phase_flops(spec, config, tokens: float, context: float) -> dict[str, float]
     value = forward_flops(spec, tokens, context, 1, rank, targets)
 
     def update(forward: tuple[float, float, float]) -> float:
-        dense, attention, adapters = forward
-        weights = adapters if lora.enabled else dense  # the weight gradients of what trains
-        backward = dense + adapters + 2 * attention + weights
-        return ppo.ppo_epochs * (sum(forward) + backward)
+        return ppo.ppo_epochs * training_flops(forward, adapters_only=lora.enabled)
 
     flops = {"generate": sum(lm)}
     forwards = (ppo.old_logprobs != "sampler") + bool(ppo.reference_forward)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -196,6 +198,21 @@ def test_nonfinite_bfloat16_weights_are_found(tmp_path):
     assert reader.get("ok").tolist() == [1.0, 2.0]
     with pytest.raises(ModelError, match=r"tensor 'w' holds 2 NaN/Inf value\(s\) of 4;"):
         reader.get("w")
+
+
+def test_bfloat16_weights_read_in_a_process_that_never_imported_ml_dtypes(tmp_path):
+    """Real checkpoints are bf16; numpy knows that name only once ml_dtypes is imported,
+    which jax does and a torch-only process need not (it failed so before strop.io.hf
+    imported it)."""
+    save_file({"w": np.array([1.5, -2.0], ml_dtypes.bfloat16)}, str(tmp_path / "model.safetensors"))
+    script = (
+        "import sys; from strop.io.hf import SafetensorsReader; "
+        "print(SafetensorsReader(sys.argv[1]).get('w').astype('float32').tolist())"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[1.5, -2.0]"
 
 
 def test_load_model_unknown_or_missing_backend(tiny_model_dir):

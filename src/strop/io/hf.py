@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes  # noqa: F401 - names bfloat16 for numpy: safetensors' numpy reader needs it
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file

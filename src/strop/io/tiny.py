@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -46,14 +46,19 @@ def tiny_qwen2_config(vocab_size: int, *, hidden: int = 64, layers: int = 2) -> 
     }
 
 
-def _random_tensors(spec: ModelSpec, seed: int) -> Iterator[tuple[str, np.ndarray]]:
-    """HF-named float32 tensors with the usual N(0, 0.02) init, ones for norms."""
+def random_tensors(
+    spec: ModelSpec, seed: int, *, normal: Callable[..., np.ndarray] | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """HF-named tensors of a random model: ``normal(*shape)`` for every weight matrix (by
+    default float32 draws of N(0, 0.02) from ``seed``), zeros for biases, ones for norms."""
     rng = np.random.default_rng(seed)
     e, m = spec.hidden_size, spec.intermediate_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
 
-    def normal(*shape: int) -> np.ndarray:
-        return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+    if normal is None:
+
+        def normal(*shape: int) -> np.ndarray:
+            return (0.02 * rng.standard_normal(shape)).astype(np.float32)
 
     yield "model.embed_tokens.weight", normal(spec.vocab_size, e)
     for i in range(spec.num_layers):
@@ -118,7 +123,7 @@ def make_tiny_checkpoint(
         return write_checkpoint(
             directory,
             config,
-            _random_tensors(spec, seed),
+            random_tensors(spec, seed),
             dtype_name="float32",
             source_dir=sidecar,
             overwrite=True,
