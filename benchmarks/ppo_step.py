@@ -73,7 +73,7 @@ def child(backend: str, root: Path, steps: int, overrides: list[str]) -> None:
         [
             f"model.path={root / 'model'}",
             f"data.train_path={root / 'train.jsonl'}",
-            f"run_dir={root / ('run-' + backend)}",
+            f"run_dir={tempfile.mkdtemp(prefix=f'run-{backend}-', dir=root)}",  # fresh: no resume
             f"backend={backend}",
             f"ppo.steps={steps}",
             "ppo.validate_every=0",

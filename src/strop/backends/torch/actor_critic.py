@@ -233,7 +233,7 @@ class TorchActorCritic(Sampler):
     ) -> Generation:
         """Sample from the actor (:meth:`Sampler.generate`; ``prompt_columns``, a shape
         hint for compiled samplers, does not apply: prompts are padded to the longest)."""
-        with self._role("actor") as loaded:
+        with self._role("actor") as loaded, loaded.autocast():
             return generate(loaded.model, prompts, params, **decoding.keywords(shape_hint=False))
 
     def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:

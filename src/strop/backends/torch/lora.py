@@ -60,6 +60,13 @@ def apply_lora(
     for name, param in wrapped.named_parameters():
         if is_lora_param(name):
             param.requires_grad_(True)
+    # PEFT keeps adapters in float32 over a lower-precision base and copies each adapted
+    # layer's input to float32 for them. strop computes under autocast instead (weights
+    # cast to the compute dtype, activations as they are: LoadedModel.autocast), so the
+    # copy is turned off (the attribute peft.helpers.disable_input_dtype_casting sets).
+    for module in wrapped.modules():
+        if hasattr(module, "cast_input_dtype_enabled"):
+            module.cast_input_dtype_enabled = False
     return wrapped
 
 

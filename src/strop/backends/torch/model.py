@@ -13,6 +13,7 @@ padding (prompts) and right padding (training batches) give the same logits.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,15 +47,24 @@ class LoadedModel:
     placement: Placement
     compute_dtype: torch.dtype
 
+    @functools.cached_property
+    def stored_dtypes(self) -> frozenset[torch.dtype]:
+        """The dtypes the weights are stored in: ``param_dtype``, and float32 for LoRA
+        adapters (PEFT keeps them in float32 over a lower-precision base)."""
+        return frozenset(p.dtype for p in self.model.parameters())
+
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
-        """Compute in ``compute_dtype`` when it differs from the stored weights' dtype.
+        """Compute in ``compute_dtype`` when some weight is stored in another dtype.
 
         FSDP2's mixed-precision policy does this for sharded models; a single process
-        uses autocast instead.
+        uses autocast instead. So float32 adapters over a bfloat16 base run their matmuls
+        in bfloat16 on the activations as they are, where PEFT would otherwise copy every
+        adapted layer's input to float32 (:func:`strop.backends.torch.lora.apply_lora`
+        turns that copy off): on an H200 that made a LoRA step at Qwen2.5-1.5B's shapes
+        slower than a full one (docs/benchmarks.md).
         """
-        stored = next(self.model.parameters()).dtype
-        if self.placement.distributed or stored == self.compute_dtype:
+        if self.placement.distributed or self.stored_dtypes == {self.compute_dtype}:
             yield
         else:
             with torch.autocast(self.placement.device.type, dtype=self.compute_dtype):

@@ -90,7 +90,8 @@ class TorchPolicy(Sampler):
     ) -> Generation:
         """Sample with the current weights (adapters included): :meth:`Sampler.generate`
         (``prompt_columns`` does not apply: prompts are padded to the longest)."""
-        return generate(self.model, prompts, params, **decoding.keywords(shape_hint=False))
+        with self.loaded.autocast():
+            return generate(self.model, prompts, params, **decoding.keywords(shape_hint=False))
 
     # checkpoints -------------------------------------------------------------------------
 
