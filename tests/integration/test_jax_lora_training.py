@@ -199,3 +199,17 @@ def test_peft_loads_our_adapter_with_identical_logits(tiny_model_dir, tmp_path):
     _, weights = load_adapter(tmp_path / "adapter")
     set_adapter_weights(fresh, weights, source="adapter")
     np.testing.assert_allclose(np.asarray(fresh(ids, mask, positions).logits), ours, atol=1e-6)
+
+
+@pytest.mark.parametrize("param_dtype", ["bfloat16", "float32"])
+def test_bfloat16_adapters_are_warned_about(caplog, param_dtype):
+    """Qwix makes the adapters in the base weights' dtype: over a bfloat16 base an AdamW
+    step of lr 1e-4 is under half a bfloat16 ulp of most A entries, so they never move
+    (docs/lora.md). A LoRA policy or actor-critic says so before it loads anything."""
+    from strop.backends.jax.lora import check_supported
+
+    with caplog.at_level("WARNING", logger="strop.backends.jax.lora"):
+        check_supported(LORA, param_dtype)
+        check_supported(LoraConfig(enabled=False), param_dtype)
+    warnings = [r for r in caplog.records if "loses small updates" in r.message]
+    assert len(warnings) == (param_dtype == "bfloat16")

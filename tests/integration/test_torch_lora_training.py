@@ -111,9 +111,7 @@ def test_tensor_parallel_is_refused_clearly(tiny_model_dir, tmp_path):
         policy_for(tiny_model_dir("qwen2"), tmp_path, "mesh.tensor=2", "mesh.fsdp=1")
 
 
-def test_bf16_base_keeps_float32_adapters_and_feeds_them_bf16_activations(
-    tiny_model_dir, tmp_path
-):
+def test_bf16_base_keeps_float32_adapters_and_feeds_them_bf16_activations(tiny_model_dir, tmp_path):
     """Over a bf16 base the adapters stay float32 (the optimizer updates float32 values)
     and their matmuls take the bf16 activations as they are, in training and sampling.
     PEFT would copy every adapted layer's input to float32: on an H200 that made a LoRA
