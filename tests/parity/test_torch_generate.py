@@ -260,6 +260,29 @@ def test_rejects_bad_arguments(models):
         generate(model, [[1]], params, eos_ids=[], pad_id=PAD, seed=0)
 
 
+def test_the_cache_goes_by_the_name_this_transformers_release_reads(models, tiny_model_dir):
+    """transformers 5.2x renamed the forward's ``past_key_values`` to ``cache`` (the old
+    name warns, and goes in 5.40); the vLLM environment's 5.19 knows only the old one.
+    The sampler passes the one the model's forward declares: no deprecation warning,
+    with a bare model and through PEFT's wrapper."""
+    import inspect
+    import warnings
+
+    import peft
+
+    model = models["qwen2"]
+    declared = inspect.signature(type(model).forward).parameters
+    lora = peft.get_peft_model(
+        load(tiny_model_dir("qwen2")), peft.LoraConfig(r=2, target_modules=["q_proj"])
+    )
+    for sampled in (model, lora):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            generate(sampled, [[1, 2, 3]], greedy(3), eos_ids=[], pad_id=PAD, seed=0)
+        assert not [w for w in caught if "past_key_values" in str(w.message)]
+    assert "cache" in declared or "past_key_values" in declared
+
+
 @pytest.mark.slow
 def test_compiled_decode_step_matches_eager(models):
     """``compile=True`` (about half a minute of inductor compilation on a CPU)."""

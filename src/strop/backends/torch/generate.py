@@ -64,6 +64,7 @@ varies, runs eagerly; sampling stays eager because it takes a ``torch.Generator`
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator, Sequence
 from functools import cache
 
@@ -188,7 +189,8 @@ def _sample_loop(
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     positions = prompt_lengths[:, None].clone()  # position of the token fed at the next step
 
-    logits = _forward(model, kv_cache, input_ids, prompt_positions, attention_mask)
+    keyword = _cache_keyword(model)
+    logits = _forward(model, kv_cache, input_ids, prompt_positions, attention_mask, keyword)
     for t in range(steps):
         token, logprob = _sample(logits, params, generator)
         token = token.masked_fill(done, pad_id)
@@ -199,7 +201,7 @@ def _sample_loop(
         done |= stopped
         if t == steps - 1 or ((t + 1) % check_every == 0 and bool(done.all())):
             break
-        logits = step_forward(model, kv_cache, token[:, None], positions, attention_mask)
+        logits = step_forward(model, kv_cache, token[:, None], positions, attention_mask, keyword)
         positions += 1
     return tokens, logprobs, lengths, done
 
@@ -210,18 +212,33 @@ def _forward(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     attention_mask: torch.Tensor,
+    cache_keyword: str,
 ) -> torch.Tensor:
     """Run ``input_ids [B, L]`` through the model, filling the cache; float32 logits ``[B, V]``
-    of the last column."""
+    of the last column. ``cache_keyword``: :func:`_cache_keyword`'s."""
     out = model(
         input_ids=input_ids,
         position_ids=position_ids,
         attention_mask=attention_mask,
-        past_key_values=kv_cache,
         use_cache=True,
         logits_to_keep=1,
+        **{cache_keyword: kv_cache},
     )
     return out.logits[:, -1, :].float()
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """The name of the forward's KV-cache argument: ``cache`` where transformers renamed
+    it (``past_key_values`` warns there, and goes in 5.40), ``past_key_values`` in the
+    releases before (the vLLM environment's 5.19)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    return _forward_keyword(type(base))
+
+
+@cache
+def _forward_keyword(model_class: type) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 @cache
