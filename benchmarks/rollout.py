@@ -49,13 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for benchmarks.r
 import contextlib
 
 from benchmarks.report import cpu_name, print_table
+from benchmarks.shapes import SHAPES
 
-SHAPES = {
-    "0.5b": {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
-             "num_key_value_heads": 2, "intermediate_size": 4864},
-    "1.5b": {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12,
-             "num_key_value_heads": 2, "intermediate_size": 8960},
-}  # fmt: skip
 VOCAB = 151936
 EOS_SHARE = 64  # one vocabulary id in this many ends a response
 PAD = 0
@@ -69,23 +64,14 @@ LABELS = {
 
 
 def build_model(shape: str, directory: Path) -> Path:
-    """A random Qwen2.5-shaped checkpoint in ``directory`` (made once, then reused)."""
+    """A random Qwen2.5-shaped float32 checkpoint in ``directory`` (made once, then reused;
+    ``benchmarks/shapes.py``)."""
     path = directory / f"qwen2.5-{shape}-random"
     if (path / "config.json").is_file():
         return path
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from benchmarks.shapes import write_random_model
 
-    config = Qwen2Config(
-        **SHAPES[shape], vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=4096,
-        rope_theta=1000000.0, rms_norm_eps=1e-6, eos_token_id=2, pad_token_id=PAD,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
-    tmp = path.with_name(path.name + ".tmp")
-    model.save_pretrained(tmp)
-    tmp.rename(path)
-    return path
+    return write_random_model(path, f"qwen2.5-{shape}", "float32", max_position_embeddings=4096)
 
 
 def eos_ids() -> list[int]:
@@ -235,7 +221,7 @@ def header(args: argparse.Namespace) -> None:
     print(f"machine:  {cpu_name()} ({platform.machine()}), os.cpu_count()={os.cpu_count()}, "
           f"device {args.device}")  # fmt: skip
     print(f"versions: {', '.join(versions)}")
-    print(f"model:    random Qwen2.5-{args.shape} shapes {SHAPES[args.shape]}, vocab {VOCAB}, "
+    print(f"model:    random Qwen2.5-{args.shape} shapes {SHAPES['qwen2.5-' + args.shape]}, vocab {VOCAB}, "
           f"tied embeddings, {args.dtype}")  # fmt: skip
     print(f"job:      {args.batch} prompts of 64-256 tokens, {args.new_tokens} new tokens, "
           f"temperature 1, 1/{EOS_SHARE} of the vocabulary ends a response; "
@@ -246,7 +232,7 @@ def header(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    parser.add_argument("--shape", choices=SHAPES, default="0.5b")
+    parser.add_argument("--shape", choices=["0.5b", "1.5b"], default="0.5b")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)

@@ -26,34 +26,20 @@ sys.path.insert(0, str(REPO))
 from tests.tiny_models import QWEN25_CONFIG  # noqa: E402
 
 # name -> config.json keys of the model body (and vocabulary) that replace a checkpoint's.
+_QWEN25_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
+                "num_key_value_heads", "rope_theta", "tie_word_embeddings", "vocab_size",
+                "max_position_embeddings")  # fmt: skip
 SHAPES = {
-    "qwen2.5-1.5b": {
-        k: QWEN25_CONFIG[k]
-        for k in (
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_hidden_layers",
-            "num_key_value_heads",
-            "rope_theta",
-            "tie_word_embeddings",
-            "vocab_size",
-            "max_position_embeddings",
-        )
-    },
+    "qwen2.5-1.5b": {k: QWEN25_CONFIG[k] for k in _QWEN25_KEYS},
+    # Qwen2.5-0.5B's body: the same layout, narrower and shallower.
+    "qwen2.5-0.5b": {**{k: QWEN25_CONFIG[k] for k in _QWEN25_KEYS}, "hidden_size": 896,
+                     "intermediate_size": 4864, "num_attention_heads": 14,
+                     "num_hidden_layers": 24},
     # The same layout at CPU size: for checking a benchmark here before it runs on a GPU.
-    "small": {
-        "hidden_size": 128,
-        "intermediate_size": 512,
-        "num_attention_heads": 4,
-        "num_hidden_layers": 2,
-        "num_key_value_heads": 2,
-        "rope_theta": 1e6,
-        "tie_word_embeddings": True,
-        "vocab_size": 4096,
-        "max_position_embeddings": 4096,
-    },
-}
+    "small": {"hidden_size": 128, "intermediate_size": 512, "num_attention_heads": 4,
+              "num_hidden_layers": 2, "num_key_value_heads": 2, "rope_theta": 1e6,
+              "tie_word_embeddings": True, "vocab_size": 4096, "max_position_embeddings": 4096},
+}  # fmt: skip
 
 
 def tiled_normal(dtype: str, seed: int = 0, block: int = 1 << 24):
@@ -71,15 +57,18 @@ def tiled_normal(dtype: str, seed: int = 0, block: int = 1 << 24):
     return normal
 
 
-def reshape_checkpoint(directory: str | Path, shape: str, dtype: str = "bfloat16") -> Path:
+def reshape_checkpoint(
+    directory: str | Path, shape: str, dtype: str = "bfloat16", **config: object
+) -> Path:
     """Rewrite the checkpoint in ``directory`` as a random model of ``shape`` stored in
-    ``dtype``, keeping its tokenizer files and special-token ids."""
+    ``dtype``, keeping its tokenizer files and special-token ids; ``config``: more
+    ``config.json`` keys to set."""
     from strop.io.hf import SIDECAR_FILES, write_checkpoint
     from strop.io.model_spec import ModelSpec
     from strop.io.tiny import random_tensors
 
     directory = Path(directory)
-    config = {**json.loads((directory / "config.json").read_text()), **SHAPES[shape]}
+    config = {**json.loads((directory / "config.json").read_text()), **SHAPES[shape], **config}
     config.pop("head_dim", None)  # hidden / heads, as in the real model
     spec = ModelSpec.from_hf_config(config)
     with tempfile.TemporaryDirectory() as sidecar:
@@ -91,11 +80,14 @@ def reshape_checkpoint(directory: str | Path, shape: str, dtype: str = "bfloat16
                                 source_dir=sidecar, overwrite=True)  # fmt: skip
 
 
-def write_random_model(directory: str | Path, shape: str, dtype: str = "bfloat16") -> Path:
-    """A random model of ``shape`` (config and weights only, no tokenizer) in ``directory``."""
+def write_random_model(
+    directory: str | Path, shape: str, dtype: str = "bfloat16", **config: object
+) -> Path:
+    """A random model of ``shape`` (config and weights only, no tokenizer) in ``directory``;
+    ``config``: more ``config.json`` keys to set."""
     from strop.io.tiny import tiny_qwen2_config
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(tiny_qwen2_config(256)))
-    return reshape_checkpoint(directory, shape, dtype)
+    return reshape_checkpoint(directory, shape, dtype, **config)
