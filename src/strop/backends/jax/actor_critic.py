@@ -89,7 +89,7 @@ class JaxActorCritic(Sampler):
     def __init__(
         self, config: Config, *, total_updates: int, checkpoint_dir: str | os.PathLike | None
     ):
-        check_supported(config.lora, config.model.param_dtype)
+        check_supported(config.lora)
         self.config = config
         self.mesh = make_mesh(config.mesh)
         self.policy_objective = PolicyObjective.from_config(config)

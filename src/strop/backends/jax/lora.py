@@ -13,7 +13,6 @@ torch backend), placed with each parameter's sharding.
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 
@@ -29,8 +28,6 @@ from strop.errors import ConfigError
 from strop.io.peft import check_adapter_shape, check_adapter_targets
 from strop.lora_init import adapters as initial_adapters
 from strop.lora_targets import match_targets
-
-logger = logging.getLogger(__name__)
 
 # nnx.LoRAParam subclasses nnx.Param: "base weights" must exclude it explicitly.
 BASE_WEIGHTS = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
@@ -54,22 +51,10 @@ def dense_modules(model: CausalLM) -> dict[str, Dense]:
     }
 
 
-def check_supported(config: LoraConfig, param_dtype: str = "float32") -> None:
-    """Refuse, before anything loads, the LoRA settings this backend lacks (dropout), and
-    warn where its adapters lose precision: Qwix makes them in the base weights' dtype, so
-    over a bfloat16 base they are stored and updated in bfloat16, where an update under
-    about 1/256 of a weight rounds away (5 AdamW steps at lr 1e-4 left 64% of a small
-    model's A entries unchanged; all changed in float32)."""
+def check_supported(config: LoraConfig) -> None:
+    """Refuse, before anything loads, the LoRA settings this backend lacks (dropout)."""
     if config.dropout > 0:
         raise ConfigError("lora.dropout: the jax backend supports only 0 for now")
-    if config.enabled and param_dtype != "float32":
-        logger.warning(
-            "lora with model.param_dtype=%s on the jax backend: the adapters are stored and "
-            "updated in %s, which loses small updates; model.param_dtype=float32 with "
-            "model.dtype=bfloat16 keeps float32 weights and adapters and computes in "
-            "bfloat16 (the torch backend keeps float32 adapters either way)",
-            param_dtype, param_dtype,
-        )  # fmt: skip
 
 
 def apply_lora(model: CausalLM, config: LoraConfig, seed: int) -> CausalLM:
@@ -78,7 +63,9 @@ def apply_lora(model: CausalLM, config: LoraConfig, seed: int) -> CausalLM:
     Works on a model already sharded on a mesh: adapters are created next to their
     kernels with shardings derived from the kernel's. Base weights are shared, not copied.
     The adapters start from :func:`strop.lora_init.adapters` for ``seed`` (A uniform in
-    ±1/sqrt(in), B zero), the values the torch backend starts from.
+    ±1/sqrt(in), B zero), the values the torch backend starts from. They are float32 over
+    any base, so that updates under a bfloat16 ulp still count, and compute in the model's
+    dtype (:class:`~strop.backends.jax.model.Dense` casts them for each call).
     """
     targets = match_targets(config.target_modules, list(dense_modules(model)))
     qwix_paths = "|".join(re.escape(path.replace(".", "/")) for path in targets)
@@ -87,11 +74,11 @@ def apply_lora(model: CausalLM, config: LoraConfig, seed: int) -> CausalLM:
     )
     dummy_ids = jnp.zeros((1, 1), dtype=jnp.int32)
     model = qwix.apply_lora_to_model(model, provider, dummy_ids, rngs=nnx.Rngs(seed))
-    shapes = {
-        path: (math.prod(module.in_shape), math.prod(module.out_shape))
-        for path, module in dense_modules(model).items()
-        if hasattr(module, "kernel_lora_a")
-    }
+    adapted = {path: m for path, m in dense_modules(model).items() if hasattr(m, "kernel_lora_a")}
+    for module in adapted.values():  # float32 over any base (Qwix makes them in its dtype)
+        for variable in (module.kernel_lora_a, module.kernel_lora_b):
+            variable.set_value(variable.get_value().astype(jnp.float32))
+    shapes = {p: (math.prod(m.in_shape), math.prod(m.out_shape)) for p, m in adapted.items()}
     set_adapter_weights(model, initial_adapters(seed, shapes, config.rank), "the initial adapters")
     return model
 

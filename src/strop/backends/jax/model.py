@@ -15,8 +15,9 @@ updated in the output. Without one, the forward is the plain full-sequence (trai
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import jax
@@ -84,10 +85,36 @@ class Dense(nnx.Module):
         # a transposed dot off its fast path (1.6x the multi-dimensional kernel's time).
         lead = x.shape[: x.ndim - len(self.in_shape)]
         x = x.reshape(math.prod(lead), math.prod(self.in_shape)).astype(self.dtype)
-        y = jnp.einsum("na,ab->nb", x, self.kernel[...].astype(self.dtype))
+        with self._adapters_in_compute_dtype():
+            y = jnp.einsum("na,ab->nb", x, self.kernel[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y.reshape(*lead, *self.out_shape)
+
+    @contextlib.contextmanager
+    def _adapters_in_compute_dtype(self) -> Iterator[None]:
+        """Qwix's LoRA einsum (run inside this block) reads ``kernel_lora_a``/``_b`` as
+        stored, and float32 adapters (:func:`strop.backends.jax.lora.apply_lora` keeps them
+        so over a lower-precision base) would turn this projection's output, and all that
+        follows it, to float32. For the call they are replaced by their casts to ``dtype``,
+        as torch's autocast casts its weights, and put back after it; gradients reach the
+        float32 values through the cast. The attributes are swapped, not the variables'
+        values: a sampler's loop body may run a module merged there from variables of an
+        outer trace, which NNX lets it set attributes on but not mutate."""
+        names = [
+            name
+            for name in ("kernel_lora_a", "kernel_lora_b")
+            if getattr(self, name, None) is not None
+            and getattr(self, name).get_value().dtype != self.dtype
+        ]
+        stored = {name: getattr(self, name) for name in names}
+        for name, variable in stored.items():
+            setattr(self, name, type(variable)(variable.get_value().astype(self.dtype)))
+        try:
+            yield
+        finally:
+            for name, variable in stored.items():
+                setattr(self, name, variable)
 
 
 class Embedding(nnx.Module):

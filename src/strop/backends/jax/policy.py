@@ -51,7 +51,7 @@ class JaxPolicy(Sampler):
     def __init__(
         self, config: Config, *, total_steps: int, checkpoint_dir: str | os.PathLike | None
     ):
-        check_supported(config.lora, config.model.param_dtype)
+        check_supported(config.lora)
         self.config = config
         self.mesh = make_mesh(config.mesh)
         model = load_hf_model(
