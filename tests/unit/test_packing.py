@@ -76,7 +76,8 @@ def test_without_buckets_the_fewest_bins_that_first_fit_fills_are_used():
     assert packing.plan(half, buckets=False).bins == 4  # two rows per bin
     assert packing.plan(half, multiple=3, buckets=False).bins == 6  # 4 rounded up to 3s
     assert packing.plan(half, multiple=4, buckets=False).bins == 4
-    # 3 bins' worth of tokens, which first-fit cannot place in 3 bins: 4
+    # 150 tokens are 4 bins' worth, but first-fit cannot place them in 4 (no two 30s, nor a
+    # 30 and a 20, share a bin of 40): 5
     awkward = _batch([(0, 30)] * 3 + [(0, 20)] * 3, 40)["attention_mask"]
     assert packing.fewest_bin_counts(6, 150, 40)[0] == 4
     assert packing.plan(awkward, buckets=False).bins == 5
