@@ -27,6 +27,13 @@ Run from the repository root in the environment that has vLLM (``make install-vl
     .venv-vllm/bin/python benchmarks/rollout.py                       # the CPU job
     .venv-vllm/bin/python benchmarks/rollout.py --systems vllm torch  # a subset
     python benchmarks/rollout.py --device cuda --shape 1.5b --batch 256 --new-tokens 512
+
+The torch sampler runs three ways: eager (``torch``), its decode step through
+``torch.compile`` (``torch-compiled``, ``generation.compile=default``) and compiled with
+CUDA graphs (``torch-graphs``, ``generation.compile=reduce-overhead``). A compiled system's
+warm-up is one call of the timed shape, so the timed calls run compiled graphs; the warm-up
+column shows what the first call of a run costs. ``--lora-rank 16`` samples through LoRA
+adapters, as a PPO actor does.
 """
 
 from __future__ import annotations
@@ -54,13 +61,16 @@ from benchmarks.shapes import SHAPES
 VOCAB = 151936
 EOS_SHARE = 64  # one vocabulary id in this many ends a response
 PAD = 0
-SYSTEMS = ("transformers", "jax", "torch", "vllm")
+SYSTEMS = ("transformers", "jax", "torch", "torch-compiled", "torch-graphs", "vllm")
 LABELS = {
     "transformers": "transformers generate",
     "jax": "strop native (jax)",
     "torch": "strop native (torch)",
+    "torch-compiled": "strop native (torch, compiled decode)",
+    "torch-graphs": "strop native (torch, compiled + CUDA graphs)",
     "vllm": "strop vllm",
 }
+TORCH_COMPILE = {"torch": "off", "torch-compiled": "default", "torch-graphs": "reduce-overhead"}
 
 
 def build_model(shape: str, directory: Path) -> Path:
@@ -74,28 +84,32 @@ def build_model(shape: str, directory: Path) -> Path:
     return write_random_model(path, f"qwen2.5-{shape}", "float32", max_position_embeddings=4096)
 
 
-def eos_ids() -> list[int]:
-    return list(range(1, VOCAB, EOS_SHARE))
+def vocab_of(model_dir: Path) -> int:
+    return json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
 
 
-def prompts_for(batch: int) -> list[list[int]]:
+def eos_ids(vocab: int = VOCAB) -> list[int]:
+    return list(range(1, vocab, EOS_SHARE))
+
+
+def prompts_for(batch: int, vocab: int = VOCAB) -> list[list[int]]:
     import numpy as np
 
     rng = np.random.default_rng(0)
-    return [rng.integers(3, VOCAB, size=int(n)).tolist() for n in rng.integers(64, 257, batch)]
+    return [rng.integers(3, vocab, size=int(n)).tolist() for n in rng.integers(64, 257, batch)]
 
 
 # one system, in its own process -------------------------------------------------------------
 
 
-def sampler(system: str, model_dir: Path, device: str, dtype: str, max_prompt: int):
+def sampler(system: str, model_dir: Path, device: str, dtype: str, max_prompt: int, lora_rank: int):
     """``run(prompts, params, seed) -> lengths`` for ``system``, and its build seconds."""
     import numpy as np
 
     from strop.generation import SamplingParams
 
     began = time.perf_counter()
-    eos = eos_ids()
+    eos = eos_ids(vocab_of(model_dir))
     if system == "vllm":
         from strop.config import load_config
         from strop.engines.vllm import VllmEngine
@@ -122,19 +136,31 @@ def sampler(system: str, model_dir: Path, device: str, dtype: str, max_prompt: i
                            mesh=handle.mesh)  # fmt: skip
             return out.lengths
 
+    elif system in TORCH_COMPILE:
+        from strop.backends import get_backend
+        from strop.config import load_config
+
+        config = load_config("tiny", [
+            "backend=torch", f"model.path={model_dir}", f"model.dtype={dtype}",
+            f"model.param_dtype={dtype}", f"lora.enabled={str(lora_rank > 0).lower()}",
+            f"lora.rank={max(lora_rank, 1)}", f"lora.alpha={2 * max(lora_rank, 1)}",
+            f"generation.compile={TORCH_COMPILE[system]}", "mesh.fsdp=1", "mesh.data=1",
+        ])  # fmt: skip
+        policy = get_backend("torch").build_policy(config, total_steps=1, checkpoint_dir=None)
+
+        def run(prompts, params: SamplingParams, seed: int):
+            out = policy.generate(prompts, params, seed=seed, eos_ids=eos, pad_id=PAD,
+                                  prompt_columns=max_prompt)  # fmt: skip
+            return out.lengths
+
     else:
         import torch
         from transformers import AutoModelForCausalLM, GenerationConfig
-
-        from strop.backends.torch.generate import generate
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
         model = model.to(device).eval()
 
         def run(prompts, params: SamplingParams, seed: int):
-            if system == "torch":
-                out = generate(model, prompts, params, eos_ids=eos, pad_id=PAD, seed=seed)
-                return out.lengths
             width = max(len(p) for p in prompts)  # transformers: left-padded, its own cache
             ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
             mask = torch.zeros_like(ids)
@@ -177,10 +203,17 @@ def measure(args: argparse.Namespace) -> dict:
 
         jax.monitoring.register_event_duration_secs_listener(on_duration)
 
-    prompts = prompts_for(args.batch)
-    run, build = sampler(args.system, Path(args.model), args.device, args.dtype, 256)
-    run(prompts[:2], SamplingParams(max_new_tokens=4, temperature=1.0), 1)  # warm-up
+    prompts = prompts_for(args.batch, vocab_of(args.model))
+    run, build = sampler(
+        args.system, Path(args.model), args.device, args.dtype, 256, args.lora_rank
+    )
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0)
+    began = time.perf_counter()
+    if TORCH_COMPILE.get(args.system, "off") != "off":  # compiles for the timed call's shape
+        run(prompts, params, 1)
+    else:
+        run(prompts[:2], SamplingParams(max_new_tokens=4, temperature=1.0), 1)
+    warm_up = time.perf_counter() - began
     rates, lengths, compiles, walls = [], [], [], []
     for repeat in range(args.repeats):
         compile_seconds[0] = 0.0
@@ -195,7 +228,7 @@ def measure(args: argparse.Namespace) -> dict:
         "system": args.system, "tokens_per_s": statistics.median(rates), "rates": rates,
         "seconds": statistics.median(walls),
         "mean_length": statistics.mean(lengths), "compile_s": max(compiles),
-        "build_s": build, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "build_s": build, "warm_up_s": warm_up, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }  # fmt: skip
     if args.device.startswith("cuda"):
         import torch
@@ -221,8 +254,11 @@ def header(args: argparse.Namespace) -> None:
     print(f"machine:  {cpu_name()} ({platform.machine()}), os.cpu_count()={os.cpu_count()}, "
           f"device {args.device}")  # fmt: skip
     print(f"versions: {', '.join(versions)}")
-    print(f"model:    random Qwen2.5-{args.shape} shapes {SHAPES['qwen2.5-' + args.shape]}, vocab {VOCAB}, "
-          f"tied embeddings, {args.dtype}")  # fmt: skip
+    if args.model:
+        print(f"model:    {args.model}, {args.dtype}")
+    else:
+        print(f"model:    random Qwen2.5-{args.shape} shapes {SHAPES['qwen2.5-' + args.shape]}, "
+              f"vocab {VOCAB}, tied embeddings, {args.dtype}")  # fmt: skip
     print(f"job:      {args.batch} prompts of 64-256 tokens, {args.new_tokens} new tokens, "
           f"temperature 1, 1/{EOS_SHARE} of the vocabulary ends a response; "
           f"{args.repeats} timed call(s) per system after a small warm-up")  # fmt: skip
@@ -236,10 +272,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="strop torch: LoRA adapters of this rank on the seven projections "
+                        "(as a PPO actor samples); 0 = none")  # fmt: skip
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "strop-rollout"))
     parser.add_argument("--system", help=argparse.SUPPRESS)  # a child: one system
-    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help="an existing checkpoint to use instead of --shape's")
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -248,12 +287,13 @@ def main() -> None:
         return
 
     header(args)
-    model = build_model(args.shape, Path(args.work_dir))
+    model = Path(args.model) if args.model else build_model(args.shape, Path(args.work_dir))
     results = {}
     for system in args.systems:
         command = [sys.executable, __file__, "--system", system, "--model", str(model),
                    "--dtype", args.dtype, "--device", args.device, "--batch", str(args.batch),
-                   "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]  # fmt: skip
+                   "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
+                   "--lora-rank", str(args.lora_rank)]  # fmt: skip
         print(f"  running {LABELS[system]} ...", file=sys.stderr, flush=True)
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
@@ -267,16 +307,16 @@ def main() -> None:
         rows.append([
             LABELS[system], f"{r['tokens_per_s']:.0f}",
             f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-",
-            f"{r['seconds']:.0f}", f"{base['seconds'] / r['seconds']:.2f}x" if base else "-",
+            f"{r['seconds']:.2f}", f"{base['seconds'] / r['seconds']:.2f}x" if base else "-",
             f"{r['mean_length']:.1f}", f"{r['peak_rss_gib']:.1f}",
             *([f"{r.get('peak_device_gib', 0):.1f}"] if args.device.startswith("cuda") else []),
             f"{r['compile_s']:.1f}" if system == "jax" else "-",
-            f"{r['build_s']:.1f}",
+            f"{r['build_s']:.1f}", f"{r['warm_up_s']:.1f}",
         ])  # fmt: skip
     headers = ["system", "tok/s", "vs generate", "s per batch", "vs generate",
                "mean length", "peak RSS GiB",
                *(["peak device GiB"] if args.device.startswith("cuda") else []),
-               "compile s (excluded)", "load/build s"]  # fmt: skip
+               "compile s (excluded)", "load/build s", "warm-up s"]  # fmt: skip
     print_table(headers, rows)
 
 

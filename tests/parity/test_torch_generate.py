@@ -283,15 +283,52 @@ def test_the_cache_goes_by_the_name_this_transformers_release_reads(models, tiny
     assert "cache" in declared or "past_key_values" in declared
 
 
+def test_prompt_columns_pad_without_changing_the_responses(models):
+    """A fixed ``prompt_columns`` (the run's one decode shape) only adds left padding."""
+    model, prompts = models["qwen2"], ragged_prompts(14)
+    free = generate(model, prompts, greedy(5), eos_ids=[], pad_id=PAD, seed=0)
+    wide = generate(model, prompts, greedy(5), eos_ids=[], pad_id=PAD, seed=0, prompt_columns=40)
+    assert wide.responses() == free.responses()
+    np.testing.assert_allclose(wide.logprobs, free.logprobs, atol=ATOL)
+
+
 @pytest.mark.slow
-def test_compiled_decode_step_matches_eager(models):
-    """``compile=True`` (about half a minute of inductor compilation on a CPU)."""
-    model, prompts = models["qwen2"], ragged_prompts(13)
-    eager = generate(model, prompts, greedy(6), eos_ids=[], pad_id=PAD, seed=0)
-    for _ in range(2):  # the second call reuses the compiled graph
-        out = generate(model, prompts, greedy(6), eos_ids=[], pad_id=PAD, seed=0, compile=True)
+def test_compiled_decode_step_matches_eager_and_compiles_once(models):
+    """``compile_mode="default"`` (about half a minute of inductor compilation on a CPU):
+    the same tokens as eager, and at one ``prompt_columns`` one graph for every call,
+    whatever its prompts' lengths."""
+    from torch._dynamo.utils import counters
+
+    model = models["qwen2"]
+    graphs = []
+    for lengths in ((7, 3, 5, 1, 9), (2, 17, 4, 6, 1)):  # 16 and 32 columns unpadded
+        prompts = ragged_prompts(13, lengths)
+        eager = generate(model, prompts, greedy(6), eos_ids=[], pad_id=PAD, seed=0)
+        out = generate(model, prompts, greedy(6), eos_ids=[], pad_id=PAD, seed=0,
+                       compile_mode="default", prompt_columns=20)  # fmt: skip
         assert out.responses() == eager.responses()
         np.testing.assert_allclose(out.logprobs, eager.logprobs, atol=ATOL)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0]
+
+
+def test_generation_compile_setting_picks_the_decode_mode(models):
+    """``generation.compile``: ``auto`` is eager on a CPU; a mode compiles at the run's
+    prompt width; YAML's bare ``off`` (read as false) means off."""
+    from strop.backends.torch.generate import sampler_keywords
+    from strop.config import load_config
+    from strop.generation import Decoding
+
+    decoding = Decoding(seed=0, eos_ids=(2,), pad_id=PAD, prompt_columns=24)
+    model = models["qwen2"]
+
+    def keywords(*overrides):
+        return sampler_keywords(load_config("tiny", list(overrides)).generation, decoding, model)
+
+    assert keywords()["compile_mode"] is None and "prompt_columns" not in keywords()
+    assert keywords("generation.compile=off")["compile_mode"] is None
+    compiled = keywords("generation.compile=reduce-overhead")
+    assert compiled["compile_mode"] == "reduce-overhead" and compiled["prompt_columns"] == 24
 
 
 def _fsdp_worker(rank: int, model_dir: str, port: int) -> None:

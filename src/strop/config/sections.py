@@ -195,6 +195,19 @@ class GenerationConfig(_Section):
         "own sampler on the training model) or vllm (a vLLM engine in this process, fed the "
         "actor's weights after every update; pip install 'strop[vllm]'; docs/generation.md).",
     )
+    compile: Literal["auto", "off", "default", "reduce-overhead", "max-autotune"] = Field(
+        "auto",
+        description="backend=torch, engine=native: run the decode step through torch.compile "
+        "with this mode (reduce-overhead adds CUDA graphs: 2.5x faster decoding on an H200, "
+        "after about a minute of compiling once per run); off = eager; auto = reduce-overhead "
+        "on one CUDA device, off elsewhere (a CPU gains nothing; FSDP-sharded models stay "
+        "eager). JAX's sampler is always compiled.",
+    )
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _off_is_false(cls, value: object) -> object:
+        return "off" if value is False else value  # YAML reads a bare `off` as false
+
     vllm_memory_fraction: float = Field(
         0.3,
         gt=0,

@@ -24,10 +24,11 @@ Per iteration (``ppo.steps`` of them):
 Every random choice is seeded from ``(seed, step)``, so a run killed and resumed from its
 latest checkpoint computes what an uninterrupted run would.
 
-Shapes: on a backend that compiles per shape (``engine.static_shapes``, JAX) prompts are
-left-padded to the prompt set's longest prompt and rollout batches right-padded to that
+Shapes: samplers that compile per shape (JAX's; torch's with ``generation.compile``) get
+prompts left-padded to the prompt set's longest prompt. On a backend whose training steps
+compile per shape (``engine.static_shapes``, JAX) rollout batches are right-padded to that
 plus ``generation.max_new_tokens`` (both rounded up to 16 columns), so a run compiles its
-steps once, whatever the response lengths. Torch runs each batch at its own width.
+steps once, whatever the response lengths. Torch trains each batch at its own width.
 """
 
 from __future__ import annotations
@@ -227,9 +228,10 @@ class PpoLoop:
         self._timings[key] = self._timings.get(key, 0.0) + time.perf_counter() - began
         return out
 
-    def _prompt_columns(self, prompts: PromptSet) -> int | None:
-        """Where shapes compile: every prompt left-padded to the set's longest."""
-        return round_up(prompts.longest) if self.model.static_shapes else None
+    def _prompt_columns(self, prompts: PromptSet) -> int:
+        """The rollouts' one prompt width, for samplers that compile each shape (JAX's,
+        torch's with ``generation.compile``): the set's longest prompt, rounded up."""
+        return round_up(prompts.longest)
 
     def _sample(self, step: int) -> _Sample:
         """Draw the iteration's prompts, sample responses and score them."""
@@ -263,9 +265,8 @@ class PpoLoop:
         ppo, engine, rollout = self.config.ppo, self.model, sample.rollout
         batch = rollout.teacher_forcing_batch(self.tokenizer.pad_token_id)
         sampled = rollout.align(rollout.logprobs)  # the sampler's log-probabilities
-        prompt_columns = self._prompt_columns(self.train)
-        if prompt_columns is not None:  # one shape for the run: the widest rollout possible
-            width = round_up(prompt_columns + self.sampling.max_new_tokens)
+        if self.model.static_shapes:  # one shape for the run: the widest rollout possible
+            width = round_up(self._prompt_columns(self.train) + self.sampling.max_new_tokens)
             batch, sampled = pad_columns(batch, width), pad_columns({"x": sampled}, width)["x"]
         gap = {}
         if ppo.old_logprobs == "sampler":

@@ -32,7 +32,7 @@ from torch import nn
 
 from strop.backends.torch.checkpoint import TrainCheckpoints
 from strop.backends.torch.fsdp import all_gather_rows, place, shard_module, write_once
-from strop.backends.torch.generate import generate
+from strop.backends.torch.generate import generate, sampler_keywords
 from strop.backends.torch.handle import export_merged, merged_weights
 from strop.backends.torch.lora import (
     ADAPTER_NAME,
@@ -232,9 +232,10 @@ class TorchActorCritic(Sampler):
         self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
     ) -> Generation:
         """Sample from the actor (:meth:`Sampler.generate`; ``prompt_columns``, a shape
-        hint for compiled samplers, does not apply: prompts are padded to the longest)."""
+        hint, applies when the decode step is compiled: ``generation.compile``)."""
         with self._role("actor") as loaded, loaded.autocast():
-            return generate(loaded.model, prompts, params, **decoding.keywords(shape_hint=False))
+            keywords = sampler_keywords(self.config.generation, decoding, loaded.model)
+            return generate(loaded.model, prompts, params, **keywords)
 
     def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:
         temperature = self.policy_objective.temperature

@@ -5,9 +5,9 @@
 
 Layout and positions
 --------------------
-Prompts are left-padded to a bucket ``P`` (the longest prompt rounded up to a multiple of
-:data:`PROMPT_BUCKET`, so that repeated calls, and a compiled decode step, see few distinct
-shapes). Each row's position ids count from its first real token: a prompt of ``n`` tokens
+Prompts are left-padded to a bucket ``P`` (the longest prompt, or the caller's
+``prompt_columns`` if wider, rounded up to a multiple of :data:`PROMPT_BUCKET`, so that
+repeated calls, and a compiled decode step, see few distinct shapes). Each row's position ids count from its first real token: a prompt of ``n`` tokens
 holds positions ``0 .. n-1`` in columns ``P-n .. P-1`` (padding columns get position 0 and
 are masked out), and the ``t``-th generated token (``t = 0, 1, ...``) has position ``n + t``
 whatever the padding, so a row's logits do not depend on the other rows.
@@ -57,8 +57,13 @@ each rank stops when its own rows are done. A sharded model runs under
 all-gathers into, and buffers made in inference mode cannot be written by the next
 training forward.
 
-``compile=True`` wraps the decode-step forward in ``torch.compile`` (the prefill, whose shape
-varies, runs eagerly; sampling stays eager because it takes a ``torch.Generator``).
+``compile_mode`` wraps the decode-step forward in ``torch.compile`` with that mode (the
+prefill, whose shape varies, runs eagerly; sampling stays eager because it takes a
+``torch.Generator``). ``"reduce-overhead"`` also captures the step in a CUDA graph on CUDA
+(one launch per step instead of hundreds); the cache's tensors keep their addresses, and a
+new call's cache is re-recorded. One compile per decode shape: the batch size and the cache
+length (the prompt bucket plus ``max_new_tokens``); after a second shape dynamo compiles
+one graph with dynamic sizes.
 """
 
 from __future__ import annotations
@@ -73,8 +78,10 @@ import torch
 import torch.nn.functional as F
 from transformers import StaticCache
 
+from strop.config.sections import GenerationConfig
 from strop.generation import (
     Decoder,
+    Decoding,
     FinishReason,
     Generation,
     SamplingParams,
@@ -98,7 +105,8 @@ def generate(
     pad_id: int,
     seed: int,
     tokenizer: Decoder | None = None,
-    compile: bool = False,
+    compile_mode: str | None = None,
+    prompt_columns: int | None = None,
 ) -> Generation:
     """Sample a response to each prompt (see the module docstring for the details).
 
@@ -113,7 +121,10 @@ def generate(
       pad_id: fills the prompt padding and the responses past their lengths.
       seed: seeds the sampling noise; the same seed gives the same tokens.
       tokenizer: decodes responses for stop strings.
-      compile: run the decode step through ``torch.compile``.
+      compile_mode: run the decode step through ``torch.compile`` with this mode
+        (``"default"``, ``"reduce-overhead"``, ...); ``None`` runs it eagerly.
+      prompt_columns: pad the prompts to at least this many columns (rounded up to the
+        bucket), so that every batch of a run has one shape: one compile of the decode step.
 
     Returns:
       A :class:`~strop.generation.Generation` of numpy arrays, ``len(prompts)`` rows.
@@ -126,7 +137,7 @@ def generate(
     try:
         with torch.no_grad() if sharded else torch.inference_mode(), unsharded(model):
             tokens, logprobs, lengths, hit_eos = _sample_loop(
-                model, prompts, params, eos_ids, pad_id, seed, device, compile
+                model, prompts, params, eos_ids, pad_id, seed, device, compile_mode, prompt_columns
             )
     finally:
         model.train(was_training)
@@ -149,6 +160,28 @@ def generate(
     )
 
 
+def sampler_keywords(
+    generation: GenerationConfig, decoding: Decoding, model: torch.nn.Module
+) -> dict[str, object]:
+    """:func:`generate`'s keyword arguments for a run's ``generation`` settings: the
+    decode step compiled as :func:`compile_mode` says, and then at the run's one prompt
+    width (``decoding.prompt_columns``), so that it compiles once."""
+    mode = compile_mode(generation.compile, model)
+    return {**decoding.keywords(shape_hint=mode is not None), "compile_mode": mode}
+
+
+def compile_mode(setting: str, model: torch.nn.Module) -> str | None:
+    """``torch.compile``'s mode for the decode step, or ``None`` (eager), from
+    ``generation.compile``: ``"auto"`` is CUDA graphs (``"reduce-overhead"``) for a model
+    on one CUDA device and eager elsewhere: on a CPU compiling costs more than it saves
+    (docs/benchmarks.md), and an FSDP2-sharded model's gathered weights live in new
+    buffers at every call, which CUDA graphs would record anew."""
+    if setting == "auto":
+        cuda = next(model.parameters()).device.type == "cuda"
+        return "reduce-overhead" if cuda and not _is_sharded(model) else None
+    return None if setting == "off" else setting
+
+
 def _sample_loop(
     model: torch.nn.Module,
     prompts: list[list[int]],
@@ -157,7 +190,8 @@ def _sample_loop(
     pad_id: int,
     seed: int,
     device: torch.device,
-    compile: bool,
+    compile_mode: str | None,
+    prompt_columns: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prefill and decode.
 
@@ -165,7 +199,8 @@ def _sample_loop(
     ``lengths [B]`` and ``hit_eos [B]`` (whether the row ended with an EOS).
     """
     batch, steps = len(prompts), params.max_new_tokens
-    width = -(-max(len(p) for p in prompts) // PROMPT_BUCKET) * PROMPT_BUCKET
+    longest = max(prompt_columns or 0, *(len(p) for p in prompts))
+    width = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
     prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
 
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
@@ -180,7 +215,8 @@ def _sample_loop(
     kv_cache = StaticCache(config=model.config, max_cache_len=width + steps - 1)
     generator = torch.Generator(device=device).manual_seed(seed)
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
-    step_forward = _compiled_forward() if compile else _forward
+    step_forward = _compiled_forward(compile_mode) if compile_mode else _forward
+    graphs = compile_mode == "reduce-overhead" and device.type == "cuda"
     check_every = 1 if device.type == "cpu" else DONE_CHECK_EVERY
 
     tokens = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
@@ -201,6 +237,8 @@ def _sample_loop(
         done |= stopped
         if t == steps - 1 or ((t + 1) % check_every == 0 and bool(done.all())):
             break
+        if graphs:  # the last step's outputs are consumed: the graph may overwrite them
+            torch.compiler.cudagraph_mark_step_begin()
         logits = step_forward(model, kv_cache, token[:, None], positions, attention_mask, keyword)
         positions += 1
     return tokens, logprobs, lengths, done
@@ -242,9 +280,10 @@ def _forward_keyword(model_class: type) -> str:
 
 
 @cache
-def _compiled_forward():
-    """One compiled decode step shared by all calls (dynamo caches graphs per shape/model)."""
-    return torch.compile(_forward)
+def _compiled_forward(mode: str):
+    """One compiled decode step per mode, shared by all calls (dynamo caches graphs per
+    shape and model)."""
+    return torch.compile(_forward, mode=mode)
 
 
 def _sample(

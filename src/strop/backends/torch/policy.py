@@ -17,7 +17,7 @@ import torch
 
 from strop.backends.torch.checkpoint import TrainCheckpoints
 from strop.backends.torch.fsdp import place, write_once
-from strop.backends.torch.generate import generate
+from strop.backends.torch.generate import generate, sampler_keywords
 from strop.backends.torch.handle import export_merged, merged_weights
 from strop.backends.torch.lora import adapter_weights, set_adapter_weights
 from strop.backends.torch.model import build_model, forward_logits
@@ -89,9 +89,10 @@ class TorchPolicy(Sampler):
         self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
     ) -> Generation:
         """Sample with the current weights (adapters included): :meth:`Sampler.generate`
-        (``prompt_columns`` does not apply: prompts are padded to the longest)."""
+        (``prompt_columns`` applies when the decode step is compiled: ``generation.compile``)."""
         with self.loaded.autocast():
-            return generate(self.model, prompts, params, **decoding.keywords(shape_hint=False))
+            keywords = sampler_keywords(self.config.generation, decoding, self.model)
+            return generate(self.model, prompts, params, **keywords)
 
     # checkpoints -------------------------------------------------------------------------
 
