@@ -184,7 +184,7 @@ def transformers_inv_freq(configs: list[dict], **env: str) -> tuple[str, list[np
 
 
 def strop_inv_freq(config: dict) -> np.ndarray:
-    from strop.backends.jax.model import rope_inv_freq
+    from strop.backends.jax.rope import rope_inv_freq
     from strop.io.model_spec import ModelSpec
 
     ours = rope_inv_freq(ModelSpec.from_hf_config({**config, "model_type": "llama"}))

@@ -60,7 +60,7 @@ def test_llama3_rope_frequencies_match_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from strop.backends.jax.model import rope_inv_freq
+    from strop.backends.jax.rope import rope_inv_freq
 
     hf_config = LlamaConfig(
         hidden_size=512, num_attention_heads=4, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE

@@ -203,6 +203,7 @@ class GenerationConfig(_Section):
         "on one CUDA device, off elsewhere (a CPU gains nothing; FSDP-sharded models stay "
         "eager). JAX's sampler is always compiled.",
     )
+
     @field_validator("compile", mode="before")
     @classmethod
     def _off_is_false(cls, value: object) -> object:
