@@ -72,6 +72,13 @@ def test_info_reports_versions_and_backends(tmp_path: Path) -> None:
         ("ppo", ["ppo.reference_adapter=x", "lora.enabled=false"], "ppo.reference_adapter"),
         ("ppo", ["critic.model_path=x", "lora.enabled=true"], "critic.model_path"),
         ("eval", ["eval.num_samples=0"], "eval.num_samples"),
+        ("ppo", ["generation.compile=reduce-overhead"], "generation.compile"),  # backend=jax
+        (
+            "eval",
+            ["backend=torch", "generation.engine=vllm", "generation.compile=default"],
+            "generation.compile=",
+        ),
+        ("ppo", ["generation.compile=sometimes"], "generation.compile"),
         # against the devices (jax sees 8 in tests; torch is one process here)
         ("sft", ["mesh.data=3"], "mesh sizes data=3"),
         ("sft", ["sft.micro_batch_size=4", "mesh.fsdp=-1"], "sft.micro_batch_size=4"),

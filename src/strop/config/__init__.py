@@ -112,6 +112,13 @@ class Config(_Section):
                 f"ppo.overlong_buffer ({self.ppo.overlong_buffer}) is longer than "
                 f"generation.max_new_tokens ({self.generation.max_new_tokens})",
             ),
+            (
+                self.generation.compile not in ("auto", "off")
+                and (self.backend != "torch" or self.generation.engine != "native"),
+                f"generation.compile={self.generation.compile} compiles the torch sampler: "
+                "it needs backend=torch and generation.engine=native (JAX's sampler is "
+                "always compiled, vLLM brings its own CUDA graphs)",
+            ),
         )
         for conflict, message in conflicts:
             if conflict:
