@@ -19,8 +19,8 @@
 #                   backends, LoRA and full (benchmarks/mfu.py)
 #   mfu-torch-lora  the same, torch LoRA only
 #   ppo             a PPO iteration at those shapes by phase (benchmarks/ppo_step.py)
-#   ppo-torch       the same, torch only
-#   ppo-torch-graphs  the same, torch only, generation.compile=reduce-overhead
+#   ppo-torch-MODE  the same, torch only, generation.compile=MODE (auto, off,
+#                   reduce-overhead, ...)
 #   decode          the torch sampler eager, compiled and with CUDA graphs, LoRA r16,
 #                   128 prompts x 256 new tokens (benchmarks/rollout.py)
 # "mfu ppo" take about 9 minutes on an H200 with an empty JAX compile cache
@@ -82,9 +82,8 @@ for step in $STEPS; do
       --modes lora --json "$OUT/mfu-torch-lora.json" --timeout 140 2>&1 | tee "$OUT/mfu-torch-lora.txt" ;;
     ppo) timeout 330 python3 benchmarks/ppo_step.py --shape "$SHAPE" --task /tmp/task --backends torch jax \
       --steps 3 "${PPO_JOB[@]}" 2>&1 | tee "$OUT/ppo.txt" ;;
-    ppo-torch | ppo-torch-graphs) timeout 330 python3 benchmarks/ppo_step.py --shape "$SHAPE" \
-      --task /tmp/task --backends torch --steps 3 "${PPO_JOB[@]}" \
-      generation.compile=$([[ $step == *graphs ]] && echo reduce-overhead || echo off) 2>&1 |
+    ppo-torch*) timeout 330 python3 benchmarks/ppo_step.py --shape "$SHAPE" --task /tmp/task \
+      --backends torch --steps 3 "${PPO_JOB[@]}" generation.compile=${step#ppo-torch-} 2>&1 |
       tee "$OUT/$step.txt" ;;
     decode) timeout 300 python3 benchmarks/rollout.py --model /tmp/task/model --device "$DEVICE" \
       --batch 128 --new-tokens 256 --lora-rank 16 --systems ${DECODE_SYSTEMS:-torch torch-compiled torch-graphs} 2>&1 |
