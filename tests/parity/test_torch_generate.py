@@ -295,20 +295,29 @@ def test_prompt_columns_pad_without_changing_the_responses(models):
 @pytest.mark.slow
 def test_compiled_decode_step_matches_eager_and_compiles_once(models):
     """``compile_mode="default"`` (about half a minute of inductor compilation on a CPU):
-    the same tokens as eager, and at one ``prompt_columns`` one graph for every call,
-    whatever its prompts' lengths."""
+    the same tokens as eager, also after the weights change in place (as an optimizer
+    step changes them), and at one ``prompt_columns`` one graph for every call, whatever
+    its prompts' lengths."""
     from torch._dynamo.utils import counters
 
     model = models["qwen2"]
+    weight = model.model.layers[0].mlp.down_proj.weight
+    saved = weight.detach().clone()
     graphs = []
-    for lengths in ((7, 3, 5, 1, 9), (2, 17, 4, 6, 1)):  # 16 and 32 columns unpadded
-        prompts = ragged_prompts(13, lengths)
-        eager = generate(model, prompts, greedy(6), eos_ids=[], pad_id=PAD, seed=0)
-        out = generate(model, prompts, greedy(6), eos_ids=[], pad_id=PAD, seed=0,
-                       compile_mode="default", prompt_columns=20)  # fmt: skip
-        assert out.responses() == eager.responses()
-        np.testing.assert_allclose(out.logprobs, eager.logprobs, atol=ATOL)
-        graphs.append(counters["stats"]["unique_graphs"])
+    try:
+        for lengths in ((7, 3, 5, 1, 9), (2, 17, 4, 6, 1)):  # 16 and 32 columns unpadded
+            prompts = ragged_prompts(13, lengths)
+            eager = generate(model, prompts, greedy(6), eos_ids=[], pad_id=PAD, seed=0)
+            out = generate(model, prompts, greedy(6), eos_ids=[], pad_id=PAD, seed=0,
+                           compile_mode="default", prompt_columns=20)  # fmt: skip
+            assert out.responses() == eager.responses()
+            np.testing.assert_allclose(out.logprobs, eager.logprobs, atol=ATOL)
+            graphs.append(counters["stats"]["unique_graphs"])
+            with torch.no_grad():
+                weight.mul_(-3.0)  # the next call must see it: the graph reads the weights
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
     assert graphs[1] == graphs[0]
 
 

@@ -216,7 +216,7 @@ def _sample_loop(
     generator = torch.Generator(device=device).manual_seed(seed)
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
     step_forward = _compiled_forward(compile_mode) if compile_mode else _forward
-    graphs = compile_mode == "reduce-overhead" and device.type == "cuda"
+    graphs = compile_mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
     check_every = 1 if device.type == "cpu" else DONE_CHECK_EVERY
 
     tokens = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
