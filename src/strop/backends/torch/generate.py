@@ -7,10 +7,11 @@ Layout and positions
 --------------------
 Prompts are left-padded to a bucket ``P`` (the longest prompt, or the caller's
 ``prompt_columns`` if wider, rounded up to a multiple of :data:`PROMPT_BUCKET`, so that
-repeated calls, and a compiled decode step, see few distinct shapes). Each row's position ids count from its first real token: a prompt of ``n`` tokens
-holds positions ``0 .. n-1`` in columns ``P-n .. P-1`` (padding columns get position 0 and
-are masked out), and the ``t``-th generated token (``t = 0, 1, ...``) has position ``n + t``
-whatever the padding, so a row's logits do not depend on the other rows.
+repeated calls, and a compiled decode step, see few distinct shapes). Each row's position
+ids count from its first real token: a prompt of ``n`` tokens holds positions
+``0 .. n-1`` in columns ``P-n .. P-1`` (padding columns get position 0 and are masked out),
+and the ``t``-th generated token (``t = 0, 1, ...``) has position ``n + t`` whatever the
+padding, so a row's logits do not depend on the other rows.
 
 The KV cache is a ``transformers.StaticCache`` of ``P + max_new_tokens - 1`` slots per row,
 allocated once: the prefill writes slots ``0 .. P-1``; decode step ``t`` feeds the token
