@@ -332,7 +332,8 @@ def test_generation_compile_setting_picks_the_decode_mode(models):
     model = models["qwen2"]
 
     def keywords(*overrides):
-        return sampler_keywords(load_config("tiny", list(overrides)).generation, decoding, model)
+        config = load_config("tiny", ["backend=torch", *overrides])
+        return sampler_keywords(config.generation, decoding, model)
 
     assert keywords()["compile_mode"] is None and "prompt_columns" not in keywords()
     assert keywords("generation.compile=off")["compile_mode"] is None
