@@ -321,6 +321,39 @@ def test_compiled_decode_step_matches_eager_and_compiles_once(models):
     assert graphs[1] == graphs[0]
 
 
+def test_a_failed_compile_warns_once_and_decodes_eagerly(models, monkeypatch, caplog):
+    """A compiler backend that fails (as a machine without a C compiler or Triton would):
+    the call still returns eager's tokens, and later calls do not try again."""
+    import logging
+
+    import strop.backends.torch.generate as sampler
+
+    attempts = []
+
+    def failing_backend(graph, example_inputs):
+        attempts.append(graph)
+        raise RuntimeError("no C compiler here")
+
+    monkeypatch.setattr(sampler, "_FAILED_MODES", set())
+    monkeypatch.setattr(
+        sampler, "_compiled_forward",
+        lambda mode: torch.compile(sampler._forward, backend=failing_backend),
+    )  # fmt: skip
+    model, prompts = models["qwen2"], ragged_prompts(15)
+    eager = generate(model, prompts, greedy(5), eos_ids=[], pad_id=PAD, seed=0)
+    with caplog.at_level(logging.WARNING, logger=sampler.__name__):
+        for _ in range(2):
+            out = generate(model, prompts, greedy(5), eos_ids=[], pad_id=PAD, seed=0,
+                           compile_mode="default")  # fmt: skip
+            assert out.responses() == eager.responses()
+            np.testing.assert_allclose(out.logprobs, eager.logprobs, atol=ATOL)
+    assert len(attempts) == 1
+    (warning,) = [
+        r.getMessage() for r in caplog.records if "torch.compile failed" in r.getMessage()
+    ]
+    assert "no C compiler here" in warning and "decoding eagerly" in warning
+
+
 def test_generation_compile_setting_picks_the_decode_mode(models):
     """``generation.compile``: ``auto`` is eager on a CPU; a mode compiles at the run's
     prompt width; YAML's bare ``off`` (read as false) means off."""

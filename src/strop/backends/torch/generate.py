@@ -64,13 +64,15 @@ prefill, whose shape varies, runs eagerly; sampling stays eager because it takes
 (one launch per step instead of hundreds); the cache's tensors keep their addresses, and a
 new call's cache is re-recorded. One compile per decode shape: the batch size and the cache
 length (the prompt bucket plus ``max_new_tokens``); after a second shape dynamo compiles
-one graph with dynamic sizes.
+one graph with dynamic sizes. Where compiling fails (no C compiler or Triton, say), the
+loop warns once and decodes eagerly, in that call and every later one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Iterator, Sequence
 from functools import cache
 
@@ -89,6 +91,12 @@ from strop.generation import (
     check_generate_args,
     cut_at_stop_strings,
 )
+
+logger = logging.getLogger(__name__)
+
+_FAILED_MODES: set[str] = set()
+"""``torch.compile`` modes that failed to compile the decode step in this process: later
+calls decode eagerly instead of failing again (a failed compile costs its whole time)."""
 
 PROMPT_BUCKET = 16
 """Prompts are left-padded to a multiple of this many tokens."""
@@ -216,8 +224,7 @@ def _sample_loop(
     kv_cache = StaticCache(config=model.config, max_cache_len=width + steps - 1)
     generator = torch.Generator(device=device).manual_seed(seed)
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
-    step_forward = _compiled_forward(compile_mode) if compile_mode else _forward
-    graphs = compile_mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
+    step_forward = _DecodeStep(compile_mode, device)
     check_every = 1 if device.type == "cpu" else DONE_CHECK_EVERY
 
     tokens = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
@@ -238,8 +245,6 @@ def _sample_loop(
         done |= stopped
         if t == steps - 1 or ((t + 1) % check_every == 0 and bool(done.all())):
             break
-        if graphs:  # the last step's outputs are consumed: the graph may overwrite them
-            torch.compiler.cudagraph_mark_step_begin()
         logits = step_forward(model, kv_cache, token[:, None], positions, attention_mask, keyword)
         positions += 1
     return tokens, logprobs, lengths, done
@@ -278,6 +283,47 @@ def _cache_keyword(model: torch.nn.Module) -> str:
 def _forward_keyword(model_class: type) -> str:
     parameters = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
+
+
+class _DecodeStep:
+    """The decode step's forward (:func:`_forward`'s arguments): compiled with
+    ``compile_mode``, or eager (``None``, or a mode that failed to compile in this process:
+    it warns once and decodes eagerly from then on, as a failed compile costs its whole
+    time again at every call)."""
+
+    def __init__(self, compile_mode: str | None, device: torch.device):
+        self.mode = None if compile_mode in _FAILED_MODES else compile_mode
+        self.compiled = _compiled_forward(self.mode) if self.mode else None
+        # CUDA graphs overwrite their outputs at the next replay: each step says it began
+        self.graphs = self.mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
+
+    def __call__(self, *inputs: object) -> torch.Tensor:
+        if self.compiled is None:
+            return _forward(*inputs)
+        if self.graphs:  # the last step's logits are consumed by now
+            torch.compiler.cudagraph_mark_step_begin()
+        try:
+            return self.compiled(*inputs)
+        except Exception as error:
+            if not _compile_failed(error):
+                raise
+            _FAILED_MODES.add(str(self.mode))
+            cause = getattr(error, "inner_exception", None) or error  # the backend's own
+            first_line = f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0]}"
+            logger.warning(
+                "generation.compile=%s: torch.compile failed (%s); decoding eagerly from now "
+                "on (generation.compile=off skips the attempt)", self.mode, first_line,
+            )  # fmt: skip
+            self.compiled = None
+            return _forward(*inputs)
+
+
+def _compile_failed(error: Exception) -> bool:
+    """Whether ``error`` is ``torch.compile`` failing to build a graph (no C compiler, no
+    Triton, an unsupported op), not the step itself failing."""
+    from torch._dynamo.exc import BackendCompilerFailed  # loaded by then: compiling ran
+
+    return isinstance(error, BackendCompilerFailed)
 
 
 @cache
