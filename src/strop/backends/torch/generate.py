@@ -173,13 +173,13 @@ def sampler_keywords(
     generation: GenerationConfig, decoding: Decoding, model: torch.nn.Module
 ) -> dict[str, object]:
     """:func:`generate`'s keyword arguments for a run's ``generation`` settings: the
-    decode step compiled as :func:`compile_mode` says, and then at the run's one prompt
+    decode step compiled as :func:`decode_compile_mode` says, and then at the run's one prompt
     width (``decoding.prompt_columns``), so that it compiles once."""
-    mode = compile_mode(generation.compile, model)
+    mode = decode_compile_mode(generation.compile, model)
     return {**decoding.keywords(shape_hint=mode is not None), "compile_mode": mode}
 
 
-def compile_mode(setting: str, model: torch.nn.Module) -> str | None:
+def decode_compile_mode(setting: str, model: torch.nn.Module) -> str | None:
     """``torch.compile``'s mode for the decode step, or ``None`` (eager), from
     ``generation.compile``: ``"auto"`` is CUDA graphs (``"reduce-overhead"``) for a model
     on one CUDA device and eager elsewhere: on a CPU compiling costs more than it saves
@@ -307,7 +307,7 @@ class _DecodeStep:
         except Exception as error:
             if not _compile_failed(error):
                 raise
-            _FAILED_MODES.add(str(self.mode))
+            _FAILED_MODES.add(self.mode)
             cause = getattr(error, "inner_exception", None) or error  # the backend's own
             first_line = f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0]}"
             logger.warning(
