@@ -11,13 +11,12 @@ VLLM_VENV   := .venv-vllm
 VLLM_BIN    := $(VLLM_VENV)/bin
 VLLM_STAMP  := $(VLLM_VENV)/.strop-installed
 VLLM_ENGINE := $(VLLM_VENV)/.vllm-installed
-VLLM_LOG    := .pytest-vllm.log
 PYTEST_ARGS ?=
 # The main suite runs on every usable core, one pytest-xdist worker per core (each pinned
 # to its own: tests/conftest.py), longest tests first; worksteal keeps both busy to the end.
 PARALLEL_TESTS ?= -n auto --dist worksteal
 
-.PHONY: install install-vllm test main-suite vllm-suite test-vllm lint format demo clean
+.PHONY: install install-vllm test test-vllm lint format demo clean
 
 install: $(STAMP)
 
@@ -52,23 +51,12 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix $(LINT_PATHS)
 	$(BIN)/ruff format $(LINT_PATHS)
 
-# The two suites run side by side, each as soon as its virtualenv is ready: the main one
-# (after lint) in the foreground, the vLLM one with its output in $(VLLM_LOG), printed
-# once both have ended. pip keeps about one core busy, so the main suite starts while
-# .venv-vllm still installs, and the vLLM suite fills the cores the main one leaves idle.
-# Both always run to the end (-k); `make test` fails if either does.
+# Both virtualenvs install side by side (pip keeps about one core busy), then lint.
 test:
-	@rm -f $(VLLM_LOG)
-	@$(MAKE) --no-print-directory -j2 -k main-suite vllm-suite; status=$$?; \
-	if [ -f $(VLLM_LOG) ]; then echo "--- tests/vllm_engine (.venv-vllm), from $(VLLM_LOG):"; \
-	cat $(VLLM_LOG); fi; exit $$status
-
-main-suite: lint
+	@$(MAKE) --no-print-directory -j2 install install-vllm
+	@$(MAKE) --no-print-directory lint
 	$(BIN)/pytest $(PARALLEL_TESTS) $(PYTEST_ARGS)
-
-vllm-suite: $(VLLM_STAMP)
-	@echo "tests/vllm_engine runs in .venv-vllm beside the main suite; output: $(VLLM_LOG)"
-	@$(VLLM_BIN)/pytest tests/vllm_engine $(PYTEST_ARGS) > $(VLLM_LOG) 2>&1
+	$(VLLM_BIN)/pytest tests/vllm_engine $(PYTEST_ARGS)
 
 # Only the vLLM engine's tests (in .venv-vllm).
 test-vllm: $(VLLM_STAMP)
@@ -79,4 +67,4 @@ demo: $(STAMP)
 	$(BIN)/strop demo
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache $(VLLM_LOG)
+	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
