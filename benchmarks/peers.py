@@ -65,8 +65,16 @@ REQUIREMENTS = {
     "tunix": [["google-tunix==0.1.7"]],
     "trl-grpo": [["torch==2.13.0"], ["trl==1.16.0", "peft==0.21.2"]],
 }
-SYSTEMS = ("strop-torch", "trl", "strop-jax", "tunix", "trl-grpo")
-PAIRS = (("strop-torch", "trl"), ("strop-jax", "tunix"), ("strop-torch", "trl-grpo"))
+SYSTEMS = ("strop-torch", "strop-torch-shared", "trl", "strop-jax", "tunix", "trl-grpo")
+PAIRS = (
+    ("strop-torch", "trl"),
+    ("strop-torch-shared", "trl"),
+    ("strop-jax", "tunix"),
+    ("strop-torch", "trl-grpo"),
+)
+# strop-torch-shared: the same job with critic.shared_trunk=true (the value head on the
+# actor's adapters, one update per mini-batch for both losses)
+SHARED_TRUNK = ["critic.shared_trunk=true"]
 PPO_SYSTEMS = ("strop-torch", "trl", "strop-jax", "tunix")
 GRPO_SYSTEMS = ("strop-torch", "trl-grpo")
 SCRIPTS = {"trl": "trl_ppo.py", "tunix": "tunix_ppo.py", "trl-grpo": "trl_grpo.py"}
@@ -257,6 +265,8 @@ def strop_child(
     """Run strop's PPO (the `strop ppo` code path) with the demo recipe (``grpo``: with
     GRPO advantages, no critic); print RESULT."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    shared = backend == "torch-shared"
+    backend = backend.removesuffix("-shared")
     if backend == "torch":
         import torch
 
@@ -279,6 +289,7 @@ def strop_child(
             "checkpoint.every_steps=100000",
             "logging.tensorboard=false",
             *(GRPO if grpo else []),
+            *(SHARED_TRUNK if shared else []),
         ],
     )
     history = run_ppo(config).history
@@ -301,7 +312,7 @@ def command_for(
     system: str, data: Path, work: Path, iterations: int, seed: int, job: dict, grpo: bool
 ) -> list[str]:
     if system.startswith("strop-"):
-        backend = system.removeprefix("strop-")
+        backend = system.removeprefix("strop-")  # torch, torch-shared or jax
         return [sys.executable, __file__, "--child", backend, "--data", str(data),
                 "--run-dir", str(work / f"{system}-{os.urandom(4).hex()}"),
                 "--iterations", str(iterations), "--seed", str(seed),
@@ -476,6 +487,13 @@ def summarize(results: dict[str, list[dict]], config) -> None:
         print(f"  {peer}:")
         for item in items:
             print(f"    - {item}")
+    if "strop-torch-shared" in stats:
+        print(
+            "  strop-torch-shared against strop-torch: critic.shared_trunk=true, the value head "
+            "on the actor's adapters (no critic adapter); one forward and backward per "
+            "mini-batch for policy loss + value_loss_coef x value loss, one AdamW at "
+            f"lr {config.optim.lr:g} for adapters and head"
+        )
 
 
 def main() -> None:

@@ -79,6 +79,27 @@ def test_info_reports_versions_and_backends(tmp_path: Path) -> None:
             "generation.compile=",
         ),
         ("ppo", ["generation.compile=sometimes"], "generation.compile"),
+        ("ppo", ["critic.shared_trunk=true"], "critic.shared_trunk"),  # backend=jax
+        (
+            "ppo",
+            ["backend=torch", "critic.shared_trunk=true", "lora.enabled=false"],
+            "critic.shared_trunk",
+        ),
+        (
+            "ppo",
+            [
+                "backend=torch",
+                "critic.shared_trunk=true",
+                "ppo.advantage_estimator=grpo",
+                "ppo.kl_in_reward=false",
+            ],
+            "critic.shared_trunk",
+        ),
+        (
+            "ppo",
+            ["backend=torch", "critic.shared_trunk=true", "ppo.critic_warmup_steps=2"],
+            "ppo.critic_warmup_steps",
+        ),
         # against the devices (jax sees 8 in tests; torch is one process here)
         ("sft", ["mesh.data=3"], "mesh sizes data=3"),
         ("sft", ["sft.micro_batch_size=4", "mesh.fsdp=-1"], "sft.micro_batch_size=4"),

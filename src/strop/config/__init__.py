@@ -119,6 +119,18 @@ class Config(_Section):
                 "it needs backend=torch and generation.engine=native (JAX's sampler is "
                 "always compiled, vLLM brings its own CUDA graphs)",
             ),
+            (
+                self.critic.shared_trunk
+                and (self.backend != "torch" or not self.lora.enabled or not self.ppo.has_critic),
+                "critic.shared_trunk=true puts the value head on the actor's LoRA adapters: it "
+                "needs backend=torch (the jax backend does not have it yet), lora.enabled=true "
+                "and a critic (ppo.advantage_estimator=gae)",
+            ),
+            (
+                self.critic.shared_trunk and self.ppo.critic_warmup_steps > 0,
+                f"ppo.critic_warmup_steps ({self.ppo.critic_warmup_steps}) trains the critic "
+                "alone first, which critic.shared_trunk=true (one update for both) cannot",
+            ),
         )
         for conflict, message in conflicts:
             if conflict:

@@ -220,3 +220,11 @@ class CriticConfig(_Section):
         gt=0,
         description="Critic learning rate; null = optim.lr (other optim settings shared).",
     )
+    shared_trunk: bool = Field(
+        False,
+        description="The critic is the value head on the actor's own LoRA adapters (no critic "
+        "adapter): one forward and one backward per mini-batch serve the policy loss plus "
+        "ppo.value_loss_coef x the value loss, in the actor's optimizer (optim.lr; critic.lr "
+        "does not apply). About a third off a PPO iteration. Needs lora.enabled, a critic "
+        "(ppo.advantage_estimator=gae) and, for now, backend=torch.",
+    )

@@ -71,6 +71,11 @@ class PolicyObjective:
         return (*UPDATE_COLUMNS, "old_logprobs", "advantages", *kl)
 
 
+SHARED_CRITIC_PREFIX = "critic_"
+"""With ``critic.shared_trunk`` one update trains actor and critic: the policy update's
+stats carry the critic's under this prefix (``critic_loss``, ...), logged as ``critic/*``."""
+
+
 @dataclass(frozen=True)
 class ValueObjective:
     """The critic's loss: ``coef * 0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2)``."""

@@ -57,6 +57,7 @@ from strop.preflight import preflight
 from strop.progress import RunProgress
 from strop.rewards.weighted import ScoredBatch
 from strop.rl.experience import build_experience, minibatches, pad_columns, round_up
+from strop.rl.objectives import SHARED_CRITIC_PREFIX
 from strop.rl.overlong import length_penalty, without_truncated
 from strop.rl.prompts import PromptSet
 from strop.rl.rollout import Rollout, token_mult_prob_error
@@ -304,7 +305,10 @@ class PpoLoop:
                 checkpoint_dir=str(self.config.checkpoint_path()),
             )
             for name, value in stats.items():
-                updates[f"{role}/{name}"].append(value)
+                if name.startswith(SHARED_CRITIC_PREFIX):  # critic.shared_trunk: one update
+                    updates[f"critic/{name.removeprefix(SHARED_CRITIC_PREFIX)}"].append(value)
+                else:
+                    updates[f"{role}/{name}"].append(value)
 
         for epoch in range(ppo.ppo_epochs):
             rng = np.random.default_rng([self.config.seed, step, epoch])
@@ -313,7 +317,7 @@ class PpoLoop:
                 self.sampling.max_new_tokens,
             )  # fmt: skip
             for index, mini in enumerate(minis):
-                if ppo.has_critic:
+                if ppo.has_critic and not self.config.critic.shared_trunk:
                     update("critic", engine.train_critic, mini, epoch, index)
                 if step >= ppo.critic_warmup_steps:
                     update("policy", engine.train_policy, mini, epoch, index)

@@ -42,7 +42,7 @@ from strop.backends.torch.lora import (
     set_adapter_weights,
     use_adapter,
 )
-from strop.backends.torch.model import build_model, forward_logits
+from strop.backends.torch.model import build_model, forward_logits, run_model
 from strop.backends.torch.ppo_steps import critic_micro_loss, policy_micro_loss, token_logprobs
 from strop.backends.torch.train import Trainer, rank_rows, used_columns
 from strop.backends.torch.value import ValueModel
@@ -52,7 +52,7 @@ from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
 from strop.lora_init import critic_seed as critic_seed_of
 from strop.rl import packing
-from strop.rl.objectives import PolicyObjective, ValueObjective
+from strop.rl.objectives import SHARED_CRITIC_PREFIX, PolicyObjective, ValueObjective
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,8 @@ class TorchActorCritic(Sampler):
         reference_path = config.reference_adapter_path()
         lora = config.lora.enabled
         self.has_critic = critic = config.ppo.has_critic  # critic-free estimators build none
+        # critic.shared_trunk: the value head reads the actor's adapters; one update for both
+        self.shared_trunk = critic and config.critic.shared_trunk
         # the critic's adapter and head start from the core's critic seed (as on JAX)
         critic_seed = critic_seed_of(config.seed)
 
@@ -90,7 +92,7 @@ class TorchActorCritic(Sampler):
 
         critic_params: list[nn.Parameter] = []
         if lora:
-            extra = ((CRITIC_ADAPTER,) if critic else ()) + (
+            extra = ((CRITIC_ADAPTER,) if critic and not self.shared_trunk else ()) + (
                 (REFERENCE_ADAPTER,) if reference_path else ()
             )
             self.loaded = build(model_path, extra_adapters=extra)
@@ -110,7 +112,7 @@ class TorchActorCritic(Sampler):
             for name, param in self.loaded.model.named_parameters():
                 if f".{CRITIC_ADAPTER}." in name and hf_module_path(name).startswith("lm_head"):
                     param.requires_grad_(False)
-            if critic:
+            if critic and not self.shared_trunk:
                 critic_params = [
                     p for p in adapter_params(self.loaded.model, CRITIC_ADAPTER) if p.requires_grad
                 ]
@@ -123,15 +125,17 @@ class TorchActorCritic(Sampler):
             if critic:
                 critic_params = list(self.critic_loaded.model.parameters())
 
-        self.actor_trainer = Trainer(
-            self.loaded, config.optim, total_steps=total_updates, seed=config.seed,
-            params=actor_params,
-        )  # fmt: skip
         # what a checkpoint holds: the trainable parameters of these, and the optimizers
         self._state = nn.ModuleDict({"actor": self.loaded.model})
         self.critic = self.critic_trainer = None
         if critic:
             self._build_critic(critic_params, critic_seed, total_updates)
+        shared_head = [self.critic.value_head] if self.shared_trunk else []
+        self.actor_trainer = Trainer(
+            self.loaded, config.optim, total_steps=total_updates, seed=config.seed,
+            params=actor_params + [p for head in shared_head for p in head.parameters()],
+            modules=[self.loaded.model, *shared_head],
+        )  # fmt: skip
         self.checkpoints = run_checkpoints(
             TrainCheckpoints, config, checkpoint_dir, "torch", "ppo", self.placement
         )
@@ -139,17 +143,26 @@ class TorchActorCritic(Sampler):
     def _build_critic(
         self, critic_params: list[nn.Parameter], critic_seed: int, total_updates: int
     ) -> None:
-        """The value head over the critic's backbone, and the critic's optimizer."""
+        """The value head over the critic's backbone, and the critic's optimizer (none with
+        ``critic.shared_trunk``: the actor's trains the head)."""
         self.critic = ValueModel(self.critic_loaded, seed=critic_seed)
         if self.placement.distributed:
             shard_module(self.critic.value_head, self.placement.mesh, torch.float32)
+        self._state["value_head"] = self.critic.value_head
+        if self.shared_trunk:
+            if self.config.critic.lr is not None:
+                logger.warning(
+                    "critic.lr (%g) does not apply with critic.shared_trunk: the value head "
+                    "trains in the actor's optimizer (optim.lr %g)",
+                    self.config.critic.lr, self.config.optim.lr,
+                )  # fmt: skip
+            return
         head_params = list(self.critic.value_head.parameters())
         self.critic_trainer = Trainer(
             self.critic_loaded, self.config.critic_optim(), total_steps=total_updates,
             seed=critic_seed, params=critic_params + head_params,
             modules=[self.critic_loaded.model, self.critic.value_head],
         )  # fmt: skip
-        self._state["value_head"] = self.critic.value_head
         if not self.config.lora.enabled:
             self._state["critic"] = self.critic_loaded.model
 
@@ -165,7 +178,7 @@ class TorchActorCritic(Sampler):
             return
         adapter = {
             "actor": ADAPTER_NAME,
-            "critic": CRITIC_ADAPTER,
+            "critic": ADAPTER_NAME if self.shared_trunk else CRITIC_ADAPTER,
             "reference": REFERENCE_ADAPTER if self.config.reference_adapter_path() else None,
         }[role]
         with use_adapter(self.loaded.model, adapter):
@@ -252,6 +265,8 @@ class TorchActorCritic(Sampler):
             return self._forward_rows(batch, self.critic.values)
 
     def train_policy(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
+        if self.shared_trunk:
+            return self._train_shared_trunk(batch, micro_batches)
         batch, names = self._packed(batch, self.policy_objective.batch_names, micro_batches)
         with self._role("actor") as loaded:
 
@@ -260,6 +275,28 @@ class TorchActorCritic(Sampler):
                     loaded, micro["input_ids"], micro["attention_mask"], micro.get("positions")
                 )
                 return policy_micro_loss(logits, micro, self.policy_objective)
+
+            return self.actor_trainer.update(batch, names, micro_batches, loss_fn)
+
+    def _train_shared_trunk(self, batch: dict[str, np.ndarray], micro_batches: int):
+        """``critic.shared_trunk``: one update of the actor's adapters and the value head
+        over ``policy loss + value_loss_coef x value loss``, both from one forward (logits
+        and the final hidden state); the critic's stats under ``SHARED_CRITIC_PREFIX``."""
+        wanted = (*self.policy_objective.batch_names, *self.value_objective.batch_names)
+        batch, names = self._packed(batch, tuple(dict.fromkeys(wanted)), micro_batches)
+        with self._role("actor") as loaded:
+
+            def loss_fn(micro):
+                ids, mask, positions = (
+                    micro["input_ids"], micro["attention_mask"], micro.get("positions")
+                )  # fmt: skip
+                out = run_model(loaded, ids, mask, positions, output_hidden_states=True)
+                loss, stats = policy_micro_loss(out.logits.float(), micro, self.policy_objective)
+                values = self.critic.values_from_hidden(out.hidden_states[-1])
+                value_loss, value_stats = critic_micro_loss(values, micro, self.value_objective)
+                stats = {"loss": loss.detach(), **stats}  # the policy's part, as logged
+                stats.update({SHARED_CRITIC_PREFIX + k: v for k, v in value_stats.items()})
+                return loss + value_loss, stats
 
             return self.actor_trainer.update(batch, names, micro_batches, loss_fn)
 
@@ -281,7 +318,7 @@ class TorchActorCritic(Sampler):
         return None if self.checkpoints is None else self.checkpoints.latest_step()
 
     def _trainers(self) -> list[Trainer]:
-        return [self.actor_trainer] + ([self.critic_trainer] if self.has_critic else [])
+        return [self.actor_trainer] + ([self.critic_trainer] if self.critic_trainer else [])
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return [trainer.optimizer for trainer in self._trainers()]
@@ -310,14 +347,14 @@ class TorchActorCritic(Sampler):
 
     def lora_weights(self) -> dict[str, Any]:
         """Host copies: ``actor`` and ``critic`` adapters (PEFT layout) and ``value_head``
-        ``(kernel [E], bias)`` (the actor's alone without a critic)."""
-        if not self.has_critic:
-            return {"actor": adapter_weights(self.loaded.model)}
-        return {
-            "actor": adapter_weights(self.loaded.model),
-            "critic": adapter_weights(self.loaded.model, CRITIC_ADAPTER),
-            "value_head": self.critic.head_weights(),
-        }
+        ``(kernel [E], bias)`` (the actor's alone without a critic; no ``critic`` adapter
+        with ``critic.shared_trunk``)."""
+        weights = {"actor": adapter_weights(self.loaded.model)}
+        if self.has_critic and not self.shared_trunk:
+            weights["critic"] = adapter_weights(self.loaded.model, CRITIC_ADAPTER)
+        if self.has_critic:
+            weights["value_head"] = self.critic.head_weights()
+        return weights
 
     def set_lora_weights(self, *, actor=None, critic=None, value_head=None) -> None:
         """Overwrite any of the weights :meth:`lora_weights` returns."""

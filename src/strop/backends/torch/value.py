@@ -84,6 +84,12 @@ class ValueModel(nn.Module):
         with torch.autocast(hidden.device.type, enabled=False):
             return self.value_head(hidden)[..., 0]
 
+    def values_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`values` from a forward already run: ``hidden`` is its final normed hidden
+        state ``[B, L, E]`` (``critic.shared_trunk`` reads it off the actor's forward)."""
+        with torch.autocast(hidden.device.type, enabled=False):
+            return shift_values(self.value_head(hidden)[..., 0])
+
     def values(
         self,
         input_ids: torch.Tensor,

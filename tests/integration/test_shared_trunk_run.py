@@ -1,0 +1,57 @@
+"""`strop ppo backend=torch critic.shared_trunk=true`: the run logs the policy's and the
+critic's statistics from its one update per mini-batch, and a run killed and resumed
+computes what an uninterrupted one does (the value head and the one optimizer that trains
+it are in the checkpoint)."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+
+import pytest
+
+from strop.metrics.sinks import read_metrics
+from tests.integration.test_kill_resume import (
+    PPO,
+    _comparable,
+    _env,
+    _kill_and_resume,
+    _metric_steps,
+    jax_cache,  # noqa: F401 (a fixture)
+    ppo_inputs,  # noqa: F401 (a fixture)
+)
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_shared_trunk_run_logs_both_roles_and_resumes_exactly(tmp_path, ppo_inputs, jax_cache):  # noqa: F811
+    env = _env(jax_cache)
+    common = [
+        "backend=torch", "critic.shared_trunk=true", "ppo.steps=4", "ppo.prompts_per_step=4",
+        "ppo.num_generations_per_prompt=2", "ppo.mini_batch_size=8", "ppo.validate_every=2",
+        "ppo.validation_size=8", "generation.max_new_tokens=16", "checkpoint.every_steps=1",
+        "checkpoint.keep=2", "logging.tensorboard=false", *ppo_inputs,
+    ]  # fmt: skip
+    straight = subprocess.run(
+        [*PPO, f"run_dir={tmp_path / 'straight'}", *common], env=env, capture_output=True
+    )
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    want = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    trained = [r for r in want if "policy/loss" in r]
+    assert len(trained) == 4
+    for record in trained:
+        for key in ("critic/loss", "critic/value_mean", "critic/explained_var", "policy/pg_loss",
+                    "policy/grad_norm"):  # fmt: skip
+            assert key in record, (key, sorted(record))
+        assert "critic/grad_norm" not in record  # one update, one norm: policy/grad_norm
+    assert len({r["critic/value_mean"] for r in trained}) > 1  # the head trains
+
+    run_dir = tmp_path / "killed"
+    kills, _, resumes = _kill_and_resume(
+        [*PPO, f"run_dir={run_dir}", *common], env, run_dir / "checkpoints", "torch",
+        1, 0.4, random.Random("shared-trunk-kill"), tmp_path,
+    )  # fmt: skip
+    assert kills == 1 and resumes == 1
+    got = read_metrics(run_dir / "metrics.jsonl")
+    assert _metric_steps(run_dir) == [r["step"] for r in want]
+    assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
