@@ -10,7 +10,9 @@ import subprocess
 
 import pytest
 
+from strop.errors import CheckpointError
 from strop.metrics.sinks import read_metrics
+from strop.rl.ppo import run_ppo
 from tests.integration.test_kill_resume import (
     PPO,
     _comparable,
@@ -20,6 +22,7 @@ from tests.integration.test_kill_resume import (
     jax_cache,  # noqa: F401 (a fixture)
     ppo_inputs,  # noqa: F401 (a fixture)
 )
+from tests.integration.test_ppo_run import config_for, task  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -55,3 +58,21 @@ def test_a_shared_trunk_run_logs_both_roles_and_resumes_exactly(tmp_path, ppo_in
     got = read_metrics(run_dir / "metrics.jsonl")
     assert _metric_steps(run_dir) == [r["step"] for r in want]
     assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
+
+
+@pytest.mark.parametrize(
+    "first", [False, True], ids=["separate-then-shared", "shared-then-separate"]
+)
+def test_a_checkpoint_resumes_only_with_the_critic_it_was_written_with(task, tmp_path, first):  # noqa: F811
+    """A separate critic's checkpoint holds a critic adapter and two optimizers, a shared
+    trunk's neither: each refuses to resume as the other, in one error naming the key."""
+
+    def config(shared: bool):
+        return config_for(
+            task, tmp_path / "run", "torch", f"critic.shared_trunk={str(shared).lower()}",
+            "ppo.steps=2", "checkpoint.every_steps=1", "ppo.validate_every=0",
+        )  # fmt: skip
+
+    run_ppo(config(first), stop_after=1)
+    with pytest.raises(CheckpointError, match="critic"):
+        run_ppo(config(not first))

@@ -64,21 +64,32 @@ def run_identity(model_path: str | os.PathLike, lora: LoraConfig, backend: str) 
 
 
 def ppo_identity(
-    model_path: str | os.PathLike, lora: LoraConfig, backend: str, *, has_critic: bool
+    model_path: str | os.PathLike,
+    lora: LoraConfig,
+    backend: str,
+    *,
+    has_critic: bool,
+    shared_trunk: bool = False,
 ) -> dict[str, Any]:
     """A PPO run's checkpoint identity: :func:`run_identity`, ``job: ppo`` and, for a
-    critic-free run (no critic in its checkpoints), ``critic: false``; checkpoints with a
-    critic carry no such key, as they did before critic-free runs existed."""
+    critic-free run (no critic in its checkpoints), ``critic: false``, for a critic on the
+    actor's adapters (``critic.shared_trunk``: no critic adapter, one optimizer)
+    ``critic: shared_trunk``; checkpoints with a critic of its own carry no such key, as
+    they did before either existed."""
     identity = {**run_identity(model_path, lora, backend), "job": "ppo"}
-    return identity if has_critic else {**identity, "critic": False}
+    if not has_critic:
+        return {**identity, "critic": False}
+    return {**identity, "critic": "shared_trunk"} if shared_trunk else identity
 
 
 def job_identity(config: Config, backend: str, job: Literal["sft", "ppo"]) -> dict[str, Any]:
     """The identity of ``config``'s checkpoints of ``job`` on ``backend``:
     :func:`run_identity` (SFT) or :func:`ppo_identity` (PPO)."""
     if job == "ppo":
-        has_critic = config.ppo.has_critic
-        return ppo_identity(config.model_path(), config.lora, backend, has_critic=has_critic)
+        return ppo_identity(
+            config.model_path(), config.lora, backend, has_critic=config.ppo.has_critic,
+            shared_trunk=config.critic.shared_trunk,
+        )  # fmt: skip
     return run_identity(config.model_path(), config.lora, backend)
 
 
