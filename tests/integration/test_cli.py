@@ -79,7 +79,6 @@ def test_info_reports_versions_and_backends(tmp_path: Path) -> None:
             "generation.compile=",
         ),
         ("ppo", ["generation.compile=sometimes"], "generation.compile"),
-        ("ppo", ["critic.shared_trunk=true"], "critic.shared_trunk"),  # backend=jax
         (
             "ppo",
             ["backend=torch", "critic.shared_trunk=true", "lora.enabled=false"],

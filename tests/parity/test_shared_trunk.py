@@ -1,11 +1,12 @@
-"""``critic.shared_trunk`` (torch): the value head on the actor's own adapters, one update
-of both over ``policy loss + value_loss_coef x value loss``.
+"""``critic.shared_trunk``: the value head on the actor's own adapters, one update of both
+over ``policy loss + value_loss_coef x value loss``.
 
 Held to the separate-critic engine, which nobody changed for this: with SGD (lr 1, no
 weight decay, no clipping) one shared update must move the actor's adapters by the sum of
 what the separate engine's policy update moves its actor and its critic update moves a
 critic adapter that starts equal to the actor's, and move the value head exactly as that
-critic update does. The engine holds no critic adapter and one optimizer.
+critic update does. The engine holds no critic adapter and one optimizer. The JAX engine
+is held to the torch one: the same statistics and updated weights from the same start.
 """
 
 from __future__ import annotations
@@ -13,10 +14,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from strop.backends.jax.actor_critic import JaxActorCritic
 from strop.backends.torch.actor_critic import CRITIC_ADAPTER, TorchActorCritic
 from strop.io.model_spec import read_model_spec
 from strop.rl.experience import build_experience, minibatches
-from tests.parity.test_ppo_backends import random_weights, rollout_batch, sgd_config
+from tests.parity.test_ppo_backends import (
+    assert_adapters_close,
+    random_weights,
+    rollout_batch,
+    sgd_config,
+)
 
 TOL = 1e-5
 
@@ -26,11 +33,15 @@ def qwen2(tiny_model_dir):
     return tiny_model_dir("qwen2")
 
 
+def shared_config(model_path):
+    config = sgd_config(model_path)
+    critic = config.critic.model_copy(update={"shared_trunk": True})
+    return config.model_copy(update={"critic": critic})
+
+
 def test_one_shared_update_is_the_sum_of_the_separate_policy_and_critic_updates(qwen2):
     separate = TorchActorCritic(sgd_config(qwen2), total_updates=1, checkpoint_dir=None)
-    config = sgd_config(qwen2).model_copy(
-        update={"critic": sgd_config(qwen2).critic.model_copy(update={"shared_trunk": True})}
-    )
+    config = shared_config(qwen2)
     shared = TorchActorCritic(config, total_updates=1, checkpoint_dir=None)
     assert CRITIC_ADAPTER not in shared.loaded.model.peft_config
     assert shared.critic_trainer is None and len(shared._optimizers()) == 1
@@ -78,3 +89,46 @@ def test_one_shared_update_is_the_sum_of_the_separate_policy_and_critic_updates(
     path = next(iter(start["actor"]))
     assert np.abs(moved["critic"][path][1] - start["actor"][path][1]).max() > 1e-4
     assert np.abs(moved["actor"][path][1] - start["actor"][path][1]).max() > 1e-4
+
+
+def test_one_shared_update_is_the_same_on_jax_and_torch(qwen2):
+    config = shared_config(qwen2)
+    engines = {
+        "jax": JaxActorCritic(config, total_updates=1, checkpoint_dir=None),
+        "torch": TorchActorCritic(config, total_updates=1, checkpoint_dir=None),
+    }
+    jax_engine = engines["jax"]
+    assert not hasattr(jax_engine, "critic") and len(jax_engine._optimizers()) == 1
+    weights = engines["torch"].lora_weights()
+    rng = np.random.default_rng(7)
+    start = {
+        "actor": {path: tuple(rng.normal(0, 0.1, x.shape).astype(np.float32) for x in pair)
+                  for path, pair in weights["actor"].items()},
+        "value_head": (rng.normal(0, 0.2, weights["value_head"][0].shape).astype(np.float32), 0.1),
+    }  # fmt: skip
+    for engine in engines.values():
+        engine.set_lora_weights(**start)
+
+    batch = rollout_batch(read_model_spec(qwen2).vocab_size, seed=11)
+    mask = batch["response_mask"] > 0
+    values = {name: engine.values(batch) for name, engine in engines.items()}
+    np.testing.assert_allclose(values["jax"][mask], values["torch"][mask], atol=1e-4, rtol=1e-4)
+    old = engines["torch"].logprobs(batch)
+    old = old + np.random.default_rng(2).normal(0, 0.3, old.shape).astype(np.float32) * mask
+    ref = engines["torch"].logprobs(batch, reference=True)
+    arrays, _ = build_experience(
+        batch, np.array([1.0, 0.0, 0.5, 1.0]), old, ref, values["torch"], config.ppo
+    )
+    mini = next(minibatches(arrays, 4, config.ppo.loss_aggregation, np.random.default_rng(3)))
+    stats = {name: engine.train_policy(mini, micro_batches=2) for name, engine in engines.items()}
+    assert stats["jax"].keys() == stats["torch"].keys()
+    for key, value in stats["jax"].items():
+        np.testing.assert_allclose(value, stats["torch"][key], atol=1e-4, rtol=1e-4, err_msg=key)
+    assert stats["jax"]["critic_loss"] > 0
+
+    after = {name: engine.lora_weights() for name, engine in engines.items()}
+    assert set(after["jax"]) == {"actor", "value_head"}
+    assert_adapters_close(after["jax"]["actor"], after["torch"]["actor"], tol=1e-4)
+    for x, y in zip(after["jax"]["value_head"], after["torch"]["value_head"], strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-4, rtol=1e-4)
+    assert np.abs(after["jax"]["value_head"][0] - start["value_head"][0]).max() > 1e-4

@@ -120,11 +120,9 @@ class Config(_Section):
                 "always compiled, vLLM brings its own CUDA graphs)",
             ),
             (
-                self.critic.shared_trunk
-                and (self.backend != "torch" or not self.lora.enabled or not self.ppo.has_critic),
+                self.critic.shared_trunk and (not self.lora.enabled or not self.ppo.has_critic),
                 "critic.shared_trunk=true puts the value head on the actor's LoRA adapters: it "
-                "needs backend=torch (the jax backend does not have it yet), lora.enabled=true "
-                "and a critic (ppo.advantage_estimator=gae)",
+                "needs lora.enabled=true and a critic (ppo.advantage_estimator=gae)",
             ),
             (
                 self.critic.shared_trunk and self.ppo.critic_warmup_steps > 0,

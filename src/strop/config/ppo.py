@@ -226,5 +226,5 @@ class CriticConfig(_Section):
         "adapter): one forward and one backward per mini-batch serve the policy loss plus "
         "ppo.value_loss_coef x the value loss, in the actor's optimizer (optim.lr; critic.lr "
         "does not apply). About a third off a PPO iteration. Needs lora.enabled, a critic "
-        "(ppo.advantage_estimator=gae) and, for now, backend=torch.",
+        "(ppo.advantage_estimator=gae).",
     )

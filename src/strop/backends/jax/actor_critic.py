@@ -55,7 +55,7 @@ from strop.backends.jax.train import (
     put_micro_batches,
     replicate_unplaced,
 )
-from strop.backends.jax.value import ValueModel
+from strop.backends.jax.value import ValueHead, ValueModel
 from strop.backends.jax.weights import hf_weights, load_hf_model, save_hf_model
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
@@ -102,7 +102,9 @@ class JaxActorCritic(Sampler):
         )
         lm = load(config.model_path())
         self.has_critic = config.ppo.has_critic  # critic-free estimators build none
-        if self.has_critic:
+        # critic.shared_trunk: a value head on the actor's adapters, one update for both
+        self.shared_trunk = self.has_critic and config.critic.shared_trunk
+        if self.has_critic and not self.shared_trunk:
             self._build_critic(config, lm, load, total_updates)
         if config.lora.enabled:
             lm = apply_lora(lm, config.lora, seed=config.seed)
@@ -112,10 +114,13 @@ class JaxActorCritic(Sampler):
         self.reference = self._initial_reference()
 
         actor_tx = make_optimizer(config.optim, total_updates)
-        self.actor_opt = replicate_unplaced(actor_tx.init(self.actor), self.mesh)
-        self._policy_update = jit_update(
-            actor_tx, partial(ppo_steps.policy_loss, self.actor_graph, self.policy_objective)
-        )
+        if self.shared_trunk:
+            self._build_shared_trunk(config, actor_tx, lm.spec.hidden_size)
+        else:
+            self.actor_opt = replicate_unplaced(actor_tx.init(self.actor), self.mesh)
+            self._policy_update = jit_update(
+                actor_tx, partial(ppo_steps.policy_loss, self.actor_graph, self.policy_objective)
+            )
         self.checkpoints = run_checkpoints(TrainCheckpoints, config, checkpoint_dir, "jax", "ppo")
 
     # construction helpers ----------------------------------------------------------------
@@ -140,6 +145,26 @@ class JaxActorCritic(Sampler):
             critic_tx,
             partial(ppo_steps.critic_loss, self.critic_graph, self.value_objective),
         )
+
+    def _build_shared_trunk(self, config: Config, tx, hidden: int) -> None:
+        """``critic.shared_trunk``: the value head alone (from the core's critic seed, as on
+        torch), trained with the actor's adapters by one optimizer over both
+        (``actor_opt`` holds its state over ``{"actor", "head"}``)."""
+        if config.critic.lr is not None:
+            logger.warning(
+                "critic.lr (%g) does not apply with critic.shared_trunk: the value head "
+                "trains in the actor's optimizer (optim.lr %g)", config.critic.lr, config.optim.lr,
+            )  # fmt: skip
+        head = ValueHead(hidden, seed=critic_seed_of(config.seed), mesh=self.mesh)
+        self.head_graph, self.head = nnx.split(head)
+        self.actor_opt = replicate_unplaced(tx.init(self._shared()), self.mesh)
+        objectives = (self.policy_objective, self.value_objective)
+        self._shared_update = jit_update(
+            tx, partial(ppo_steps.shared_loss, (self.actor_graph, self.head_graph), objectives)
+        )
+
+    def _shared(self) -> dict[str, Any]:
+        return {"actor": self.actor, "head": self.head}
 
     def _initial_reference(self) -> nnx.State:
         """The reference's trainable-shaped part: a zero adapter (= the base), the SFT
@@ -231,6 +256,14 @@ class JaxActorCritic(Sampler):
 
     def values(self, batch: dict[str, np.ndarray]) -> np.ndarray:
         """``[B, L]`` critic values ``V(x_<t)``."""
+        if self.shared_trunk:
+            graphs = (self.actor_graph, self.head_graph)
+            return self._rows(
+                batch,
+                lambda ids, mask, positions: ppo_steps.shared_values(
+                    graphs, self._shared(), self.frozen, ids, mask, positions
+                ),
+            )
         return self._rows(
             batch,
             lambda ids, mask, positions: ppo_steps.values(
@@ -239,7 +272,17 @@ class JaxActorCritic(Sampler):
         )
 
     def train_policy(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
-        """One actor update over the mini-batch ``batch`` (see :mod:`ppo_steps`)."""
+        """One actor update over the mini-batch ``batch`` (see :mod:`ppo_steps`); with
+        ``critic.shared_trunk`` the value head's too, over both losses."""
+        if self.shared_trunk:
+            wanted = (*self.policy_objective.batch_names, *self.value_objective.batch_names)
+            batch, names = self._packed(batch, tuple(dict.fromkeys(wanted)), micro_batches)
+            arrays = put_micro_batches(batch, names, micro_batches, self.mesh)
+            shared, self.actor_opt, stats = self._shared_update(
+                self._shared(), self.actor_opt, self.frozen, arrays
+            )
+            self.actor, self.head = shared["actor"], shared["head"]
+            return _host(stats)
         batch, names = self._packed(batch, self.policy_objective.batch_names, micro_batches)
         arrays = put_micro_batches(batch, names, micro_batches, self.mesh)
         self.actor, self.actor_opt, stats = self._policy_update(
@@ -269,15 +312,19 @@ class JaxActorCritic(Sampler):
             step, self._params(), self._optimizers()
         )
         self.actor, self.actor_opt = params["actor"], optimizers["actor"]
-        if self.has_critic:
+        if self.shared_trunk:
+            self.head = params["value_head"]
+        elif self.has_critic:
             self.critic, self.critic_opt = params["critic"], optimizers["critic"]
         return extra
 
     def _params(self) -> dict[str, Any]:
+        if self.shared_trunk:
+            return {"actor": self.actor, "value_head": self.head}
         return {"actor": self.actor, **({"critic": self.critic} if self.has_critic else {})}
 
     def _optimizers(self) -> dict[str, Any]:
-        critic = {"critic": self.critic_opt} if self.has_critic else {}
+        critic = {"critic": self.critic_opt} if self.has_critic and not self.shared_trunk else {}
         return {"actor": self.actor_opt, **critic}
 
     # adapters and exports ----------------------------------------------------------------
@@ -299,6 +346,9 @@ class JaxActorCritic(Sampler):
         ``(kernel [E], bias)`` (the actor's alone without a critic)."""
         if not self.has_critic:
             return {"actor": adapter_weights(self.actor_module())}
+        if self.shared_trunk:
+            head = nnx.merge(self.head_graph, self.head).weights()
+            return {"actor": adapter_weights(self.actor_module()), "value_head": head}
         critic = self.critic_module()
         return {
             "actor": adapter_weights(self.actor_module()),
@@ -312,7 +362,11 @@ class JaxActorCritic(Sampler):
             module = self.actor_module()
             set_adapter_weights(module, actor, "actor weights")
             self.actor = nnx.state(module, nnx.LoRAParam)
-        if critic is not None or value_head is not None:
+        if self.shared_trunk and value_head is not None:
+            head = nnx.merge(self.head_graph, self.head)
+            head.set_weights(*value_head)
+            self.head = nnx.state(head)
+        elif critic is not None or value_head is not None:
             module = self.critic_module()
             if critic is not None:
                 set_adapter_weights(module.lm, critic, "critic weights")

@@ -32,9 +32,10 @@ from strop.backends.jax.losses import (
     entropy_from_logits,
     kl_penalty,
     policy_terms,
+    shift_values,
     value_terms,
 )
-from strop.rl.objectives import PolicyObjective, ValueObjective
+from strop.rl.objectives import SHARED_CRITIC_PREFIX, PolicyObjective, ValueObjective
 
 F32 = jnp.float32
 
@@ -145,6 +146,40 @@ def policy_loss(
         micro.get("positions"),
     )  # fmt: skip
     return policy_micro_loss(logits, micro, objective)
+
+
+def _shared_forward(graphs, trainable, frozen, input_ids, attention_mask, positions):
+    """``critic.shared_trunk``: the actor's logits and the value head's values from one
+    forward (``graphs`` = the actor's and the head's graphdefs, ``trainable`` =
+    ``{"actor": ..., "head": ...}``)."""
+    actor_graph, head_graph = graphs
+    out = nnx.merge(actor_graph, trainable["actor"], frozen)(input_ids, attention_mask, positions)
+    raw = nnx.merge(head_graph, trainable["head"])(out.hidden)[..., 0]
+    return out.logits, shift_values(raw)
+
+
+@partial(jax.jit, static_argnums=(0,))
+def shared_values(graphs, trainable, frozen, input_ids, attention_mask, positions):
+    """``[B, L]`` values ``V(x_<t)`` of the value head on the actor's trunk."""
+    return _shared_forward(graphs, trainable, frozen, input_ids, attention_mask, positions)[1]
+
+
+def shared_loss(
+    graphs, objectives: tuple[PolicyObjective, ValueObjective], trainable, frozen, micro
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``critic.shared_trunk``'s micro-batch loss for :func:`~strop.backends.jax.train.update`:
+    the policy's plus the (scaled) value loss, from one forward; stat ``loss`` is the
+    policy's part and the critic's stats carry ``SHARED_CRITIC_PREFIX``."""
+    policy, value = objectives
+    logits, values = _shared_forward(
+        graphs, trainable, frozen, micro["input_ids"], micro["attention_mask"],
+        micro.get("positions"),
+    )  # fmt: skip
+    loss, stats = policy_micro_loss(logits, micro, policy)
+    value_loss, value_stats = critic_micro_loss(values, micro, value)
+    stats = {"loss": jax.lax.stop_gradient(loss), **stats}
+    stats.update({SHARED_CRITIC_PREFIX + k: v for k, v in value_stats.items()})
+    return loss + value_loss, stats
 
 
 def critic_loss(

@@ -61,6 +61,24 @@ class ValueHead(nnx.Module):
         x = hidden.astype(jnp.float32)
         return jnp.einsum("...e,eo->...o", x, self.kernel[...]) + self.bias[...]
 
+    def set_weights(self, kernel: np.ndarray, bias: float) -> None:
+        """Set ``kernel [E]`` and scalar ``bias`` (kept float32 and placed where the
+        current parameters are)."""
+        kernel = np.asarray(kernel, dtype=np.float32)
+        if kernel.shape != (self.hidden,):
+            raise ValueError(
+                f"value head kernel has shape {kernel.shape}, expected ({self.hidden},)"
+            )
+        old_kernel, old_bias = self.kernel.get_value(), self.bias.get_value()
+        self.kernel.set_value(jax.device_put(kernel[:, None], old_kernel.sharding))
+        bias_value = np.asarray([bias], dtype=np.float32)
+        self.bias.set_value(jax.device_put(bias_value, old_bias.sharding))
+
+    def weights(self) -> tuple[np.ndarray, float]:
+        """``(kernel [E] float32, bias)`` on the host."""
+        kernel = to_host(self.kernel.get_value())[:, 0]
+        return kernel.astype(np.float32), float(to_host(self.bias.get_value())[0])
+
 
 class ValueModel(nnx.Module):
     """A :class:`CausalLM` backbone (``self.lm``) plus a :class:`ValueHead`."""
@@ -89,21 +107,9 @@ class ValueModel(nnx.Module):
         return shift_values(self.raw_values(input_ids, attention_mask, positions))
 
     def set_head(self, kernel: np.ndarray, bias: float) -> None:
-        """Set the head to ``kernel [E]`` and scalar ``bias`` (kept float32 and placed
-        where the current parameters are)."""
-        kernel = np.asarray(kernel, dtype=np.float32)
-        if kernel.shape != (self.value_head.hidden,):
-            raise ValueError(
-                f"value head kernel has shape {kernel.shape}, expected ({self.value_head.hidden},)"
-            )
-        head = self.value_head
-        old_kernel, old_bias = head.kernel.get_value(), head.bias.get_value()
-        head.kernel.set_value(jax.device_put(kernel[:, None], old_kernel.sharding))
-        bias_value = np.asarray([bias], dtype=np.float32)
-        head.bias.set_value(jax.device_put(bias_value, old_bias.sharding))
+        """Set the head to ``kernel [E]`` and scalar ``bias`` (:meth:`ValueHead.set_weights`)."""
+        self.value_head.set_weights(kernel, bias)
 
     def head_weights(self) -> tuple[np.ndarray, float]:
         """``(kernel [E] float32, bias)`` on the host."""
-        kernel = to_host(self.value_head.kernel.get_value())[:, 0]
-        bias = float(to_host(self.value_head.bias.get_value())[0])
-        return kernel.astype(np.float32), bias
+        return self.value_head.weights()
