@@ -65,14 +65,18 @@ REQUIREMENTS = {
     "tunix": [["google-tunix==0.1.7"]],
     "trl-grpo": [["torch==2.13.0"], ["trl==1.16.0", "peft==0.21.2"]],
 }
-SYSTEMS = ("strop-torch", "strop-torch-shared", "trl", "strop-jax", "tunix", "trl-grpo")
+SYSTEMS = (
+    "strop-torch", "strop-torch-shared", "trl", "strop-jax", "strop-jax-shared", "tunix",
+    "trl-grpo",
+)  # fmt: skip
 PAIRS = (
     ("strop-torch", "trl"),
     ("strop-torch-shared", "trl"),
     ("strop-jax", "tunix"),
+    ("strop-jax-shared", "tunix"),
     ("strop-torch", "trl-grpo"),
 )
-# strop-torch-shared: the same job with critic.shared_trunk=true (the value head on the
+# strop-*-shared: the same job with critic.shared_trunk=true (the value head on the
 # actor's adapters, one update per mini-batch for both losses)
 SHARED_TRUNK = ["critic.shared_trunk=true"]
 PPO_SYSTEMS = ("strop-torch", "trl", "strop-jax", "tunix")
@@ -265,7 +269,7 @@ def strop_child(
     """Run strop's PPO (the `strop ppo` code path) with the demo recipe (``grpo``: with
     GRPO advantages, no critic); print RESULT."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    shared = backend == "torch-shared"
+    shared = backend.endswith("-shared")
     backend = backend.removesuffix("-shared")
     if backend == "torch":
         import torch
@@ -312,7 +316,7 @@ def command_for(
     system: str, data: Path, work: Path, iterations: int, seed: int, job: dict, grpo: bool
 ) -> list[str]:
     if system.startswith("strop-"):
-        backend = system.removeprefix("strop-")  # torch, torch-shared or jax
+        backend = system.removeprefix("strop-")  # torch or jax, maybe with -shared
         return [sys.executable, __file__, "--child", backend, "--data", str(data),
                 "--run-dir", str(work / f"{system}-{os.urandom(4).hex()}"),
                 "--iterations", str(iterations), "--seed", str(seed),
@@ -487,9 +491,9 @@ def summarize(results: dict[str, list[dict]], config) -> None:
         print(f"  {peer}:")
         for item in items:
             print(f"    - {item}")
-    if "strop-torch-shared" in stats:
+    for shared in [s for s in ("strop-torch-shared", "strop-jax-shared") if s in stats]:
         print(
-            "  strop-torch-shared against strop-torch: critic.shared_trunk=true, the value head "
+            f"  {shared} against {shared.removesuffix('-shared')}: critic.shared_trunk=true, the value head "
             "on the actor's adapters (no critic adapter); one forward and backward per "
             "mini-batch for policy loss + value_loss_coef x value loss, one AdamW at "
             f"lr {config.optim.lr:g} for adapters and head"
