@@ -233,18 +233,27 @@ def test_old_logprobs_from_the_sampler_train_as_recomputed_ones(task, tmp_path, 
             np.testing.assert_allclose(value, expected[key], rtol=1e-4, atol=1e-5, err_msg=key)
 
 
+def assert_resumes_exactly(task, tmp_path, backend, overrides, *, stop_after: int):
+    """A run stopped after ``stop_after`` iterations and resumed logs what an uninterrupted
+    one does from there on; returns the uninterrupted run's result."""
+    straight = run_ppo(config_for(task, tmp_path / "straight", backend, *overrides))
+    config = config_for(task, tmp_path / "resumed", backend, *overrides)
+    run_ppo(config, stop_after=stop_after)
+    resumed = run_ppo(config)
+    assert resumed.resumed_from == stop_after
+    assert [comparable(r) for r in resumed.history] == [
+        comparable(r) for r in straight.history[stop_after:]
+    ]
+    return straight
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_grpo_run_trains_without_a_critic_and_resumes_exactly(task, tmp_path, backend):
     overrides = (
         "ppo.advantage_estimator=grpo", "ppo.kl_in_reward=false", "ppo.steps=3",
         "checkpoint.every_steps=2", "ppo.validate_every=0", "ppo.reward=digit_share",
     )  # fmt: skip
-    straight = run_ppo(config_for(task, tmp_path / "straight", backend, *overrides))
-    config = config_for(task, tmp_path / "resumed", backend, *overrides)
-    run_ppo(config, stop_after=2)
-    resumed = run_ppo(config)
-    assert resumed.resumed_from == 2
-    assert [comparable(r) for r in resumed.history] == [comparable(r) for r in straight.history[2:]]
+    straight = assert_resumes_exactly(task, tmp_path, backend, overrides, stop_after=2)
     record = straight.history[-1]
     assert not [key for key in record if key.startswith(("critic/", "timing/values"))]
     assert {"policy/loss", "policy/kl", "train/equal_score_groups"} <= record.keys()

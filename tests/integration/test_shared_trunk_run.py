@@ -22,7 +22,11 @@ from tests.integration.test_kill_resume import (
     jax_cache,  # noqa: F401 (a fixture)
     ppo_inputs,  # noqa: F401 (a fixture)
 )
-from tests.integration.test_ppo_run import comparable, config_for, task  # noqa: F401 (a fixture)
+from tests.integration.test_ppo_run import (  # noqa: F401 (task: a fixture)
+    assert_resumes_exactly,
+    config_for,
+    task,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -82,10 +86,5 @@ def test_a_checkpoint_resumes_only_with_the_critic_it_was_written_with(task, tmp
 def test_a_shared_trunk_run_resumes_exactly_on_both_backends(task, tmp_path, backend):  # noqa: F811
     overrides = ("critic.shared_trunk=true", "ppo.steps=3", "checkpoint.every_steps=2",
                  "ppo.validate_every=0")  # fmt: skip
-    straight = run_ppo(config_for(task, tmp_path / "straight", backend, *overrides))
-    config = config_for(task, tmp_path / "resumed", backend, *overrides)
-    run_ppo(config, stop_after=2)
-    resumed = run_ppo(config)
-    assert resumed.resumed_from == 2
-    assert [comparable(r) for r in resumed.history] == [comparable(r) for r in straight.history[2:]]
+    straight = assert_resumes_exactly(task, tmp_path, backend, overrides, stop_after=2)
     assert {"critic/loss", "critic/explained_var", "policy/loss"} <= straight.history[-1].keys()

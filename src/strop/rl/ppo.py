@@ -127,6 +127,11 @@ def _check(config: Config) -> None:
             "ppo.old_logprobs=recompute is the safe choice there",
             config.model.dtype, config.model.dtype,
         )  # fmt: skip
+    if config.critic.shared_trunk and config.critic.lr is not None:
+        logger.warning(
+            "critic.lr (%g) does not apply with critic.shared_trunk: the value head trains "
+            "in the actor's optimizer (optim.lr %g)", config.critic.lr, config.optim.lr,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

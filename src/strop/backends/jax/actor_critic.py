@@ -150,11 +150,6 @@ class JaxActorCritic(Sampler):
         """``critic.shared_trunk``: the value head alone (from the core's critic seed, as on
         torch), trained with the actor's adapters by one optimizer over both
         (``actor_opt`` holds its state over ``{"actor", "head"}``)."""
-        if config.critic.lr is not None:
-            logger.warning(
-                "critic.lr (%g) does not apply with critic.shared_trunk: the value head "
-                "trains in the actor's optimizer (optim.lr %g)", config.critic.lr, config.optim.lr,
-            )  # fmt: skip
         head = ValueHead(hidden, seed=critic_seed_of(config.seed), mesh=self.mesh)
         self.head_graph, self.head = nnx.split(head)
         self.actor_opt = replicate_unplaced(tx.init(self._shared()), self.mesh)

@@ -149,13 +149,7 @@ class TorchActorCritic(Sampler):
         if self.placement.distributed:
             shard_module(self.critic.value_head, self.placement.mesh, torch.float32)
         self._state["value_head"] = self.critic.value_head
-        if self.shared_trunk:
-            if self.config.critic.lr is not None:
-                logger.warning(
-                    "critic.lr (%g) does not apply with critic.shared_trunk: the value head "
-                    "trains in the actor's optimizer (optim.lr %g)",
-                    self.config.critic.lr, self.config.optim.lr,
-                )  # fmt: skip
+        if self.shared_trunk:  # the actor's Trainer trains the head (critic.lr: rl/ppo.py warns)
             return
         head_params = list(self.critic.value_head.parameters())
         self.critic_trainer = Trainer(
