@@ -3,9 +3,9 @@
 rows unpacked.
 
 A packed row holds several rollouts one after another; the model must keep them apart
-(block-diagonal causal attention: from the segment ids on JAX, from positions that
-restart at each rollout in transformers' packed-sequence format on torch), or every
-number below moves.
+(block-diagonal causal attention from the segment ids), or every number below moves. With
+``ppo.share_prompts`` the rollouts of one prompt also share a single copy of its tokens,
+which each must see as its own context and no other rollout's tokens.
 """
 
 from __future__ import annotations
@@ -28,31 +28,39 @@ ROWS = 16
 WIDTH = 12  # 6 prompt columns + 6 response columns, as the PPO loop lays rollouts out
 
 
-def rollouts(vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Left-padded prompts of 1-6 tokens, responses of 1-6 tokens, right padding."""
+def rollouts(vocab: int, seed: int = 0, copies: int = 1) -> dict[str, np.ndarray]:
+    """Left-padded prompts of 1-6 tokens, responses of 1-6 tokens, right padding;
+    ``copies`` consecutive rows (rollouts of one prompt) have the same prompt."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(3, vocab, (ROWS, WIDTH)).astype(np.int32)
     attention = np.zeros_like(ids)
     response = np.zeros(ids.shape, np.float32)
     for row in range(ROWS):
-        prompt, length = int(rng.integers(1, 7)), int(rng.integers(1, 7))
+        if row % copies == 0:
+            prompt = int(rng.integers(1, 7))
+        else:
+            ids[row, :6] = ids[row - 1, :6]
+        length = int(rng.integers(1, 7))
         attention[row, 6 - prompt : 6 + length] = 1
         response[row, 6 : 6 + length] = 1
     ids *= attention
     return {"input_ids": ids, "attention_mask": attention, "response_mask": response}
 
 
+@pytest.mark.parametrize("copies", [1, 4], ids=["distinct-prompts", "shared-prompts"])
 @pytest.mark.parametrize("backend", ["jax", "torch"])
-def test_packed_rows_compute_what_the_rows_do_unpacked(tiny_model_dir, backend):
+def test_packed_rows_compute_what_the_rows_do_unpacked(tiny_model_dir, backend, copies):
     model = tiny_model_dir("qwen2")
     overrides = (
         "mesh.data=1", "mesh.tensor=-1", "ppo.prompts_per_step=8", "ppo.mini_batch_size=16",
         "ppo.micro_batch_size=8", "ppo.kl_coef=0.1", "ppo.kl_in_reward=false",
         "ppo.entropy_coef=0.01", "generation.temperature=0.7",
     )  # fmt: skip
-    batch = rollouts(read_model_spec(model).vocab_size)
-    plan = packing.plan(batch["attention_mask"], multiple=2, buckets=backend == "jax")
+    batch = rollouts(read_model_spec(model).vocab_size, copies=copies)
+    plan = packing.plan(batch["attention_mask"], multiple=2, buckets=backend == "jax",
+                        **packing.shared_prompts(batch, True))  # fmt: skip
     assert plan is not None and plan.bins < ROWS  # packing does pack this batch
+    assert plan.prefixes.any() == (copies > 1)  # ... and shares the prompts that repeat
     scores = np.random.default_rng(1).random(ROWS)
     mask = batch["response_mask"] > 0
     seen = {}

@@ -121,6 +121,10 @@ class PpoConfig(_Section):
         True,
         description="Pack each batch's rollouts end to end into fewer rows (a block-diagonal mask keeps them apart) for the forwards and updates, so they skip most padding; the same numbers up to float rounding. jax: at a few fixed row counts (one compile each); torch: the fewest rows that hold them.",
     )
+    share_prompts: bool = Field(
+        True,
+        description="With ppo.pack: rollouts of the same prompt share one copy of its tokens in the packed rows (each sees it as its own context), so the prompt's forward and backward run once per group; the same numbers up to float rounding.",
+    )
     validate_every: int = Field(
         0,
         ge=0,

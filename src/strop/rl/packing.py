@@ -15,11 +15,24 @@ tokens, so the per-token convention (column ``t`` about ``x_t``, read from colum
 ``t - 1``) holds inside each span: a span's first column is a prompt token, which never
 has a loss weight.
 
-For JAX the bin count comes from two fixed *buckets* (six and seven eighths of the rows):
-the smallest that fits is used, else the batch runs as it is, so a run compiles at most
-three shapes per function whatever its responses (each new one costs a trace, some
-seconds on the demo, so more buckets did not pay). Eager torch runs any shape, so it
-takes the fewest bins that first-fit fills (``buckets=False``).
+**Shared prompts.** Rollouts sampled from the same prompt (``num_generations_per_prompt``)
+repeat its tokens row after row. Given the rows' ``input_ids`` and ``response_mask``, the
+packing lays such rows out as one *prefix* (the prompt but its last token) followed by
+one segment per rollout (that last prompt token, then the response), and each segment
+sees the prefix as if it stood before it: the prompt's forward and backward run once per
+group instead of once per rollout, and every number is what the rows compute apart (the
+prompt tokens never carry a loss weight, and each segment's first column is the last
+prompt token, so column ``t - 1`` is still the right context for column ``t``). A group
+that does not fit one bin is split, each part with its own copy of the prefix. In the
+packed ``attention_mask`` a token holds ``segment + PREFIX_STRIDE * prefix``: its own
+segment id and the id of the prefix segment it sees too (0: none); each backend's model
+reads that as its attention mask.
+
+For JAX the bin count comes from a few fixed *buckets* (fractions of the rows, see
+:data:`BUCKETS`): the smallest that fits is used, else the batch runs as it is, so a run
+compiles a few shapes per function whatever its responses (in practice two or three: each
+costs a trace, some seconds on the demo). Eager torch runs any shape, so it takes the
+fewest bins that first-fit fills (``buckets=False``).
 """
 
 from __future__ import annotations
@@ -29,8 +42,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-BUCKETS = (3 / 4, 7 / 8)
-"""Bin counts tried, as fractions of the batch's rows: the smallest that fits is used."""
+BUCKETS = (1 / 2, 5 / 8, 3 / 4, 7 / 8)
+"""Bin counts tried, as fractions of the batch's rows: the smallest that fits is used.
+Rows packed apart need about 3/4 of the rows on the demo, and with shared prompts about
+1/2 (the values forward over whole groups) to 5/8 (mini-batches of shuffled rows)."""
+
+FORWARD_COLUMNS = ("input_ids", "attention_mask", "response_mask")
+"""What a forward over rollout rows reads to pack them (``response_mask``: to share prompts)."""
+
+PREFIX_STRIDE = 1 << 16
+"""A packed ``attention_mask`` is ``segment + PREFIX_STRIDE * prefix`` (see the module
+docstring): a bin holds far fewer than this many segments."""
 
 
 @dataclass(frozen=True)
@@ -44,14 +66,17 @@ class Packing:
     target: np.ndarray  # their flat indices into [bins, columns]
     segments: np.ndarray  # [bins, columns] segment ids, 0 on padding
     positions: np.ndarray  # [bins, columns] position of each token within its row
+    prefixes: np.ndarray  # [bins, columns] the segment id of the shared prompt seen too, or 0
 
     def pack(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Every ``[rows, columns]`` array as ``[bins, columns]``; ``attention_mask`` becomes
-        the segment ids, and ``positions`` is added."""
+        the segment ids (``+ PREFIX_STRIDE *`` the prefix each token sees), and
+        ``positions`` is added. A shared prompt's tokens take the values of one of its rows
+        (the same tokens, and never a loss weight)."""
         packed = {}
         for name, array in arrays.items():
             if name == "attention_mask":
-                packed[name] = self.segments.copy()
+                packed[name] = self.segments + PREFIX_STRIDE * self.prefixes
                 continue
             out = np.zeros(self.bins * self.columns, array.dtype)
             out[self.target] = array.reshape(-1)[self.source]
@@ -76,6 +101,14 @@ def packed(
     return plan.pack({name: batch[name] for name in names}), (*names, "positions")
 
 
+def shared_prompts(batch: Mapping[str, np.ndarray], share: bool) -> dict[str, np.ndarray]:
+    """:func:`plan`'s keywords that let rows share their prompt (``ppo.share_prompts``):
+    the batch's ``input_ids`` and ``response_mask``, when it has both."""
+    if not share or "response_mask" not in batch:
+        return {}
+    return {"input_ids": batch["input_ids"], "response_mask": batch["response_mask"]}
+
+
 def bin_counts(rows: int, multiple: int = 1) -> tuple[int, ...]:
     """The bucketed bin counts for ``rows`` rows, each a multiple of ``multiple`` (so that
     bins split into micro-batches and over devices evenly), smallest first."""
@@ -94,12 +127,20 @@ def fewest_bin_counts(rows: int, tokens: int, columns: int, multiple: int = 1) -
     return range(first, rows, multiple)
 
 
-def plan(attention_mask: np.ndarray, multiple: int = 1, *, buckets: bool = True) -> Packing | None:
+def plan(
+    attention_mask: np.ndarray,
+    multiple: int = 1,
+    *,
+    buckets: bool = True,
+    input_ids: np.ndarray | None = None,
+    response_mask: np.ndarray | None = None,
+) -> Packing | None:
     """The packing of a ``[B, L]`` batch into bins ``L`` wide, with the smallest bin count
     that holds it: among the buckets of :func:`bin_counts` (``buckets``, for backends that
-    compile per shape), else among :func:`fewest_bin_counts`. ``None`` (the batch runs as
-    it is) when no count with fewer bins than rows holds it, or a row's real tokens are
-    not one contiguous span."""
+    compile per shape), else among :func:`fewest_bin_counts`. With ``input_ids`` and
+    ``response_mask``, rows with the same prompt share its tokens (the module docstring).
+    ``None`` (the batch runs as it is) when no count with fewer bins than rows holds it,
+    or a row's real tokens are not one contiguous span."""
     mask = np.asarray(attention_mask) > 0
     rows, columns = mask.shape
     real = mask.sum(axis=1)
@@ -107,33 +148,86 @@ def plan(attention_mask: np.ndarray, multiple: int = 1, *, buckets: bool = True)
     ends = np.where(real > 0, columns - mask[:, ::-1].argmax(axis=1), 0)
     if np.any(ends - starts != real):
         return None
-    order = sorted(range(rows), key=lambda r: (-int(real[r]), r))  # first-fit decreasing
+    if input_ids is None or response_mask is None:
+        units = [_Unit(None, 0, ((row, 0, int(real[row])),)) for row in range(rows) if real[row]]
+    else:
+        units = _units(np.asarray(input_ids), np.asarray(response_mask) > 0, starts, real, columns)
+    lengths = [unit.length for unit in units]
+    order = sorted(range(len(units)), key=lambda u: (-lengths[u], u))  # first-fit decreasing
     counts = (
         bin_counts(rows, multiple)
         if buckets
-        else fewest_bin_counts(rows, int(real.sum()), columns, multiple)
+        else fewest_bin_counts(rows, int(sum(lengths)), columns, multiple)
     )
     for bins in counts:
         if bins >= rows:
             return None
-        placed = _first_fit(order, real, columns, bins)
+        placed = _first_fit(order, lengths, columns, bins)
         if placed is not None:
-            return _packing(mask.shape, starts, real, placed, bins)
+            return _packing(mask.shape, starts, units, placed, bins)
     return None
 
 
+@dataclass(frozen=True)
+class _Unit:
+    """What goes into a bin in one piece: a shared prompt's first ``prefix`` tokens (as
+    row ``prefix_row`` has them; ``None``: no shared prompt), then one segment per member
+    ``(row, first token after the prefix, tokens)``."""
+
+    prefix_row: int | None
+    prefix: int
+    members: tuple[tuple[int, int, int], ...]
+
+    @property
+    def length(self) -> int:
+        return self.prefix + sum(n for _, _, n in self.members)
+
+
+def _units(
+    input_ids: np.ndarray, response: np.ndarray, starts: np.ndarray, real: np.ndarray, width: int
+) -> list[_Unit]:
+    """Rows grouped by their prompt tokens (the real tokens before the response); a group
+    of two or more rows shares all but the last prompt token, in as few units as fit."""
+    groups: dict[bytes, list[int]] = {}
+    prompt = {}
+    for row in range(len(real)):
+        if not real[row]:
+            continue
+        start = int(starts[row])
+        after = response[row, start : start + int(real[row])]
+        prompt[row] = int(after.argmax()) if after.any() else int(real[row])
+        key = input_ids[row, start : start + prompt[row]].tobytes()
+        groups.setdefault(key, []).append(row)
+    units = []
+    for members in groups.values():
+        shared = prompt[members[0]] - 1
+        if len(members) < 2 or shared < 1:
+            units += [_Unit(None, 0, ((row, 0, int(real[row])),)) for row in members]
+            continue
+        segments = [(row, shared, int(real[row]) - shared) for row in members]
+        segments.sort(key=lambda segment: -segment[2])
+        parts: list[list[tuple[int, int, int]]] = []
+        for segment in segments:  # first-fit decreasing into what a bin leaves the prefix
+            for part in parts:
+                if sum(n for _, _, n in part) + segment[2] <= width - shared:
+                    part.append(segment)
+                    break
+            else:
+                parts.append([segment])
+        units += [_Unit(part[0][0], shared, tuple(part)) for part in parts]
+    return units
+
+
 def _first_fit(order, lengths, width: int, bins: int) -> dict[int, tuple[int, int]] | None:
-    """``row -> (bin, offset)`` for every row with tokens, or ``None`` if ``bins`` bins
-    are not enough."""
+    """``unit -> (bin, offset)`` for every unit, or ``None`` if ``bins`` bins are not
+    enough."""
     used = [0] * bins
     placed = {}
-    for row in order:
-        n = int(lengths[row])
-        if n == 0:
-            continue
+    for unit in order:
+        n = int(lengths[unit])
         for b in range(bins):
             if used[b] + n <= width:
-                placed[row] = (b, used[b])
+                placed[unit] = (b, used[b])
                 used[b] += n
                 break
         else:
@@ -141,23 +235,43 @@ def _first_fit(order, lengths, width: int, bins: int) -> dict[int, tuple[int, in
     return placed
 
 
-def _packing(shape, starts, lengths, placed, bins: int) -> Packing:
+def _packing(shape, starts, units: list[_Unit], placed, bins: int) -> Packing:
     rows, columns = shape
     segments = np.zeros((bins, columns), np.int32)
     positions = np.zeros((bins, columns), np.int32)
+    prefixes = np.zeros((bins, columns), np.int32)
     source, target = [], []
     next_segment = [1] * bins
-    for row, (b, offset) in sorted(placed.items(), key=lambda item: item[1]):
-        n = int(lengths[row])
-        source.append(row * columns + int(starts[row]) + np.arange(n))
+
+    def put(row: int, first: int, n: int, b: int, offset: int, position: int, seen: int) -> None:
+        source.append(row * columns + int(starts[row]) + first + np.arange(n))
         target.append(b * columns + offset + np.arange(n))
         segments[b, offset : offset + n] = next_segment[b]
-        positions[b, offset : offset + n] = np.arange(n)
+        positions[b, offset : offset + n] = position + np.arange(n)
+        prefixes[b, offset : offset + n] = seen
         next_segment[b] += 1
+
+    for index, (b, offset) in sorted(placed.items(), key=lambda item: item[1]):
+        unit = units[index]
+        seen = 0
+        if unit.prefix_row is not None:
+            seen = next_segment[b]
+            # every member's prompt maps onto the one copy: packing writes one row's tokens
+            # there (they are the same), unpacking gives each row its outputs back
+            for row, _, _ in unit.members:
+                source.append(row * columns + int(starts[row]) + np.arange(unit.prefix))
+                target.append(b * columns + offset + np.arange(unit.prefix))
+            segments[b, offset : offset + unit.prefix] = seen
+            positions[b, offset : offset + unit.prefix] = np.arange(unit.prefix)
+            next_segment[b] += 1
+            offset += unit.prefix
+        for row, first, n in unit.members:
+            put(row, first, n, b, offset, unit.prefix, seen)
+            offset += n
     empty = np.zeros(0, np.int64)
     return Packing(
         rows=rows, columns=columns, bins=bins,
         source=np.concatenate(source) if source else empty,
         target=np.concatenate(target) if target else empty,
-        segments=segments, positions=positions,
+        segments=segments, positions=positions, prefixes=prefixes,
     )  # fmt: skip

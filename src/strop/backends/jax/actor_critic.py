@@ -186,19 +186,22 @@ class JaxActorCritic(Sampler):
             for name in names
         }
 
-    def _packing(self, attention_mask: np.ndarray, micro_batches: int) -> packing.Packing | None:
+    def _packing(self, batch: dict[str, np.ndarray], micro_batches: int) -> packing.Packing | None:
         """How ``ppo.pack`` packs these rows (:mod:`strop.rl.packing`): into a bin count
         that splits evenly into ``micro_batches`` and over the batch's devices."""
         if not self.config.ppo.pack:
             return None
         shards = math.prod(self.mesh.shape[axis] for axis in BATCH_AXES)
-        return packing.plan(attention_mask, multiple=micro_batches * shards)
+        return packing.plan(
+            batch["attention_mask"], multiple=micro_batches * shards,
+            **packing.shared_prompts(batch, self.config.ppo.share_prompts),
+        )  # fmt: skip
 
     def _packed(
         self, batch: dict[str, np.ndarray], names: Sequence[str], micro_batches: int
     ) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
         """An update's arrays, packed when ``ppo.pack`` saves rows, and the names to read."""
-        return packing.packed(batch, names, self._packing(batch["attention_mask"], micro_batches))
+        return packing.packed(batch, names, self._packing(batch, micro_batches))
 
     def _rows(self, batch: dict[str, np.ndarray], fn) -> np.ndarray:
         """``fn(ids, mask, positions)`` over the batch in chunks of
@@ -207,8 +210,11 @@ class JaxActorCritic(Sampler):
         step = min(self.config.ppo.rows_per_micro_batch, rows)
         out = []
         for begin in range(0, rows, step):
-            chunk = {k: batch[k][begin : begin + step] for k in ("input_ids", "attention_mask")}
-            plan = self._packing(chunk["attention_mask"], 1)
+            chunk = {
+                k: batch[k][begin : begin + step] for k in packing.FORWARD_COLUMNS if k in batch
+            }
+            plan = self._packing(chunk, 1)
+            chunk = {k: chunk[k] for k in ("input_ids", "attention_mask")}
             if plan is not None:
                 chunk = plan.pack(chunk)
             arrays = self._put(chunk, tuple(chunk))

@@ -27,6 +27,7 @@ from flax import nnx
 
 from strop.backends.jax.rope import apply_rope, rope_inv_freq
 from strop.io.model_spec import ModelSpec
+from strop.rl.packing import PREFIX_STRIDE
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -334,7 +335,8 @@ class CausalLM(nnx.Module):
         right padding give the same result on real tokens. Without ``cache`` it may also
         hold segment ids (1, 2, ... : rollouts packed one after another into a row, see
         :mod:`strop.rl.packing`, with their ``positions``): a token then attends only
-        within its own segment, as if each segment were a row of its own.
+        within its own segment, as if each segment were a row of its own, and within the
+        shared prompt it sees (``segment + PREFIX_STRIDE * prefix``).
 
         With ``cache`` the L tokens are written into it at its ``index`` and attend to
         everything cached before them (see :class:`KVCache`); default positions then
@@ -343,8 +345,8 @@ class CausalLM(nnx.Module):
         """
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
-        segments = attention_mask
-        attention_mask = attention_mask.astype(jnp.bool_)
+        segments, prefixes = attention_mask % PREFIX_STRIDE, attention_mask // PREFIX_STRIDE
+        attention_mask = segments.astype(jnp.bool_)
         if positions is None:
             positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
             if cache is not None:
@@ -352,8 +354,13 @@ class CausalLM(nnx.Module):
         length = input_ids.shape[-1]
         if cache is None:
             causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
-            # a real query sees its own segment's keys (a 0/1 mask: every real key)
-            own = (segments[:, :, None] == segments[:, None, :]) | ~attention_mask[:, :, None]
+            # a real query sees its own segment's keys (a 0/1 mask: every real key) and those
+            # of the shared prompt it names (packed rollouts of one prompt)
+            own = (
+                (segments[:, :, None] == segments[:, None, :])
+                | (prefixes[:, :, None] == segments[:, None, :])
+                | ~attention_mask[:, :, None]
+            )
             mask = causal[None, :, :] & attention_mask[:, None, :] & own  # [B, Lq, Lk]
             hidden, _ = self.model(input_ids, positions, mask)
         else:

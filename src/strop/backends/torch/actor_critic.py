@@ -178,20 +178,23 @@ class TorchActorCritic(Sampler):
         with use_adapter(self.loaded.model, adapter):
             yield self.loaded
 
-    def _packing(self, attention_mask: np.ndarray, micro_batches: int) -> packing.Packing | None:
+    def _packing(self, batch: dict[str, np.ndarray], micro_batches: int) -> packing.Packing | None:
         """How ``ppo.pack`` packs these rows (:mod:`strop.rl.packing`): into the fewest bins
         that first-fit fills and that split evenly into ``micro_batches`` on every rank
         (eager torch runs any shape, so no buckets)."""
         if not self.config.ppo.pack:
             return None
         multiple = micro_batches * self.placement.world_size
-        return packing.plan(attention_mask, multiple=multiple, buckets=False)
+        return packing.plan(
+            batch["attention_mask"], multiple=multiple, buckets=False,
+            **packing.shared_prompts(batch, self.config.ppo.share_prompts),
+        )  # fmt: skip
 
     def _packed(
         self, batch: dict[str, np.ndarray], names: Sequence[str], micro_batches: int
     ) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
         """An update's arrays, packed when ``ppo.pack`` saves rows, and the names to read."""
-        return packing.packed(batch, names, self._packing(batch["attention_mask"], micro_batches))
+        return packing.packed(batch, names, self._packing(batch, micro_batches))
 
     def _forward_rows(self, batch: dict[str, np.ndarray], fn) -> np.ndarray:
         """``fn(ids, mask, positions)`` on this rank's rows in chunks of
@@ -200,24 +203,25 @@ class TorchActorCritic(Sampler):
         rows = len(batch["input_ids"])
         world = self.placement.world_size
         chunk = min(self.config.ppo.rows_per_micro_batch, rows // world) or 1
-        local = rank_rows(batch, ("input_ids", "attention_mask"), 1, self.placement)
-        ids, mask = local["input_ids"][0], local["attention_mask"][0]
-        out = torch.zeros(ids.shape, dtype=torch.float32)
+        names = tuple(k for k in packing.FORWARD_COLUMNS if k in batch)
+        local = {k: v[0] for k, v in rank_rows(batch, names, 1, self.placement).items()}
+        out = torch.zeros(local["input_ids"].shape, dtype=torch.float32)
         with torch.no_grad():
-            for begin in range(0, len(ids), chunk):
+            for begin in range(0, len(out), chunk):
                 rows = slice(begin, begin + chunk)
-                out[rows] = self._forward_chunk(fn, ids[rows], mask[rows])
+                out[rows] = self._forward_chunk(fn, {k: v[rows] for k, v in local.items()})
         return all_gather_rows(out, self.placement).cpu().numpy()
 
-    def _forward_chunk(self, fn, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _forward_chunk(self, fn, chunk: dict[str, torch.Tensor]) -> torch.Tensor:
         """``fn`` on one chunk's rows as float32 ``[rows, L]`` on the host, computed packed
         when ``ppo.pack`` saves rows."""
-        host_mask = mask.cpu().numpy()
-        plan = self._packing(host_mask, 1)
+        ids, mask = chunk["input_ids"], chunk["attention_mask"]
+        host = {k: v.cpu().numpy() for k, v in chunk.items()}
+        plan = self._packing(host, 1)
         if plan is None:
             arrays = {"input_ids": ids, "attention_mask": mask}
         else:
-            packed = plan.pack({"input_ids": ids.cpu().numpy(), "attention_mask": host_mask})
+            packed = plan.pack({k: host[k] for k in ("input_ids", "attention_mask")})
             arrays = {name: torch.from_numpy(value.astype(np.int64)).to(ids.device)
                       for name, value in packed.items()}  # fmt: skip
         columns = used_columns(arrays["attention_mask"])  # padding no row of the chunk attends

@@ -36,6 +36,7 @@ from strop.config import LoraConfig
 from strop.errors import ModelError
 from strop.io.hf import SafetensorsReader, check_tensors, open_checkpoint
 from strop.io.model_spec import ModelSpec
+from strop.rl.packing import PREFIX_STRIDE
 
 
 @dataclass
@@ -177,6 +178,25 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def packed_attention_mask(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, 1, L, L]`` additive mask (0 where a query attends, the dtype's lowest
+    elsewhere) of packed rows: a real token sees the tokens before it in its own segment
+    and in the shared prompt its ``packed`` value names (``segment + PREFIX_STRIDE *
+    prefix``, :mod:`strop.rl.packing`); a padding token sees every real token before it."""
+    segments, prefixes = packed % PREFIX_STRIDE, packed // PREFIX_STRIDE
+    real = segments > 0
+    length = packed.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=packed.device).tril()
+    own = (
+        (segments[:, :, None] == segments[:, None, :])
+        | (prefixes[:, :, None] == segments[:, None, :])
+        | ~real[:, :, None]
+    )
+    allowed = causal[None] & real[:, None, :] & own
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=packed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
 def run_model(
     loaded: LoadedModel,
     input_ids: torch.Tensor,
@@ -189,13 +209,12 @@ def run_model(
 
     Without ``positions``, ``attention_mask`` is 0/1 and positions count from each row's
     first real token. With them the rows are packed (:mod:`strop.rl.packing`):
-    ``attention_mask`` holds segment ids and every segment's positions start at 0, which
-    is transformers' packed-sequence format (no 2-D mask, positions that restart): each
-    segment attends only within itself, and so does each padding token."""
+    ``attention_mask`` holds segment ids (and the shared prompt each token sees), which
+    :func:`packed_attention_mask` turns into the 4-D mask transformers takes as it is."""
     if positions is None:
         positions = positions_from_mask(attention_mask)
     else:
-        attention_mask = None  # transformers reads the segments from the positions
+        attention_mask = packed_attention_mask(attention_mask, loaded.compute_dtype)
     with loaded.autocast():
         return loaded.model(
             input_ids=input_ids,
