@@ -6,8 +6,7 @@ width a new compile of the sampler, both forwards and both updates; the loop pad
 and rollouts to one shape per run instead (:mod:`strop.rl.ppo`). With ``ppo.pack`` the
 forwards and updates see rollouts packed into one of a few bin counts
 (:mod:`strop.rl.packing`), or the batch as it is: at most one shape per bucket and one
-unpacked each, whatever the
-responses. Counted here: every trace JAX makes (``jax.monitoring``'s trace event fires
+unpacked each, whatever the responses. Counted here: every trace JAX makes (``jax.monitoring``'s trace event fires
 for each jitted function and eager op traced for a new shape), during the iterations and
 validations after the first.
 """
