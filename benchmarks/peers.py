@@ -24,6 +24,10 @@ TRL and Tunix live in their own virtualenvs, built on request (PyPI only; CPU to
     .venv/bin/python benchmarks/peers.py --setup     # benchmarks/.venvs/{trl,tunix}
     .venv/bin/python benchmarks/peers.py [--iterations 8] [--rounds 2]
 
+A strop system may end in ``+key=value,...``: the same job with those overrides, run and
+reported beside the others (an A/B of one switch in the same run), e.g.
+``--systems strop-jax "strop-jax+ppo.share_prompts=false" tunix``.
+
 The peers' scripts are ``benchmarks/peers/trl_ppo.py`` and ``benchmarks/peers/tunix_ppo.py``.
 A peer whose venv is missing or whose run fails is reported as not run, with the reason.
 
@@ -79,6 +83,9 @@ PAIRS = (
 # strop-*-shared: the same job with critic.shared_trunk=true (the value head on the
 # actor's adapters, one update per mini-batch for both losses)
 SHARED_TRUNK = ["critic.shared_trunk=true"]
+# A strop system may end in "+key=value,key=value": the same job with those overrides,
+# for an A/B in one run (e.g. strop-jax "strop-jax+ppo.share_prompts=false" tunix).
+VARIANT = "+"
 PPO_SYSTEMS = ("strop-torch", "trl", "strop-jax", "tunix")
 GRPO_SYSTEMS = ("strop-torch", "trl-grpo")
 SCRIPTS = {"trl": "trl_ppo.py", "tunix": "tunix_ppo.py", "trl-grpo": "trl_grpo.py"}
@@ -267,8 +274,9 @@ def strop_child(
     backend: str, data: Path, run_dir: Path, iterations: int, seed: int, grpo: bool = False
 ) -> None:
     """Run strop's PPO (the `strop ppo` code path) with the demo recipe (``grpo``: with
-    GRPO advantages, no critic); print RESULT."""
+    GRPO advantages, no critic; ``backend`` may carry a variant's overrides); print RESULT."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    backend, _, variant = backend.partition(VARIANT)
     shared = backend.endswith("-shared")
     backend = backend.removesuffix("-shared")
     if backend == "torch":
@@ -294,6 +302,7 @@ def strop_child(
             "logging.tensorboard=false",
             *(GRPO if grpo else []),
             *(SHARED_TRUNK if shared else []),
+            *(variant.split(",") if variant else []),
         ],
     )
     history = run_ppo(config).history
@@ -409,10 +418,25 @@ def strop_revision() -> str:
     return head + (" (src/ has uncommitted changes)" if dirty else "")
 
 
+def base_system(system: str) -> str:
+    """The system a variant (``strop-jax+key=value``) runs: ``strop-jax``."""
+    return system.partition(VARIANT)[0]
+
+
+def system_name(text: str) -> str:
+    """``--systems`` type: one of :data:`SYSTEMS`, a strop one with a variant's overrides."""
+    base, plus, variant = text.partition(VARIANT)
+    if base not in SYSTEMS or (plus and (not base.startswith("strop-") or "=" not in variant)):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: not one of {', '.join(SYSTEMS)} (a strop one may end in +key=value,...)"
+        )
+    return text
+
+
 def summarize(results: dict[str, list[dict]], config) -> None:
     stats: dict[str, dict] = {}
     rows = []
-    for system in [s for s in SYSTEMS if s in results]:
+    for system in results:
         runs = results[system]
         errors = [r["error"] for r in runs if "error" in r]
         good = [r for r in runs if "error" not in r]
@@ -464,8 +488,11 @@ def summarize(results: dict[str, list[dict]], config) -> None:
         print_table(["system", *PHASES], phases)
 
     print("\nRatios strop/peer (below 1: strop is faster)")
-    for ours, theirs in PAIRS:
-        if ours not in stats or theirs not in stats:
+    pairs = [
+        (ours, theirs) for ours in stats for base, theirs in PAIRS if base_system(ours) == base
+    ]
+    for ours, theirs in pairs:
+        if theirs not in stats:
             continue
         a, b = stats[ours], stats[theirs]
         if "median" not in a or "median" not in b:
@@ -498,6 +525,9 @@ def summarize(results: dict[str, list[dict]], config) -> None:
             "mini-batch for policy loss + value_loss_coef x value loss, one AdamW at "
             f"lr {config.optim.lr:g} for adapters and head"
         )
+    for variant in [s for s in stats if VARIANT in s]:
+        overrides = variant.partition(VARIANT)[2].replace(",", ", ")
+        print(f"  {variant} against {base_system(variant)}: {overrides}")
 
 
 def main() -> None:
@@ -510,7 +540,11 @@ def main() -> None:
         action="store_true",
         help="GRPO: strop-torch (advantage_estimator=grpo) vs TRL's GRPOTrainer",
     )
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, help="default: the mode's")
+    parser.add_argument(
+        "--systems", nargs="+", type=system_name,
+        help=f"of {', '.join(SYSTEMS)}; a strop one may end in +key=value,... "
+        "(the same job with those overrides); default: the mode's",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
