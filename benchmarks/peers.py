@@ -487,12 +487,12 @@ def summarize(results: dict[str, list[dict]], config) -> None:
         )
         print_table(["system", *PHASES], phases)
 
-    print("\nRatios strop/peer (below 1: strop is faster)")
+    print("\nRatios strop/peer (below 1: strop is faster; a variant's base against it)")
     pairs = [
         (ours, theirs) for ours in stats for base, theirs in PAIRS if base_system(ours) == base
-    ]
+    ] + [(base_system(variant), variant) for variant in stats if VARIANT in variant]
     for ours, theirs in pairs:
-        if theirs not in stats:
+        if ours not in stats or theirs not in stats:
             continue
         a, b = stats[ours], stats[theirs]
         if "median" not in a or "median" not in b:
