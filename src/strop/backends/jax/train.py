@@ -152,9 +152,14 @@ def accumulate(micro_loss: MicroLoss, trainable: Any, frozen: Any, batch: dict[s
         (loss, stats), grads = grad_fn(trainable, micro)
         return jax.tree.map(jnp.add, carry, (grads, loss, stats)), None
 
+    # The sums start at zero: gradients shaped as what trains, loss and stats as the loss
+    # gives them (the shapes of a forward alone: tracing the backward twice per compile
+    # costs a second or more per shape on a CPU).
     first = jax.tree.map(lambda x: x[0], batch)
-    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, trainable, first))
-    (loss_zero, stats_zero), grads_zero = zeros
+    loss_zero, stats_zero = jax.tree.map(
+        jnp.zeros_like, jax.eval_shape(lambda t, m: micro_loss(t, frozen, m), trainable, first)
+    )
+    grads_zero = jax.tree.map(jnp.zeros_like, trainable)
     (grads, loss, stats), _ = jax.lax.scan(body, (grads_zero, loss_zero, stats_zero), batch)
     return grads, loss, stats
 
