@@ -152,10 +152,13 @@ def accumulate(micro_loss: MicroLoss, trainable: Any, frozen: Any, batch: dict[s
         (loss, stats), grads = grad_fn(trainable, micro)
         return jax.tree.map(jnp.add, carry, (grads, loss, stats)), None
 
+    first = jax.tree.map(lambda x: x[0], batch)
+    if jax.tree.leaves(batch)[0].shape[0] == 1:  # one micro-batch: nothing to sum
+        (loss, stats), grads = grad_fn(trainable, first)
+        return grads, loss, stats
     # The sums start at zero: gradients shaped as what trains, loss and stats as the loss
     # gives them (the shapes of a forward alone: tracing the backward twice per compile
     # costs a second or more per shape on a CPU).
-    first = jax.tree.map(lambda x: x[0], batch)
     loss_zero, stats_zero = jax.tree.map(
         jnp.zeros_like, jax.eval_shape(lambda t, m: micro_loss(t, frozen, m), trainable, first)
     )
