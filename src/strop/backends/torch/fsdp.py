@@ -16,9 +16,10 @@ the sharded gradients to a single-process run either way.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -245,3 +246,36 @@ def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.to_local().copy_(local)
     else:
         param.copy_(full.to(dtype=param.dtype, device=param.device))
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether some parameter of ``model`` is a ``DTensor`` (FSDP2 sharded it)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+@contextlib.contextmanager
+def unsharded(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, every FSDP2 module of ``model`` holds its full weights: gathered
+    once on entry (one all-gather per module), kept through every forward, freed on exit.
+
+    Training keeps weights sharded and gathers each layer's for its forward; a decode loop
+    would then gather every weight at every token. This costs one full copy of the weights
+    per rank for the length of the block. Every rank must enter it together (the gathers
+    are collectives); inside, forwards run no collective, so ranks may stop decoding
+    after different numbers of steps. A model without FSDP2 modules is left alone.
+    """
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        yield
+        return
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+    for handle in [module.unshard(async_op=True) for module in modules]:
+        handle.wait()
+    try:
+        yield
+    finally:
+        root = modules[0]  # the outermost: FSDP2 never reshards the root after forward
+        for module in modules:
+            module.reshard()
+            module.set_reshard_after_forward(module is not root, recurse=False)

@@ -50,7 +50,7 @@ would need incremental detokenization inside the loop.
 FSDP2
 -----
 When the model is sharded with FSDP2's ``fully_shard`` (its parameters are ``DTensor``\\ s),
-its weights are gathered once for the call (:func:`unsharded`: one all-gather per FSDP
+its weights are gathered once for the call (:func:`~strop.backends.torch.fsdp.unsharded`: one all-gather per FSDP
 module, then no collective in the prefill or any decode step) and resharded at the end.
 So every rank must call :func:`generate` together, as FSDP requires of any forward, but
 each rank stops when its own rows are done. A sharded model runs under
@@ -70,10 +70,9 @@ loop warns once and decodes eagerly, in that call and every later one.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from functools import cache
 
 import numpy as np
@@ -81,6 +80,7 @@ import torch
 import torch.nn.functional as F
 from transformers import StaticCache
 
+from strop.backends.torch.fsdp import is_sharded, unsharded
 from strop.config.sections import GenerationConfig
 from strop.generation import (
     Decoder,
@@ -140,7 +140,7 @@ def generate(
     """
     check_generate_args(prompts, params, tokenizer)
     device = next(model.parameters()).device
-    sharded = _is_sharded(model)
+    sharded = is_sharded(model)
     was_training = model.training
     model.eval()
     try:
@@ -187,7 +187,7 @@ def decode_compile_mode(setting: str, model: torch.nn.Module) -> str | None:
     buffers at every call, which CUDA graphs would record anew."""
     if setting == "auto":
         cuda = next(model.parameters()).device.type == "cuda"
-        return "reduce-overhead" if cuda and not _is_sharded(model) else None
+        return "reduce-overhead" if cuda and not is_sharded(model) else None
     return None if setting == "off" else setting
 
 
@@ -367,41 +367,3 @@ def _gumbel_argmax(logits: torch.Tensor, generator: torch.Generator) -> torch.Te
     """
     uniform = torch.rand(logits.shape, generator=generator, device=logits.device)
     return (logits - torch.log(-torch.log(uniform))).argmax(-1)
-
-
-def _is_sharded(model: torch.nn.Module) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-@contextlib.contextmanager
-def unsharded(model: torch.nn.Module) -> Iterator[None]:
-    """Within the block, every FSDP2 module of ``model`` holds its full weights: gathered
-    once on entry (one all-gather per module), kept through every forward, freed on exit.
-
-    Training keeps weights sharded and gathers each layer's for its forward; a decode loop
-    would then gather every weight at every token. This costs one full copy of the weights
-    per rank for the length of the block. Every rank must enter it together (the gathers
-    are collectives); inside, forwards run no collective, so ranks may stop decoding
-    after different numbers of steps. A model without FSDP2 modules is left alone.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not modules:
-        yield
-        return
-    for module in modules:
-        module.set_reshard_after_forward(False, recurse=False)
-    for handle in [module.unshard(async_op=True) for module in modules]:
-        handle.wait()
-    try:
-        yield
-    finally:
-        root = modules[0]  # the outermost: FSDP2 never reshards the root after forward
-        for module in modules:
-            module.reshard()
-            module.set_reshard_after_forward(module is not root, recurse=False)
