@@ -123,7 +123,7 @@ class PpoConfig(_Section):
     )
     share_prompts: bool = Field(
         True,
-        description="With ppo.pack: rollouts of the same prompt share one copy of its tokens in the packed rows (each sees it as its own context), so the prompt's forward and backward run once per group; the same numbers up to float rounding.",
+        description="With ppo.pack: rollouts of the same prompt share one copy of its tokens in the packed rows (each sees it as its own context), so the prompt's forward and backward run once for its rollouts in a batch; the same numbers up to float rounding.",
     )
     validate_every: int = Field(
         0,

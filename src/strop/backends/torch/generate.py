@@ -50,8 +50,9 @@ would need incremental detokenization inside the loop.
 FSDP2
 -----
 When the model is sharded with FSDP2's ``fully_shard`` (its parameters are ``DTensor``\\ s),
-its weights are gathered once for the call (:func:`~strop.backends.torch.fsdp.unsharded`: one all-gather per FSDP
-module, then no collective in the prefill or any decode step) and resharded at the end.
+its weights are gathered once for the call (:func:`~strop.backends.torch.fsdp.unsharded`:
+one all-gather per FSDP module, then no collective in the prefill or any decode step) and
+resharded at the end.
 So every rank must call :func:`generate` together, as FSDP requires of any forward, but
 each rank stops when its own rows are done. A sharded model runs under
 ``torch.no_grad()`` rather than ``torch.inference_mode()``: FSDP2 keeps the buffers it
