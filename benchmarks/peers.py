@@ -91,7 +91,7 @@ GRPO_SYSTEMS = ("strop-torch", "trl-grpo")
 SCRIPTS = {"trl": "trl_ppo.py", "tunix": "tunix_ppo.py", "trl-grpo": "trl_grpo.py"}
 GRPO = ["ppo.advantage_estimator=grpo"]
 N_TRAIN, N_VALIDATION = 2000, 256  # strop.demo's split sizes
-PHASES = ("generate", "reward", "logprobs", "values", "train_critic", "train_policy")
+PHASES = ("generate", "reward", "logprobs", "values", "train")
 
 
 def demo_config(overrides: list[str] | None = None):

@@ -99,8 +99,8 @@ def phase_flops(spec, config, tokens: float, context: float) -> dict[str, float]
         flops["logprobs"] = forwards * sum(lm)
     if ppo.has_critic:
         flops["values"] = sum(value)
-        flops["train_critic"] = update(value)
-    flops["train_policy"] = update(lm)
+    # timing/train: the critic's and the policy's updates together
+    flops["train"] = update(lm) + (update(value) if ppo.has_critic else 0.0)
     return flops
 
 

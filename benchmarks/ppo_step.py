@@ -4,7 +4,7 @@ Runs ``run_ppo`` (what ``strop ppo`` runs) with the ``ppo-lora-tiny`` recipe on 
 random Qwen2 with a tokenizer trained on GSM8K-style problems, once per backend, each in
 its own subprocess (so each peak RSS is its own). Reported per backend: the median over
 iterations after the first (which compiles on JAX) of each phase's seconds — generate,
-reward, logprobs (old + reference), values, train_critic, train_policy — the whole step,
+reward, logprobs (old + reference), values, train (critic and policy updates) — the whole step,
 generated tokens/s, the first iteration's time and the peak resident memory; then the
 torch/JAX ratio of each.
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.report import cpu_name, print_table  # noqa: E402
 
-PHASES = ("generate", "reward", "logprobs", "values", "train_critic", "train_policy", "step")
+PHASES = ("generate", "reward", "logprobs", "values", "train", "step")
 
 
 def make_task(root: Path, shape: str | None = None) -> None:

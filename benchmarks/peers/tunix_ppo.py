@@ -59,8 +59,8 @@ def time_phases(cluster, learner, phases: dict[str, list[float]]) -> None:
         ("generate", "generate"),
         ("logprobs", "get_old_per_token_logps"),
         ("values", "get_values"),
-        ("train_policy", "update_actor"),
-        ("train_critic", "update_critic"),
+        ("train", "update_actor"),
+        ("train", "update_critic"),
     ]:
         method = getattr(cluster, name)
 

@@ -23,7 +23,7 @@ from strop.rl import ppo as ppo_module
 from tests.integration.test_ppo_run import config_for, task  # noqa: F401  (fixture)
 
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
-PACKED = {"logprobs", "values", "critic_update", "policy_update"}  # what takes packed batches
+PACKED = {"logprobs", "values", "critic_and_policy_update"}  # what takes packed batches
 SHAPES = len(packing.BUCKETS) + 1  # a packed bin count, or the batch as it is
 
 

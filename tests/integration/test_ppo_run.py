@@ -30,7 +30,7 @@ REQUIRED_METRICS = {
     "train/reward", "train/response_length", "policy/loss", "policy/clipfrac", "policy/kl",
     "policy/entropy", "policy/grad_norm", "critic/loss", "critic/explained_var",
     "critic/grad_norm", "critic/value_mean", "token_mult_prob_error", "timing/generate",
-    "timing/logprobs", "timing/values", "timing/train_critic", "timing/train_policy",
+    "timing/logprobs", "timing/values", "timing/train",
     "throughput/tokens_per_s", "reward/timeouts",
 }  # fmt: skip
 MARGIN = 0.1  # train/reward: mean of the last 3 iterations >= mean of the first 3 + this

@@ -104,6 +104,19 @@ def assert_adapters_close(a, b, tol=TOL):
             np.testing.assert_allclose(x, y, atol=tol, rtol=tol, err_msg=path)
 
 
+def experience_mini_batch(batch, forwards, config) -> dict[str, np.ndarray]:
+    """The rows' one mini-batch of experience from ``forwards`` (old log-probs, reference
+    log-probs, values), the old log-probs moved off the current ones so that the ratio
+    clips on some tokens."""
+    old, ref, values = forwards
+    rng = np.random.default_rng(2)
+    old = old + rng.normal(0, 0.3, old.shape).astype(np.float32) * (batch["response_mask"] > 0)
+    arrays, _ = build_experience(
+        batch, np.array([1.0, 0.0, 0.5, 1.0]), old, ref, values, config.ppo
+    )
+    return next(minibatches(arrays, 4, config.ppo.loss_aggregation, np.random.default_rng(3)))
+
+
 @pytest.fixture(scope="module")
 def qwen2(tiny_model_dir):
     return tiny_model_dir("qwen2")
@@ -126,15 +139,7 @@ def test_one_ppo_update_is_the_same_on_jax_and_torch(qwen2):
     for j, t in zip(forwards["jax"], forwards["torch"], strict=True):
         np.testing.assert_allclose(j[mask], t[mask], atol=TOL, rtol=TOL)
 
-    # one experience for both: the JAX forwards, with old log-probs moved off the current
-    # ones so the ratio clips on some tokens
-    old, ref, values = forwards["jax"]
-    rng = np.random.default_rng(2)
-    old = old + rng.normal(0, 0.3, old.shape).astype(np.float32) * mask
-    arrays, _ = build_experience(
-        batch, np.array([1.0, 0.0, 0.5, 1.0]), old, ref, values, config.ppo
-    )
-    mini = next(minibatches(arrays, 4, config.ppo.loss_aggregation, np.random.default_rng(3)))
+    mini = experience_mini_batch(batch, forwards["jax"], config)  # one for both
 
     stats = {}
     for name, engine in engines.items():
@@ -161,6 +166,35 @@ def test_one_ppo_update_is_the_same_on_jax_and_torch(qwen2):
     moved = max(np.abs(after["jax"]["actor"][p][1] - start["actor"][p][1]).max()
                 for p in start["actor"])  # fmt: skip
     assert moved > 1e-3  # the update did something
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+def test_the_critic_and_policy_updates_in_one_call_are_the_two_calls(qwen2, backend):
+    """``train_critic_and_policy`` (the PPO loop's call; one program on JAX) gives the stats
+    and weights of ``train_critic`` then ``train_policy``."""
+    config = make_config(qwen2, "ppo.kl_coef=0.1", "ppo.kl_estimator=k3", "ppo.value_clip=0.2")
+    engines = [ENGINES[backend](config, total_updates=2, checkpoint_dir=None) for _ in range(2)]
+    start = random_weights(engines[0], seed=1)
+    for engine in engines:
+        engine.set_lora_weights(**start)
+    batch = rollout_batch(read_model_spec(qwen2).vocab_size)
+    e = engines[0]
+    mini = experience_mini_batch(batch, (e.logprobs(batch), e.logprobs(batch, reference=True),
+                                         e.values(batch)), config)  # fmt: skip
+    for _ in range(2):  # the second update runs from the first one's optimizer state
+        apart = (engines[0].train_critic(mini, 2), engines[0].train_policy(mini, 2))
+        together = engines[1].train_critic_and_policy(mini, 2)
+        for one, other in zip(apart, together, strict=True):
+            assert one.keys() == other.keys()
+            for key in one:
+                np.testing.assert_allclose(one[key], other[key], rtol=1e-6, atol=1e-7, err_msg=key)
+    assert apart[1]["grad_norm"] > 0 and apart[0]["grad_norm"] > 0
+    one, other = (engine.lora_weights() for engine in engines)
+    for role in ("actor", "critic"):
+        assert_adapters_close(one[role], other[role], tol=1e-6)
+    np.testing.assert_allclose(one["value_head"][0], other["value_head"][0], rtol=1e-6, atol=1e-7)
+    moved = max(np.abs(other["actor"][p][1] - start["actor"][p][1]).max() for p in start["actor"])
+    assert moved > 1e-4  # the updates did something
 
 
 def test_torch_drops_padding_columns_without_changing_a_number(qwen2):

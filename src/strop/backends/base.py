@@ -184,6 +184,14 @@ class ActorCritic(TrainableModel, Protocol):
         ``entropy``, ``grad_norm`` (and ``kl_loss``, ``dual_clip_frac`` when on)."""
         ...
 
+    def train_critic_and_policy(
+        self, batch: dict[str, np.ndarray], micro_batches: int
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """``(train_critic(batch, ...), train_policy(batch, ...))``: the same updates and
+        stats. Neither update reads what the other changes, so a backend may run the two
+        at once (JAX: one program, which keeps more CPU cores busy)."""
+        ...
+
 
 @runtime_checkable
 class RewardModel(Protocol):

@@ -22,7 +22,10 @@ class VllmRollouts(Sampler):
     actor's adapter (LoRA) or weights (full fine-tuning) first. Every process of the run
     takes part in a sync (gathers are collectives)."""
 
-    _CHANGES_THE_ACTOR = ("train_policy", "train_step", "restore_checkpoint", "load_adapter")
+    _CHANGES_THE_ACTOR = (
+        "train_policy", "train_critic_and_policy", "train_step", "restore_checkpoint",
+        "load_adapter",
+    )  # fmt: skip
 
     def __init__(self, model: Any, engine: VllmEngine, config: Config) -> None:
         self.model = model

@@ -294,13 +294,16 @@ class PpoLoop:
 
     def _update(self, step: int, arrays: dict[str, np.ndarray]) -> dict[str, list[float]]:
         """``ppo.ppo_epochs`` passes over shuffled mini-batches: a critic update (with a
-        critic), then a policy update (after the warm-up); their stats by name."""
+        critic) and a policy update (after the warm-up) on each, in one call when both
+        run (``train_critic_and_policy``); their stats by name. ``timing/train`` is the
+        time of all of them."""
         ppo, engine = self.config.ppo, self.model
         updates: dict[str, list[float]] = defaultdict(list)
         micro_batches = ppo.mini_batch_size // ppo.rows_per_micro_batch
+        critic = ppo.has_critic and not self.config.critic.shared_trunk
+        policy = step >= ppo.critic_warmup_steps
 
-        def update(role: str, fn, mini, epoch: int, index: int) -> None:
-            stats = self._timed(f"train_{role}", fn, mini, micro_batches)
+        def record(role: str, stats: dict[str, float], epoch: int, index: int) -> None:
             self.skipped[role] += count_skipped(
                 stats,
                 where=f"ppo iteration {step + 1} {role} update (epoch {epoch + 1}, "
@@ -322,10 +325,24 @@ class PpoLoop:
                 self.sampling.max_new_tokens,
             )  # fmt: skip
             for index, mini in enumerate(minis):
-                if ppo.has_critic and not self.config.critic.shared_trunk:
-                    update("critic", engine.train_critic, mini, epoch, index)
-                if step >= ppo.critic_warmup_steps:
-                    update("policy", engine.train_policy, mini, epoch, index)
+                if critic and policy:
+                    both = self._timed("train", engine.train_critic_and_policy, mini, micro_batches)
+                    for role, stats in zip(("critic", "policy"), both, strict=True):
+                        record(role, stats, epoch, index)
+                elif critic:
+                    record(
+                        "critic",
+                        self._timed("train", engine.train_critic, mini, micro_batches),
+                        epoch,
+                        index,
+                    )
+                elif policy:
+                    record(
+                        "policy",
+                        self._timed("train", engine.train_policy, mini, micro_batches),
+                        epoch,
+                        index,
+                    )
         return updates
 
     def validate(self) -> float:

@@ -18,7 +18,6 @@ Roles are held functionally (see :mod:`strop.backends.jax.ppo_steps`):
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -27,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -38,6 +36,7 @@ from strop.backends.jax.lora import (
     adapter_weights,
     apply_lora,
     check_supported,
+    initial_reference,
     set_adapter_weights,
     with_adapters_merged,
 )
@@ -50,12 +49,13 @@ from strop.backends.jax.sharding import (
     write_once,
 )
 from strop.backends.jax.train import (
+    jit_joint_update,
     jit_update,
     make_optimizer,
     put_micro_batches,
     replicate_unplaced,
 )
-from strop.backends.jax.value import ValueHead, ValueModel
+from strop.backends.jax.value import ValueHead, ValueModel, critic_trainable_filter, twin
 from strop.backends.jax.weights import hf_weights, load_hf_model, save_hf_model
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
@@ -64,20 +64,6 @@ from strop.io.run_identity import run_checkpoints
 from strop.lora_init import critic_seed as critic_seed_of
 from strop.rl import packing
 from strop.rl.objectives import PolicyObjective, ValueObjective
-
-logger = logging.getLogger(__name__)
-
-
-def critic_trainable_filter(lora_enabled: bool) -> nnx.filterlib.Filter:
-    """What trains in the critic: its LoRA params (or all params) *and* the value head."""
-    if not lora_enabled:
-        return nnx.Param
-    return nnx.Any(nnx.LoRAParam, nnx.All(nnx.Param, nnx.PathContains("value_head")))
-
-
-def _twin(module: nnx.Module) -> nnx.Module:
-    """A second module tree over the same arrays (no copy of any weight)."""
-    return nnx.merge(*nnx.split(module))
 
 
 class JaxActorCritic(Sampler):
@@ -111,16 +97,22 @@ class JaxActorCritic(Sampler):
         self.actor_graph, self.actor, self.frozen = nnx.split(
             lm, nnx.LoRAParam if config.lora.enabled else nnx.Param, ...
         )
-        self.reference = self._initial_reference()
+        self.reference = initial_reference(self.actor_graph, self.actor, self.frozen, config)
 
         actor_tx = make_optimizer(config.optim, total_updates)
         if self.shared_trunk:
             self._build_shared_trunk(config, actor_tx, lm.spec.hidden_size)
         else:
             self.actor_opt = replicate_unplaced(actor_tx.init(self.actor), self.mesh)
-            self._policy_update = jit_update(
-                actor_tx, partial(ppo_steps.policy_loss, self.actor_graph, self.policy_objective)
+            policy = (
+                actor_tx,
+                partial(ppo_steps.policy_loss, self.actor_graph, self.policy_objective),
             )
+            self._policy_update = jit_update(*policy, name="policy_update")
+            if self.has_critic:
+                self._joint_update = jit_joint_update(
+                    self._critic, policy, name="critic_and_policy_update"
+                )
         self.checkpoints = run_checkpoints(TrainCheckpoints, config, checkpoint_dir, "jax", "ppo")
 
     # construction helpers ----------------------------------------------------------------
@@ -131,7 +123,7 @@ class JaxActorCritic(Sampler):
         critic seed (as on torch)."""
         critic_seed = critic_seed_of(config.seed)
         if config.lora.enabled:
-            critic_lm = apply_lora(_twin(lm), config.lora, seed=critic_seed)
+            critic_lm = apply_lora(twin(lm), config.lora, seed=critic_seed)
         else:
             critic_lm = load(config.critic.model_path or config.model.path)
         critic = ValueModel(critic_lm, seed=critic_seed, mesh=self.mesh)
@@ -141,10 +133,11 @@ class JaxActorCritic(Sampler):
         )
         critic_tx = make_optimizer(config.critic_optim(), total_updates)
         self.critic_opt = replicate_unplaced(critic_tx.init(self.critic), self.mesh)
-        self._critic_update = jit_update(
+        self._critic = (
             critic_tx,
             partial(ppo_steps.critic_loss, self.critic_graph, self.value_objective),
         )
+        self._critic_update = jit_update(*self._critic, name="critic_update")
 
     def _build_shared_trunk(self, config: Config, tx, hidden: int) -> None:
         """``critic.shared_trunk``: the value head alone (from the core's critic seed, as on
@@ -155,28 +148,13 @@ class JaxActorCritic(Sampler):
         self.actor_opt = replicate_unplaced(tx.init(self._shared()), self.mesh)
         objectives = (self.policy_objective, self.value_objective)
         self._shared_update = jit_update(
-            tx, partial(ppo_steps.shared_loss, (self.actor_graph, self.head_graph), objectives)
+            tx,
+            partial(ppo_steps.shared_loss, (self.actor_graph, self.head_graph), objectives),
+            name="shared_update",
         )
 
     def _shared(self) -> dict[str, Any]:
         return {"actor": self.actor, "head": self.head}
-
-    def _initial_reference(self) -> nnx.State:
-        """The reference's trainable-shaped part: a zero adapter (= the base), the SFT
-        adapter it is told to be, or (full fine-tuning) a copy of the initial weights."""
-        config = self.config
-        if not config.lora.enabled:
-            return jax.tree.map(jnp.copy, self.actor)
-        reference = jax.tree.map(jnp.zeros_like, self.actor)
-        path = config.reference_adapter_path()
-        if path is not None:
-            module = nnx.merge(self.actor_graph, reference, self.frozen)
-            set_adapter_weights(
-                module, read_adapter_for(path, config.lora, config.model.path), str(path)
-            )
-            reference = nnx.state(module, nnx.LoRAParam)
-            logger.info("reference policy: the adapter at %s (frozen)", path)
-        return reference
 
     def _put(self, batch: dict[str, np.ndarray], names: Sequence[str]) -> dict[str, jax.Array]:
         return {
@@ -272,20 +250,25 @@ class JaxActorCritic(Sampler):
             ),
         )
 
+    def _arrays(
+        self, batch: dict[str, np.ndarray], names: Sequence[str], micro_batches: int
+    ) -> dict[str, jax.Array]:
+        """An update's arrays on the mesh, ``[micro, rows, ...]``, packed when that saves rows."""
+        batch, names = self._packed(batch, names, micro_batches)
+        return put_micro_batches(batch, names, micro_batches, self.mesh)
+
     def train_policy(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
         """One actor update over the mini-batch ``batch`` (see :mod:`ppo_steps`); with
         ``critic.shared_trunk`` the value head's too, over both losses."""
         if self.shared_trunk:
             wanted = (*self.policy_objective.batch_names, *self.value_objective.batch_names)
-            batch, names = self._packed(batch, tuple(dict.fromkeys(wanted)), micro_batches)
-            arrays = put_micro_batches(batch, names, micro_batches, self.mesh)
+            arrays = self._arrays(batch, tuple(dict.fromkeys(wanted)), micro_batches)
             shared, self.actor_opt, stats = self._shared_update(
                 self._shared(), self.actor_opt, self.frozen, arrays
             )
             self.actor, self.head = shared["actor"], shared["head"]
             return _host(stats)
-        batch, names = self._packed(batch, self.policy_objective.batch_names, micro_batches)
-        arrays = put_micro_batches(batch, names, micro_batches, self.mesh)
+        arrays = self._arrays(batch, self.policy_objective.batch_names, micro_batches)
         self.actor, self.actor_opt, stats = self._policy_update(
             self.actor, self.actor_opt, self.frozen, arrays
         )
@@ -293,12 +276,25 @@ class JaxActorCritic(Sampler):
 
     def train_critic(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
         """One critic update over the mini-batch ``batch``."""
-        batch, names = self._packed(batch, self.value_objective.batch_names, micro_batches)
-        arrays = put_micro_batches(batch, names, micro_batches, self.mesh)
+        arrays = self._arrays(batch, self.value_objective.batch_names, micro_batches)
         self.critic, self.critic_opt, stats = self._critic_update(
             self.critic, self.critic_opt, self.critic_frozen, arrays
         )
         return _host(stats)
+
+    def train_critic_and_policy(
+        self, batch: dict[str, np.ndarray], micro_batches: int
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """:meth:`train_critic` then :meth:`train_policy` on ``batch``, as one program."""
+        critic = self._arrays(batch, self.value_objective.batch_names, micro_batches)
+        policy = self._arrays(batch, self.policy_objective.batch_names, micro_batches)
+        (self.critic, self.critic_opt, critic_stats), (self.actor, self.actor_opt, stats) = (
+            self._joint_update(
+                self.critic, self.critic_opt, self.critic_frozen, critic,
+                self.actor, self.actor_opt, self.frozen, policy,
+            )
+        )  # fmt: skip
+        return _host(critic_stats), _host(stats)
 
     # checkpoints -------------------------------------------------------------------------
 

@@ -13,9 +13,11 @@ torch backend), placed with each parameter's sharding.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import qwix
@@ -23,11 +25,13 @@ from flax import nnx
 
 from strop.backends.jax.model import CausalLM, Dense
 from strop.backends.jax.sharding import to_host
-from strop.config import LoraConfig
+from strop.config import Config, LoraConfig
 from strop.errors import ConfigError
-from strop.io.peft import check_adapter_shape, check_adapter_targets
+from strop.io.peft import check_adapter_shape, check_adapter_targets, read_adapter_for
 from strop.lora_init import adapters as initial_adapters
 from strop.lora_targets import match_targets
+
+logger = logging.getLogger(__name__)
 
 # nnx.LoRAParam subclasses nnx.Param: "base weights" must exclude it explicitly.
 BASE_WEIGHTS = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
@@ -133,3 +137,21 @@ def set_adapter_weights(
             current = variable.get_value()
             new = value.T
             variable.set_value(jnp.asarray(new, dtype=current.dtype, device=current.sharding))
+
+
+def initial_reference(graph: nnx.GraphDef, actor: nnx.State, frozen: nnx.State, config: Config):
+    """The PPO reference's trainable-shaped part, beside the actor's ``(graph, actor,
+    frozen)``: a zero adapter (= the base), the SFT adapter it is told to be
+    (``config.reference_adapter_path()``), or (full fine-tuning) a copy of ``actor``."""
+    if not config.lora.enabled:
+        return jax.tree.map(jnp.copy, actor)
+    reference = jax.tree.map(jnp.zeros_like, actor)
+    path = config.reference_adapter_path()
+    if path is not None:
+        module = nnx.merge(graph, reference, frozen)
+        set_adapter_weights(
+            module, read_adapter_for(path, config.lora, config.model.path), str(path)
+        )
+        reference = nnx.state(module, nnx.LoRAParam)
+        logger.info("reference policy: the adapter at %s (frozen)", path)
+    return reference

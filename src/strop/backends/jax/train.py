@@ -207,17 +207,44 @@ def jit_update(
     tx: optax.GradientTransformation,
     micro_loss: MicroLoss,
     on_trace: Callable[[dict[str, jax.Array]], None] | None = None,
+    *,
+    name: str = "update",
 ) -> Callable:
     """``update(trainable, opt_state, frozen, batch)`` jitted, ``trainable`` and
     ``opt_state`` donated (``frozen`` not: PPO's roles share it). ``on_trace(batch)`` runs
-    each time it is traced (= compiled)."""
+    each time it is traced (= compiled); ``name`` is what JAX calls the program."""
 
     def traced(trainable, opt_state, frozen, batch):
         if on_trace is not None:
             on_trace(batch)
         return update(tx, micro_loss, trainable, opt_state, frozen, batch)
 
+    traced.__name__ = traced.__qualname__ = name
     return jax.jit(traced, donate_argnums=(0, 1))
+
+
+def jit_joint_update(
+    first: tuple[optax.GradientTransformation, MicroLoss],
+    second: tuple[optax.GradientTransformation, MicroLoss],
+    *,
+    name: str,
+) -> Callable:
+    """Two independent updates as one program: ``(first_model..., second_model...)`` ->
+    ``(update(*first, ...), update(*second, ...))``, each argument as :func:`jit_update`
+    takes it, both models' trainable and optimizer states donated.
+
+    Neither update reads what the other writes (PPO's critic and policy updates over one
+    mini-batch), so the result is theirs one after the other; in one program XLA runs
+    the two side by side, which on a CPU keeps more cores busy (docs/benchmarks.md)."""
+
+    def traced(a, a_opt, a_frozen, a_batch, b, b_opt, b_frozen, b_batch):
+        return (
+            update(*first, a, a_opt, a_frozen, a_batch),
+            update(*second, b, b_opt, b_frozen, b_batch),
+        )
+
+    traced.__name__ = traced.__qualname__ = name
+    return jax.jit(traced, donate_argnums=(0, 1, 4, 5))
 
 
 def sft_loss(graphdef: nnx.GraphDef, trainable: Any, frozen: Any, micro: dict[str, jax.Array]):
@@ -263,7 +290,9 @@ class Trainer:
         tx = make_optimizer(optim, total_steps)
         self.opt_state = replicate_unplaced(tx.init(self.params), mesh)
         self.traces = TraceCounter()
-        self._update = jit_update(tx, partial(sft_loss, graphdef), on_trace=self.traces.record)
+        self._update = jit_update(
+            tx, partial(sft_loss, graphdef), on_trace=self.traces.record, name="sft_update"
+        )
 
     @property
     def params(self) -> nnx.State:

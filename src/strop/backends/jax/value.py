@@ -113,3 +113,16 @@ class ValueModel(nnx.Module):
     def head_weights(self) -> tuple[np.ndarray, float]:
         """``(kernel [E] float32, bias)`` on the host."""
         return self.value_head.weights()
+
+
+def critic_trainable_filter(lora_enabled: bool) -> nnx.filterlib.Filter:
+    """What trains in the critic: its LoRA params (or all params) *and* the value head."""
+    if not lora_enabled:
+        return nnx.Param
+    return nnx.Any(nnx.LoRAParam, nnx.All(nnx.Param, nnx.PathContains("value_head")))
+
+
+def twin(module: nnx.Module) -> nnx.Module:
+    """A second module tree over the same arrays (no copy of any weight): the critic's
+    base, when LoRA puts a critic adapter on the actor's."""
+    return nnx.merge(*nnx.split(module))

@@ -310,6 +310,13 @@ class TorchActorCritic(Sampler):
 
             return self.critic_trainer.update(batch, names, micro_batches, loss_fn)
 
+    def train_critic_and_policy(
+        self, batch: dict[str, np.ndarray], micro_batches: int
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """:meth:`train_critic` then :meth:`train_policy` on ``batch`` (eager: one after the
+        other, as the two calls would)."""
+        return self.train_critic(batch, micro_batches), self.train_policy(batch, micro_batches)
+
     # checkpoints -------------------------------------------------------------------------
 
     def latest_checkpoint(self) -> int | None:
