@@ -222,7 +222,8 @@ def differences(config) -> dict[str, list[str]]:
         "generation: Tunix's vanilla sampler; prompts left-padded to the longest rounded up to "
         "16 tokens (as strop's JAX backend pads them); the rollout seed is an int that Tunix "
         "turns into the same PRNG key at every generate call",
-        "per mini-batch the actor update runs before the critic's (strop: critic first)",
+        "per mini-batch the actor update runs before the critic's, in two programs (strop: the "
+        "two in one program, side by side)",
     ]
     trl_grpo = [
         f"old log-probs: TRL recomputes them with a forward of the policy over the 64 before "
