@@ -301,7 +301,7 @@ class PpoLoop:
         updates: dict[str, list[float]] = defaultdict(list)
         micro_batches = ppo.mini_batch_size // ppo.rows_per_micro_batch
         critic = ppo.has_critic and not self.config.critic.shared_trunk
-        policy = step >= ppo.critic_warmup_steps
+        roles = ("critic",) * critic + ("policy",) * (step >= ppo.critic_warmup_steps)
 
         def record(role: str, stats: dict[str, float], epoch: int, index: int) -> None:
             self.skipped[role] += count_skipped(
@@ -325,25 +325,21 @@ class PpoLoop:
                 self.sampling.max_new_tokens,
             )  # fmt: skip
             for index, mini in enumerate(minis):
-                if critic and policy:
-                    both = self._timed("train", engine.train_critic_and_policy, mini, micro_batches)
-                    for role, stats in zip(("critic", "policy"), both, strict=True):
-                        record(role, stats, epoch, index)
-                elif critic:
-                    record(
-                        "critic",
-                        self._timed("train", engine.train_critic, mini, micro_batches),
-                        epoch,
-                        index,
-                    )
-                elif policy:
-                    record(
-                        "policy",
-                        self._timed("train", engine.train_policy, mini, micro_batches),
-                        epoch,
-                        index,
-                    )
+                trained = self._timed("train", self._train, roles, mini, micro_batches)
+                for role, stats in zip(roles, trained, strict=True):
+                    record(role, stats, epoch, index)
         return updates
+
+    def _train(
+        self, roles: tuple[str, ...], mini: dict[str, np.ndarray], micro_batches: int
+    ) -> tuple[dict[str, float], ...]:
+        """The updates ``roles`` names over one mini-batch, their stats in that order:
+        the critic's and the policy's in one call when both run."""
+        engine = self.model
+        if roles == ("critic", "policy"):
+            return engine.train_critic_and_policy(mini, micro_batches)
+        one = {"critic": engine.train_critic, "policy": engine.train_policy}
+        return tuple(one[role](mini, micro_batches) for role in roles)
 
     def validate(self) -> float:
         """Greedy accuracy of the actor on the validation prompts: the share whose response
