@@ -275,6 +275,21 @@ def test_the_other_critic_free_estimators_run(task, tmp_path, estimator):
     assert not [key for key in result.history[-1] if key.startswith("critic/")]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_critic_warmup_updates_the_critic_alone_then_both(task, tmp_path, backend):
+    """``ppo.critic_warmup_steps=1``: the first iteration updates the critic alone (its own
+    call), the second the critic and the policy (one call, one program on JAX)."""
+    config = config_for(
+        task, tmp_path / "run", backend, "ppo.critic_warmup_steps=1", "ppo.steps=2",
+        "ppo.validate_every=0", "checkpoint.every_steps=100",
+    )  # fmt: skip
+    first, second = run_ppo(config).history
+    assert first["critic/grad_norm"] > 0 and second["critic/grad_norm"] > 0
+    assert "policy/loss" not in first and "policy/grad_norm" not in first
+    assert second["policy/grad_norm"] > 0
+    assert first["timing/train"] > 0 and second["timing/train"] > 0
+
+
 @pytest.mark.parametrize("overlong", ["mask", "penalty"])
 def test_truncated_responses_are_masked_or_penalised(task, tmp_path, overlong):
     config = config_for(
