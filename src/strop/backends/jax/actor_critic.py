@@ -175,12 +175,6 @@ class JaxActorCritic(Sampler):
             **packing.shared_prompts(batch, self.config.ppo.share_prompts),
         )  # fmt: skip
 
-    def _packed(
-        self, batch: dict[str, np.ndarray], names: Sequence[str], micro_batches: int
-    ) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
-        """An update's arrays, packed when ``ppo.pack`` saves rows, and the names to read."""
-        return packing.packed(batch, names, self._packing(batch, micro_batches))
-
     def _rows(self, batch: dict[str, np.ndarray], fn) -> np.ndarray:
         """``fn(ids, mask, positions)`` over the batch in chunks of
         ``ppo.micro_batch_size`` rows (each packed when ``ppo.pack`` saves rows)."""
@@ -251,24 +245,28 @@ class JaxActorCritic(Sampler):
         )
 
     def _arrays(
-        self, batch: dict[str, np.ndarray], names: Sequence[str], micro_batches: int
-    ) -> dict[str, jax.Array]:
-        """An update's arrays on the mesh, ``[micro, rows, ...]``, packed when that saves rows."""
-        batch, names = self._packed(batch, names, micro_batches)
-        return put_micro_batches(batch, names, micro_batches, self.mesh)
+        self, batch: dict[str, np.ndarray], micro_batches: int, *updates: Sequence[str]
+    ) -> list[dict[str, jax.Array]]:
+        """Each update's arrays (``updates``: the names each reads) on the mesh,
+        ``[micro, rows, ...]``, all packed by one plan when that saves rows."""
+        plan = self._packing(batch, micro_batches)
+        return [
+            put_micro_batches(*packing.packed(batch, names, plan), micro_batches, self.mesh)
+            for names in updates
+        ]
 
     def train_policy(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
         """One actor update over the mini-batch ``batch`` (see :mod:`ppo_steps`); with
         ``critic.shared_trunk`` the value head's too, over both losses."""
         if self.shared_trunk:
             wanted = (*self.policy_objective.batch_names, *self.value_objective.batch_names)
-            arrays = self._arrays(batch, tuple(dict.fromkeys(wanted)), micro_batches)
+            (arrays,) = self._arrays(batch, micro_batches, tuple(dict.fromkeys(wanted)))
             shared, self.actor_opt, stats = self._shared_update(
                 self._shared(), self.actor_opt, self.frozen, arrays
             )
             self.actor, self.head = shared["actor"], shared["head"]
             return _host(stats)
-        arrays = self._arrays(batch, self.policy_objective.batch_names, micro_batches)
+        (arrays,) = self._arrays(batch, micro_batches, self.policy_objective.batch_names)
         self.actor, self.actor_opt, stats = self._policy_update(
             self.actor, self.actor_opt, self.frozen, arrays
         )
@@ -276,7 +274,7 @@ class JaxActorCritic(Sampler):
 
     def train_critic(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
         """One critic update over the mini-batch ``batch``."""
-        arrays = self._arrays(batch, self.value_objective.batch_names, micro_batches)
+        (arrays,) = self._arrays(batch, micro_batches, self.value_objective.batch_names)
         self.critic, self.critic_opt, stats = self._critic_update(
             self.critic, self.critic_opt, self.critic_frozen, arrays
         )
@@ -286,8 +284,8 @@ class JaxActorCritic(Sampler):
         self, batch: dict[str, np.ndarray], micro_batches: int
     ) -> tuple[dict[str, float], dict[str, float]]:
         """:meth:`train_critic` then :meth:`train_policy` on ``batch``, as one program."""
-        critic = self._arrays(batch, self.value_objective.batch_names, micro_batches)
-        policy = self._arrays(batch, self.policy_objective.batch_names, micro_batches)
+        names = (self.value_objective.batch_names, self.policy_objective.batch_names)
+        critic, policy = self._arrays(batch, micro_batches, *names)  # one packing plan
         (self.critic, self.critic_opt, critic_stats), (self.actor, self.actor_opt, stats) = (
             self._joint_update(
                 self.critic, self.critic_opt, self.critic_frozen, critic,
