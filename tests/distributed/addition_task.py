@@ -20,4 +20,6 @@ def write_addition_task(root: Path, questions: int = 32) -> None:
             f.write(json.dumps({"question": f"What is {a} + {b}?", "answer": f"#### {a + b}"}))
             f.write("\n")
     texts = [f"Question: What is {a} + {b}?\nAnswer: {a + b}" for a in range(10) for b in range(10)]
-    make_tiny_checkpoint(root / "model", texts, seed=0)
+    # one layer: these tests check what several processes compute against one, and a layer
+    # fewer is a third less to compile in every process
+    make_tiny_checkpoint(root / "model", texts, seed=0, layers=1)

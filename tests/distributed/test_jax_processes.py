@@ -113,7 +113,7 @@ def test_sft_over_two_jax_processes_equals_one(tmp_path):
     from strop.io.tiny import make_tiny_checkpoint
 
     texts = write_sum_problems(tmp_path / "train.jsonl", 64, seed=0)
-    make_tiny_checkpoint(tmp_path / "model", texts, seed=0)
+    make_tiny_checkpoint(tmp_path / "model", texts, seed=0, layers=1)  # as write_addition_task
     recipe = [
         "tiny", "backend=jax", f"model.path={tmp_path / 'model'}",
         f"data.train_path={tmp_path / 'train.jsonl'}", "sft.steps=4", "sft.batch_size=8",
