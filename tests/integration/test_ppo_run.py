@@ -55,7 +55,8 @@ def task(tmp_path_factory):
                 }
                 f.write(json.dumps(record) + "\n")
     texts = [f"Question: What is {a} + {b}?\nAnswer: {a + b}" for a in range(10) for b in range(10)]
-    make_tiny_checkpoint(root / "model", texts, seed=0)
+    # one layer: these runs check what PPO writes and keeps, and a layer fewer compiles faster
+    make_tiny_checkpoint(root / "model", texts, seed=0, layers=1)
     return root
 
 
