@@ -46,7 +46,7 @@ def poisoned_model(directory: Path, value: float) -> tuple[Path, int]:
     id). The file stays finite (strop refuses NaN/Inf weights at load): the row is poisoned
     as it is read, by ``poisoned_strop.py`` in subprocesses and the ``poisoned_reads``
     fixture in this process."""
-    make_tiny_checkpoint(directory, TEXTS, seed=0)
+    make_tiny_checkpoint(directory, TEXTS, seed=0, layers=1)  # one layer: quicker compiles
     tokenizer = json.loads((directory / "tokenizer.json").read_text())
     token = tokenizer["model"]["vocab"][POISON]
     write_poison(directory, "model.embed_tokens.weight", token, value)

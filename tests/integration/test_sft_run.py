@@ -25,9 +25,10 @@ from tests.tiny_tokenizer import save_tiny_tokenizer
 
 @pytest.fixture(scope="module")
 def sft_inputs(tmp_path_factory):
-    """A tiny Qwen2 with a real tokenizer, and a small prompt/completion file."""
+    """A tiny one-layer Qwen2 (a layer fewer: quicker compiles) with a real tokenizer, and a
+    small prompt/completion file."""
     root = tmp_path_factory.mktemp("sft")
-    model_dir = save_tiny_model("qwen2_tied", root / "model", vocab_size=512)
+    model_dir = save_tiny_model("qwen2_tied", root / "model", vocab_size=512, num_hidden_layers=1)
     save_tiny_tokenizer(model_dir)
     rng = np.random.default_rng(0)
     with (root / "train.jsonl").open("w") as f:
