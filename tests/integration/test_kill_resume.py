@@ -11,6 +11,7 @@ one line, exit code 2, and leave the previous checkpoint loadable.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import resource
@@ -175,13 +176,19 @@ def test_repeated_sigkill_then_resume_gives_the_same_losses(
 
 @pytest.fixture(scope="module")
 def ppo_inputs(tmp_path_factory):
-    """The shipped tiny math model and a few of its synthetic problems, as overrides."""
-    from strop.assets import tiny_math_path
+    """A few synthetic word problems and a tiny random one-layer Qwen2 whose tokenizer has
+    read them, as overrides: the tests check what a resume restores, not what PPO learns,
+    and a small model compiles and runs in a fraction of the shipped tiny-math's time."""
     from strop.data.synthetic import write_splits
+    from strop.io.tiny import make_tiny_checkpoint
 
-    paths = write_splits(tmp_path_factory.mktemp("ppo-data"), seed=0, n_train=64, n_validation=8)
+    root = tmp_path_factory.mktemp("ppo-data")
+    paths = write_splits(root, seed=0, n_train=64, n_validation=8)
+    problems = [json.loads(line) for line in paths["train"].read_text().splitlines()]
+    texts = [f"{p['question']} {p['answer']}" for p in problems]
+    make_tiny_checkpoint(root / "model", texts, seed=0, layers=1)
     return [
-        f"model.path={tiny_math_path()}",
+        f"model.path={root / 'model'}",
         f"data.train_path={paths['train']}",
         f"data.eval_path={paths['validation']}",
     ]
