@@ -13,9 +13,11 @@ VLLM_BIN    := $(VLLM_VENV)/bin
 VLLM_STAMP  := $(VLLM_VENV)/.strop-installed
 VLLM_ENGINE := $(VLLM_VENV)/.vllm-installed
 PYTEST_ARGS ?=
-# --no-compile: pip would write bytecode for every file of every wheel (torch and vLLM ship
-# thousands strop never imports); Python writes it for a module when it is first imported.
-PIP_INSTALL := -m pip install --quiet --no-compile
+# pip writes every module's bytecode at install time, and keeps it: with
+# PYTHONDONTWRITEBYTECODE set (as on our CI machines) Python would never write it later, and
+# every process would compile torch's modules from source again (--no-compile made the
+# torch subprocess tests twice as slow).
+PIP_INSTALL := -m pip install --quiet
 # The main suite runs on every usable core, one pytest-xdist worker per core (each pinned
 # to its own: tests/conftest.py), longest tests first; worksteal keeps both busy to the end.
 PARALLEL_TESTS ?= -n auto --dist worksteal
