@@ -13,10 +13,8 @@ VLLM_BIN    := $(VLLM_VENV)/bin
 VLLM_STAMP  := $(VLLM_VENV)/.strop-installed
 VLLM_ENGINE := $(VLLM_VENV)/.vllm-installed
 PYTEST_ARGS ?=
-# pip writes every module's bytecode at install time, and keeps it: with
-# PYTHONDONTWRITEBYTECODE set (as on our CI machines) Python would never write it later, and
-# every process would compile torch's modules from source again (--no-compile made the
-# torch subprocess tests twice as slow).
+# No --no-compile: with PYTHONDONTWRITEBYTECODE set (as on our CI machines) Python never
+# writes the bytecode pip skipped, and every process compiles torch from source again.
 PIP_INSTALL := -m pip install --quiet
 # The main suite runs on every usable core, one pytest-xdist worker per core (each pinned
 # to its own: tests/conftest.py), longest tests first; worksteal keeps both busy to the end.
@@ -26,14 +24,6 @@ PARALLEL_TESTS ?= -n auto --dist worksteal
 
 install: $(STAMP)
 
-# torch goes in first, by exact version, so that nothing later resolves to a CUDA build.
-$(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python $(PIP_INSTALL) --upgrade pip
-	$(BIN)/python $(PIP_INSTALL) "torch==2.13.0"
-	$(BIN)/python $(PIP_INSTALL) -e ".[jax,torch,dev]"
-	@touch $(STAMP) $(DEMO_STAMP)
-
 # The demo runs on JAX: strop and its [jax] extra are all it needs (no torch, no test tools),
 # half of `install`'s time on a fresh clone. `make install` adds the rest to the same venv.
 $(DEMO_STAMP): pyproject.toml
@@ -41,6 +31,13 @@ $(DEMO_STAMP): pyproject.toml
 	$(BIN)/python $(PIP_INSTALL) --upgrade pip
 	$(BIN)/python $(PIP_INSTALL) -e ".[jax]"
 	@touch $(DEMO_STAMP)
+
+# On top of the demo's: torch first, by exact version (nothing in [jax] needs it), so that
+# nothing later resolves to a CUDA build.
+$(STAMP): pyproject.toml $(DEMO_STAMP)
+	$(BIN)/python $(PIP_INSTALL) "torch==2.13.0"
+	$(BIN)/python $(PIP_INSTALL) -e ".[jax,torch,dev]"
+	@touch $(STAMP)
 
 install-vllm: $(VLLM_STAMP)
 
