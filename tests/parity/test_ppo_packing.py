@@ -47,19 +47,21 @@ def rollouts(vocab: int, seed: int = 0, copies: int = 1) -> dict[str, np.ndarray
     return {"input_ids": ids, "attention_mask": attention, "response_mask": response}
 
 
+@pytest.mark.parametrize("width", [1, 2], ids=["bins-as-wide", "bins-twice-as-wide"])
 @pytest.mark.parametrize("copies", [1, 4], ids=["distinct-prompts", "shared-prompts"])
 @pytest.mark.parametrize("backend", ["jax", "torch"])
-def test_packed_rows_compute_what_the_rows_do_unpacked(tiny_model_dir, backend, copies):
+def test_packed_rows_compute_what_the_rows_do_unpacked(tiny_model_dir, backend, copies, width):
     model = tiny_model_dir("qwen2")
     overrides = (
         "mesh.data=1", "mesh.tensor=-1", "ppo.prompts_per_step=8", "ppo.mini_batch_size=16",
         "ppo.micro_batch_size=8", "ppo.kl_coef=0.1", "ppo.kl_in_reward=false",
-        "ppo.entropy_coef=0.01", "generation.temperature=0.7",
+        "ppo.entropy_coef=0.01", "generation.temperature=0.7", f"ppo.pack_width={width}",
     )  # fmt: skip
     batch = rollouts(read_model_spec(model).vocab_size, copies=copies)
     plan = packing.plan(batch["attention_mask"], multiple=2, buckets=backend == "jax",
-                        **packing.shared_prompts(batch, True))  # fmt: skip
+                        bin_width=width, **packing.shared_prompts(batch, True))  # fmt: skip
     assert plan is not None and plan.bins < ROWS  # packing does pack this batch
+    assert plan.width == width * WIDTH
     assert plan.prefixes.any() == (copies > 1)  # ... and shares the prompts that repeat
     scores = np.random.default_rng(1).random(ROWS)
     mask = batch["response_mask"] > 0

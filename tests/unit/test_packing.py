@@ -179,3 +179,26 @@ def test_rows_whose_prompts_differ_are_not_shared():
     plan = packing.plan(batch["attention_mask"], buckets=False, input_ids=batch["input_ids"],
                         response_mask=batch["response_mask"])  # fmt: skip
     assert not plan.prefixes.any()
+
+
+def test_bins_twice_as_wide_hold_a_whole_group_behind_one_prompt_copy():
+    batch = _groups([10], [8, 8, 8, 8], copies=4, columns=20)  # too long for one 20-wide bin
+    shared = {"input_ids": batch["input_ids"], "response_mask": batch["response_mask"]}
+    plan = packing.plan(batch["attention_mask"], buckets=False, bin_width=2, **shared)
+    # 9 prefix tokens + 4 segments of 9 = 45 > 40: two bins, the prompt copied twice
+    assert plan.width == 40 and plan.bins == 2
+    plan = packing.plan(batch["attention_mask"], buckets=False, bin_width=2.5, **shared)
+    assert plan.width == 50 and plan.bins == 1  # 45 <= 50: one copy of the prompt
+    packed = plan.pack(batch)
+    assert packed["input_ids"].shape == (1, 50) and packed["positions"].shape == (1, 50)
+    assert int((packed["attention_mask"] > 0).sum()) == 45
+    for name in ("input_ids", "response_mask"):
+        np.testing.assert_array_equal(plan.unpack(packed[name]), batch[name])
+
+
+def test_wide_bins_count_buckets_over_the_rows_they_stand_for():
+    short = _batch([(0, 10)] * 16, 40)["attention_mask"]  # 4 rows' worth per 40 columns
+    plan = packing.plan(short, bin_width=2)  # bins 80 wide: 8 rows' worth each
+    assert plan.width == 80 and plan.bins == 4  # half of the 8 rows 16 stand for at 2x
+    assert plan.bins in packing.bin_counts(8)
+    np.testing.assert_array_equal(plan.unpack(plan.pack({"m": short})["m"]), short)

@@ -128,3 +128,44 @@ def test_each_objective_names_the_arrays_its_update_gets(settings):
     for mini in minibatches(arrays, 2, "token_mean", np.random.default_rng(0)):
         assert needed <= set(mini), needed - set(mini)
     assert ("ref_logprobs" in policy.batch_names) == policy.kl_in_loss
+
+
+def test_mini_batches_of_groups_keep_each_prompt_s_rollouts_together():
+    rows, group = 16, 4
+    arrays = {
+        "input_ids": np.arange(rows)[:, None] * np.ones((1, 3), np.int64),
+        "response_mask": np.ones((rows, 3), np.float32),
+    }
+    seen = []
+    for mini in minibatches(arrays, 8, "token_mean", np.random.default_rng(0), group=group):
+        ids = mini["input_ids"][:, 0]
+        runs = ids.reshape(-1, group)  # whole groups, each in its own order
+        np.testing.assert_array_equal(runs, runs[:, :1] + np.arange(group))
+        assert np.all(runs[:, 0] % group == 0)
+        seen += list(ids)
+    assert sorted(seen) == list(range(rows))  # ... every rollout once
+    orders = {
+        tuple(m["input_ids"][:, 0])
+        for seed in range(20)
+        for m in minibatches(arrays, 8, "token_mean", np.random.default_rng(seed), group=group)
+    }
+    assert len(orders) > 2  # the groups are shuffled
+    # groups of one are the rows' own shuffle, draw for draw (as before groups existed)
+    single = minibatches(arrays, 8, "token_mean", np.random.default_rng(5), group=1)
+    order = np.concatenate([m["input_ids"][:, 0] for m in single])
+    np.testing.assert_array_equal(order, np.random.default_rng(5).permutation(rows))
+    with pytest.raises(ValueError, match="groups of 3"):
+        next(minibatches(arrays, 8, "token_mean", np.random.default_rng(0), group=3))
+
+
+@pytest.mark.parametrize(
+    ("mini_batch_size", "groups", "expected"), [(8, True, 4), (8, False, 1), (6, True, 1)]
+)
+def test_the_mini_batch_group_is_a_prompt_s_rollouts_when_it_divides(
+    mini_batch_size, groups, expected
+):
+    ppo = PpoConfig(
+        prompts_per_step=6, num_generations_per_prompt=4, mini_batch_size=mini_batch_size,
+        mini_batch_groups=groups,
+    )  # fmt: skip
+    assert ppo.mini_batch_group == expected

@@ -125,6 +125,16 @@ class PpoConfig(_Section):
         True,
         description="With ppo.pack: rollouts of the same prompt share one copy of its tokens in the packed rows (each sees it as its own context), so the prompt's forward and backward run once for its rollouts in a batch; the same numbers up to float rounding.",
     )
+    pack_width: float = Field(
+        2.0,
+        ge=1.0,
+        le=8.0,
+        description="With ppo.pack: packed rows are this many times as wide as the rollouts, so that a prompt's rollouts fit behind one copy of it (ppo.share_prompts); attention over wider rows costs more. The same numbers up to float rounding.",
+    )
+    mini_batch_groups: bool = Field(
+        True,
+        description="Mini-batches hold whole groups (one prompt's num_generations_per_prompt rollouts; the groups are shuffled, as verl forms its mini-batches), so packing shares each prompt once per mini-batch; false, or when ppo.mini_batch_size is not a multiple of ppo.num_generations_per_prompt: the rollouts are shuffled one by one.",
+    )
     validate_every: int = Field(
         0,
         ge=0,
@@ -191,6 +201,13 @@ class PpoConfig(_Section):
     def has_critic(self) -> bool:
         """Whether the run trains a value model (``gae``); critic-free estimators do not."""
         return self.advantage_estimator == "gae"
+
+    @property
+    def mini_batch_group(self) -> int:
+        """How many consecutive rollouts (one prompt's) a mini-batch takes whole: the group
+        size with ``mini_batch_groups`` when it divides ``mini_batch_size``, else 1."""
+        group = self.num_generations_per_prompt
+        return group if self.mini_batch_groups and self.mini_batch_size % group == 0 else 1
 
     @property
     def rows_per_micro_batch(self) -> int:

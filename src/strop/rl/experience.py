@@ -127,12 +127,19 @@ def minibatches(
     aggregation: str,
     rng: np.random.Generator,
     horizon: int | None = None,
+    group: int = 1,
 ) -> Iterator[dict[str, np.ndarray]]:
     """The rows in a random order, ``size`` at a time, each mini-batch with its
     ``loss_weights`` (:func:`strop.rl.objectives.aggregation_weights`; ``horizon``, the
-    response-length budget, for ``seq_mean_token_sum_norm``)."""
+    response-length budget, for ``seq_mean_token_sum_norm``). With ``group`` > 1 the
+    rows come in runs of ``group`` (one prompt's rollouts, which the batch holds side by
+    side) and the runs are shuffled whole: ``size`` must be a multiple of ``group``."""
     rows = len(arrays["input_ids"])
-    order = rng.permutation(rows)
+    if rows % group or size % group:
+        raise ValueError(
+            f"{rows} rows in mini-batches of {size} do not split into groups of {group}"
+        )
+    order = (rng.permutation(rows // group)[:, None] * group + np.arange(group)).reshape(-1)
     for begin in range(0, rows, size):
         index = order[begin : begin + size]
         mini = {name: value[index] for name, value in arrays.items()}

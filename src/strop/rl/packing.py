@@ -4,10 +4,11 @@ A rollout batch has the run's width on JAX (the longest prompt plus
 ``generation.max_new_tokens``), but a row's real tokens fill about 60% of it on the demo;
 torch trims the columns no row uses, which leaves most of that padding in place. Packing
 moves each row's real tokens (one contiguous span between the left padding of the prompt
-and the right padding of the response) end to end into *bins* of the same width,
-first-fit by decreasing length, so that the forwards and backwards run over fewer rows.
-(Bins twice as wide hold the rows in fewer columns still, but attention over them costs
-four times as much per bin: on the demo they saved half as much.) Rows never attend
+and the right padding of the response) end to end into *bins*, first-fit by decreasing
+length, so that the forwards and backwards run over fewer rows. A bin is ``bin_width``
+times as wide as the batch (``ppo.pack_width``): wider bins hold a prompt's rollouts
+behind one copy of it (below), at the cost of attention over longer rows (on the demo, 2
+saved about a quarter of the update's time over 1, and 3 less than 2). Rows never attend
 across spans: ``attention_mask`` becomes segment ids (1, 2, ... per bin, 0 for padding)
 and each span gets its own ``positions`` (0, 1, ... from its first token), which the
 model reads as a block-diagonal causal mask. Every other ``[B, L]`` array moves with its
@@ -37,15 +38,17 @@ fewest bins that first-fit fills (``buckets=False``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 BUCKETS = (1 / 2, 5 / 8, 3 / 4, 7 / 8)
-"""Bin counts tried, as fractions of the batch's rows: the smallest that fits is used.
-Rows packed apart need about 3/4 of the rows on the demo, and with shared prompts about
-1/2 (the values forward over whole groups) to 5/8 (mini-batches of shuffled rows)."""
+"""Bin counts tried, as fractions of the batch's rows over the bins' relative width
+(``bin_width``): the smallest that fits is used. Rows packed apart need about 3/4 of the
+rows on the demo; with shared prompts, bins twice as wide and mini-batches of whole groups,
+1/2 of half the rows (one group per bin)."""
 
 FORWARD_COLUMNS = ("input_ids", "attention_mask", "response_mask")
 """What a forward over rollout rows reads to pack them (``response_mask``: to share prompts)."""
@@ -57,19 +60,20 @@ docstring): a bin holds far fewer than this many segments."""
 
 @dataclass(frozen=True)
 class Packing:
-    """Where each row's real tokens go: ``[rows, columns]`` arrays <-> ``[bins, columns]``."""
+    """Where each row's real tokens go: ``[rows, columns]`` arrays <-> ``[bins, width]``."""
 
     rows: int
     columns: int
     bins: int
+    width: int
     source: np.ndarray  # flat indices into [rows, columns] of every real token
-    target: np.ndarray  # their flat indices into [bins, columns]
-    segments: np.ndarray  # [bins, columns] segment ids, 0 on padding
-    positions: np.ndarray  # [bins, columns] position of each token within its row
-    prefixes: np.ndarray  # [bins, columns] the segment id of the shared prompt seen too, or 0
+    target: np.ndarray  # their flat indices into [bins, width]
+    segments: np.ndarray  # [bins, width] segment ids, 0 on padding
+    positions: np.ndarray  # [bins, width] position of each token within its row
+    prefixes: np.ndarray  # [bins, width] the segment id of the shared prompt seen too, or 0
 
     def pack(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Every ``[rows, columns]`` array as ``[bins, columns]``; ``attention_mask`` becomes
+        """Every ``[rows, columns]`` array as ``[bins, width]``; ``attention_mask`` becomes
         the segment ids (``+ PREFIX_STRIDE *`` the prefix each token sees), and
         ``positions`` is added. A shared prompt's tokens take the values of one of its rows
         (the same tokens, and never a loss weight)."""
@@ -78,14 +82,14 @@ class Packing:
             if name == "attention_mask":
                 packed[name] = self.segments + PREFIX_STRIDE * self.prefixes
                 continue
-            out = np.zeros(self.bins * self.columns, array.dtype)
+            out = np.zeros(self.bins * self.width, array.dtype)
             out[self.target] = array.reshape(-1)[self.source]
-            packed[name] = out.reshape(self.bins, self.columns)
+            packed[name] = out.reshape(self.bins, self.width)
         packed["positions"] = self.positions.copy()
         return packed
 
     def unpack(self, packed: np.ndarray) -> np.ndarray:
-        """A ``[bins, columns]`` per-token output back as ``[rows, columns]`` (0 on padding)."""
+        """A ``[bins, width]`` per-token output back as ``[rows, columns]`` (0 on padding)."""
         out = np.zeros(self.rows * self.columns, packed.dtype)
         out[self.source] = packed.reshape(-1)[self.target]
         return out.reshape(self.rows, self.columns)
@@ -132,17 +136,20 @@ def plan(
     multiple: int = 1,
     *,
     buckets: bool = True,
+    bin_width: float = 1.0,
     input_ids: np.ndarray | None = None,
     response_mask: np.ndarray | None = None,
 ) -> Packing | None:
-    """The packing of a ``[B, L]`` batch into bins ``L`` wide, with the smallest bin count
-    that holds it: among the buckets of :func:`bin_counts` (``buckets``, for backends that
-    compile per shape), else among :func:`fewest_bin_counts`. With ``input_ids`` and
+    """The packing of a ``[B, L]`` batch into bins ``ceil(bin_width * L)`` wide, with the
+    smallest bin count that holds it: among the buckets of :func:`bin_counts` (``buckets``,
+    for backends that compile per shape; ``B / bin_width`` rows' worth), else among
+    :func:`fewest_bin_counts`. With ``input_ids`` and
     ``response_mask``, rows with the same prompt share its tokens (the module docstring).
     ``None`` (the batch runs as it is) when no count with fewer bins than rows holds it,
     or a row's real tokens are not one contiguous span."""
     mask = np.asarray(attention_mask) > 0
     rows, columns = mask.shape
+    width = math.ceil(bin_width * columns)
     real = mask.sum(axis=1)
     starts = np.where(real > 0, mask.argmax(axis=1), 0)
     ends = np.where(real > 0, columns - mask[:, ::-1].argmax(axis=1), 0)
@@ -151,20 +158,20 @@ def plan(
     if input_ids is None or response_mask is None:
         units = [_Unit(None, 0, ((row, 0, int(real[row])),)) for row in range(rows) if real[row]]
     else:
-        units = _units(np.asarray(input_ids), np.asarray(response_mask) > 0, starts, real, columns)
+        units = _units(np.asarray(input_ids), np.asarray(response_mask) > 0, starts, real, width)
     lengths = [unit.length for unit in units]
     order = sorted(range(len(units)), key=lambda u: (-lengths[u], u))  # first-fit decreasing
     counts = (
-        bin_counts(rows, multiple)
+        bin_counts(math.ceil(rows / bin_width), multiple)
         if buckets
-        else fewest_bin_counts(rows, int(sum(lengths)), columns, multiple)
+        else fewest_bin_counts(rows, int(sum(lengths)), width, multiple)
     )
     for bins in counts:
         if bins >= rows:
             return None
-        placed = _first_fit(order, lengths, columns, bins)
+        placed = _first_fit(order, lengths, width, bins)
         if placed is not None:
-            return _packing(mask.shape, starts, units, placed, bins)
+            return _packing(mask.shape, starts, units, placed, bins, width)
     return None
 
 
@@ -235,17 +242,17 @@ def _first_fit(order, lengths, width: int, bins: int) -> dict[int, tuple[int, in
     return placed
 
 
-def _packing(shape, starts, units: list[_Unit], placed, bins: int) -> Packing:
+def _packing(shape, starts, units: list[_Unit], placed, bins: int, width: int) -> Packing:
     rows, columns = shape
-    segments = np.zeros((bins, columns), np.int32)
-    positions = np.zeros((bins, columns), np.int32)
-    prefixes = np.zeros((bins, columns), np.int32)
+    segments = np.zeros((bins, width), np.int32)
+    positions = np.zeros((bins, width), np.int32)
+    prefixes = np.zeros((bins, width), np.int32)
     source, target = [], []
     next_segment = [1] * bins
 
     def put(row: int, first: int, n: int, b: int, offset: int, position: int, seen: int) -> None:
         source.append(row * columns + int(starts[row]) + first + np.arange(n))
-        target.append(b * columns + offset + np.arange(n))
+        target.append(b * width + offset + np.arange(n))
         segments[b, offset : offset + n] = next_segment[b]
         positions[b, offset : offset + n] = position + np.arange(n)
         prefixes[b, offset : offset + n] = seen
@@ -260,7 +267,7 @@ def _packing(shape, starts, units: list[_Unit], placed, bins: int) -> Packing:
             # there (they are the same), unpacking gives each row its outputs back
             for row, _, _ in unit.members:
                 source.append(row * columns + int(starts[row]) + np.arange(unit.prefix))
-                target.append(b * columns + offset + np.arange(unit.prefix))
+                target.append(b * width + offset + np.arange(unit.prefix))
             segments[b, offset : offset + unit.prefix] = seen
             positions[b, offset : offset + unit.prefix] = np.arange(unit.prefix)
             next_segment[b] += 1
@@ -270,7 +277,7 @@ def _packing(shape, starts, units: list[_Unit], placed, bins: int) -> Packing:
             offset += n
     empty = np.zeros(0, np.int64)
     return Packing(
-        rows=rows, columns=columns, bins=bins,
+        rows=rows, columns=columns, bins=bins, width=width,
         source=np.concatenate(source) if source else empty,
         target=np.concatenate(target) if target else empty,
         segments=segments, positions=positions, prefixes=prefixes,

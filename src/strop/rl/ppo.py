@@ -322,7 +322,7 @@ class PpoLoop:
             rng = np.random.default_rng([self.config.seed, step, epoch])
             minis = minibatches(
                 arrays, ppo.mini_batch_size, ppo.loss_aggregation, rng,
-                self.sampling.max_new_tokens,
+                self.sampling.max_new_tokens, ppo.mini_batch_group,
             )  # fmt: skip
             for index, mini in enumerate(minis):
                 trained = self._timed("train", self._train, roles, mini, micro_batches)

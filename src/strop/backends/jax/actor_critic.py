@@ -172,6 +172,7 @@ class JaxActorCritic(Sampler):
         shards = math.prod(self.mesh.shape[axis] for axis in BATCH_AXES)
         return packing.plan(
             batch["attention_mask"], multiple=micro_batches * shards,
+            bin_width=self.config.ppo.pack_width,
             **packing.shared_prompts(batch, self.config.ppo.share_prompts),
         )  # fmt: skip
 

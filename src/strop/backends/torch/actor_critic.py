@@ -187,6 +187,7 @@ class TorchActorCritic(Sampler):
         multiple = micro_batches * self.placement.world_size
         return packing.plan(
             batch["attention_mask"], multiple=multiple, buckets=False,
+            bin_width=self.config.ppo.pack_width,
             **packing.shared_prompts(batch, self.config.ppo.share_prompts),
         )  # fmt: skip
 
