@@ -136,6 +136,21 @@ def check_generate_args(
         raise ValueError("stop_strings need a tokenizer to decode responses")
 
 
+def prompt_repeats(prompts: Sequence[Sequence[int]]) -> int:
+    """``r`` when ``prompts`` is runs of ``r`` equal prompts side by side (the PPO loop lays
+    a prompt's rollouts out so), else 1. A sampler then prefills each prompt once and
+    copies its KV cache to the ``r`` rows: the same numbers, a ``r``-th of the prefill."""
+    repeats = 1
+    while repeats < len(prompts) and prompts[repeats] == prompts[0]:
+        repeats += 1
+    if repeats == 1 or len(prompts) % repeats:
+        return 1
+    for first in range(0, len(prompts), repeats):
+        if any(p != prompts[first] for p in prompts[first + 1 : first + repeats]):
+            return 1
+    return repeats
+
+
 @dataclass(frozen=True)
 class Decoding:
     """What a sampler needs besides the prompts and :class:`SamplingParams`: the

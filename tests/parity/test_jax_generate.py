@@ -315,3 +315,29 @@ def test_decode_steps_run_no_collective_on_an_fsdp_sharded_model(tiny_model_dir,
     # the check can fail: on the training layout XLA communicates at every step
     monkeypatch.setattr(sampler, "inference_layout", lambda model: model)
     assert sum(decode_loop_collectives(handle, monkeypatch).values()) > 0
+
+
+def test_a_prompt_s_rollouts_prefill_it_once_and_sample_what_each_row_would(tiny_model_dir):
+    """Rollouts of one prompt side by side (as the PPO loop asks) prefill each prompt once
+    and copy its cache: the tokens and log-probabilities of prefilling every row."""
+    import strop.backends.jax.generate as sampler
+
+    handle = load(tiny_model_dir("qwen2"))
+    prompts = [p for p in ragged_prompts(seed=3) for _ in range(3)]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0)
+    prefill = sampler._prefill
+    rows = []  # the prefill's rows, per call
+
+    def counted(model, ids, *rest):
+        rows.append(len(ids))
+        return prefill(model, ids, *rest)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sampler, "_prefill", counted)
+        shared = sample(handle, prompts, params, seed=4)
+        patch.setattr(sampler, "prompt_repeats", lambda prompts: 1)
+        apart = sample(handle, prompts, params, seed=4)
+    assert rows == [len(prompts) // 3, len(prompts)]
+    np.testing.assert_array_equal(shared.tokens, apart.tokens)
+    np.testing.assert_allclose(shared.logprobs, apart.logprobs, atol=1e-5)
+    assert len({tuple(r) for r in shared.tokens.tolist()}) > len(prompts) // 3  # rows differ

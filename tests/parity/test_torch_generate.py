@@ -453,3 +453,34 @@ def test_fsdp2_sharded_model_over_two_processes(tiny_model_dir):
     mp.start_processes(
         _fsdp_worker, args=(tiny_model_dir("qwen2"), port), nprocs=2, start_method="spawn"
     )
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama3"])
+def test_a_prompt_s_rollouts_prefill_it_once_and_sample_what_each_row_would(models, kind):
+    """Rollouts of one prompt side by side (as the PPO loop asks) prefill each prompt once
+    and copy its cache: the tokens and log-probabilities of prefilling every row."""
+    import strop.backends.torch.generate as sampler
+
+    prompts = [p for p in ragged_prompts(seed=3) for _ in range(3)]
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+
+    def run(share: bool):
+        rows = []  # of each forward: the prefill's, then each decode step's
+        forward = sampler._forward
+
+        def counted(model, cache, ids, *rest):
+            rows.append(len(ids))
+            return forward(model, cache, ids, *rest)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sampler, "_forward", counted)
+            if not share:
+                patch.setattr(sampler, "prompt_repeats", lambda prompts: 1)
+            out = generate(models[kind], prompts, params, eos_ids=[], pad_id=PAD, seed=4)
+        assert rows == [len(prompts) // (3 if share else 1)] + [len(prompts)] * 9
+        return out
+
+    shared, apart = run(share=True), run(share=False)
+    np.testing.assert_array_equal(shared.tokens, apart.tokens)
+    np.testing.assert_allclose(shared.logprobs, apart.logprobs, atol=1e-5)
+    assert len({tuple(r) for r in shared.tokens.tolist()}) > len(prompts) // 3  # rows differ

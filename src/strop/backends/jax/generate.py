@@ -54,6 +54,7 @@ need incremental detokenization inside the loop.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,6 +81,7 @@ from strop.generation import (
     SamplingParams,
     check_generate_args,
     cut_at_stop_strings,
+    prompt_repeats,
 )
 
 MIN_PROMPT_BUCKET = 16
@@ -156,7 +158,11 @@ def generate(
     check_generate_args(prompts, params, tokenizer)
     mesh = mesh if mesh is not None else _mesh_of(model)
     model = inference_layout(model)  # freed when this call returns
-    ids, mask, active = _pad_prompts(prompts, pad_id, mesh, prompt_columns)
+    # a prompt's rollouts side by side: prefill it once (rows still split over the shards)
+    repeats = prompt_repeats(prompts)
+    if (len(prompts) // repeats) % (mesh.shape["data"] * mesh.shape["fsdp"]):
+        repeats = 1
+    ids, mask, active = _pad_prompts(prompts[::repeats], pad_id, mesh, prompt_columns)
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def put(rows: np.ndarray) -> jax.Array:
@@ -170,8 +176,8 @@ def generate(
     sampling = _Sampling(float(params.temperature), int(params.top_k), float(params.top_p))
 
     cache, state = _prefill(
-        model, put(ids), put(mask), put(active), eos, pad, key,
-        params.max_new_tokens, sampling, mesh,
+        model, put(ids), put(mask), put(np.repeat(active, repeats)), eos, pad, key,
+        params.max_new_tokens, sampling, mesh, repeats,
     )  # fmt: skip
     if params.max_new_tokens > 1:
         _, state = _decode(model, cache, state, eos, pad, key, sampling, mesh)
@@ -300,7 +306,7 @@ def _record(
     )
 
 
-@nnx.jit(static_argnums=(7, 8, 9))
+@nnx.jit(static_argnums=(7, 8, 9, 10))
 def _prefill(
     model: CausalLM,
     ids: jax.Array,
@@ -312,13 +318,22 @@ def _prefill(
     max_new_tokens: int,
     sampling: _Sampling,
     mesh: Mesh,
+    repeats: int = 1,
 ) -> tuple[KVCache, _DecodeState]:
-    """Fill a fresh cache with the prompts and sample the first token."""
+    """Fill a fresh cache with the prompts and sample the first token; with ``repeats``,
+    each prompt stands for that many rows side by side, which get copies of its cache."""
     TRACES.prefill += 1
-    batch, width = ids.shape
-    cache = _constrain_cache(model.init_cache(batch, width + max_new_tokens - 1), mesh)
+    width = ids.shape[1]
+    cache = _constrain_cache(model.init_cache(len(ids), width + max_new_tokens - 1), mesh)
     out = model(ids, mask, cache=cache, logits_to_keep=1)
-    token, logprob = _sample(out.logits[:, -1], jax.random.fold_in(key, 0), sampling)
+    cache, logits = out.cache, out.logits[:, -1]
+    if repeats > 1:
+        rows = functools.partial(jnp.repeat, repeats=repeats, axis=0)
+        layers = tuple((rows(k), rows(v)) for k, v in cache.layers)
+        cache = KVCache(layers, rows(cache.mask), cache.index)
+        logits, mask = rows(logits), rows(mask)
+    batch = len(logits)
+    token, logprob = _sample(logits, jax.random.fold_in(key, 0), sampling)
     state = _DecodeState(
         tokens=jnp.full((batch, max_new_tokens), pad, dtype=jnp.int32),
         logprobs=jnp.zeros((batch, max_new_tokens), dtype=jnp.float32),
@@ -327,7 +342,7 @@ def _prefill(
         step=jnp.zeros((), dtype=jnp.int32),
         positions=mask.sum(axis=-1, dtype=jnp.int32),
     )
-    return _constrain_cache(out.cache, mesh), _record(state, token, logprob, eos, pad)
+    return _constrain_cache(cache, mesh), _record(state, token, logprob, eos, pad)
 
 
 @nnx.jit(static_argnums=(6, 7), donate_argnums=(1,))

@@ -91,6 +91,7 @@ from strop.generation import (
     SamplingParams,
     check_generate_args,
     cut_at_stop_strings,
+    prompt_repeats,
 )
 
 logger = logging.getLogger(__name__)
@@ -235,7 +236,15 @@ def _sample_loop(
     positions = prompt_lengths[:, None].clone()  # position of the token fed at the next step
 
     keyword = _cache_keyword(model)
-    logits = _forward(model, kv_cache, input_ids, prompt_positions, attention_mask, keyword)
+    # a prompt's rollouts side by side: prefill it once, then copy its cache to its rows
+    repeats = prompt_repeats(prompts)
+    once = slice(None, None, repeats)
+    logits = _forward(
+        model, kv_cache, input_ids[once], prompt_positions[once], attention_mask[once], keyword
+    )
+    if repeats > 1:
+        _repeat_rows(kv_cache, repeats)
+        logits = logits.repeat_interleave(repeats, 0)
     for t in range(steps):
         token, logprob = _sample(logits, params, generator)
         token = token.masked_fill(done, pad_id)
@@ -270,6 +279,18 @@ def _forward(
         **{cache_keyword: kv_cache},
     )
     return out.logits[:, -1, :].float()
+
+
+def _repeat_rows(kv_cache: StaticCache, repeats: int) -> None:
+    """Give every row of a prefilled ``kv_cache`` ``repeats`` copies side by side (a
+    ``StaticCache`` layer holds ``keys``/``values [B, heads, slots, dim]``, allocated on its
+    first update, and counts the tokens written, whatever the rows)."""
+    for layer in kv_cache.layers:
+        layer.keys = layer.keys.repeat_interleave(repeats, 0)
+        layer.values = layer.values.repeat_interleave(repeats, 0)
+        layer.batch_size = len(layer.keys)
+        torch._dynamo.mark_static_address(layer.keys)  # as StaticCache marks its own
+        torch._dynamo.mark_static_address(layer.values)
 
 
 def _cache_keyword(model: torch.nn.Module) -> str:
