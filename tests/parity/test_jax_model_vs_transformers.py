@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import jax
 import numpy as np
@@ -12,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from transformers import AutoModelForCausalLM
 
 import strop
+from strop.backends.jax.attention import ATTENTION_BLOCK
 from strop.backends.jax.sharding import make_mesh
 from tests.tiny_models import KINDS, TINY, build_tiny_model, padded_batch
 
@@ -264,3 +266,29 @@ def test_llama31_logits_match_transformers_at_1024_tokens(tmp_path):
     ours = strop.load_model(tmp_path, mesh=one_device_mesh()).logits(ids, mask)
     assert np.abs(expected).max() > 0.1
     assert np.abs(ours - expected).max() < 1e-5
+
+
+def test_rows_longer_than_an_attention_block_match_transformers(tiny_model_dir):
+    """The full-sequence attention runs its queries in blocks, each over the keys up to
+    its end (strop.backends.jax.attention.causal_attention): padded rows across several
+    blocks match transformers, and so does each segment of a row packed from three
+    (segment ids, positions restarting) whose segments straddle the blocks."""
+    model_dir = tiny_model_dir("qwen2")
+    rng = np.random.default_rng(5)
+    length = 3 * ATTENTION_BLOCK + 7
+    ids = rng.integers(1, TINY["vocab_size"], (3, length))
+    mask = np.ones_like(ids)
+    mask[0, :40] = 0  # left padding
+    mask[1, 150:] = 0  # right padding
+    handle = strop.load_model(model_dir, mesh=one_device_mesh())
+    expected = hf_logits(model_dir, ids, mask)
+    assert max_error_on_valid(handle.logits(ids, mask), expected, mask) < ATOL
+
+    lengths = (60, 80, length - 140)
+    segments = np.repeat(np.arange(1, 4), lengths)[None]
+    positions = np.concatenate([np.arange(n) for n in lengths])[None]
+    packed = handle.logits(ids[2:3], segments, positions)[0]
+    starts = np.cumsum((0, *lengths))
+    for lo, hi in itertools.pairwise(starts):
+        alone = hf_logits(model_dir, ids[2:3, lo:hi], np.ones((1, hi - lo), np.int64))[0]
+        np.testing.assert_allclose(packed[lo:hi], alone, atol=ATOL)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from strop.backends.jax.attention import cached_attention, causal_attention
 from strop.backends.jax.rope import apply_rope, rope_inv_freq
 from strop.io.model_spec import ModelSpec
 from strop.rl.packing import PREFIX_STRIDE
@@ -189,11 +190,8 @@ class Attention(nnx.Module):
             kv = (k, v)
         b, length, heads, d = q.shape
         q = q.reshape(b, length, heads // self.num_groups, self.num_groups, d)
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / np.sqrt(d)
-        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, length, heads, d)
-        return self.o_proj(out), kv
+        attend = cached_attention if kv is not None else causal_attention
+        return self.o_proj(attend(q, k, v, mask).reshape(b, length, heads, d)), kv
 
 
 class MLP(nnx.Module):
