@@ -32,7 +32,7 @@ SFT = [sys.executable, "-m", "strop", "sft", "sft-lora-tiny"]
 PPO = [sys.executable, "-m", "strop", "ppo", "ppo-lora-tiny"]
 STEPS = {"jax": 30, "torch": 40}
 KILLS = {"jax": 8, "torch": 8}
-MAX_DELAY_S = {"jax": 0.8, "torch": 0.4}  # about three steps (each one with a save)
+MAX_DELAY_S = {"jax": 0.8, "torch": 0.4}  # the longest a step (with its save) is timed for
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def _kill_and_resume(
     max_delay_s: float, rng: random.Random, logs: Path,
 ) -> tuple[int, int, int]:  # fmt: skip
     """Run ``cmd`` until it finishes, SIGKILLing it ``kills_wanted`` times at seeded-random
-    moments (half of them as soon as a save is seen in flight); after every kill the next
+    moments of a step (half of them as soon as a save is seen in flight); after every kill the next
     run must resume from the newest checkpoint complete on disk. Returns (kills, kills
     mid-save, resumes)."""
     expected_resume: int | None = None
@@ -111,7 +111,16 @@ def _kill_and_resume(
                 assert time.monotonic() < deadline, "no new checkpoint appeared"
                 time.sleep(0.005)
             if rng.random() < 0.5:
-                time.sleep(rng.uniform(0.0, max_delay_s))
+                # a random moment of the next step, however fast this machine runs them: time
+                # one step (up to max_delay_s), then sleep a random part of that
+                started, seen = time.monotonic(), _complete_steps(checkpoints, backend)[-1:]
+                while (
+                    process.poll() is None
+                    and _complete_steps(checkpoints, backend)[-1:] == seen
+                    and time.monotonic() - started < max_delay_s
+                ):
+                    time.sleep(0.005)
+                time.sleep(rng.uniform(0.0, time.monotonic() - started))
             else:
                 deadline = time.monotonic() + 5
                 while process.poll() is None and not _partials(checkpoints):
@@ -204,7 +213,7 @@ def test_ppo_sigkill_then_resume_gives_the_same_metrics(tmp_path, ppo_inputs, ja
     checkpoint) killed 3 times: every iteration's metrics equal an uninterrupted run's."""
     env = _env(jax_cache)
     common = [
-        f"backend={backend}", "ppo.steps=6", "ppo.prompts_per_step=4",
+        f"backend={backend}", "ppo.steps=8", "ppo.prompts_per_step=4",
         "ppo.num_generations_per_prompt=2", "ppo.mini_batch_size=8", "ppo.validate_every=3",
         "ppo.validation_size=8", "generation.max_new_tokens=16", "checkpoint.every_steps=1",
         "checkpoint.keep=2", "logging.tensorboard=false", *ppo_inputs,
