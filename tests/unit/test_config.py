@@ -240,3 +240,27 @@ def test_a_negative_seed_is_refused() -> None:
     """Before, it passed validation and numpy raised a traceback after the model loaded."""
     with pytest.raises(ConfigError, match=r"^seed: Input should be greater than or equal to 0"):
         load_config("tiny", ["seed=-1"])
+
+
+def float_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Dotted names of every float field (``float``, ``float | None``) under ``model``."""
+    names = []
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            names += float_fields(field.annotation, f"{prefix}{name}.")
+        elif field.annotation in (float, float | None):
+            names.append(prefix + name)
+    return names
+
+
+@pytest.mark.parametrize("value", ["inf", "-.inf", ".nan", "nan"])
+def test_no_float_field_takes_a_value_that_is_not_a_number(value: str) -> None:
+    """optim.lr=inf, lora.alpha=inf, ppo.kl_coef=inf stopped at the first update with
+    advice about the learning rate; generation.temperature=inf sampled uniformly."""
+    names = float_fields(Config)
+    assert {"optim.lr", "lora.alpha", "ppo.kl_coef", "generation.temperature"} <= set(names)
+    for name in names:
+        message = config_error("ppo-lora-tiny", [f"{name}={value}"])
+        assert message.startswith(f"{name}: ") and "finite number" in message, message
+    message = config_error("ppo-lora-tiny", [f"ppo.reward=[{{reward: gsm8k, weight: {value}}}]"])
+    assert "finite number" in message

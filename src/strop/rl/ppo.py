@@ -52,7 +52,7 @@ from strop.engines import rollout_engine
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
 from strop.job import RunResult, run_steps, training_job
-from strop.nonfinite import count_skipped
+from strop.nonfinite import count_skipped, likely_causes
 from strop.preflight import preflight
 from strop.progress import RunProgress
 from strop.rewards.weighted import ScoredBatch
@@ -203,7 +203,7 @@ class PpoLoop:
         before = self.reward.stats
         sample = self._sample(step)
         arrays, stats = self._experience(sample)
-        updates = self._update(step, arrays)
+        updates = self._update(step, arrays, sample.task_scores + sample.penalty)
         seconds = time.perf_counter() - began
         rollout, skipped = sample.rollout, self.skipped
         return {
@@ -292,11 +292,14 @@ class PpoLoop:
             arrays = without_truncated(arrays, sample.truncated)
         return arrays, {**gap, **stats}
 
-    def _update(self, step: int, arrays: dict[str, np.ndarray]) -> dict[str, list[float]]:
+    def _update(
+        self, step: int, arrays: dict[str, np.ndarray], scores: np.ndarray
+    ) -> dict[str, list[float]]:
         """``ppo.ppo_epochs`` passes over shuffled mini-batches: a critic update (with a
         critic) and a policy update (after the warm-up) on each, in one call when both
         run (``train_critic_and_policy``); their stats by name. ``timing/train`` is the
-        time of all of them."""
+        time of all of them. ``scores``: the rollouts' (a non-finite update's likely cause
+        when huge)."""
         ppo, engine = self.config.ppo, self.model
         updates: dict[str, list[float]] = defaultdict(list)
         micro_batches = ppo.mini_batch_size // ppo.rows_per_micro_batch
@@ -311,6 +314,7 @@ class PpoLoop:
                 skip=self.config.train.skip_nonfinite,
                 latest_checkpoint=engine.latest_checkpoint,
                 checkpoint_dir=str(self.config.checkpoint_path()),
+                causes=lambda: likely_causes(self.config, scores),
             )
             for name, value in stats.items():
                 if name.startswith(SHARED_CRITIC_PREFIX):  # critic.shared_trunk: one update
