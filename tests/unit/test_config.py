@@ -264,3 +264,34 @@ def test_no_float_field_takes_a_value_that_is_not_a_number(value: str) -> None:
         assert message.startswith(f"{name}: ") and "finite number" in message, message
     message = config_error("ppo-lora-tiny", [f"ppo.reward=[{{reward: gsm8k, weight: {value}}}]"])
     assert "finite number" in message
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_an_unset_kl_placement_follows_a_critic_free_estimator(estimator: str) -> None:
+    """`strop ppo ppo-lora-tiny ppo.advantage_estimator=grpo` was refused because
+    ppo.kl_in_reward defaulted to true; now the KL goes into the loss, as verl's and TRL's
+    GRPO put it, and only a contradiction the user wrote is refused."""
+    config = load_config("ppo-lora-tiny", [f"ppo.advantage_estimator={estimator}"])
+    assert config.ppo.kl_coef > 0 and not config.ppo.kl_in_reward
+    assert config.ppo.kl_placed_by_estimator
+    assert load_config("ppo-lora-tiny").ppo.kl_in_reward  # gae: in the reward, as before
+    assert load_config(None, ["ppo.advantage_estimator=reinforce_pp"]).ppo.kl_in_reward
+    explicit = [f"ppo.advantage_estimator={estimator}", "ppo.kl_in_reward=false"]
+    assert not load_config("ppo-lora-tiny", explicit).ppo.kl_placed_by_estimator
+    message = config_error(
+        "ppo-lora-tiny", [f"ppo.advantage_estimator={estimator}", "ppo.kl_in_reward=true"]
+    )
+    assert "put the KL in the loss" in message and "override 'ppo.kl_in_reward=true'" in message
+
+
+def test_the_log_says_where_an_unset_kl_went(caplog) -> None:
+    from strop.rl.ppo import _check
+
+    paths = ["model.path=m", "data.train_path=t.jsonl", "data.eval_path=v.jsonl"]
+    caplog.set_level("INFO", logger="strop.rl.ppo")
+    _check(load_config("ppo-lora-tiny", [*paths, "ppo.advantage_estimator=grpo"]))
+    assert "the KL penalty (ppo.kl_coef=0.01) is a loss term" in caplog.text
+    caplog.clear()
+    _check(load_config("ppo-lora-tiny", [*paths, "ppo.advantage_estimator=grpo",
+                                         "ppo.kl_in_reward=false"]))  # fmt: skip
+    assert "KL" not in caplog.text

@@ -120,6 +120,13 @@ def _check(config: Config) -> None:
         )
     if config.ppo.validate_every and not config.data.eval_path:
         raise ConfigError("ppo.validate_every > 0 needs data.eval_path (held-out prompts)")
+    if config.ppo.kl_placed_by_estimator and config.ppo.kl_coef > 0:
+        logger.info(
+            "the KL penalty (ppo.kl_coef=%g) is a loss term (ppo.kl_in_reward=false): "
+            "ppo.advantage_estimator=%s scores whole responses, and verl's and TRL's GRPO "
+            "put the KL in the loss too",
+            config.ppo.kl_coef, config.ppo.advantage_estimator,
+        )  # fmt: skip
     if config.ppo.old_logprobs == "sampler" and config.model.dtype != "float32":
         logger.warning(
             "ppo.old_logprobs=sampler with model.dtype=%s: the sampler's and the trainer's "
