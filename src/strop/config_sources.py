@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -175,6 +176,22 @@ def parse_override(text: str) -> tuple[list[str], Any]:
             f"bad override {text!r}: the value is not valid YAML ({problem})"
         ) from None
     return parts, value
+
+
+def overrides_set(overrides: Sequence[str], key: str) -> bool:
+    """Whether one of ``overrides`` sets the dotted ``key``: by name (``ppo.old_logprobs=x``)
+    or inside a mapping given for a section above it (``ppo={old_logprobs: x}``)."""
+    wanted = key.split(".")
+    for text in overrides:
+        parts, value = parse_override(text)
+        if parts == wanted[: len(parts)]:
+            for part in wanted[len(parts) :]:
+                if not isinstance(value, dict) or part not in value:
+                    break
+                value = value[part]
+            else:
+                return True
+    return False
 
 
 def _section(model: type[BaseModel] | None, key: str) -> type[BaseModel] | None:

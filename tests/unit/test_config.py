@@ -295,3 +295,22 @@ def test_the_log_says_where_an_unset_kl_went(caplog) -> None:
     _check(load_config("ppo-lora-tiny", [*paths, "ppo.advantage_estimator=grpo",
                                          "ppo.kl_in_reward=false"]))  # fmt: skip
     assert "KL" not in caplog.text
+
+
+def test_the_demo_on_vllm_recomputes_the_old_logprobs_unless_told_otherwise(caplog) -> None:
+    """`strop demo backend=torch generation.engine=vllm` ran with the recipe's
+    ppo.old_logprobs=sampler, which docs/ppo.md says to avoid with an inference engine,
+    and so logged no token_mult_prob_error. (vLLM itself is not needed to resolve it.)"""
+    from strop.demo import RECIPE, demo_overrides
+
+    caplog.set_level("INFO", logger="strop.demo")
+    vllm = ["backend=torch", "generation.engine=vllm"]
+    config = load_config(RECIPE, demo_overrides(vllm))
+    assert config.ppo.old_logprobs == "recompute" and config.run_dir == "runs/demo-torch"
+    assert "ppo.old_logprobs=recompute: vLLM's log-probabilities" in caplog.text
+    caplog.clear()
+    for told in (["ppo.old_logprobs=sampler"], ["ppo={old_logprobs: sampler}"]):
+        assert load_config(RECIPE, demo_overrides([*vllm, *told])).ppo.old_logprobs == "sampler"
+    native = load_config(RECIPE, demo_overrides(["backend=torch", "run_dir=x"]))
+    assert (native.ppo.old_logprobs, native.run_dir) == ("sampler", "x")
+    assert caplog.text == ""
