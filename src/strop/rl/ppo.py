@@ -264,12 +264,13 @@ class PpoLoop:
             "reward", self.reward.score, texts, rollout.response_texts, columns, golds
         )
         task_scores = np.asarray(scored.total)
+        truncated = np.array([reason == "length" for reason in rollout.finish_reasons])
         penalty = np.zeros(len(task_scores))
         if ppo.overlong == "penalty":  # DAPO's soft overlong punishment (strop.rl.overlong)
             penalty = length_penalty(
-                rollout.lengths, sampling.max_new_tokens, ppo.overlong_buffer, ppo.overlong_penalty
-            )
-        truncated = np.array([reason == "length" for reason in rollout.finish_reasons])
+                rollout.lengths, sampling.max_new_tokens, ppo.overlong_buffer,
+                ppo.overlong_penalty, truncated=truncated,
+            )  # fmt: skip
         return _Sample(rollout, scored, task_scores, penalty, truncated)
 
     def _experience(self, sample: _Sample) -> tuple[dict[str, np.ndarray], dict[str, float]]:
