@@ -139,6 +139,23 @@ def test_a_wrong_model_path_is_named_as_such(command, tmp_path, capsys) -> None:
                      "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"]  # fmt: skip
 
 
+def test_a_hub_name_as_model_path_says_how_to_download_it(tmp_path, capsys) -> None:
+    from strop.cli import main
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1?", "completion": " 2"}\n')
+    args = ["tiny", "model.path=Qwen/Qwen2.5-0.5B", f"data.train_path={data}",
+            f"run_dir={tmp_path / 'run'}", "sft.micro_batch_size=8"]  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        main(["sft", *args])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: model.path=Qwen/Qwen2.5-0.5B: no such directory; strop loads only local "
+        "directories: download it first with `huggingface-cli download Qwen/Qwen2.5-0.5B "
+        "--local-dir models/Qwen2.5-0.5B` and set model.path=models/Qwen2.5-0.5B"
+    ]
+
+
 def test_export_names_the_backend_that_wrote_the_run(tmp_path, capsys) -> None:
     """Before, `strop export backend=torch` on a JAX run said "no torch checkpoint ...;
     train first"."""
