@@ -50,6 +50,28 @@ def test_version(tmp_path: Path) -> None:
     assert result.returncode == 0 and result.stdout == f"strop {strop_package.__version__}\n"
 
 
+def test_recipes_lists_every_builtin_with_its_summary(capsys) -> None:
+    from strop.cli import main
+    from strop.config_sources import builtin_recipes
+
+    with pytest.raises(SystemExit) as info:
+        main(["recipes"])
+    assert info.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == builtin_recipes()
+    assert any(line.startswith("ppo-lora-tiny ") and "LoRA-PPO" in line for line in lines)
+
+
+def test_ppo_help_names_the_critic_free_estimators(capsys) -> None:
+    from strop.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["ppo", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "ppo.advantage_estimator=grpo, rloo or reinforce_pp" in text
+
+
 def test_info_reports_versions_and_backends(tmp_path: Path) -> None:
     result = strop("info", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

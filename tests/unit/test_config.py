@@ -314,3 +314,18 @@ def test_the_demo_on_vllm_recomputes_the_old_logprobs_unless_told_otherwise(capl
     native = load_config(RECIPE, demo_overrides(["backend=torch", "run_dir=x"]))
     assert (native.ppo.old_logprobs, native.run_dir) == ("sampler", "x")
     assert caplog.text == ""
+
+
+def test_a_misspelled_recipe_name_gets_a_suggestion() -> None:
+    message = config_error("ppo-lora-tyni")
+    assert message.startswith("recipe 'ppo-lora-tyni' not found (did you mean 'ppo-lora-tiny'?)")
+    assert "did you mean" not in config_error("nothing-like-any")
+
+
+@pytest.mark.parametrize("name", builtin_recipes())
+def test_every_builtin_recipe_starts_with_a_one_line_summary(name: str) -> None:
+    """What `strop recipes` lists."""
+    from strop.config_sources import recipe_summary
+
+    summary = recipe_summary(name)
+    assert 20 < len(summary) <= 100 and summary.endswith("."), summary
