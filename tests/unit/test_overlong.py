@@ -43,5 +43,5 @@ def test_a_buffer_longer_than_the_responses_is_refused():
     from strop.config import load_config
     from strop.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"ppo.overlong_buffer \(30\) is longer than"):
-        load_config("ppo-lora-tiny", ["ppo.overlong_buffer=30"])  # max_new_tokens 24
+    with pytest.raises(ConfigError, match=r"ppo.overlong_buffer \(50\) is longer than"):
+        load_config("ppo-lora-tiny", ["ppo.overlong_buffer=50"])  # max_new_tokens 48
