@@ -77,6 +77,7 @@ def child(backend: str, root: Path, steps: int, overrides: list[str]) -> None:
             f"backend={backend}",
             f"ppo.steps={steps}",
             "ppo.validate_every=0",
+            "generation.max_new_tokens=24",  # the recipe's until 2026-11-27, as benchmarked
             "checkpoint.every_steps=1000",
             "logging.tensorboard=false",
             *overrides,

@@ -100,6 +100,17 @@ def config_show(recipe: Recipe, overrides: Overrides = None) -> None:
     typer.echo(dump_config(load_config(recipe, overrides or ())), nl=False)
 
 
+@app.command()
+def recipes() -> None:
+    """List the built-in recipes, one line each; `strop config show NAME` prints one."""
+    from strop.config_sources import builtin_recipes, recipe_summary
+
+    names = builtin_recipes()
+    width = max(map(len, names))
+    for name in names:
+        typer.echo(f"{name:<{width}}  {recipe_summary(name)}")
+
+
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
@@ -177,7 +188,8 @@ def _print_sft_summary(title: str, result) -> None:
 
 @app.command()
 def ppo(recipe: Recipe, overrides: Overrides = None) -> None:
-    """PPO with a critic against a verifiable reward; resumes from the latest checkpoint."""
+    """PPO against a reward, with a critic or critic-free (ppo.advantage_estimator=grpo,
+    rloo or reinforce_pp); resumes from the latest checkpoint."""
     from strop.rl.ppo import run_ppo
 
     _print_ppo_summary("strop ppo", run_ppo(load_config(recipe, overrides or ())))

@@ -4,13 +4,16 @@ Reads YAML recipes and their ``base:`` chains, applies dotted ``key=value`` over
 records for every dotted key the source that set it last (a recipe file, an override, or
 nothing: the default), and turns pydantic validation errors into one-line messages that
 name the key, the value and that source. Generic over the schema: :mod:`strop.config`
-passes its root model in.
+passes its root model in. A ``base:`` path is relative to the recipe naming it; the
+values a recipe sets (``model.path``, ``data.train_path``, ...) are kept as written, so
+their paths are relative to the working directory, as on the command line.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -34,6 +37,12 @@ def builtin_recipes() -> list[str]:
     return sorted(
         f.name.removesuffix(".yaml") for f in RECIPES_DIR.iterdir() if f.name.endswith(".yaml")
     )
+
+
+def recipe_summary(name: str) -> str:
+    """The one-line summary of built-in recipe ``name``: its first line, a comment."""
+    first = RECIPES_DIR.joinpath(f"{name}.yaml").read_text(encoding="utf-8").partition("\n")[0]
+    return first.removeprefix("#").strip() if first.startswith("#") else ""
 
 
 @dataclass(frozen=True)
@@ -107,9 +116,14 @@ def recipe_layers(recipe: str | Path) -> list[tuple[str, dict[str, Any]]]:
     """The recipe and its ``base:`` chain as ``(label, values)`` pairs, most basic first."""
     found = _find(str(recipe), None)
     if found is None:
+        close = difflib.get_close_matches(
+            Path(str(recipe)).name.removesuffix(".yaml"), builtin_recipes(), n=1
+        )
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(
-            f"recipe {str(recipe)!r} not found: no such file and no built-in recipe of that "
-            f"name (built-in recipes: {', '.join(builtin_recipes())})"
+            f"recipe {str(recipe)!r} not found{hint}: no such file and no built-in recipe of "
+            f"that name (built-in recipes: {', '.join(builtin_recipes())}; `strop recipes` "
+            "describes them)"
         )
     layers: list[tuple[str, dict[str, Any]]] = []
     chain: list[_Recipe] = []
@@ -175,6 +189,22 @@ def parse_override(text: str) -> tuple[list[str], Any]:
             f"bad override {text!r}: the value is not valid YAML ({problem})"
         ) from None
     return parts, value
+
+
+def overrides_set(overrides: Sequence[str], key: str) -> bool:
+    """Whether one of ``overrides`` sets the dotted ``key``: by name (``ppo.old_logprobs=x``)
+    or inside a mapping given for a section above it (``ppo={old_logprobs: x}``)."""
+    wanted = key.split(".")
+    for text in overrides:
+        parts, value = parse_override(text)
+        if parts == wanted[: len(parts)]:
+            for part in wanted[len(parts) :]:
+                if not isinstance(value, dict) or part not in value:
+                    break
+                value = value[part]
+            else:
+                return True
+    return False
 
 
 def _section(model: type[BaseModel] | None, key: str) -> type[BaseModel] | None:

@@ -6,10 +6,14 @@ adapters over the shipped model (:func:`strop.assets.tiny_math_path`), and draws
 of ``train/reward`` and ``validation/accuracy``. ``model.path`` or ``data.train_path`` given
 as overrides replace the shipped model or the synthetic problems. Without a ``run_dir``
 override each backend has its own run directory, ``runs/demo-jax`` or ``runs/demo-torch``.
+With ``generation.engine=vllm`` the old log-probabilities are recomputed
+(``ppo.old_logprobs=recompute``, as docs/ppo.md advises for an inference engine) unless
+the user sets ``ppo.old_logprobs``: the recipe's ``sampler`` suits the native samplers only.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +22,7 @@ from pathlib import Path
 from strop.assets import tiny_math_path
 from strop.backends import get_backend
 from strop.config import Config, load_config
+from strop.config_sources import overrides_set
 from strop.data.synthetic import split_paths, write_splits
 from strop.metrics.sinks import read_metrics
 from strop.plot import plot_run
@@ -27,6 +32,8 @@ from strop.rl.ppo import PpoResult, run_ppo
 RECIPE = "demo"
 N_TRAIN = 2000  # training prompts (PPO draws 16 per iteration)
 N_VALIDATION = 256  # held-out problems for the greedy validation accuracy
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,13 +51,32 @@ class DemoResult:
 
 def run_demo(overrides: Sequence[str] = ()) -> DemoResult:
     """Write the inputs the config leaves empty, run PPO, plot; a rerun resumes."""
+    overrides = demo_overrides(overrides)
     config = load_config(RECIPE, overrides)
-    if not any(o.partition("=")[0].strip() == "run_dir" for o in overrides):
-        # one default run directory per backend: a torch demo does not resume a JAX one
-        overrides = [*overrides, f"run_dir={config.run_dir}-{config.backend}"]
-        config = load_config(RECIPE, overrides)
     with holding_run_dir(config):  # PPO inside takes it again: the same job
         return _demo(config, overrides)
+
+
+def demo_overrides(overrides: Sequence[str]) -> list[str]:
+    """The user's ``overrides`` and what the demo adds for the keys they leave alone: a run
+    directory per backend, and ``ppo.old_logprobs=recompute`` on vLLM (logged)."""
+    config = load_config(RECIPE, overrides)
+    added = []
+    if not overrides_set(overrides, "run_dir"):
+        # one default run directory per backend: a torch demo does not resume a JAX one
+        added.append(f"run_dir={config.run_dir}-{config.backend}")
+    if (
+        config.generation.engine == "vllm"
+        and config.ppo.old_logprobs == "sampler"
+        and not overrides_set(overrides, "ppo.old_logprobs")
+    ):
+        logger.info(
+            "ppo.old_logprobs=recompute: vLLM's log-probabilities are not the trainer's (the "
+            "demo recipe's sampler suits the native samplers); token_mult_prob_error "
+            "measures the gap"
+        )
+        added.append("ppo.old_logprobs=recompute")
+    return [*overrides, *added]
 
 
 def _demo(config: Config, overrides: Sequence[str]) -> DemoResult:

@@ -43,7 +43,8 @@ class BackendUnavailableError(StropError):
 class NonFiniteError(StropError):
     """An optimizer step's loss or gradient norm was NaN/Inf and ``train.skip_nonfinite``
     is off. The step was not applied and nothing was saved after it; the message names the
-    step (``where``), the values, and the last complete checkpoint, which is kept."""
+    step (``where``), the values, the last complete checkpoint, which is kept, and the
+    ``causes`` the loop saw (a huge reward or coefficient), else the usual advice."""
 
     exit_code = 3
 
@@ -53,15 +54,21 @@ class NonFiniteError(StropError):
         values: dict[str, float],
         kept_step: int | None,
         checkpoint_dir: str | None = None,
+        causes: tuple[str, ...] | list[str] = (),
     ):
         self.where, self.values, self.kept_step = where, dict(values), kept_step
         shown = " ".join(f"{name}={value:.6g}" for name, value in values.items())
         kept = "none yet" if kept_step is None else f"step {kept_step}"
         in_dir = f" in {checkpoint_dir}" if checkpoint_dir else ""
+        advice = (
+            f"likely cause: {'; '.join(causes)}"
+            if causes
+            else "fix the data or lower the learning rate"
+        )
         super().__init__(
             f"{where}: non-finite {shown}; the update was not applied and no checkpoint was "
-            f"written after it (last complete checkpoint: {kept}{in_dir}, kept); fix the data "
-            "or lower the learning rate, or set train.skip_nonfinite=true to skip such steps"
+            f"written after it (last complete checkpoint: {kept}{in_dir}, kept); {advice}, "
+            "or set train.skip_nonfinite=true to skip such steps"
         )
 
 

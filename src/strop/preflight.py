@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -82,10 +83,26 @@ def preflight(config: Config, job: str, checkpoint_dir: str | os.PathLike | None
     devices = get_backend(config.backend).device_count()
     check_parallel_layout(config, devices, rows_per_pass(config, job))
     if config.model.path is not None and not Path(config.model.path).is_dir():
-        raise ConfigError(
-            f"model.path={config.model.path}: no such directory; give a Hugging Face "
-            "checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+        raise ConfigError(no_model_directory("model.path", config.model.path))
+
+
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as on the Hugging Face Hub
+
+
+def no_model_directory(setting: str, path: str) -> str:
+    """The message for a model path that is no directory; for one shaped like a Hugging
+    Face Hub name (``Qwen/Qwen2.5-0.5B``), how to download it (strop downloads nothing)."""
+    if _HUB_NAME.fullmatch(path):
+        local = f"models/{path.split('/')[1]}"
+        return (
+            f"{setting}={path}: no such directory; strop loads only local directories: "
+            f"download it first with `huggingface-cli download {path} --local-dir {local}` "
+            f"and set {setting}={local}"
         )
+    return (
+        f"{setting}={path}: no such directory; give a Hugging Face checkpoint directory "
+        "(config.json, *.safetensors, tokenizer.json)"
+    )
 
 
 def rows_per_pass(config: Config, job: str) -> dict[str, int]:

@@ -7,15 +7,20 @@ own figures (loss, reward, ...), seconds per step and the time left::
 
     12:01:15 INFO strop.progress: ppo 12/60 | reward 0.412 | val acc 55.0% | 3.10 s/step | ETA 2m29s
 
-and, while a step or a phase (loading the model, the first compile, validation) runs
-longer than ``interval`` seconds with nothing said, a line naming what is running::
+Seconds per step and the ETA count the steps after the first, which carries the compiles
+and warm-up (the bar's own estimate leaves it out too); the line after the first step
+gives its time alone (``step 1 took 57.1 s; ETA after step 2``).
+
+While a step or a phase (loading the model, the first compile, validation) runs with
+nothing said, a line names what is running: after ``first_line`` seconds (1 s) for the
+first line of the command, then every ``interval`` seconds::
 
     12:01:30 INFO strop.progress: ppo 12/60 | step 13 running for 15s
 
-so that no command is silent for more than about ``interval`` seconds. A phase is not
-announced when it begins: a command that fails at once (on bad data, say) prints its one
-error line and nothing else. Only the main process of a run of several reports
-(``enabled``).
+so that the command speaks within seconds and is never silent for more than about
+``interval`` seconds. A phase is not announced the moment it begins: a command that
+fails at once (on bad data, say) prints its one error line and nothing else. Only the
+main process of a run of several reports (``enabled``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 logger = logging.getLogger(__name__)
 
 PLAIN_INTERVAL_S = 10.0  # a plain line at least this often while a command works
+FIRST_LINE_S = 1.0  # what runs is named once it has run this long, if nothing was said yet
 
 
 def on_terminal() -> bool:
@@ -70,6 +76,8 @@ class RunProgress:
       enabled: whether this process reports (the main process of a run).
       terminal: draw a bar (default: when stdout is a terminal), else plain lines.
       interval: seconds between plain lines.
+      first_line: seconds a phase or step runs before the command's first plain line
+        names it (at most ``interval``).
     """
 
     def __init__(
@@ -82,18 +90,23 @@ class RunProgress:
         enabled: bool = True,
         terminal: bool | None = None,
         interval: float = PLAIN_INTERVAL_S,
+        first_line: float = FIRST_LINE_S,
     ):
         self.name, self.total, self.figures = name, total, dict(figures)
         self.enabled = enabled
         self.terminal = on_terminal() if terminal is None else terminal
         self.interval = interval
+        self.first_line = min(first_line, interval)
+        self._said_anything = False
         self._started_at = completed
         self._completed = completed
         self._values: dict[str, float] = {}
         self._phase = ""
         self._lock = threading.Lock()
         self._began = self._phase_began = self._said_at = time.monotonic()
+        self._step_began = self._began  # the last update(), or phase("") before a step
         self._first_step_done_at: float | None = None
+        self._first_step_seconds = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._bar: Progress | None = None
@@ -124,6 +137,8 @@ class RunProgress:
         and in the plain lines while it lasts."""
         with self._lock:
             self._phase, self._phase_began = text, time.monotonic()
+            if not text:
+                self._step_began = self._phase_began
         if self._bar is not None:
             self._bar.update(self._task, description=self._description())
 
@@ -133,9 +148,11 @@ class RunProgress:
         with self._lock:
             if self._first_step_done_at is None and completed > self._started_at:
                 self._first_step_done_at, self._first_completed = now, completed
+                self._first_step_seconds = now - self._step_began
             self._completed = completed
             self._values.update(values)
             self._phase, self._phase_began = "", now
+            self._step_began = now
             first = self._first_step_done_at == now  # the first step of this run is done
             due = self.enabled and not self.terminal
             due = due and (first or now - self._said_at >= self.interval or completed >= self.total)
@@ -181,10 +198,12 @@ class RunProgress:
 
     def _watch(self) -> None:
         """Say what is running when nothing was said for ``interval`` seconds."""
-        while not self._stop.wait(min(1.0, max(self.interval / 4, 0.05))):
+        while not self._stop.wait(min(0.5, max(self.first_line / 4, 0.05))):
             now = time.monotonic()
             with self._lock:
-                quiet = now - self._said_at >= self.interval
+                quiet = now - self._said_at >= self.interval or (
+                    not self._said_anything and now - self._phase_began >= self.first_line
+                )
                 running = self._phase or (
                     f"step {self._completed + 1}" if self._completed < self.total else ""
                 )
@@ -195,7 +214,7 @@ class RunProgress:
 
     def _say(self, line: str) -> None:
         with self._lock:
-            self._said_at = time.monotonic()
+            self._said_at, self._said_anything = time.monotonic(), True
         if self.enabled:
             logger.info("%s", line)
 
@@ -221,16 +240,17 @@ class RunProgress:
         if rate is not None:
             parts.append(f"{rate:.2f} s/step")
             parts.append(f"ETA {_duration(rate * (self.total - self._completed))}")
+        elif self._first_step_done_at is not None and self._completed < self.total:
+            first = self._first_completed
+            parts.append(
+                f"step {first} took {self._first_step_seconds:.1f} s; ETA after step {first + 1}"
+            )
         return " | ".join(parts)
 
     def _seconds_per_step(self, now: float) -> float | None:
-        """Seconds per step since the first step ended (the first carries compiles and
-        warm-up), or over the first step while it is the only one."""
+        """Seconds per step since the first step ended: the first carries the compiles
+        and warm-up (loading the model is before it); None until a second step is done."""
         if self._first_step_done_at is None:
             return None
         steps = self._completed - self._first_completed
-        if steps > 0:
-            return (now - self._first_step_done_at) / steps
-        return (self._first_step_done_at - self._began) / max(
-            self._first_completed - self._started_at, 1
-        )
+        return (now - self._first_step_done_at) / steps if steps > 0 else None

@@ -50,6 +50,28 @@ def test_version(tmp_path: Path) -> None:
     assert result.returncode == 0 and result.stdout == f"strop {strop_package.__version__}\n"
 
 
+def test_recipes_lists_every_builtin_with_its_summary(capsys) -> None:
+    from strop.cli import main
+    from strop.config_sources import builtin_recipes
+
+    with pytest.raises(SystemExit) as info:
+        main(["recipes"])
+    assert info.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == builtin_recipes()
+    assert any(line.startswith("ppo-lora-tiny ") and "LoRA-PPO" in line for line in lines)
+
+
+def test_ppo_help_names_the_critic_free_estimators(capsys) -> None:
+    from strop.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["ppo", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "ppo.advantage_estimator=grpo, rloo or reinforce_pp" in text
+
+
 def test_info_reports_versions_and_backends(tmp_path: Path) -> None:
     result = strop("info", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -137,6 +159,23 @@ def test_a_wrong_model_path_is_named_as_such(command, tmp_path, capsys) -> None:
     lines = capsys.readouterr().err.splitlines()
     assert lines == [f"error: model.path={tmp_path / 'no-model'}: no such directory; give a "
                      "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"]  # fmt: skip
+
+
+def test_a_hub_name_as_model_path_says_how_to_download_it(tmp_path, capsys) -> None:
+    from strop.cli import main
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1?", "completion": " 2"}\n')
+    args = ["tiny", "model.path=Qwen/Qwen2.5-0.5B", f"data.train_path={data}",
+            f"run_dir={tmp_path / 'run'}", "sft.micro_batch_size=8"]  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        main(["sft", *args])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: model.path=Qwen/Qwen2.5-0.5B: no such directory; strop loads only local "
+        "directories: download it first with `huggingface-cli download Qwen/Qwen2.5-0.5B "
+        "--local-dir models/Qwen2.5-0.5B` and set model.path=models/Qwen2.5-0.5B"
+    ]
 
 
 def test_export_names_the_backend_that_wrote_the_run(tmp_path, capsys) -> None:

@@ -145,3 +145,14 @@ def test_bf16_base_keeps_float32_adapters_and_feeds_them_bf16_activations(tiny_m
     )
     assert generation.tokens.shape == (2, 4) and set(seen) == {torch.bfloat16}
     assert np.isfinite(generation.logprobs).all()
+
+
+def test_building_a_lora_model_shows_no_future_warning(tiny_model_dir, tmp_path):
+    """Every torch run printed transformers' FutureWarning "`is_gradient_checkpointing` is
+    deprecated": PEFT's PeftModel reads that property when it wraps the model."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        policy_for(tiny_model_dir("qwen2_tied"), tmp_path)
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []

@@ -240,3 +240,98 @@ def test_a_negative_seed_is_refused() -> None:
     """Before, it passed validation and numpy raised a traceback after the model loaded."""
     with pytest.raises(ConfigError, match=r"^seed: Input should be greater than or equal to 0"):
         load_config("tiny", ["seed=-1"])
+
+
+def float_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Dotted names of every float field (``float``, ``float | None``) under ``model``."""
+    names = []
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            names += float_fields(field.annotation, f"{prefix}{name}.")
+        elif field.annotation in (float, float | None):
+            names.append(prefix + name)
+    return names
+
+
+@pytest.mark.parametrize("value", ["inf", "-.inf", ".nan", "nan"])
+def test_no_float_field_takes_a_value_that_is_not_a_number(value: str) -> None:
+    """optim.lr=inf, lora.alpha=inf, ppo.kl_coef=inf stopped at the first update with
+    advice about the learning rate; generation.temperature=inf sampled uniformly."""
+    names = float_fields(Config)
+    assert {"optim.lr", "lora.alpha", "ppo.kl_coef", "generation.temperature"} <= set(names)
+    for name in names:
+        message = config_error("ppo-lora-tiny", [f"{name}={value}"])
+        assert message.startswith(f"{name}: ") and "finite number" in message, message
+    message = config_error("ppo-lora-tiny", [f"ppo.reward=[{{reward: gsm8k, weight: {value}}}]"])
+    assert "finite number" in message
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_an_unset_kl_placement_follows_a_critic_free_estimator(estimator: str) -> None:
+    """`strop ppo ppo-lora-tiny ppo.advantage_estimator=grpo` was refused because
+    ppo.kl_in_reward defaulted to true; now the KL goes into the loss, as verl's and TRL's
+    GRPO put it, and only a contradiction the user wrote is refused."""
+    config = load_config("ppo-lora-tiny", [f"ppo.advantage_estimator={estimator}"])
+    assert config.ppo.kl_coef > 0 and not config.ppo.kl_in_reward
+    assert config.ppo.kl_placed_by_estimator
+    assert load_config("ppo-lora-tiny").ppo.kl_in_reward  # gae: in the reward, as before
+    assert load_config(None, ["ppo.advantage_estimator=reinforce_pp"]).ppo.kl_in_reward
+    explicit = [f"ppo.advantage_estimator={estimator}", "ppo.kl_in_reward=false"]
+    assert not load_config("ppo-lora-tiny", explicit).ppo.kl_placed_by_estimator
+    message = config_error(
+        "ppo-lora-tiny", [f"ppo.advantage_estimator={estimator}", "ppo.kl_in_reward=true"]
+    )
+    assert "put the KL in the loss" in message and "override 'ppo.kl_in_reward=true'" in message
+
+
+def test_the_log_says_where_an_unset_kl_went(caplog) -> None:
+    from strop.rl.ppo import _check
+
+    paths = ["model.path=m", "data.train_path=t.jsonl", "data.eval_path=v.jsonl"]
+    caplog.set_level("INFO", logger="strop.rl.ppo")
+    _check(load_config("ppo-lora-tiny", [*paths, "ppo.advantage_estimator=grpo"]))
+    assert "the KL penalty (ppo.kl_coef=0.01) is a loss term" in caplog.text
+    caplog.clear()
+    _check(load_config("ppo-lora-tiny", [*paths, "ppo.advantage_estimator=grpo",
+                                         "ppo.kl_in_reward=false"]))  # fmt: skip
+    assert "KL" not in caplog.text
+
+
+def test_the_demo_on_vllm_recomputes_the_old_logprobs_unless_told_otherwise(caplog) -> None:
+    """`strop demo backend=torch generation.engine=vllm` ran with the recipe's
+    ppo.old_logprobs=sampler, which docs/ppo.md says to avoid with an inference engine,
+    and so logged no token_mult_prob_error. (vLLM itself is not needed to resolve it.)"""
+    from strop.demo import RECIPE, demo_overrides
+
+    caplog.set_level("INFO", logger="strop.demo")
+    vllm = ["backend=torch", "generation.engine=vllm"]
+    config = load_config(RECIPE, demo_overrides(vllm))
+    assert config.ppo.old_logprobs == "recompute" and config.run_dir == "runs/demo-torch"
+    assert "ppo.old_logprobs=recompute: vLLM's log-probabilities" in caplog.text
+    caplog.clear()
+    for told in (["ppo.old_logprobs=sampler"], ["ppo={old_logprobs: sampler}"]):
+        assert load_config(RECIPE, demo_overrides([*vllm, *told])).ppo.old_logprobs == "sampler"
+    native = load_config(RECIPE, demo_overrides(["backend=torch", "run_dir=x"]))
+    assert (native.ppo.old_logprobs, native.run_dir) == ("sampler", "x")
+    assert caplog.text == ""
+
+
+def test_a_misspelled_recipe_name_gets_a_suggestion() -> None:
+    message = config_error("ppo-lora-tyni")
+    assert message.startswith("recipe 'ppo-lora-tyni' not found (did you mean 'ppo-lora-tiny'?)")
+    assert "did you mean" not in config_error("nothing-like-any")
+
+
+@pytest.mark.parametrize("name", builtin_recipes())
+def test_every_builtin_recipe_starts_with_a_one_line_summary(name: str) -> None:
+    """What `strop recipes` lists."""
+    from strop.config_sources import recipe_summary
+
+    summary = recipe_summary(name)
+    assert 20 < len(summary) <= 100 and summary.endswith("."), summary
+
+
+def test_ppo_lora_tiny_leaves_room_for_an_answer_to_end() -> None:
+    """At 24 new tokens the shipped tiny-math model had 64% of its responses cut
+    (train/truncated_fraction), at 48 none: the recipe's comment has the figures."""
+    assert load_config("ppo-lora-tiny").generation.max_new_tokens >= 48

@@ -77,7 +77,8 @@ def test_token_advantages_put_a_response_s_advantage_on_each_of_its_tokens():
     [
         (["ppo.advantage_estimator=grpo", "ppo.num_generations_per_prompt=1",
           "ppo.mini_batch_size=8"], "needs ppo.num_generations_per_prompt >= 2"),
-        (["ppo.advantage_estimator=rloo", "ppo.kl_coef=0.1"], "put the KL in the loss"),
+        (["ppo.advantage_estimator=rloo", "ppo.kl_coef=0.1", "ppo.kl_in_reward=true"],
+         "put the KL in the loss"),
         (["ppo.advantage_estimator=reinforce_pp", "ppo.critic_warmup_steps=2"], "has no critic"),
     ],
 )  # fmt: skip

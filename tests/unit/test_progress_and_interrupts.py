@@ -44,6 +44,40 @@ def test_a_long_step_or_phase_is_not_silent(caplog) -> None:
     assert any(line.startswith("sft 0/10 | step 1 running for") for line in lines)
 
 
+def test_the_first_eta_leaves_out_loading_and_the_first_step(caplog) -> None:
+    """The first line's ETA was the time since the start (model load, compiles) per step:
+    a PPO run said "57.05 s/step | ETA 1m54s" and then ran at 2.9 s/step."""
+    caplog.set_level(logging.INFO, logger="strop.progress")
+    with RunProgress("ppo", 100, {}, terminal=False, interval=0.0) as progress:
+        progress.phase("loading the models")
+        time.sleep(0.3)
+        progress.phase("")
+        time.sleep(0.2)  # the first step: compiles
+        progress.update(1)
+        for step in (2, 3):
+            time.sleep(0.01)
+            progress.update(step)
+    lines = [line for line in _lines(caplog) if "running for" not in line]
+    assert lines[0].startswith("ppo 1/100 | step 1 took 0.2 s; ETA after step 2"), lines[0]
+    rate = float(lines[-1].split(" | ")[1].removesuffix(" s/step"))
+    assert rate < 0.1 and lines[-1].startswith("ppo 3/100 | ") and "ETA " in lines[-1], lines
+
+
+def test_a_phase_is_announced_within_seconds_of_the_start(caplog) -> None:
+    """Without a terminal the first line came only after 10 s (PLAIN_INTERVAL_S) of
+    loading; a command failing at once still prints nothing."""
+    caplog.set_level(logging.INFO, logger="strop.progress")
+    with RunProgress("ppo", 10, {}, terminal=False, first_line=0.2) as progress:
+        progress.phase("loading the models")
+        time.sleep(0.1)
+    assert _lines(caplog) == []
+    with RunProgress("ppo", 10, {}, terminal=False, first_line=0.2) as progress:
+        progress.phase("loading the models")
+        time.sleep(0.6)
+    assert _lines(caplog)[0].startswith("ppo 0/10 | loading the models running for")
+    assert len(_lines(caplog)) == 1  # then every interval (10 s) as before
+
+
 def test_only_the_main_process_reports(caplog) -> None:
     caplog.set_level(logging.INFO, logger="strop.progress")
     with RunProgress("sft", 2, {}, terminal=False, interval=0.0, enabled=False) as progress:

@@ -81,7 +81,7 @@ class PpoConfig(_Section):
     )
     kl_in_reward: bool = Field(
         True,
-        description="Subtract the KL penalty from per-token rewards (true) or add it to the loss (false).",
+        description="Subtract the KL penalty from per-token rewards (true) or add it to the loss (false); unset with advantage_estimator grpo or rloo (which score whole responses): false, as verl's and TRL's GRPO.",
     )
     log_kl: bool = Field(
         False,
@@ -190,12 +190,23 @@ class PpoConfig(_Section):
             raise ValueError(
                 f"ppo.critic_warmup_steps: ppo.advantage_estimator={estimator} has no critic"
             )
+        if self.kl_placed_by_estimator:
+            self.__dict__["kl_in_reward"] = False  # not set by the user: not in fields_set
         if estimator in ("grpo", "rloo") and self.kl_coef > 0 and self.kl_in_reward:
             raise ValueError(
                 f"ppo.advantage_estimator={estimator} scores whole responses: put the KL in "
                 "the loss (ppo.kl_in_reward=false), or set ppo.kl_coef=0"
             )
         return self
+
+    @property
+    def kl_placed_by_estimator(self) -> bool:
+        """Whether ``kl_in_reward`` is false only because the estimator (grpo, rloo: they
+        score whole responses) puts the KL in the loss, the user having set neither."""
+        return (
+            self.advantage_estimator in ("grpo", "rloo")
+            and "kl_in_reward" not in self.model_fields_set
+        )
 
     @property
     def has_critic(self) -> bool:

@@ -15,9 +15,12 @@ DEFAULT_TARGET_MODULES = [".*\\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|d
 
 
 class _Section(BaseModel):
-    """Base of every config model: unknown keys are errors."""
+    """Base of every config model: unknown keys are errors, and so is a float that is not
+    a finite number (``inf``, ``nan``): no setting means anything there, and training on
+    one failed only at the first update, or not at all (``generation.temperature=inf``
+    sampled uniformly)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ModelConfig(_Section):

@@ -14,7 +14,7 @@ Shared conventions (numpy, JAX and torch alike):
 - Log-ratios ``a - b`` are clamped to ``[-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT]`` before
   ``exp`` (k3 and the policy ratio), so one absurd token cannot make ``inf``/``NaN``.
 - Every per-token KL value (k1, k2, k3) is bounded to ``[-KL_VALUE_LIMIT,
-  KL_VALUE_LIMIT]`` (verl's ``kl_penalty`` clamps k3 the same way), so one token the
+  KL_VALUE_LIMIT]`` (verl's ``kl_penalty`` clamps only k3 so), so one token the
   reference finds absurd cannot swamp a reward or a loss (k3 at a log-ratio of -15 is
   ``e^15 - 16 = 3.3e6``). Where the bound is in force the token's KL has no gradient.
 - Masked-out columns are selected away (``where``) before any non-linear op, never

@@ -7,7 +7,9 @@ says little about its tokens. DAPO (Yu et al. 2025) handles it two ways, both he
   still enter group baselines and returns) but carry no weight in the losses;
 - ``penalty``: *soft overlong punishment*: a length penalty added to the score, 0 up to
   ``max_new_tokens - ppo.overlong_buffer`` tokens, then growing linearly to
-  ``-ppo.overlong_penalty`` at ``max_new_tokens``;
+  ``-ppo.overlong_penalty`` at ``max_new_tokens``; with no buffer (``overlong_buffer=0``)
+  ``-ppo.overlong_penalty`` for truncated responses only: one that ended (EOS or a stop
+  string) on its last allowed token has its ending;
 - ``keep`` (default): neither.
 """
 
@@ -17,12 +19,13 @@ import numpy as np
 
 
 def length_penalty(
-    lengths: np.ndarray, max_new_tokens: int, buffer: int, penalty: float
+    lengths: np.ndarray, max_new_tokens: int, buffer: int, penalty: float, *, truncated: np.ndarray
 ) -> np.ndarray:
-    """DAPO's soft overlong penalty per response ``[B]`` (0 or negative)."""
+    """DAPO's soft overlong penalty per response ``[B]`` (0 or negative); ``truncated``:
+    the responses cut by ``max_new_tokens`` (finish reason ``length``)."""
     lengths = np.asarray(lengths, np.float64)
     if buffer <= 0:
-        return np.where(lengths >= max_new_tokens, -penalty, 0.0)
+        return np.where(np.asarray(truncated, bool), -penalty, 0.0)
     start = max_new_tokens - buffer
     return -penalty * np.clip((lengths - start) / buffer, 0.0, 1.0)
 

@@ -52,7 +52,7 @@ from strop.engines import rollout_engine
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
 from strop.job import RunResult, run_steps, training_job
-from strop.nonfinite import count_skipped
+from strop.nonfinite import count_skipped, likely_causes
 from strop.preflight import preflight
 from strop.progress import RunProgress
 from strop.rewards.weighted import ScoredBatch
@@ -120,6 +120,13 @@ def _check(config: Config) -> None:
         )
     if config.ppo.validate_every and not config.data.eval_path:
         raise ConfigError("ppo.validate_every > 0 needs data.eval_path (held-out prompts)")
+    if config.ppo.kl_placed_by_estimator and config.ppo.kl_coef > 0:
+        logger.info(
+            "the KL penalty (ppo.kl_coef=%g) is a loss term (ppo.kl_in_reward=false): "
+            "ppo.advantage_estimator=%s scores whole responses, and verl's and TRL's GRPO "
+            "put the KL in the loss too",
+            config.ppo.kl_coef, config.ppo.advantage_estimator,
+        )  # fmt: skip
     if config.ppo.old_logprobs == "sampler" and config.model.dtype != "float32":
         logger.warning(
             "ppo.old_logprobs=sampler with model.dtype=%s: the sampler's and the trainer's "
@@ -203,7 +210,7 @@ class PpoLoop:
         before = self.reward.stats
         sample = self._sample(step)
         arrays, stats = self._experience(sample)
-        updates = self._update(step, arrays)
+        updates = self._update(step, arrays, sample.task_scores + sample.penalty)
         seconds = time.perf_counter() - began
         rollout, skipped = sample.rollout, self.skipped
         return {
@@ -257,12 +264,13 @@ class PpoLoop:
             "reward", self.reward.score, texts, rollout.response_texts, columns, golds
         )
         task_scores = np.asarray(scored.total)
+        truncated = np.array([reason == "length" for reason in rollout.finish_reasons])
         penalty = np.zeros(len(task_scores))
         if ppo.overlong == "penalty":  # DAPO's soft overlong punishment (strop.rl.overlong)
             penalty = length_penalty(
-                rollout.lengths, sampling.max_new_tokens, ppo.overlong_buffer, ppo.overlong_penalty
-            )
-        truncated = np.array([reason == "length" for reason in rollout.finish_reasons])
+                rollout.lengths, sampling.max_new_tokens, ppo.overlong_buffer,
+                ppo.overlong_penalty, truncated=truncated,
+            )  # fmt: skip
         return _Sample(rollout, scored, task_scores, penalty, truncated)
 
     def _experience(self, sample: _Sample) -> tuple[dict[str, np.ndarray], dict[str, float]]:
@@ -292,11 +300,14 @@ class PpoLoop:
             arrays = without_truncated(arrays, sample.truncated)
         return arrays, {**gap, **stats}
 
-    def _update(self, step: int, arrays: dict[str, np.ndarray]) -> dict[str, list[float]]:
+    def _update(
+        self, step: int, arrays: dict[str, np.ndarray], scores: np.ndarray
+    ) -> dict[str, list[float]]:
         """``ppo.ppo_epochs`` passes over shuffled mini-batches: a critic update (with a
         critic) and a policy update (after the warm-up) on each, in one call when both
         run (``train_critic_and_policy``); their stats by name. ``timing/train`` is the
-        time of all of them."""
+        time of all of them. ``scores``: the rollouts' (a non-finite update's likely cause
+        when huge)."""
         ppo, engine = self.config.ppo, self.model
         updates: dict[str, list[float]] = defaultdict(list)
         micro_batches = ppo.mini_batch_size // ppo.rows_per_micro_batch
@@ -311,6 +322,7 @@ class PpoLoop:
                 skip=self.config.train.skip_nonfinite,
                 latest_checkpoint=engine.latest_checkpoint,
                 checkpoint_dir=str(self.config.checkpoint_path()),
+                causes=lambda: likely_causes(self.config, scores),
             )
             for name, value in stats.items():
                 if name.startswith(SHARED_CRITIC_PREFIX):  # critic.shared_trunk: one update

@@ -21,7 +21,7 @@ from strop.data import Tokenizer, load_sft_examples, make_sft_batcher
 from strop.data.batching import SftBatcher
 from strop.errors import ConfigError
 from strop.job import RunResult, run_steps, training_job
-from strop.nonfinite import count_skipped
+from strop.nonfinite import count_skipped, likely_causes
 from strop.preflight import preflight
 from strop.progress import RunProgress
 
@@ -125,6 +125,7 @@ class SftSteps:
             skip=config.train.skip_nonfinite,
             latest_checkpoint=self.model.latest_checkpoint,
             checkpoint_dir=str(config.checkpoint_path()),
+            causes=lambda: likely_causes(config),
         )
         record = {
             "train/loss": metrics["loss"],

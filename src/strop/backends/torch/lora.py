@@ -15,6 +15,7 @@ and the same numbers the JAX backend starts from.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -52,7 +53,13 @@ def apply_lora(
         bias="none",
         task_type="CAUSAL_LM",
     )
-    wrapped = peft.get_peft_model(model, peft_config, low_cpu_mem_usage=True)
+    with warnings.catch_warnings():
+        # PeftModel reads model.is_gradient_checkpointing, which transformers 5 deprecates
+        # (FutureWarning on every torch run); strop never checkpoints activations.
+        warnings.filterwarnings(
+            "ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning
+        )
+        wrapped = peft.get_peft_model(model, peft_config, low_cpu_mem_usage=True)
     for name in extra_adapters:
         wrapped.add_adapter(name, peft_config, low_cpu_mem_usage=True)
     # PEFT freezes inactive adapters; FSDP2 fixes requires_grad when it shards, so every
