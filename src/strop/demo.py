@@ -44,13 +44,20 @@ class DemoResult:
 
 def run_demo(overrides: Sequence[str] = ()) -> DemoResult:
     """Write the inputs the config leaves empty, run PPO, plot; a rerun resumes."""
+    overrides = with_backend_run_dir(overrides)
     config = load_config(RECIPE, overrides)
-    if not any(o.partition("=")[0].strip() == "run_dir" for o in overrides):
-        # one default run directory per backend: a torch demo does not resume a JAX one
-        overrides = [*overrides, f"run_dir={config.run_dir}-{config.backend}"]
-        config = load_config(RECIPE, overrides)
     with holding_run_dir(config):  # PPO inside takes it again: the same job
         return _demo(config, overrides)
+
+
+def with_backend_run_dir(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` of the demo recipe, plus its run directory ``runs/demo-<backend>``
+    where they name no ``run_dir``: one default run directory per backend, so a torch demo
+    does not resume a JAX one (``strop export demo`` finds it the same way)."""
+    if any(o.partition("=")[0].strip() == "run_dir" for o in overrides):
+        return list(overrides)
+    config = load_config(RECIPE, overrides)
+    return [*overrides, f"run_dir={config.run_dir}-{config.backend}"]
 
 
 def _demo(config: Config, overrides: Sequence[str]) -> DemoResult:

@@ -82,15 +82,17 @@ def preflight(
     """Everything ``job`` (``"sft"``, ``"ppo"`` or ``"eval"``) can refuse before loading a
     tokenizer, data or weights; raises :class:`~strop.errors.StropError` subclasses. Sets
     the level of strop's log messages (``logging.level``). ``exporting``: ``strop export``
-    restores the newest checkpoint whatever the step count says; ``advice`` ends the
-    message of a checkpoint another run wrote."""
+    restores the newest checkpoint whatever the step count says, and needs neither W&B nor
+    the rollout engine the run used; ``advice`` ends the message of a checkpoint another
+    run wrote."""
     logging.getLogger("strop").setLevel(config.logging.level)
-    if config.logging.wandb and job in ("sft", "ppo"):
+    if config.logging.wandb and job in ("sft", "ppo") and not exporting:
         require_wandb()
     refuse_launcher_of_another_backend(config)
     if checkpoint_dir is not None:
         refuse_other_backends_checkpoints(checkpoint_dir, config.backend)
-    check_engine(config)
+    if not exporting:  # an export samples nothing: a vLLM run exports without vLLM
+        check_engine(config)
     devices = get_backend(config.backend).device_count()
     check_parallel_layout(config, devices, rows_per_pass(config, job))
     if config.model.path is not None and not Path(config.model.path).is_dir():
