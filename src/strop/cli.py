@@ -279,9 +279,18 @@ def demo(overrides: Overrides = None) -> None:
     Console().print(table)
 
 
+ExportRun = Annotated[
+    str,
+    typer.Argument(
+        help="The run: its directory (runs/x: its config.yaml says how it was trained), or "
+        "the recipe it was trained with (its run_dir's config.yaml then supplies the rest)."
+    ),
+]
+
+
 @app.command()
 def export(
-    recipe: Recipe,
+    run: ExportRun,
     overrides: Overrides = None,
     out: Annotated[str, typer.Option("--out", help="Directory to write.")] = "",
     adapter: Annotated[bool, typer.Option("--adapter", help="Write a PEFT LoRA adapter.")] = False,
@@ -289,15 +298,15 @@ def export(
         bool, typer.Option("--merged", help="Write a HF checkpoint with adapters merged in.")
     ] = False,
 ) -> None:
-    """Export the latest checkpoint of RECIPE's run (SFT: the policy; PPO: the actor) as a
-    PEFT adapter or a merged model."""
-    from strop.export import run_export
+    """Export the latest checkpoint of RUN (SFT: the policy; PPO: the actor) as a PEFT
+    adapter or a merged model: strop export runs/x --adapter --out DIR."""
+    from strop.export import export_config, run_export
 
     if adapter == merged:
         raise StropError("choose exactly one of --adapter or --merged")
     if not out:
         raise StropError("--out DIRECTORY is required")
-    result = run_export(load_config(recipe, overrides or ()), out, merged=merged)
+    result = run_export(export_config(run, overrides or ()), out, merged=merged)
     what = "the actor of PPO" if result.job == "ppo" else "SFT"
     typer.echo(f"exported {what} step {result.step} to {result.path}")
 

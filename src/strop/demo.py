@@ -59,12 +59,10 @@ def run_demo(overrides: Sequence[str] = ()) -> DemoResult:
 
 def demo_overrides(overrides: Sequence[str]) -> list[str]:
     """The user's ``overrides`` and what the demo adds for the keys they leave alone: a run
-    directory per backend, and ``ppo.old_logprobs=recompute`` on vLLM (logged)."""
+    directory per backend (:func:`with_backend_run_dir`), and ``ppo.old_logprobs=recompute``
+    on vLLM (logged)."""
+    overrides = with_backend_run_dir(overrides)
     config = load_config(RECIPE, overrides)
-    added = []
-    if not overrides_set(overrides, "run_dir"):
-        # one default run directory per backend: a torch demo does not resume a JAX one
-        added.append(f"run_dir={config.run_dir}-{config.backend}")
     if (
         config.generation.engine == "vllm"
         and config.ppo.old_logprobs == "sampler"
@@ -75,8 +73,18 @@ def demo_overrides(overrides: Sequence[str]) -> list[str]:
             "demo recipe's sampler suits the native samplers); token_mult_prob_error "
             "measures the gap"
         )
-        added.append("ppo.old_logprobs=recompute")
-    return [*overrides, *added]
+        overrides = [*overrides, "ppo.old_logprobs=recompute"]
+    return overrides
+
+
+def with_backend_run_dir(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` of the demo recipe, plus its run directory ``runs/demo-<backend>``
+    where they name no ``run_dir``: one default run directory per backend, so a torch demo
+    does not resume a JAX one (``strop export demo`` finds it the same way)."""
+    if overrides_set(overrides, "run_dir"):
+        return list(overrides)
+    config = load_config(RECIPE, overrides)
+    return [*overrides, f"run_dir={config.run_dir}-{config.backend}"]
 
 
 def _demo(config: Config, overrides: Sequence[str]) -> DemoResult:

@@ -2,24 +2,41 @@
 
 Works on SFT runs (the policy) and PPO runs (the actor; the critic and value head stay
 in the checkpoint). Which of the two a run is comes from its checkpoints' identity
-(``job``), so the recipe and overrides that trained a run are all ``export`` needs; the
-base model, when ``model.path`` is not given, is the one the checkpoints record.
+(``job``). What else the export needs (the base model, the LoRA shape, whether the run
+had a critic) comes from the ``config.yaml`` the run wrote (:func:`export_config`): the
+run directory alone is enough, ``strop export runs/x --adapter --out DIR``; a recipe
+(with overrides) names the run through its ``run_dir``, and overrides still apply on top
+of the run's own config. The base model, when ``model.path`` is not given at all, is the
+one the checkpoints record.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from strop.backends import get_backend
-from strop.config import Config
-from strop.errors import CheckpointError
-from strop.io.checkpoint_dir import refuse_other_backends_checkpoints, stored_identity
+from strop.config import Config, load_config
+from strop.errors import CheckpointError, ConfigError
+from strop.io.checkpoint_dir import (
+    backends_with_checkpoints,
+    refuse_other_backends_checkpoints,
+    stored_identity,
+)
+from strop.io.run_record import CONFIG_FILE
 from strop.preflight import preflight
 
 logger = logging.getLogger(__name__)
+
+USAGE = "strop export RUN_DIR --adapter --out DIR"
+EXPORT_ADVICE = (
+    "Export with the settings it was trained with: name the run directory alone "
+    f"({USAGE}; its {CONFIG_FILE} holds them), or leave out the overrides that differ."
+)
+SHOWN_RUNS = 5  # at most this many run directories are named when the asked one has none
 
 
 @dataclass(frozen=True)
@@ -31,6 +48,53 @@ class ExportResult:
     path: Path
 
 
+def export_config(run: str, overrides: Sequence[str] = ()) -> Config:
+    """The config of the run ``strop export RUN [OVERRIDES]`` names, ``overrides`` on top.
+
+    ``run`` is the run directory (its ``config.yaml``), or a recipe (a file or built-in
+    name; ``demo`` means the demo's ``runs/demo-<backend>``) whose ``run_dir`` holds the
+    run: its ``config.yaml``, where there is one, replaces the recipe. ``strop export
+    run_dir=runs/x`` (an override in the recipe's place) names the directory too.
+    """
+    overrides = list(overrides)
+    if "=" in run and not Path(run).exists():  # `strop export run_dir=runs/x ...`
+        named = [o.partition("=")[2].strip() for o in [run, *overrides] if _key(o) == "run_dir"]
+        if not named:
+            raise ConfigError(
+                f"strop export {run}: name the run to export, by its directory ({USAGE}) "
+                "or by the recipe it was trained with (strop export RECIPE [OVERRIDES] ...)"
+            )
+        return _recorded(Path(named[-1]), [run, *overrides])
+    if Path(run).is_dir():
+        return _recorded(Path(run), overrides)
+    if run == "demo":
+        from strop.demo import with_backend_run_dir
+
+        overrides = with_backend_run_dir(overrides)
+    config = load_config(run, overrides)
+    recorded = Path(config.run_dir) / CONFIG_FILE
+    if not recorded.is_file():
+        return config  # a run older than config.yaml, or none yet: run_export says which
+    logger.info("the run's config: %s%s", recorded, " with the overrides given" * bool(overrides))
+    return load_config(recorded, [*overrides, f"run_dir={config.run_dir}"])
+
+
+def _key(override: str) -> str:
+    return override.partition("=")[0].strip()
+
+
+def _recorded(run_dir: Path, overrides: list[str]) -> Config:
+    """The config ``run_dir`` recorded when its run started, ``overrides`` on top."""
+    recorded = run_dir / CONFIG_FILE
+    if not recorded.is_file():
+        raise ConfigError(
+            f"{run_dir} holds no {CONFIG_FILE} (strop sft and strop ppo write one when a run "
+            "starts): name the recipe and overrides it was trained with instead, strop export "
+            f"RECIPE [OVERRIDES] run_dir={run_dir} --adapter --out DIR"
+        )
+    return load_config(recorded, [*overrides, f"run_dir={run_dir}"])
+
+
 def run_export(config: Config, out: str | os.PathLike, *, merged: bool) -> ExportResult:
     """Restore the newest checkpoint of ``config.run_dir`` (or ``checkpoint.dir``) and write
     the trained model to ``out``: a merged HF checkpoint, or else a PEFT adapter."""
@@ -40,7 +104,7 @@ def run_export(config: Config, out: str | os.PathLike, *, merged: bool) -> Expor
     if identity is None:
         raise CheckpointError(
             f"no {config.backend} checkpoint in {Path(checkpoint_dir).absolute()}; train "
-            "first (or pass the run_dir / checkpoint.dir the run was trained with)"
+            f"first, or name the run to export: {USAGE}{_runs_beside(Path(config.run_dir))}"
         )
     job = str(identity.get("job", "sft"))  # SFT checkpoints predate the key
     if config.model.path is None and identity.get("base_model"):
@@ -48,7 +112,7 @@ def run_export(config: Config, out: str | os.PathLike, *, merged: bool) -> Expor
             update={"model": config.model.model_copy(update={"path": identity["base_model"]})}
         )
         logger.info("base model from the run's checkpoints: model.path=%s", config.model.path)
-    preflight(config, job, checkpoint_dir)
+    preflight(config, job, checkpoint_dir, advice=EXPORT_ADVICE, exporting=True)
     backend = get_backend(config.backend)
     if job == "ppo":
         engine = backend.build_actor_critic(
@@ -64,3 +128,16 @@ def run_export(config: Config, out: str | os.PathLike, *, merged: bool) -> Expor
     engine.restore_checkpoint(step)
     path = engine.export_merged(out) if merged else engine.export_adapter(out)
     return ExportResult(job, step, Path(path))
+
+
+def _runs_beside(run_dir: Path) -> str:
+    """`` (run directories beside it with checkpoints: ...)``, or nothing if there are none."""
+    try:
+        beside = sorted(d for d in run_dir.parent.iterdir() if d.is_dir() and d != run_dir)
+    except OSError:
+        return ""
+    runs = [str(d) for d in beside if backends_with_checkpoints(d / "checkpoints")]
+    if not runs:
+        return ""
+    more = f", and {len(runs) - SHOWN_RUNS} more" if len(runs) > SHOWN_RUNS else ""
+    return f" (run directories beside it with checkpoints: {', '.join(runs[:SHOWN_RUNS])}{more})"

@@ -5,7 +5,8 @@
   progress report (:class:`~strop.progress.RunProgress`) and, for training, the Ctrl-C /
   SIGTERM report that names the checkpoint to resume from
   (:func:`~strop.interrupts.reporting_interrupts`);
-- :func:`run_steps`: resume (or seed the adapter from ``lora.restore_path``), the steps,
+- :func:`run_steps`: resume (or seed the adapter from ``lora.restore_path``), the run's
+  record (``config.yaml``, ``versions.json``: once the resume succeeded), the steps,
   metrics on the logging cadence, checkpoints on theirs (never cut by Ctrl-C), and the
   final export (the adapter with LoRA, else the merged model). A command supplies only
   what one of its steps does (:class:`Steps`).
@@ -20,12 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from strop.backends import get_backend
 from strop.backends.base import TrainableModel
 from strop.config import Config
 from strop.interrupts import deferred_interrupts, reporting_interrupts
+from strop.io.run_record import CONFIG_FILE, record_run
 from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY
-from strop.preflight import holding_run_dir
+from strop.preflight import holding_run_dir, refuse_step_past_the_end
 from strop.progress import RunProgress, is_main_by_environment
 
 logger = logging.getLogger(__name__)
@@ -43,7 +46,7 @@ def training_job(
         return progress.completed + 1
 
     with (
-        holding_run_dir(config, job),
+        holding_run_dir(config),
         progress,
         reporting_interrupts(step_running, config.checkpoint_path(), config.backend),
     ):
@@ -105,14 +108,25 @@ class Finished:
 
 
 def run_steps(
-    config: Config, steps: Steps, progress: RunProgress, *, total: int, stop_after: int | None
+    config: Config,
+    steps: Steps,
+    progress: RunProgress,
+    *,
+    job: str,
+    total: int,
+    stop_after: int | None,
 ) -> Finished:
     """Resume ``steps.model`` from its latest checkpoint (or seed it from
-    ``lora.restore_path``), run steps up to ``total`` (or ``stop_after``), and export once
-    all ``total`` are done."""
+    ``lora.restore_path``), record the run (``config.yaml``, ``versions.json`` of ``job``),
+    run steps up to ``total`` (or ``stop_after``), and export once all ``total`` are done.
+
+    A checkpoint past ``total`` is refused (preflight refuses it before anything loads);
+    ``metrics.jsonl`` is opened only when a step runs, so a call that runs none (a finished
+    run again: its export again) leaves every record where it was."""
     model, run_dir = steps.model, Path(config.run_dir)
     start, resumed_from = 0, model.latest_checkpoint()
     if resumed_from is not None:
+        refuse_step_past_the_end(config, job, resumed_from)
         extra = model.restore_checkpoint(resumed_from)
         start = int(extra["step"])
         steps.restore_counters(extra.get(CHECKPOINT_KEY))
@@ -124,29 +138,15 @@ def run_steps(
         model.load_adapter(config.lora.restore_path)
         logger.info("initialised the adapter from %s", config.lora.restore_path)
 
+    where = run_dir / CONFIG_FILE
+    get_backend(config.backend).write_once(lambda: record_run(config, job), f"writing {where}")
+
     end = total if stop_after is None else min(stop_after, total)
     records: list[dict[str, float]] = []
-    with MetricsWriter.for_run(config, enabled=model.is_main, resumed_from=resumed_from) as writer:
-        first = steps.first_record() if start == 0 else None
-        if first is not None:
-            writer.write(0, first)
-            progress.update(0, **steps.figures(first))
-        progress.phase("")
-        for step in range(start, end):
-            record = steps.step(step)
-            records.append(record)
-            done = step + 1
-            if (
-                done % config.logging.every_steps == 0
-                or done == end
-                or any(name in record for name in steps.always_written)
-            ):
-                writer.write(done, record)
-            progress.update(done, **steps.figures(record))
-            if done % config.checkpoint.every_steps == 0 or done == total:
-                extra = {"step": done, "seed": config.seed, CHECKPOINT_KEY: steps.counters()}
-                with deferred_interrupts():  # a save is never cut
-                    model.save_checkpoint(done, extra)
+    if start < end:
+        _steps(config, steps, progress, range(start, end), total, resumed_from, records)
+    else:
+        logger.info("%s holds step %d of %d already: nothing to train", run_dir, start, total)
 
     export_path = None
     if end == total:
@@ -157,3 +157,39 @@ def run_steps(
             export_path = model.export_merged(run_dir / "model", overwrite=True)
         logger.info("exported %s", export_path)
     return Finished(resumed_from, end, records, export_path)
+
+
+def _steps(
+    config: Config,
+    steps: Steps,
+    progress: RunProgress,
+    run: range,
+    total: int,
+    resumed_from: int | None,
+    records: list[dict[str, float]],
+) -> None:
+    """Run the steps ``run`` (0-based), appending their metrics to ``records``: written on
+    the logging cadence, checkpoints on theirs. Records of a killed attempt past the
+    checkpoint ``resumed_from`` leave ``metrics.jsonl`` here, where they are recomputed."""
+    model = steps.model
+    with MetricsWriter.for_run(config, enabled=model.is_main, resumed_from=resumed_from) as writer:
+        first = steps.first_record() if run.start == 0 else None
+        if first is not None:
+            writer.write(0, first)
+            progress.update(0, **steps.figures(first))
+        progress.phase("")
+        for step in run:
+            record = steps.step(step)
+            records.append(record)
+            done = step + 1
+            if (
+                done % config.logging.every_steps == 0
+                or done == run.stop
+                or any(name in record for name in steps.always_written)
+            ):
+                writer.write(done, record)
+            progress.update(done, **steps.figures(record))
+            if done % config.checkpoint.every_steps == 0 or done == total:
+                extra = {"step": done, "seed": config.seed, CHECKPOINT_KEY: steps.counters()}
+                with deferred_interrupts():  # a save is never cut
+                    model.save_checkpoint(done, extra)

@@ -3,11 +3,15 @@
 :func:`preflight` is the first thing ``strop sft``, ``ppo`` and ``eval`` do after the
 config validates: it refuses a launch the backend cannot serve (``torchrun`` with the JAX
 backend), a checkpoint directory another backend wrote
-(:func:`~strop.io.checkpoint_dir.refuse_other_backends_checkpoints`) and a mesh or batch
-layout that does not fit the devices (:func:`check_parallel_layout`). Then, still before
-any tokenizer, data or weights load, the job takes its run directory
+(:func:`~strop.io.checkpoint_dir.refuse_other_backends_checkpoints`), a mesh or batch
+layout that does not fit the devices (:func:`check_parallel_layout`), and a checkpoint
+the job would resume but cannot: one another run wrote (its stored identity, read without
+a backend: :func:`check_checkpoint`) or one already past the job's last step. Then, still
+before any tokenizer, data or weights load, the job takes its run directory
 (:func:`holding_run_dir`: one job per run directory, a second one refused at once; the
-demo takes it first, as it writes its data there).
+demo takes it first, as it writes its data there). A refused job changes nothing there:
+``config.yaml`` and ``versions.json`` are written once the resume succeeded
+(:func:`strop.job.run_steps`).
 
 How a batch splits over the devices: both backends lay the batch's rows over the mesh's ``data`` x ``fsdp`` axes (``data``
 replicates the weights, ``fsdp`` shards them; both split the rows), and tensor
@@ -34,24 +38,23 @@ from strop.config import Config
 from strop.engines import check_engine
 from strop.errors import ConfigError
 from strop.io import run_lock
-from strop.io.checkpoint_dir import refuse_other_backends_checkpoints
-from strop.io.run_record import CONFIG_FILE, record_run
+from strop.io.checkpoint_dir import (
+    backends_with_checkpoints,
+    newest_identity,
+    refuse_other_backends_checkpoints,
+)
+from strop.io.run_identity import RESUME_ADVICE, check_same_run, job_identity
 from strop.metrics.wandb_sink import require_wandb
 
 
 @contextmanager
-def holding_run_dir(config: Config, job: str | None = None) -> Iterator[None]:
+def holding_run_dir(config: Config) -> Iterator[None]:
     """Hold ``config.run_dir`` for the job's life (:mod:`strop.io.run_lock`); the main
-    process takes the lock and every process learns whether it could. A training ``job``
-    (``"sft"``, ``"ppo"``) also records its config and versions there
-    (:mod:`strop.io.run_record`)."""
+    process takes the lock and every process learns whether it could."""
     refuse_launcher_of_another_backend(config)
     backend = get_backend(config.backend)
     backend.write_once(lambda: run_lock.acquire(config.run_dir), f"locking {config.run_dir}")
     try:
-        if job is not None:
-            where = Path(config.run_dir) / CONFIG_FILE
-            backend.write_once(lambda: record_run(config, job), f"writing {where}")
         yield
     finally:
         run_lock.release(config.run_dir)  # a no-op where the lock was not taken
@@ -69,21 +72,36 @@ def refuse_launcher_of_another_backend(config: Config) -> None:
         )
 
 
-def preflight(config: Config, job: str, checkpoint_dir: str | os.PathLike | None) -> None:
+def preflight(
+    config: Config,
+    job: str,
+    checkpoint_dir: str | os.PathLike | None,
+    *,
+    advice: str = RESUME_ADVICE,
+    exporting: bool = False,
+) -> None:
     """Everything ``job`` (``"sft"``, ``"ppo"`` or ``"eval"``) can refuse before loading a
     tokenizer, data or weights; raises :class:`~strop.errors.StropError` subclasses. Sets
-    the level of strop's log messages (``logging.level``)."""
+    the level of strop's log messages (``logging.level``). ``exporting``: ``strop export``
+    restores the newest checkpoint whatever the step count says, and needs neither W&B nor
+    the rollout engine the run used; ``advice`` ends the message of a checkpoint another
+    run wrote."""
     logging.getLogger("strop").setLevel(config.logging.level)
-    if config.logging.wandb and job in ("sft", "ppo"):
+    if config.logging.wandb and job in ("sft", "ppo") and not exporting:
         require_wandb()
     refuse_launcher_of_another_backend(config)
     if checkpoint_dir is not None:
         refuse_other_backends_checkpoints(checkpoint_dir, config.backend)
-    check_engine(config)
+    if not exporting:  # an export samples nothing: a vLLM run exports without vLLM
+        check_engine(config)
     devices = get_backend(config.backend).device_count()
     check_parallel_layout(config, devices, rows_per_pass(config, job))
     if config.model.path is not None and not Path(config.model.path).is_dir():
         raise ConfigError(no_model_directory("model.path", config.model.path))
+    if checkpoint_dir is not None and job in ("sft", "ppo"):
+        check_checkpoint(config, job, checkpoint_dir, advice=advice)
+        if not exporting:
+            refuse_run_past_its_end(config, job, checkpoint_dir)
 
 
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as on the Hugging Face Hub
@@ -103,6 +121,44 @@ def no_model_directory(setting: str, path: str) -> str:
         f"{setting}={path}: no such directory; give a Hugging Face checkpoint directory "
         "(config.json, *.safetensors, tokenizer.json)"
     )
+
+
+def check_checkpoint(
+    config: Config, job: str, checkpoint_dir: str | os.PathLike, *, advice: str = RESUME_ADVICE
+) -> None:
+    """Refuse (:class:`~strop.errors.CheckpointError`) a checkpoint directory whose newest
+    checkpoint another run wrote (another base model, LoRA shape, job or critic), from the
+    identity stored with it: the check the backend repeats on restore, made before anything
+    loads or is written."""
+    newest = newest_identity(checkpoint_dir, config.backend)
+    if newest is not None:
+        step, stored = newest
+        current = job_identity(config, config.backend, job)  # type: ignore[arg-type]
+        check_same_run(Path(checkpoint_dir) / str(step), stored, current, advice=advice)
+
+
+def refuse_run_past_its_end(config: Config, job: str, checkpoint_dir: str | os.PathLike) -> None:
+    """Refuse (:class:`ConfigError`) a run whose newest checkpoint is past the steps the
+    config asks for: there is nothing to train, and resuming would report a run of those
+    steps that is not one (and drop the records past them from ``metrics.jsonl``)."""
+    steps = backends_with_checkpoints(checkpoint_dir).get(config.backend)
+    if steps:
+        refuse_step_past_the_end(config, job, steps[-1])
+
+
+def refuse_step_past_the_end(config: Config, job: str, step: int) -> None:
+    """Raise :class:`ConfigError` if checkpoint ``step`` is past ``job``'s last step."""
+    key, total = (
+        ("ppo.steps", config.ppo.steps) if job == "ppo" else ("sft.steps", config.sft.steps)
+    )
+    if step > total:
+        what = "iteration" if job == "ppo" else "step"
+        raise ConfigError(
+            f"run_dir {config.run_dir} already holds checkpoint {what} {step}, past "
+            f"{key}={total}: nothing to train; raise {key} to continue the run, export it "
+            f"with `strop export {config.run_dir} --adapter --out DIR`, or give another "
+            "run_dir for a new run"
+        )
 
 
 def rows_per_pass(config: Config, job: str) -> dict[str, int]:

@@ -260,6 +260,19 @@ def test_a_grpo_run_trains_without_a_critic_and_resumes_exactly(task, tmp_path, 
     assert {"policy/loss", "policy/kl", "train/equal_score_groups"} <= record.keys()
     assert (straight.export_path / "adapter_config.json").is_file()
 
+    # `strop export RUN_DIR`: the run's config.yaml says it had no critic (the recipe alone
+    # said "critic is False in the checkpoint but None now")
+    from safetensors.numpy import load_file
+
+    from strop.export import export_config, run_export
+
+    exported = run_export(export_config(str(tmp_path / "straight")), tmp_path / "out", merged=False)
+    assert (exported.job, exported.step) == ("ppo", 3)
+    ours = load_file(exported.path / "adapter_model.safetensors")
+    at_the_end = load_file(straight.export_path / "adapter_model.safetensors")
+    assert ours.keys() == at_the_end.keys()
+    assert all(np.array_equal(ours[k], at_the_end[k]) for k in ours)
+
 
 DR_GRPO = ("grpo", "ppo.grpo_std_normalize=false", "ppo.loss_aggregation=seq_mean_token_sum_norm")
 

@@ -3,6 +3,8 @@ data-parallel axes; from the config alone, before anything loads."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from strop.config import load_config
@@ -70,3 +72,73 @@ def test_ppo_rows_are_the_micro_batch_or_else_the_mini_batch():
         check_parallel_layout(micro, 8, rows_per_pass(micro, "ppo"))
     check_parallel_layout(micro, 4, rows_per_pass(micro, "ppo"))
     assert rows_per_pass(ppo, "eval") == {}
+
+
+# A resume the checkpoints refuse, and a run already past its end: refused here, before
+# the tokenizer, the data or a model loads, and before config.yaml / versions.json change.
+
+
+def _checkpointed_run(tmp_path, backend: str, job: str, step: int, *overrides: str):
+    """A run directory as a finished ``job`` leaves it, without training: its record files
+    and the identity of checkpoint ``step``, where ``backend`` stores it."""
+    from strop.assets import tiny_math_path
+    from strop.io.checkpoint_dir import IDENTITY_FILES
+    from strop.io.run_identity import job_identity
+
+    run_dir = tmp_path / "run"
+    recipe = "ppo-lora-tiny" if job == "ppo" else "tiny"
+    trained = load_config(
+        recipe,
+        [f"model.path={tiny_math_path()}", f"run_dir={run_dir}", f"backend={backend}",
+         "data.train_path=train.jsonl", "data.eval_path=val.jsonl", "mesh.fsdp=1", "mesh.tensor=-1", *overrides],
+    )  # fmt: skip
+    identity = run_dir / "checkpoints" / str(step) / IDENTITY_FILES[backend]
+    identity.parent.mkdir(parents=True)
+    identity.write_text(json.dumps(job_identity(trained, backend, job)))
+    (run_dir / "config.yaml").write_text("recorded: config\n")
+    (run_dir / "versions.json").write_text('{"recorded": "versions"}')
+    return trained, run_dir
+
+
+def _records(run_dir) -> dict[str, bytes]:
+    return {name: (run_dir / name).read_bytes() for name in ("config.yaml", "versions.json")}
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_a_resume_of_another_run_is_refused_before_anything_loads(tmp_path, backend, capsys):
+    from strop.cli import main
+
+    trained, run_dir = _checkpointed_run(tmp_path, backend, "ppo", 2, "lora.rank=8")
+    before = _records(run_dir)
+    args = ["ppo", "ppo-lora-tiny", f"model.path={trained.model.path}", f"run_dir={run_dir}",
+            f"backend={backend}", "lora.rank=4", f"data.train_path={tmp_path / 'absent.jsonl'}",
+            "data.eval_path=val.jsonl",
+            "mesh.fsdp=1", "mesh.tensor=-1"]  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()  # the identity, not the missing data
+    assert "lora.rank is 8 in the checkpoint but 4 now" in line, line
+    assert "start this run in a new run directory" in line
+    assert _records(run_dir) == before  # config.yaml and versions.json: not a byte changed
+
+
+@pytest.mark.parametrize(("job", "key"), [("sft", "sft.steps"), ("ppo", "ppo.steps")])
+def test_a_run_already_past_its_end_is_refused_and_keeps_its_metrics(tmp_path, job, key):
+    from strop.rl.ppo import run_ppo
+    from strop.sft.loop import run_sft
+
+    trained, run_dir = _checkpointed_run(tmp_path, "torch", job, 60)
+    metrics = b'{"step": 60, "train/loss": 1.0}\n{"step": 61, "train/loss": 1.0}\n'
+    (run_dir / "metrics.jsonl").write_bytes(metrics)
+    before = _records(run_dir)
+    fewer = trained.model_copy(update={job: getattr(trained, job).model_copy(update={"steps": 3})})
+    with pytest.raises(ConfigError) as err:
+        (run_ppo if job == "ppo" else run_sft)(fewer)
+    what = "iteration" if job == "ppo" else "step"
+    assert str(err.value).startswith(
+        f"run_dir {run_dir} already holds checkpoint {what} 60, past {key}=3: nothing to "
+        f"train; raise {key} to continue the run"
+    ), str(err.value)
+    assert _records(run_dir) == before
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics

@@ -58,6 +58,13 @@ def stored_identity(directory: str | os.PathLike, backend: str) -> dict | None:
     Every step of a run directory has the same identity (a resume with another one is
     refused), so the newest step with a readable identity speaks for the run.
     """
+    newest = newest_identity(directory, backend)
+    return None if newest is None else newest[1]
+
+
+def newest_identity(directory: str | os.PathLike, backend: str) -> tuple[int, dict] | None:
+    """``(step, identity)`` of ``backend``'s newest checkpoint in ``directory`` with a
+    readable identity (read as JSON, no backend needed); ``None`` when there is none."""
     for step in reversed(backends_with_checkpoints(directory).get(backend, [])):
         path = Path(directory) / str(step) / IDENTITY_FILES[backend]
         try:
@@ -65,7 +72,7 @@ def stored_identity(directory: str | os.PathLike, backend: str) -> dict | None:
         except (OSError, ValueError):
             continue  # a step cut short by a kill; an older one will do
         if isinstance(identity, dict):
-            return identity
+            return step, identity
     return None
 
 

@@ -136,16 +136,25 @@ def identity_differences(stored: Mapping[str, Any], current: Mapping[str, Any]) 
     return list(dict.fromkeys(diffs))
 
 
+RESUME_ADVICE = (
+    "Resume with the base model, LoRA settings and backend it was written with, or start "
+    "this run in a new run directory."
+)
+
+
 def check_same_run(
-    checkpoint: str | os.PathLike, stored: Mapping[str, Any], current: Mapping[str, Any]
+    checkpoint: str | os.PathLike,
+    stored: Mapping[str, Any],
+    current: Mapping[str, Any],
+    *,
+    advice: str = RESUME_ADVICE,
 ) -> None:
     """Raise :class:`CheckpointError` if the identity ``stored`` with ``checkpoint`` (a
-    directory) is not the run's ``current`` one, naming each difference."""
+    directory) is not the run's ``current`` one, naming each difference, then ``advice``."""
     diffs = identity_differences(stored, current)
     if diffs:
         raise CheckpointError(
             f"checkpoint {checkpoint} was written by a different run: "
             + "; ".join(diffs)
-            + ". Resume with the base model, LoRA settings and backend it was written "
-            "with, or start this run in a new run directory."
+            + f". {advice}"
         )

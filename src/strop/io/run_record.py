@@ -1,6 +1,7 @@
 """What a run directory says about the jobs that ran in it.
 
-At the start of ``strop sft`` and ``strop ppo`` (and so ``strop demo``) the main process
+Once ``strop sft`` or ``strop ppo`` (and so ``strop demo``) has accepted its job (the
+checkpoint it resumes restored: a refused job changes nothing here) the main process
 writes ``<run_dir>/config.yaml``, the resolved config (it is a recipe: ``strop sft
 runs/x/config.yaml`` runs it again), and ``<run_dir>/versions.json``, the versions of
 strop, Python and the backend's packages. When a run directory already holds a

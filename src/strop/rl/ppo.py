@@ -103,7 +103,7 @@ def _train(
     longest = max(train.longest, validation.longest if validation is not None else 0)
     with rollout_engine(config, engine, max_prompt_tokens=longest) as sampled:
         loop = PpoLoop(config, sampled, train, validation, tokenizer, reward, progress)
-        run = run_steps(config, loop, progress, total=ppo.steps, stop_after=stop_after)
+        run = run_steps(config, loop, progress, job="ppo", total=ppo.steps, stop_after=stop_after)
     return PpoResult(
         run_dir=Path(config.run_dir), final_step=run.end, resumed_from=run.resumed_from,
         export_path=run.export_path, is_main=engine.is_main, history=run.records,

@@ -79,7 +79,7 @@ def _train(config: Config, stop_after: int | None, progress: RunProgress) -> Sft
         config, total_steps=sft.steps, checkpoint_dir=config.checkpoint_path()
     )
     steps = SftSteps(config, policy, batcher, eval_batcher)
-    run = run_steps(config, steps, progress, total=sft.steps, stop_after=stop_after)
+    run = run_steps(config, steps, progress, job="sft", total=sft.steps, stop_after=stop_after)
     return SftResult(
         run_dir=Path(config.run_dir), final_step=run.end, resumed_from=run.resumed_from,
         export_path=run.export_path, is_main=policy.is_main,
