@@ -58,7 +58,9 @@ def test_a_damaged_step_names_the_newest_intact_one(tmp_path):
         require_intact(4, tmp_path, [1, 2, 3, 4])
     for number in (1, 2):
         (tmp_path / str(number) / "identity.json").unlink()
-    with pytest.raises(CheckpointError, match=rf"no earlier checkpoint is intact; delete {tmp_path}"):
+    with pytest.raises(
+        CheckpointError, match=rf"no earlier checkpoint is intact; delete {tmp_path}"
+    ):
         require_intact(4, tmp_path, [1, 2, 3, 4])
 
 

@@ -138,6 +138,9 @@ class _StragglerFilter(logging.Filter):
 
 
 _straggler_directories: set[Path] = set()
+# Orbax's coroutines reading one array each: when a restore fails on one unreadable file,
+# the others are closed unfinished and each raises its own read error again (a page each).
+_ORBAX_READS = frozenset({"_read_array_index_and_device_put"})
 
 
 def _quiet_stragglers_of_failed_saves(directory: Path) -> None:
@@ -146,8 +149,9 @@ def _quiet_stragglers_of_failed_saves(directory: Path) -> None:
     callback hits Orbax's closed event loop (printed through ``sys.unraisablehook``) and
     asyncio reports the gathered errors as never retrieved. That is a page of tracebacks
     around the one CheckpointError line, so both kinds are kept to DEBUG (the asyncio ones
-    only when they name this checkpoint directory); anything else still reaches the
-    previous hooks. Installed once per directory by the first save."""
+    only when they name this checkpoint directory), and so are a failed restore's other
+    reads; anything else still reaches the previous hooks. Installed once per directory
+    by the first save or restore."""
     if directory in _straggler_directories:
         return
     _straggler_directories.add(directory)
@@ -160,6 +164,10 @@ def _quiet_stragglers_of_failed_saves(directory: Path) -> None:
         error = unraisable.exc_value
         if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
             logger.debug("a failed save's write finished after its event loop closed")
+            return
+        reader = unraisable.object
+        if type(reader) is types.CoroutineType and reader.cr_code.co_name in _ORBAX_READS:
+            logger.debug("a failed restore's other read failed too: %s", error)
             return
         previous(unraisable)
 
