@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -279,6 +280,51 @@ def test_half_written_checkpoint_is_ignored(tiny_model_dir, tmp_path, monkeypatc
     reopened.save(2, trainer.params, trainer.opt_state, {"at": 2})
     assert reopened.all_steps() == [1, 2]
     assert not any("orbax-checkpoint-tmp" in p.name for p in tmp_path.iterdir())
+
+
+def test_damaged_checkpoint_is_one_line_naming_the_intact_step(tiny_model_dir, tmp_path, capfd):
+    """Every file's sha256 is stored with the step (before Orbax renames it into place) and
+    verified before Orbax reads an array: bytes changed in place and a truncated file are
+    refused in one line naming the intact step; a step without checksums (older strop)
+    still restores, and Orbax's own read error is one short line."""
+    model_dir = tiny_model_dir("qwen2")
+    model, trainer = setup(model_dir)
+    saver = checkpoints(tmp_path, model_dir)
+    saver.save(1, trainer.params, trainer.opt_state, {"at": 1})
+    saved = host(nnx.state(model, nnx.LoRAParam))
+    perturb(trainer)
+    saver.save(2, trainer.params, trainer.opt_state, {"at": 2})
+    assert {"params", "optimizer"} <= {p.split("/")[0] for p in manifest(tmp_path / "2")}
+    largest = max((tmp_path / "2" / "params").rglob("*"), key=lambda p: p.stat().st_size)
+    data = largest.read_bytes()
+    name = largest.relative_to(tmp_path / "2").as_posix()
+    largest.write_bytes(data[:100] + bytes(b ^ 1 for b in data[100:110]) + data[110:])
+    capfd.readouterr()
+    with pytest.raises(CheckpointError) as caught:
+        restore(saver, 2, trainer)
+    assert str(caught.value) == (
+        f"checkpoint step 2 in {tmp_path} is damaged ({name} differs from what was written "
+        f"(sha256 mismatch)); step 1 is intact: delete {tmp_path / '2'} to resume from step 1"
+    )
+    largest.write_bytes(data[:100])
+    with pytest.raises(CheckpointError, match=rf"\({name} has 100 bytes, {len(data)} were "
+                       r"written\); step 1 is intact"):  # fmt: skip
+        restore(saver, 2, trainer)
+
+    (tmp_path / "2" / "checksums.json").unlink()  # as strop wrote steps before checksums
+    with pytest.raises(CheckpointError) as caught:
+        restore(saver, 2, trainer)
+    assert str(caught.value).startswith(f"cannot restore checkpoint {tmp_path / '2'}: ")
+    assert len(str(caught.value)) < 300 + len(str(tmp_path)), str(caught.value)
+    (tmp_path / "1" / "checksums.json").unlink()
+    assert restore(saver, 1, trainer) == {"at": 1}
+    for got, want in zip(host(nnx.state(model, nnx.LoRAParam)), saved, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def manifest(step_dir: Path) -> dict:
+    return json.loads((step_dir / "checksums.json").read_text())["files"]
 
 
 def test_unusable_directory_and_bad_extra(tiny_model_dir, tmp_path):

@@ -336,3 +336,25 @@ def test_a_file_where_the_checkpoint_directory_should_be_is_one_line(
     assert f"cannot use checkpoint directory {blocker / 'checkpoints'}" in line, line
     assert "Not a directory" in line, line
     assert blocker.read_text() == "a file\n"
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_intact_one(tmp_path, sum_inputs, jax_cache):
+    """A file of the newest step truncated after the run (jax: the backend whose readers
+    printed 339 lines of tracebacks around a 2 KiB line before checksums; both backends'
+    checks are tested in-process): one line naming the damaged step and the intact one,
+    exit 2, nothing else on stderr but the run's log lines."""
+    env = _env(jax_cache)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    cmd = [*SFT, "backend=jax", f"run_dir={tmp_path / 'run'}", "checkpoint.every_steps=1"]
+    first = subprocess.run([*cmd, "sft.steps=2", *sum_inputs], env=env, capture_output=True)
+    assert first.returncode == 0, first.stderr[-2000:]
+    largest = max((checkpoints / "2").rglob("*"), key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[:100])
+    damaged = subprocess.run(
+        [*cmd, "sft.steps=3", *sum_inputs], env=env, capture_output=True, text=True
+    )
+    assert damaged.returncode == 2, damaged.stderr[-3000:]
+    line = _error_line(damaged.stderr)
+    assert line.startswith(f"error: checkpoint step 2 in {checkpoints} is damaged ("), line
+    assert line.endswith(f"; step 1 is intact: delete {checkpoints / '2'} to resume from step 1")
+    assert len(damaged.stderr.splitlines()) <= 3, damaged.stderr

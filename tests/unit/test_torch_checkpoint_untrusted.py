@@ -55,6 +55,7 @@ def test_crafted_metadata_pickle_is_refused_without_running(tmp_path, monkeypatc
     checkpoints = saved(tmp_path)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "1" / "state" / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    (tmp_path / "1" / "checksums.json").unlink()  # a crafted step would match its own
     model, optimizer = trained(1)
     with pytest.raises(CheckpointError, match=r"metadata names (posix|os)\.system, refused"):
         checkpoints.restore(1, model, optimizer)
@@ -96,3 +97,41 @@ def test_non_finite_state_is_never_saved(tmp_path):
     with pytest.raises(NonFiniteStateError, match=r"optim\.state\.bias\.exp_avg_sq"):
         checkpoints.save(2, model, optimizer, {"step": 2})
     assert NonFiniteStateError.exit_code == 3
+
+
+def test_damaged_checkpoints_are_one_line_naming_the_intact_step(tmp_path):
+    """Each file's sha256 is stored with the step and verified before DCP reads a tensor:
+    values changed in place (the weight x50, same size) and a truncated shard are refused
+    naming the intact step; a step without checksums (older strop) still restores; DCP's
+    own error (a traceback per rank) is one short line."""
+    checkpoints = saved(tmp_path)
+    model, optimizer = trained(0)
+    checkpoints.save(2, model, optimizer, {"step": 2})
+    shard = tmp_path / "2" / "state" / "__0_0.distcp"
+    data = shard.read_bytes()
+    weight = model.weight.detach().numpy().tobytes()
+    assert data.count(weight) == 1
+    shard.write_bytes(data.replace(weight, (model.weight.detach() * 50).numpy().tobytes()))
+    with pytest.raises(CheckpointError) as caught:
+        checkpoints.restore(2, *trained(1))
+    assert str(caught.value) == (
+        f"checkpoint step 2 in {tmp_path} is damaged (state/__0_0.distcp differs from what "
+        f"was written (sha256 mismatch)); step 1 is intact: delete {tmp_path / '2'} to resume "
+        "from step 1"
+    )
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"step 2 .* damaged \(state/__0_0.distcp has \d+ "
+                       r"bytes, \d+ were written\); step 1 is intact"):  # fmt: skip
+        checkpoints.restore(2, *trained(1))
+
+    (tmp_path / "2" / "checksums.json").unlink()  # as strop wrote steps before checksums
+    with pytest.raises(CheckpointError) as caught:
+        checkpoints.restore(2, *trained(1))
+    line = str(caught.value)
+    assert line.startswith(f"cannot restore checkpoint {tmp_path / '2'}: rank 0: ")
+    assert "\n" not in line and len(line) < 300 + len(str(tmp_path)), line
+    (tmp_path / "1" / "checksums.json").unlink()
+    reference, _ = trained(0)
+    model, optimizer = trained(1)
+    assert checkpoints.restore(1, model, optimizer) == {"step": 1}
+    torch.testing.assert_close(model.weight, reference.weight, rtol=0, atol=0)

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from strop.errors import CheckpointError
+from strop.io.checksums import checksum_problem
 
 # Where each backend keeps a checkpoint's identity, relative to the step's directory
 # (``<checkpoint dir>/<step>/``): Orbax's JsonSave item, DCP checkpoints' plain file.
@@ -119,6 +120,45 @@ def require_step(step: int, directory: Path, steps: list[int]) -> None:
         raise CheckpointError(
             f"no complete checkpoint for step {step} in {directory} (available: {steps or 'none'})"
         )
+
+
+def require_intact(step: int, directory: Path, steps: list[int]) -> None:
+    """Raise one :class:`CheckpointError` line if a file of checkpoint ``step`` in
+    ``directory`` no longer matches its checksums, naming the newest older step of
+    ``steps`` that does (verified too, only then) and how to resume from it.
+
+    A damaged step is refused rather than skipped: falling back on its own would quietly
+    discard the steps (and metrics) after the intact one, and deleting files is the
+    user's call."""
+    problem = checksum_problem(directory / str(step))
+    if problem is None:
+        return
+    older = [s for s in steps if s < step]
+    intact = next(
+        (s for s in reversed(older) if checksum_problem(directory / str(s)) is None), None
+    )
+    damaged = f"checkpoint step {step} in {directory} is damaged ({problem})"
+    if intact is None:
+        raise CheckpointError(
+            f"{damaged} and no earlier checkpoint is intact; delete {directory} to start the "
+            "run over"
+        )
+    doomed = [s for s in steps if intact < s <= step]
+    where = (
+        str(directory / str(step))
+        if doomed == [step]
+        else f"steps {', '.join(map(str, doomed))} in {directory}"
+    )
+    raise CheckpointError(
+        f"{damaged}; step {intact} is intact: delete {where} to resume from step {intact}"
+    )
+
+
+def short_reason(text: str, limit: int = 200) -> str:
+    """``text`` on one line of at most ``limit`` characters (a library's error can be a
+    page: a traceback per rank, a TensorStore spec)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
 def _free_space(directory: Path) -> str:

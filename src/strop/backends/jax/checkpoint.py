@@ -13,11 +13,15 @@ A checkpoint holds exactly what a resumed run cannot rebuild from its config:
 
 Orbax writes each step under a temporary name and renames it when complete (invariant
 11): a step killed half-way is never listed, and leftovers are removed when a run opens
-the directory again. Saves are blocking, so a returned ``save`` is on disk.
+the directory again. Saves are blocking, so a returned ``save`` is on disk. Just before
+that rename the main process records every file's sha256 (``checksums.json``,
+:mod:`strop.io.checksums`), and a restore compares them before Orbax reads an array: a
+damaged step is one line naming it and the newest intact one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import gc
@@ -43,14 +47,29 @@ from strop.errors import CheckpointError, NonFiniteStateError
 from strop.io.checkpoint_dir import (
     refuse_other_backends_checkpoints,
     remove_unfinished_saves,
+    require_intact,
     require_step,
     save_failed,
+    short_reason,
 )
+from strop.io.checksums import write_checksums
 from strop.io.run_identity import check_same_run, flatten
 
 logger = logging.getLogger(__name__)
 
 ITEMS = ("params", "optimizer", "extra", "identity")
+# The step's own files Orbax still writes while it renames the step (the commit timestamp,
+# the commit marker): not checksummed, they hold no state.
+_ORBAX_STEP_FILES = ("_CHECKPOINT_METADATA", ocp.path.atomicity.COMMIT_SUCCESS_FILE)
+
+
+class _ChecksummedStep(ocp.path.atomicity.AtomicRenameTemporaryPath):
+    """Orbax's temporary step directory, renamed into place as usual, after the main
+    process (the only one finalizing) has written the checksums of its final files."""
+
+    async def finalize(self, *args: Any, **kwargs: Any) -> None:
+        await asyncio.to_thread(write_checksums, Path(self.get()), _ORBAX_STEP_FILES)
+        await super().finalize(*args, **kwargs)
 
 
 def _key_name(key: Any) -> str:
@@ -119,6 +138,9 @@ class _StragglerFilter(logging.Filter):
 
 
 _straggler_directories: set[Path] = set()
+# Orbax's coroutines reading one array each: when a restore fails on one unreadable file,
+# the others are closed unfinished and each raises its own read error again (a page each).
+_ORBAX_READS = frozenset({"_read_array_index_and_device_put"})
 
 
 def _quiet_stragglers_of_failed_saves(directory: Path) -> None:
@@ -127,8 +149,9 @@ def _quiet_stragglers_of_failed_saves(directory: Path) -> None:
     callback hits Orbax's closed event loop (printed through ``sys.unraisablehook``) and
     asyncio reports the gathered errors as never retrieved. That is a page of tracebacks
     around the one CheckpointError line, so both kinds are kept to DEBUG (the asyncio ones
-    only when they name this checkpoint directory); anything else still reaches the
-    previous hooks. Installed once per directory by the first save."""
+    only when they name this checkpoint directory), and so are a failed restore's other
+    reads; anything else still reaches the previous hooks. Installed once per directory
+    by the first save or restore."""
     if directory in _straggler_directories:
         return
     _straggler_directories.add(directory)
@@ -141,6 +164,10 @@ def _quiet_stragglers_of_failed_saves(directory: Path) -> None:
         error = unraisable.exc_value
         if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
             logger.debug("a failed save's write finished after its event loop closed")
+            return
+        reader = unraisable.object
+        if type(reader) is types.CoroutineType and reader.cr_code.co_name in _ORBAX_READS:
+            logger.debug("a failed restore's other read failed too: %s", error)
             return
         previous(unraisable)
 
@@ -221,6 +248,7 @@ class TrainCheckpoints:
             # shutdown. So they are removed here, before the manager opens, as on torch.
             cleanup_tmp_directories=False,
             enable_async_checkpointing=False,
+            temporary_path_class=_ChecksummedStep,
         )
         try:
             write_once(
@@ -313,6 +341,11 @@ class TrainCheckpoints:
         return from_pure(params, pure_params), from_pure(optimizer, pure_optim), extra
 
     def _restore(self, step: int, params: dict, optimizer: dict) -> tuple[dict, dict, dict]:
+        self._require(step)
+        write_once(
+            lambda: require_intact(step, self.directory, self.all_steps()),
+            f"verifying checkpoint step {step}",
+        )
         self.check_identity(step)
         self._check_shapes(step, {"params": params, "optimizer": optimizer})
         args = ocp.args.Composite(
@@ -321,10 +354,12 @@ class TrainCheckpoints:
             extra=ocp.args.JsonRestore(),
         )
         try:
-            restored = self._manager.restore(step, args=args)
+            with _orbax_errors_quiet(self.directory):
+                restored = self._manager.restore(step, args=args)
         except Exception as err:  # structure/shape mismatch or unreadable files
+            reason = short_reason(str(err).split(" See full TensorStore details")[0])
             raise CheckpointError(
-                f"cannot restore checkpoint {self.directory / str(step)}: {err}"
+                f"cannot restore checkpoint {self.directory / str(step)}: {reason}"
             ) from err
         logger.info("restored checkpoint step %d from %s", step, self.directory)
         return restored.params, restored.optimizer, dict(restored.extra or {})

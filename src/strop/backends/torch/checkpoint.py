@@ -10,11 +10,13 @@ Layout, one directory per step (as the JAX backend's Orbax layout)::
     <dir>/<step>/state/       DCP files (.metadata + per-rank shards)
     <dir>/<step>/extra.json
     <dir>/<step>/identity.json
+    <dir>/<step>/checksums.json   size and sha256 of each file above
 
 A step is written under ``<dir>/.tmp-<step>`` and renamed into place by rank 0 once
-every rank's shards and the JSON files are on disk, so a run killed mid-save never
-leaves a step that looks complete; leftovers are removed when a run opens the
-directory. Only the last ``keep`` steps are kept.
+every rank's shards and the JSON files are on disk (and their checksums written), so a
+run killed mid-save never leaves a step that looks complete; leftovers are removed when
+a run opens the directory. A restore verifies the checksums before DCP reads a tensor.
+Only the last ``keep`` steps are kept.
 """
 
 from __future__ import annotations
@@ -46,15 +48,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from strop.backends.torch.fsdp import Placement, barrier
+from strop.backends.torch.fsdp import Placement, barrier, write_once
 from strop.backends.torch.lora import hf_module_path
 from strop.errors import CheckpointError, NonFiniteStateError
 from strop.io.checkpoint_dir import (
     refuse_other_backends_checkpoints,
     remove_unfinished_saves,
+    require_intact,
     require_step,
     save_failed,
+    short_reason,
 )
+from strop.io.checksums import write_checksums
 from strop.io.run_identity import check_same_run
 
 logger = logging.getLogger(__name__)
@@ -136,18 +141,20 @@ def _dcp_quietly() -> Iterator[None]:
 
 
 def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
+    text = short_reason(str(err))
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _describe_failure(err: BaseException) -> str:
-    """``err`` on one line; DCP's CheckpointException as its ranks' own errors (its
-    ``str`` is a multi-line traceback per rank)."""
+    """``err`` on one short line; DCP's CheckpointException as its ranks' own errors (its
+    ``str`` is a multi-line traceback per rank), the first two ranks' named."""
     if isinstance(err, CheckpointException):
-        return "; ".join(
+        failures = sorted(err.failures.items())
+        named = "; ".join(
             f"rank {rank}: {_one_line(failure[0] if isinstance(failure, tuple) else failure)}"
-            for rank, failure in sorted(err.failures.items())
+            for rank, failure in failures[:2]
         )
+        return named + (f" (and {len(failures) - 2} more ranks)" if len(failures) > 2 else "")
     return _one_line(err)
 
 
@@ -279,6 +286,7 @@ class TrainCheckpoints:
             if self.placement.is_main:
                 _write_json(staging / "extra.json", extra)
                 _write_json(staging / "identity.json", self.identity)
+                write_checksums(staging)
                 os.replace(staging, final)
                 self._prune()
         except (Exception, CheckpointException) as err:  # I/O failures: assorted types
@@ -311,6 +319,7 @@ class TrainCheckpoints:
         Each rank reads only its own shards. The identity is checked before any tensor
         is read.
         """
+        self._verify(step)
         self.check_identity(step)
         path = self.directory / str(step)
         model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
@@ -335,7 +344,9 @@ class TrainCheckpoints:
         # structure/shape mismatch or unreadable files; DCP's CheckpointException is a
         # BaseException, so it is named here.
         except (Exception, CheckpointException) as err:
-            raise CheckpointError(f"cannot restore checkpoint {path}: {err}") from err
+            raise CheckpointError(
+                f"cannot restore checkpoint {path}: {_describe_failure(err)}"
+            ) from err
         logger.info("restored checkpoint step %d from %s", step, self.directory)
         return extra
 
@@ -354,3 +365,12 @@ class TrainCheckpoints:
 
     def _require(self, step: int) -> None:
         require_step(step, self.directory, self.all_steps())
+
+    def _verify(self, step: int) -> None:
+        """Raise one :class:`CheckpointError` line if a file of ``step`` no longer matches
+        its checksums (rank 0 reads them; every rank gets the verdict)."""
+        self._require(step)
+        write_once(
+            lambda: require_intact(step, self.directory, self.all_steps()),
+            f"verifying checkpoint step {step}",
+        )
