@@ -34,12 +34,14 @@ from strop.rewards.base import (
     Reward,
     RewardError,
     RewardFn,
+    RewardLimits,
     RewardStats,
     Scores,
     get,
     names,
     register,
 )
+from strop.rewards.isolated import RewardTimeoutError
 from strop.rewards.loading import load
 from strop.rewards.math_rewards import MathReward, extract_answer, extract_gold, format_reward
 from strop.rewards.pool import PoolStats, Verdict, VerifierPool, default_pool
@@ -53,7 +55,9 @@ __all__ = [
     "Reward",
     "RewardError",
     "RewardFn",
+    "RewardLimits",
     "RewardStats",
+    "RewardTimeoutError",
     "ScoredBatch",
     "Scores",
     "Verdict",
