@@ -298,9 +298,9 @@ class Reward:
             logger.debug("reward %r failed on %d item(s): %s", self.name, n, outcome.raised)
             failures.append(outcome.raised if n == 1 else f"all {n}: {outcome.raised}")
             return [0.0] * n, 0, n
-        logger.debug("reward %r failed on a batch, scoring it item by item: %s", self.name,
-                     outcome.raised)  # fmt: skip
-        scores, timeouts, errors = [], 0, 0
+        logger.debug("reward %r failed on a batch, item by item: %s", self.name, outcome.raised)
+        scores: list[float] = []
+        timeouts = errors = 0
         for i in range(n):
             one = self._call(
                 prompts[i : i + 1],
@@ -310,10 +310,12 @@ class Reward:
             if one.raised is not None:
                 logger.debug("reward %r failed on item %d: %s", self.name, i, one.raised)
                 failures.append(f"completion {i}: {one.raised}")
-                scores, errors = [*scores, 0.0], errors + 1
+                scores.append(0.0)
+                errors += 1
                 continue
             mine, t, e = self._finite(one, failures, i)
-            scores, timeouts, errors = scores + mine, timeouts + t, errors + e
+            scores += mine
+            timeouts, errors = timeouts + t, errors + e
         return scores, timeouts, errors
 
     @staticmethod

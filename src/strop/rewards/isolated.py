@@ -133,7 +133,8 @@ class IsolatedFunction:
         )
         self._procs.add(proc)
         worker = Worker(proc, time.monotonic(), encode=_encode, decode=pickle.loads)
-        worker.send({"path": list(sys.path), "ref": self.ref, "setting": self.setting})
+        with contextlib.suppress(OSError):  # died at once: _ready reports its exit
+            worker.send({"path": list(sys.path), "ref": self.ref, "setting": self.setting})
         return worker
 
     def _drop(self) -> None:

@@ -18,6 +18,10 @@ not callable, a class) raises :class:`~strop.rewards.base.RewardError`: one line
 the setting, the reference and what to do. A function is named after its attribute
 (``my_rewards.py:exact`` is ``exact``); it has no gold rule
 (:class:`~strop.rewards.base.Gold`), so its data is never refused for lack of a gold answer.
+With a deadline in ``limits`` (:class:`~strop.rewards.base.RewardLimits`) such a function
+is called in a worker process that imports it again by its reference (a file by its
+absolute path; :mod:`strop.rewards.isolated`); it is still imported here first, so that
+every mistake above is found before anything loads.
 """
 
 from __future__ import annotations
