@@ -234,6 +234,8 @@ def evaluate(recipe: Recipe, overrides: Overrides = None) -> None:
     table.add_row("stopped (EOS / stop string)", f"{result.stopped_fraction:.1%}")
     if result.reward_timeouts:
         table.add_row("reward timeouts (scored 0)", str(result.reward_timeouts))
+    if result.reward_errors:
+        table.add_row("reward errors (scored 0)", str(result.reward_errors))
     table.add_row("time", f"{result.seconds:.1f} s ({result.tokens_per_s:,.0f} tok/s)")
     table.add_row("per-example results", result.results_path)
     Console().print(table)

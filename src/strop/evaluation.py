@@ -59,6 +59,7 @@ class EvalResult:
     mean_response_tokens: float
     stopped_fraction: float
     reward_timeouts: int
+    reward_errors: int  # responses the reward failed on (raised, NaN/Inf): scored 0, wrong
     seconds: float
     tokens_per_s: float
     results_path: str
@@ -90,10 +91,14 @@ def run_eval(config: Config) -> EvalResult:
     path = config.eval.path or config.data.eval_path
     if config.model.path is None or path is None:
         raise ConfigError("strop eval needs model.path and eval.path (or data.eval_path)")
-    reward = rewards.load(config.eval.reward, setting="eval.reward", config=config)  # checked
+    limits = rewards.RewardLimits.of(config.eval, "eval")  # a deadline: user functions in a worker
+    reward = rewards.load(config.eval.reward, setting="eval.reward", config=config, limits=limits)
     preflight(config, "eval", checkpoint_dir=None)  # before anything loads
     with eval_job(config, {"solved": "solved {:.1%}"}) as progress:
-        return _evaluate(config, path, reward, progress)
+        try:
+            return _evaluate(config, path, reward, progress)
+        finally:
+            reward.close()
 
 
 def _evaluate(config: Config, path: str, reward, progress: RunProgress) -> EvalResult:
@@ -114,6 +119,7 @@ def _evaluate(config: Config, path: str, reward, progress: RunProgress) -> EvalR
     prompts = [prompt_ids(example, tokenizer) for example in examples]
     progress.set_total(len(examples))
 
+    reward.start()  # its worker imports the user's function while the model loads
     progress.phase("loading the model")
     backend = get_backend(config.backend)
     policy = backend.build_policy(config, total_steps=1, checkpoint_dir=None)
@@ -187,6 +193,7 @@ def _sample_and_record(
         mean_response_tokens=tokens / max(len(examples) * k, 1),
         stopped_fraction=stopped / max(len(examples) * k, 1),
         reward_timeouts=reward.stats.timeouts,
+        reward_errors=reward.stats.errors,
         seconds=seconds,
         tokens_per_s=tokens / max(seconds, 1e-9),
         results_path=str(out_dir / "results.jsonl"),

@@ -1,7 +1,8 @@
 """A reward function from a `.py` file drives `strop ppo` through the CLI on both backends
 (weighted with a built-in, each logged as reward/<name>); a bad reference is refused in one
-line before any model is built, and a function returning the wrong number of scores stops
-the run with one line naming it; `strop eval` takes one too. The tiny model and prompts
+line before any model is built, and a function returning the wrong number of scores, or
+hanging past ppo.reward_timeout_s, stops the run with one line naming it; `strop eval`
+takes one too, and counts its errors. The tiny model and prompts
 are test_ppo_run's."""
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ def digits(prompts, completions, answer, question, **columns):
 
 def one(prompts, completions, **columns):
     return [1.0]
+
+
+def hangs(prompts, completions, **columns):
+    import time
+
+    time.sleep(3600)
 '''
 WEIGHTED = "ppo.reward=[{reward: my_reward.py:digits, weight: 1.0}, {reward: format, weight: 0.5}]"
 
@@ -99,27 +106,45 @@ def test_a_bad_reference_is_one_line_before_any_model_loads(
     assert lines[0].startswith(f"error: {key}={reward!r}: ") and said in lines[0], lines
 
 
-def test_the_wrong_number_of_scores_stops_the_run_in_one_line(task, tmp_path):  # noqa: F811
+STOPS = {
+    "one": "returned 1 score(s) for 32 completion(s); a reward function returns one float per "
+    "completion, in order",
+    # before: 11 minutes of "step 1 running for 10m50s" and counting
+    "hangs": "did not return within ppo.reward_timeout_s=2 s on 32 completion(s); its worker "
+    "process was killed. Make it faster, or raise ppo.reward_timeout_s (0: no deadline, "
+    "called in the trainer)",
+}
+
+
+@pytest.mark.parametrize("function", STOPS)
+def test_a_reward_that_breaks_the_contract_or_hangs_stops_the_run_in_one_line(
+    task,  # noqa: F811
+    tmp_path,
+    function,
+):
     (tmp_path / "my_reward.py").write_text(REWARD_FILE)
-    args = cli_args(task, tmp_path / "run", "torch", "ppo.reward=my_reward.py:one")
+    args = cli_args(
+        task, tmp_path / "run", "torch", f"ppo.reward=my_reward.py:{function}",
+        "ppo.reward_timeout_s=2",
+    )  # fmt: skip
     done = strop(args, cwd=tmp_path)
     assert done.returncode == 2, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
-    assert last == (
-        "error: reward 'one' (my_reward.py:one) returned 1 score(s) for 32 completion(s); "
-        "a reward function returns one float per completion, in order"
-    ), done.stderr[-3000:]
+    assert last == (f"error: reward '{function}' (my_reward.py:{function}) {STOPS[function]}"), (
+        done.stderr[-3000:]
+    )
 
 
 def test_eval_takes_a_reward_from_a_file(task, tmp_path, monkeypatch):  # noqa: F811
-    """Correct (1.0) only where the record's columns reached the function."""
+    """Correct (1.0) only where the record's columns reached the function (in its worker
+    process); its NaN scores are wrong and counted in the summary."""
     from strop.config import load_config
     from strop.evaluation import run_eval
 
     (tmp_path / "my_reward.py").write_text(
         "def columns_arrived(prompts, completions, question, answer, **columns):\n"
-        "    return [float(q.startswith('What is') and '####' in a)\n"
-        "            for q, a in zip(question, answer)]\n"
+        "    return [float(q.startswith('What is') and '####' in a) if i % 2 == 0\n"
+        "            else float('nan') for i, (q, a) in enumerate(zip(question, answer))]\n"
     )
     monkeypatch.chdir(tmp_path)
     config = load_config(
@@ -129,4 +154,6 @@ def test_eval_takes_a_reward_from_a_file(task, tmp_path, monkeypatch):  # noqa: 
          "generation.max_new_tokens=4", "mesh.fsdp=1", "mesh.data=-1"],
     )  # fmt: skip
     result = run_eval(config)
-    assert result.examples == 8 and result.accuracy == 1.0
+    assert result.examples == 8 and result.accuracy == 0.5 and result.reward_errors == 4
+    summary = json.loads((tmp_path / "eval" / "eval" / "summary.json").read_text())
+    assert summary["reward_errors"] == 4 and summary["accuracy"] == 0.5

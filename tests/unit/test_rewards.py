@@ -103,13 +103,14 @@ def test_one_raising_item_scores_zero_and_is_counted(scratch_registry):
     assert reward.stats == rewards.RewardStats(calls=1, items=3, timeouts=0, errors=1)
 
 
-def test_bad_scores_are_zeroed_and_counted():
-    returns = {"nan": math.nan, "inf": math.inf, "text": "x", "none": None, "ok": 0.5}
+def test_non_finite_scores_are_zeroed_and_counted():
+    """(Text and None are refused: test_reward_guards.py.)"""
+    returns = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "ok": 0.5}
     reward = rewards.Reward(
         "odd", lambda prompts, completions, **c: [returns[x] for x in completions]
     )
-    assert reward(["p"] * 5, list(returns)) == [0.0, 0.0, 0.0, 0.0, 0.5]
-    assert reward.stats.errors == 4
+    assert reward(["p"] * 4, list(returns)) == [0.0, 0.0, 0.0, 0.5]
+    assert reward.stats.errors == 3
     assert all(isinstance(x, float) for x in reward(["p"], ["ok"]))
 
 

@@ -112,6 +112,17 @@ class PpoConfig(_Section):
         description="A registered reward (gsm8k, math, format), package.module:function, "
         "path/to/file.py:function, or a list of {reward, weight, name} summed with weights.",
     )
+    reward_timeout_s: float | None = Field(
+        300.0,
+        ge=0,
+        description="Deadline of one call of a reward function given as package.module:function or path/to/file.py:function (an iteration's rollouts, or a validation batch): it runs in a worker process that is killed past it, and the run stops naming the reward. 0 or null: called in the trainer, no deadline. Registered rewards and reward models always run in the trainer.",
+    )
+    max_reward_error_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Stop the run when more than this share of one reward call's completions fail (the function raised, or scored NaN/Inf; each scores 0 and counts in reward/errors). 1 = never stop.",
+    )
     micro_batch_size: int | None = Field(
         None,
         gt=0,

@@ -257,6 +257,17 @@ class EvalConfig(_Section):
         description="Reward that decides correctness (1 = correct): a registered name, "
         "package.module:function or path/to/file.py:function.",
     )
+    reward_timeout_s: float | None = Field(
+        300.0,
+        ge=0,
+        description="Deadline of one call of a reward function from a module or file (one batch): it runs in a worker process that is killed past it, and the evaluation stops naming the reward. 0 or null: called in the evaluating process, no deadline.",
+    )
+    max_reward_error_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Stop when more than this share of one batch's responses fail to score (the reward raised, or scored NaN/Inf; they count as wrong and in reward_errors). 1 = never stop.",
+    )
 
     @model_validator(mode="after")
     def _greedy_is_one_sample(self) -> Self:

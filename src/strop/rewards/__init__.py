@@ -22,9 +22,13 @@ and ``ppo.reward`` a weighted list of rewards (:mod:`strop.rewards.weighted`)::
     scored = reward.score(prompts, completions, columns)   # .total, .parts, .metrics()
 
 Design: :mod:`strop.rewards.base` has the contract and the :class:`Reward` wrapper that turns
-per-item failures into a 0 plus a counted error; :mod:`strop.rewards.pool` has the
-:class:`VerifierPool` that runs math-verify under a hard per-item deadline by killing and
-replacing the worker process of an item that takes too long.
+per-item failures into a 0 plus a counted error (and stops a run past
+:attr:`RewardLimits.max_error_fraction`); :mod:`strop.rewards.calling` checks what a call
+returned; :mod:`strop.rewards.isolated` calls a user's function in a worker process with a
+per-call deadline (:attr:`RewardLimits.timeout_s`, :class:`RewardTimeoutError`);
+:mod:`strop.rewards.pool` has the :class:`VerifierPool` that runs math-verify under a hard
+per-item deadline by killing and replacing the worker process of an item that takes too
+long.
 """
 
 from __future__ import annotations
@@ -34,12 +38,14 @@ from strop.rewards.base import (
     Reward,
     RewardError,
     RewardFn,
+    RewardLimits,
     RewardStats,
     Scores,
     get,
     names,
     register,
 )
+from strop.rewards.isolated import RewardTimeoutError
 from strop.rewards.loading import load
 from strop.rewards.math_rewards import MathReward, extract_answer, extract_gold, format_reward
 from strop.rewards.pool import PoolStats, Verdict, VerifierPool, default_pool
@@ -53,7 +59,9 @@ __all__ = [
     "Reward",
     "RewardError",
     "RewardFn",
+    "RewardLimits",
     "RewardStats",
+    "RewardTimeoutError",
     "ScoredBatch",
     "Scores",
     "Verdict",

@@ -6,18 +6,29 @@ with ``completions``. Functions are registered under a name with :func:`register
 up with :func:`get`, which wraps them in a :class:`Reward`:
 
 * one item that makes the function raise scores 0 and is counted in ``errors``; the other
-  items of the batch are still scored (the batch is retried one item at a time);
-* a non-finite or non-numeric score is replaced by 0 and counted in ``errors``;
+  items of the batch are still scored (a batch that raised is retried one item at a time,
+  so an item fails when it raises on its own);
+* a NaN or infinite score is replaced by 0 and counted in ``errors``;
+* the first failure of a wrapper is logged as a warning with its exception; when more than
+  :attr:`RewardLimits.max_error_fraction` of one call's items fail (``ppo.`` and
+  ``eval.max_reward_error_fraction``), :class:`RewardError` stops the run naming the
+  function and the first failure;
 * functions that know more about their failures (the math verifiers report answers whose
   check ran out of time) return :class:`Scores`, whose counters are added to the wrapper's.
 
 Mistakes in how the reward is *used* (a missing column, ragged inputs, math-verify not being
 installed) are not contained: they raise :class:`~strop.errors.StropError` or ``ValueError``,
 because silently training on zero rewards would be worse than stopping. So is a function
-that breaks the contract itself: one that returns something other than a list of one score
-per completion (``None``, a number, 2 scores for 3 completions) raises :class:`RewardError`
-naming it and the counts, as does (checked by :meth:`Reward.check_call` before a model
+that breaks the contract itself: one that returns something other than a list of one number
+per completion (``None``, a number, 2 scores for 3 completions, ``"1"`` or ``[1.0]`` for a
+score) raises :class:`RewardError` naming it and what it returned
+(:mod:`strop.rewards.calling`), as does (checked by :meth:`Reward.check_call` before a model
 loads) one that cannot be called with the columns it would get.
+
+A function loaded from a reference (``file.py:fn``, ``module:fn``) with a deadline
+(:attr:`RewardLimits.timeout_s`) is called in a worker process that is killed when a call
+runs past it (:mod:`strop.rewards.isolated`); registered names and reward models are
+called in the trainer.
 
 A reward that compares against a gold answer says so when it is registered
 (``register(name, gold=Gold(extract, needs))``): ``strop ppo`` and ``strop eval`` then find
@@ -38,7 +49,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TypeVar
 
-from strop.errors import ConfigError, StropError
+from strop.errors import ConfigError
+from strop.rewards.calling import ContractError, Outcome, RewardError, call
+from strop.rewards.isolated import IsolatedFunction
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +131,26 @@ class Gold:
     needs: str
 
 
-class RewardError(ConfigError):
-    """A reward function cannot be imported, is not callable, cannot take the arguments it
-    would get, or returned something other than one score per completion (exit code 2)."""
+@dataclass(frozen=True)
+class RewardLimits:
+    """What a run allows its reward (``ppo.`` or ``eval.``: ``section``, for messages).
+
+    Attributes:
+      timeout_s: the longest one call of a function loaded from a reference may take; it
+        then runs in a worker process that is killed past it. None: called in the trainer,
+        no deadline (registered names and reward models always are).
+      max_error_fraction: the share of one call's completions that may fail (raise, score
+        NaN/Inf) before :class:`RewardError` stops the run; None: never stop.
+    """
+
+    timeout_s: float | None = None
+    max_error_fraction: float | None = None
+    section: str = "reward"
+
+    @classmethod
+    def of(cls, section: Any, name: str) -> RewardLimits:
+        """The limits a config section (``config.ppo``, ``config.eval``) sets."""
+        return cls(section.reward_timeout_s or None, section.max_reward_error_fraction, name)
 
 
 class Reward:
@@ -134,14 +164,42 @@ class Reward:
     """
 
     def __init__(
-        self, name: str, fn: RewardFn, gold: Gold | None = None, *, source: str | None = None
+        self,
+        name: str,
+        fn: RewardFn,
+        gold: Gold | None = None,
+        *,
+        source: str | None = None,
+        limits: RewardLimits | None = None,
+        importable: str | None = None,
     ):
         self.name = name
         self.fn = fn
         self.gold = gold  # how it finds a record's gold answer; None: it needs none
         self.source = source
+        self.limits = limits or RewardLimits()
         self._lock = threading.Lock()
         self._stats = RewardStats()
+        self._warned = False
+        # ``importable``: the reference a worker process can import ``fn`` by
+        self.isolated = None
+        if importable is not None and self.limits.timeout_s:
+            self.isolated = IsolatedFunction(
+                importable,
+                self.limits.timeout_s,
+                describe=self.describe(),
+                setting=f"{self.limits.section}.reward_timeout_s",
+            )
+
+    def start(self) -> None:
+        """Start its worker process, if it has one, so that it is ready by the first call."""
+        if self.isolated is not None:
+            self.isolated.start()
+
+    def close(self) -> None:
+        """Stop its worker process, if one runs (a later call starts another)."""
+        if self.isolated is not None:
+            self.isolated.close()
 
     def describe(self) -> str:
         """``reward 'exact' (my_rewards.py:exact)``: how messages name it."""
@@ -189,7 +247,8 @@ class Reward:
                     f"reward {self.name!r}: column {key!r} has {len(values)} values for "
                     f"{n} completions"
                 )
-        scores, timeouts, errors = self._score(prompts, completions, cols)
+        failures: list[str] = []
+        scores, timeouts, errors = self._score(prompts, completions, cols, failures)
         with self._lock:
             s = self._stats
             self._stats = RewardStats(
@@ -198,69 +257,78 @@ class Reward:
                 timeouts=s.timeouts + timeouts,
                 errors=s.errors + errors,
             )
+            warn, self._warned = bool(errors) and not self._warned, self._warned or bool(errors)
+        first = failures[0] if failures else "counted by the function itself (Scores.errors)"
+        limit = self.limits.max_error_fraction
+        if limit is not None and errors > limit * n:
+            raise RewardError(
+                f"{self.describe()} failed on {errors} of {n} completions, more than "
+                f"{self.limits.section}.max_reward_error_fraction={limit:g} allows; the first "
+                f"failure: {first}"
+            )
+        if warn:
+            logger.warning(
+                "%s failed on %d of %d completions (scored 0, counted in reward/errors; "
+                "later failures are not warned about): %s",
+                self.describe(), errors, n, first,
+            )  # fmt: skip
         return scores
 
+    def _call(self, prompts: list[str], completions: list[str], cols: dict) -> Outcome:
+        try:
+            if self.isolated is not None:
+                return self.isolated(prompts, completions, cols)
+            return call(self.fn, prompts, completions, cols)
+        except ContractError as exc:  # every batch would score 0 the same way: stop
+            raise RewardError(f"{self.describe()} {exc}") from None
+
     def _score(
-        self, prompts: list[str], completions: list[str], cols: dict[str, list[Any]]
+        self, prompts: list[str], completions: list[str], cols: dict, failures: list[str]
     ) -> tuple[list[float], int, int]:
-        """Scores, timeouts, errors: the whole batch at once, else one item at a time."""
+        """Scores, timeouts, errors: the whole batch at once, else one item at a time
+        (not after a crash of the worker, which fails the batch). Appends a line per
+        failure to ``failures``."""
         n = len(completions)
         if n == 0:
             return [], 0, 0
-        try:
-            out = self.fn(prompts, completions, **cols)
-        except StropError:
-            raise
-        except Exception as exc:
-            if n == 1:
-                logger.debug("reward %r failed on one item: %r", self.name, exc)
-                return [0.0], 0, 1
-            logger.debug("reward %r failed on a batch, scoring it item by item: %r", self.name, exc)
-            scores, timeouts, errors = [], 0, 0
-            for i in range(n):
-                one, t, e = self._score(
-                    prompts[i : i + 1],
-                    completions[i : i + 1],
-                    {key: values[i : i + 1] for key, values in cols.items()},
-                )
-                scores += one
-                timeouts += t
-                errors += e
-            return scores, timeouts, errors
-        self._check_returned(out, n)
-        timeouts = int(getattr(out, "timeouts", 0))
-        errors = int(getattr(out, "errors", 0))
-        scores = []
-        for value in out:
-            try:
-                score = float(value)
-            except (TypeError, ValueError):
-                score = math.nan
-            if not math.isfinite(score):
-                score, errors = 0.0, errors + 1
-            scores.append(score)
+        outcome = self._call(prompts, completions, cols)
+        if outcome.raised is None:
+            return self._finite(outcome, failures, 0)
+        if n == 1 or outcome.crashed:
+            logger.debug("reward %r failed on %d item(s): %s", self.name, n, outcome.raised)
+            failures.append(outcome.raised if n == 1 else f"all {n}: {outcome.raised}")
+            return [0.0] * n, 0, n
+        logger.debug("reward %r failed on a batch, item by item: %s", self.name, outcome.raised)
+        scores: list[float] = []
+        timeouts = errors = 0
+        for i in range(n):
+            one = self._call(
+                prompts[i : i + 1],
+                completions[i : i + 1],
+                {key: values[i : i + 1] for key, values in cols.items()},
+            )
+            if one.raised is not None:
+                logger.debug("reward %r failed on item %d: %s", self.name, i, one.raised)
+                failures.append(f"completion {i}: {one.raised}")
+                scores.append(0.0)
+                errors += 1
+                continue
+            mine, t, e = self._finite(one, failures, i)
+            scores += mine
+            timeouts, errors = timeouts + t, errors + e
         return scores, timeouts, errors
 
-    def _check_returned(self, out: Any, n: int) -> None:
-        """A list (tuple, array) of ``n`` scores, else :class:`RewardError`: not contained,
-        since every batch would score 0 the same way."""
-        count = None
-        if not isinstance(out, str | bytes | dict) and hasattr(out, "__getitem__"):
-            try:
-                count = len(out)
-            except TypeError:  # a 0-d array
-                count = None
-        if count is None:
-            kind = "None" if out is None else f"a {type(out).__name__}"
-            raise RewardError(
-                f"{self.describe()} returned {kind} for {n} completion(s); a reward "
-                "function returns a list of one float per completion"
-            )
-        if count != n:
-            raise RewardError(
-                f"{self.describe()} returned {count} score(s) for {n} completion(s); a reward "
-                "function returns one float per completion, in order"
-            )
+    @staticmethod
+    def _finite(outcome: Outcome, failures: list[str], offset: int) -> tuple[list[float], int, int]:
+        """The outcome's scores with NaN and infinities made 0 and counted as errors."""
+        assert outcome.scores is not None
+        scores, errors = [], outcome.errors
+        for i, score in enumerate(outcome.scores):
+            if not math.isfinite(score):
+                failures.append(f"completion {offset + i}: returned {score}")
+                score, errors = 0.0, errors + 1
+            scores.append(score)
+        return scores, outcome.timeouts, errors
 
 
 _REGISTRY: dict[str, tuple[RewardFn, Gold | None]] = {}
@@ -298,8 +366,9 @@ def names() -> list[str]:
         return sorted(_REGISTRY)
 
 
-def get(name: str) -> Reward:
-    """A new :class:`Reward` (fresh counters) for the function registered as ``name``.
+def get(name: str, limits: RewardLimits | None = None) -> Reward:
+    """A new :class:`Reward` (fresh counters) for the function registered as ``name``,
+    called in the trainer whatever ``limits`` says about deadlines.
 
     Raises:
       ConfigError: no reward has that name; the message lists the known ones.
@@ -309,4 +378,4 @@ def get(name: str) -> Reward:
         known = sorted(_REGISTRY)
     if entry is None:
         raise ConfigError(f"unknown reward {name!r}; known rewards: {', '.join(known)}")
-    return Reward(name, *entry)
+    return Reward(name, *entry, limits=limits)

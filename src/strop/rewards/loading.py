@@ -18,6 +18,10 @@ not callable, a class) raises :class:`~strop.rewards.base.RewardError`: one line
 the setting, the reference and what to do. A function is named after its attribute
 (``my_rewards.py:exact`` is ``exact``); it has no gold rule
 (:class:`~strop.rewards.base.Gold`), so its data is never refused for lack of a gold answer.
+With a deadline in ``limits`` (:class:`~strop.rewards.base.RewardLimits`) such a function
+is called in a worker process that imports it again by its reference (a file by its
+absolute path; :mod:`strop.rewards.isolated`); it is still imported here first, so that
+every mistake above is found before anything loads.
 """
 
 from __future__ import annotations
@@ -30,13 +34,13 @@ import inspect
 import re
 import sys
 import threading
-import traceback
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from strop.errors import ConfigError
-from strop.rewards.base import Reward, RewardError, get, names
+from strop.rewards.base import Reward, RewardError, RewardLimits, get, names
+from strop.rewards.calling import one_line as _failure
 from strop.rewards.model import NAME, PREFIX, ModelReward, check_directory, is_model_reference
 
 _MODULE = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
@@ -50,16 +54,20 @@ def is_reference(text: str) -> bool:
     return ":" in text
 
 
-def load(ref: str, *, setting: str = "reward", config: Any = None) -> Reward:
+def load(
+    ref: str, *, setting: str = "reward", config: Any = None, limits: RewardLimits | None = None
+) -> Reward:
     """A new :class:`Reward` (fresh counters) for ``ref``; ``setting`` (``ppo.reward``) is
     named in messages; ``config``: the run's, which a reward model (``model:DIR``) is built
-    for. Raises :class:`RewardError` (a :class:`ConfigError`)."""
+    for; ``limits``: the run's (a function from a reference is called in a worker process
+    when they set a deadline). Raises :class:`RewardError` (a :class:`ConfigError`)."""
     if is_model_reference(ref):
         directory = check_directory(ref.removeprefix(PREFIX), ref, setting)
-        return Reward(NAME, ModelReward(directory, ref, setting, config), source=ref)
+        model = ModelReward(directory, ref, setting, config)
+        return Reward(NAME, model, source=ref, limits=limits)
     if not is_reference(ref):
         try:
-            return get(ref)
+            return get(ref, limits)
         except ConfigError:
             hint = (
                 f"; give the function too: {ref}:FUNCTION"
@@ -78,8 +86,10 @@ def load(ref: str, *, setting: str = "reward", config: Any = None) -> Reward:
         )
     if target.endswith(".py") or "/" in target or "\\" in target:
         module, where = _run_file(target, ref, setting), target
+        importable = f"{Path(target).expanduser().resolve()}:{attr}"
     elif _MODULE.fullmatch(target):
         module, where = _import_module(target, ref, setting), f"module {target}"
+        importable = ref
     else:
         raise RewardError(
             f"{setting}={ref!r}: {target!r} is neither a module name nor a .py file; expected "
@@ -100,7 +110,7 @@ def load(ref: str, *, setting: str = "reward", config: Any = None) -> Reward:
         raise RewardError(
             f"{setting}={ref!r}: {attr!r} in {where} is a {type(fn).__name__}, not a function"
         )
-    return Reward(attr, fn, source=ref)
+    return Reward(attr, fn, source=ref, limits=limits, importable=importable)
 
 
 def _run_file(target: str, ref: str, setting: str) -> ModuleType:
@@ -149,16 +159,3 @@ def _import_module(target: str, ref: str, setting: str) -> ModuleType:
         raise RewardError(
             f"{setting}={ref!r}: importing module {target} failed: {_failure(exc)}"
         ) from None
-
-
-def _failure(exc: BaseException, file: Path | None = None) -> str:
-    """``file.py:3: ZeroDivisionError: division by zero``: the exception, one line, at the
-    deepest frame in ``file`` (else the deepest frame of all)."""
-    if isinstance(exc, SyntaxError):
-        where = f"{exc.filename}:{exc.lineno}: " if exc.filename else ""
-        return f"{where}SyntaxError: {exc.msg}"
-    frames = traceback.extract_tb(exc.__traceback__)
-    mine = [f for f in frames if file is not None and Path(f.filename) == file] or frames[-1:]
-    where = f"{mine[-1].filename}:{mine[-1].lineno}: " if mine else ""
-    text = " ".join(str(exc).split())
-    return f"{where}{type(exc).__name__}: {text}" if text else f"{where}{type(exc).__name__}"

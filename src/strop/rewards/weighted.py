@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from strop.rewards.base import Reward, RewardError, RewardStats
+from strop.rewards.base import Reward, RewardError, RewardLimits, RewardStats
 from strop.rewards.loading import load
 
 _NAME = re.compile(r"[A-Za-z0-9_][\w.-]*")
@@ -97,6 +97,17 @@ class WeightedReward:
         with self._lock:
             return RewardStats(self._calls, self._items, timeouts, errors)
 
+    def start(self) -> None:
+        """Start the worker processes of the components that have one (see
+        :meth:`Reward.start`)."""
+        for component in self.components:
+            component.reward.start()
+
+    def close(self) -> None:
+        """Stop the components' worker processes."""
+        for component in self.components:
+            component.reward.close()
+
     def check_call(self, columns: Iterable[str]) -> None:
         """Each component can be called with these columns (plus ``answer``): see
         :meth:`Reward.check_call`."""
@@ -142,13 +153,18 @@ class WeightedReward:
 
 
 def resolve(
-    spec: str | Sequence[Any], *, setting: str = "reward", config: Any = None
+    spec: str | Sequence[Any],
+    *,
+    setting: str = "reward",
+    config: Any = None,
+    limits: RewardLimits | None = None,
 ) -> WeightedReward:
     """The :class:`WeightedReward` of a config value: a reference (:func:`load`), or a list
     of terms ``{reward: REF, weight: 1.0, name: null}`` (mappings or objects with those
     attributes). Every function is imported and checked here, before any model loads;
     raises :class:`RewardError` naming ``setting``. ``config``: the run's, for reward
-    models (``model:DIR``), which are built by its backend when they first score."""
+    models (``model:DIR``), which are built by its backend when they first score;
+    ``limits``: the deadline and error share every component gets."""
     if isinstance(spec, str):
         terms = [(spec, 1.0, None, setting)]
     else:
@@ -164,7 +180,7 @@ def resolve(
             raise RewardError(f"{where}: each term needs reward: NAME_OR_FUNCTION")
         if not isinstance(weight, int | float) or not math.isfinite(weight):
             raise RewardError(f"{where}: weight must be a finite number, got {weight!r}")
-        reward = load(ref, setting=where, config=config)
+        reward = load(ref, setting=where, config=config, limits=limits)
         name = name or reward.name
         if not _NAME.fullmatch(name):
             raise RewardError(

@@ -15,6 +15,7 @@ import queue
 import struct
 import subprocess
 import threading
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -23,10 +24,19 @@ _HEADER = struct.Struct(">I")
 
 
 class Worker:
-    """One child process and the parent's end of its pipes."""
+    """One child process and the parent's end of its pipes: length-prefixed frames, JSON
+    unless ``encode``/``decode`` say otherwise (the reward-call worker's are pickles)."""
 
-    def __init__(self, proc: subprocess.Popen, now: float):
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        now: float,
+        *,
+        encode: Callable[[Any], bytes] = lambda message: json.dumps(message).encode(),
+        decode: Callable[[bytes], Any] = json.loads,
+    ):
         self.proc = proc
+        self.encode, self.decode = encode, decode
         assert proc.stdout is not None and proc.stdin is not None
         self.fd = proc.stdout.fileno()
         os.set_blocking(self.fd, False)
@@ -36,13 +46,16 @@ class Worker:
         self.item: int | None = None  # index of the pair it is checking
         self.since = 0.0  # when it was handed that pair
 
-    def send(self, message: dict) -> None:
-        data = json.dumps(message).encode()
+    def send(self, message: Any) -> None:
+        self.write(self.encode(message))
+
+    def write(self, data: bytes) -> None:
+        """Send one frame of already encoded ``data``."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(_HEADER.pack(len(data)) + data)
         self.proc.stdin.flush()
 
-    def receive(self) -> list[dict] | None:
+    def receive(self) -> list[Any] | None:
         """The complete messages that arrived; ``None`` once the worker closed its stdout."""
         eof = False
         while True:
@@ -59,7 +72,7 @@ class Worker:
             (size,) = _HEADER.unpack_from(self.buffer)
             if len(self.buffer) < _HEADER.size + size:
                 break
-            messages.append(json.loads(self.buffer[_HEADER.size : _HEADER.size + size]))
+            messages.append(self.decode(self.buffer[_HEADER.size : _HEADER.size + size]))
             del self.buffer[: _HEADER.size + size]
         if eof and not messages:
             return None

@@ -76,11 +76,15 @@ class PpoResult(RunResult):
 def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     """Train for ``ppo.steps`` iterations (or until ``stop_after``), resuming if possible."""
     _check(config)
-    reward = rewards.resolve(config.ppo.reward, setting="ppo.reward", config=config)  # checked
+    limits = rewards.RewardLimits.of(config.ppo, "ppo")  # a deadline: user functions in a worker
+    reward = rewards.resolve(config.ppo.reward, setting="ppo.reward", config=config, limits=limits)
     preflight(config, "ppo", config.checkpoint_path())  # before anything loads
     figures = {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"}
     with training_job(config, "ppo", config.ppo.steps, figures) as progress:
-        return _train(config, stop_after, progress, reward)
+        try:
+            return _train(config, stop_after, progress, reward)
+        finally:
+            reward.close()
 
 
 def _train(
@@ -96,6 +100,7 @@ def _train(
             config.data.eval_path, config, tokenizer, ppo.validation_size, reward=reward
         )
 
+    reward.start()  # its worker imports the user's function while the models load
     progress.phase("loading the models")
     engine = get_backend(config.backend).build_actor_critic(
         config, total_updates=ppo.optimizer_updates(), checkpoint_dir=config.checkpoint_path()
