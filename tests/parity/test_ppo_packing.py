@@ -24,6 +24,10 @@ from tests.parity.test_ppo_backends import (
 )
 
 TOL = 1e-5
+# Updated adapters: Adam divides each gradient by its own running scale, so a weight whose
+# gradient is nearly 0 moves by about the learning rate whatever the float32 summation
+# order made of it; one such weight of 512 differed by 1.8e-5 (torch, transformers 5.24).
+UPDATED_TOL = 5e-5
 ROWS = 16
 WIDTH = 12  # 6 prompt columns + 6 response columns, as the PPO loop lays rollouts out
 
@@ -88,6 +92,6 @@ def test_packed_rows_compute_what_the_rows_do_unpacked(tiny_model_dir, backend, 
             np.testing.assert_allclose(packed_stats[part][key], value, atol=TOL, rtol=TOL,
                                        err_msg=f"{part}/{key}")  # fmt: skip
     assert plain_stats["policy"]["kl_loss"] != 0 and plain_stats["policy"]["entropy"] != 0
-    assert_adapters_close(packed["actor"], plain["actor"], tol=TOL)
-    assert_adapters_close(packed["critic"], plain["critic"], tol=TOL)
+    assert_adapters_close(packed["actor"], plain["actor"], tol=UPDATED_TOL)
+    assert_adapters_close(packed["critic"], plain["critic"], tol=UPDATED_TOL)
     np.testing.assert_allclose(packed["value_head"][0], plain["value_head"][0], atol=TOL)

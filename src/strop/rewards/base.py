@@ -47,11 +47,14 @@ import math
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from strop.errors import ConfigError
 from strop.rewards.calling import ContractError, Outcome, RewardError, call
 from strop.rewards.isolated import IsolatedFunction
+
+if TYPE_CHECKING:
+    from strop.config import EvalConfig, PpoConfig
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +151,7 @@ class RewardLimits:
     section: str = "reward"
 
     @classmethod
-    def of(cls, section: Any, name: str) -> RewardLimits:
+    def of(cls, section: PpoConfig | EvalConfig, name: str) -> RewardLimits:
         """The limits a config section (``config.ppo``, ``config.eval``) sets."""
         return cls(section.reward_timeout_s or None, section.max_reward_error_fraction, name)
 
