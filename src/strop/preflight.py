@@ -34,6 +34,8 @@ from strop.engines import check_engine
 from strop.errors import ConfigError
 from strop.io import run_lock
 from strop.io.checkpoint_dir import refuse_other_backends_checkpoints
+from strop.io.model_spec import CONFIG_FILE as MODEL_CONFIG
+from strop.io.model_spec import read_model_spec
 from strop.io.run_record import CONFIG_FILE, record_run
 from strop.metrics.wandb_sink import require_wandb
 
@@ -86,6 +88,42 @@ def preflight(config: Config, job: str, checkpoint_dir: str | os.PathLike | None
             f"model.path={config.model.path}: no such directory; give a Hugging Face "
             "checkpoint directory (config.json, *.safetensors, tokenizer.json)"
         )
+    check_context_length(config, job)
+
+
+def check_context_length(config: Config, job: str, longest_prompt: int | None = None) -> None:
+    """Refuse sequences longer than the model's positions (``max_position_embeddings``
+    of ``model.path``'s config.json), which would otherwise sample garbage without a word
+    (or fail in vLLM after its load): SFT's ``data.max_length``; for ``ppo`` and ``eval``,
+    ``generation.max_new_tokens`` (at preflight, ``longest_prompt=None``) and then the
+    longest prompt read plus ``generation.max_new_tokens`` (called again once the prompts
+    are read, before the weights load)."""
+    if config.model.path is None or not (Path(config.model.path) / MODEL_CONFIG).is_file():
+        return  # nothing to check against (yet): the load names what is missing
+    positions = read_model_spec(config.model.path).max_position_embeddings
+    limit = f"the model's max_position_embeddings={positions} ({config.model.path}/{MODEL_CONFIG})"
+    if job == "sft":
+        if config.data.max_length > positions:
+            raise ConfigError(
+                f"data.max_length={config.data.max_length} is more than {limit}: "
+                f"lower data.max_length to at most {positions}"
+            )
+        return
+    new = config.generation.max_new_tokens
+    if job not in ("ppo", "eval") or new + (longest_prompt or 1) <= positions:
+        return
+    if longest_prompt is None:
+        raise ConfigError(
+            f"generation.max_new_tokens={new} leaves no room for a prompt within {limit}: "
+            f"lower generation.max_new_tokens to at most {positions - 1}"
+        )
+    fix = f"lower generation.max_new_tokens to at most {max(positions - longest_prompt, 1)}"
+    if job == "ppo" and positions - new >= 1:  # data.max_length drops the longer prompts
+        fix += f", or data.max_length to {positions - new} to drop the longer prompts"
+    raise ConfigError(
+        f"the longest prompt ({longest_prompt} tokens) + generation.max_new_tokens={new} "
+        f"is more than {limit}: {fix}"
+    )
 
 
 def rows_per_pass(config: Config, job: str) -> dict[str, int]:

@@ -53,7 +53,7 @@ from strop.errors import ConfigError
 from strop.generation import SamplingParams
 from strop.job import RunResult, run_steps, training_job
 from strop.nonfinite import count_skipped
-from strop.preflight import preflight
+from strop.preflight import check_context_length, preflight
 from strop.progress import RunProgress
 from strop.rewards.weighted import ScoredBatch
 from strop.rl.experience import build_experience, minibatches, pad_columns, round_up
@@ -95,12 +95,13 @@ def _train(
         validation = PromptSet.read(
             config.data.eval_path, config, tokenizer, ppo.validation_size, reward=reward
         )
+    longest = max(train.longest, validation.longest if validation is not None else 0)
+    check_context_length(config, "ppo", longest)  # before the weights load
 
     progress.phase("loading the models")
     engine = get_backend(config.backend).build_actor_critic(
         config, total_updates=ppo.optimizer_updates(), checkpoint_dir=config.checkpoint_path()
     )
-    longest = max(train.longest, validation.longest if validation is not None else 0)
     with rollout_engine(config, engine, max_prompt_tokens=longest) as sampled:
         loop = PpoLoop(config, sampled, train, validation, tokenizer, reward, progress)
         run = run_steps(config, loop, progress, total=ppo.steps, stop_after=stop_after)
