@@ -17,6 +17,7 @@ from strop.backends import get_backend
 from strop.config import Config
 from strop.errors import CheckpointError
 from strop.io.checkpoint_dir import refuse_other_backends_checkpoints, stored_identity
+from strop.io.writable import require_writable_parent
 from strop.preflight import preflight
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class ExportResult:
 def run_export(config: Config, out: str | os.PathLike, *, merged: bool) -> ExportResult:
     """Restore the newest checkpoint of ``config.run_dir`` (or ``checkpoint.dir``) and write
     the trained model to ``out``: a merged HF checkpoint, or else a PEFT adapter."""
+    require_writable_parent(out, "--out")  # before anything loads
     checkpoint_dir = config.checkpoint_path()
     refuse_other_backends_checkpoints(checkpoint_dir, config.backend)  # "train first" misleads
     identity = stored_identity(checkpoint_dir, config.backend)

@@ -7,7 +7,8 @@ backend), a checkpoint directory another backend wrote
 layout that does not fit the devices (:func:`check_parallel_layout`). Then, still before
 any tokenizer, data or weights load, the job takes its run directory
 (:func:`holding_run_dir`: one job per run directory, a second one refused at once; the
-demo takes it first, as it writes its data there).
+demo takes it first, as it writes its data there), after checking the job can write
+there, and in its checkpoint directory, and that ``logging.wandb`` has a W&B login.
 
 How a batch splits over the devices: both backends lay the batch's rows over the mesh's ``data`` x ``fsdp`` axes (``data``
 replicates the weights, ``fsdp`` shards them; both split the rows), and tensor
@@ -37,7 +38,8 @@ from strop.io.checkpoint_dir import refuse_other_backends_checkpoints
 from strop.io.model_spec import CONFIG_FILE as MODEL_CONFIG
 from strop.io.model_spec import read_model_spec
 from strop.io.run_record import CONFIG_FILE, record_run
-from strop.metrics.wandb_sink import require_wandb
+from strop.io.writable import require_writable_dir, require_writable_parent
+from strop.metrics.wandb_sink import require_wandb, require_wandb_login
 
 
 @contextmanager
@@ -48,7 +50,7 @@ def holding_run_dir(config: Config, job: str | None = None) -> Iterator[None]:
     (:mod:`strop.io.run_record`)."""
     refuse_launcher_of_another_backend(config)
     backend = get_backend(config.backend)
-    backend.write_once(lambda: run_lock.acquire(config.run_dir), f"locking {config.run_dir}")
+    backend.write_once(lambda: _take(config, job), f"locking {config.run_dir}")
     try:
         if job is not None:
             where = Path(config.run_dir) / CONFIG_FILE
@@ -56,6 +58,27 @@ def holding_run_dir(config: Config, job: str | None = None) -> Iterator[None]:
         yield
     finally:
         run_lock.release(config.run_dir)  # a no-op where the lock was not taken
+
+
+def _take(config: Config, job: str | None) -> None:
+    check_write_targets(config, job)
+    run_lock.acquire(config.run_dir)
+
+
+def check_write_targets(config: Config, job: str | None) -> None:
+    """Refuse what the job could not write, in one line (:mod:`strop.io.writable`): the
+    run directory (metrics, eval results, W&B's files), a training ``job``'s checkpoint
+    directory, and ``logging.wandb`` without a W&B login (:func:`require_wandb_login`)."""
+    require_writable_dir(config.run_dir, "run_dir")
+    if job is None:
+        return
+    checkpoints = config.checkpoint_path()
+    if checkpoints.is_dir():
+        require_writable_dir(checkpoints, "checkpoint.dir")
+    else:  # made by the first save
+        require_writable_parent(checkpoints, "checkpoint.dir")
+    if config.logging.wandb:
+        require_wandb_login()
 
 
 def refuse_launcher_of_another_backend(config: Config) -> None:
