@@ -130,6 +130,7 @@ def run_steps(
         first = steps.first_record() if start == 0 else None
         if first is not None:
             writer.write(0, first)
+            writer.write_samples(0, _samples(steps))
             progress.update(0, **steps.figures(first))
         progress.phase("")
         for step in range(start, end):
@@ -142,6 +143,7 @@ def run_steps(
                 or any(name in record for name in steps.always_written)
             ):
                 writer.write(done, record)
+            writer.write_samples(done, _samples(steps))
             progress.update(done, **steps.figures(record))
             if done % config.checkpoint.every_steps == 0 or done == total:
                 extra = {"step": done, "seed": config.seed, CHECKPOINT_KEY: steps.counters()}
@@ -157,3 +159,10 @@ def run_steps(
             export_path = model.export_merged(run_dir / "model", overwrite=True)
         logger.info("exported %s", export_path)
     return Finished(resumed_from, end, records, export_path)
+
+
+def _samples(steps: Steps) -> list[dict[str, Any]]:
+    """What a step's validation sampled, for ``samples.jsonl`` (PPO's ``take_samples``;
+    none from Steps without one)."""
+    take = getattr(steps, "take_samples", None)
+    return [] if take is None else take()

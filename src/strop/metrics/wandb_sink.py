@@ -22,7 +22,7 @@ import importlib.util
 import netrc
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -115,5 +115,20 @@ class WandbSink:
         numbers = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
         self._run.log(numbers, step=step)
 
+    def write_table(self, step: int, tag: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """``rows`` (records of the same keys) as a W&B table ``tag`` at ``step``."""
+        import wandb
+
+        columns = list(rows[0])
+        data = [[_cell(row.get(c)) for c in columns] for row in rows]
+        self._run.log({tag: wandb.Table(columns=columns, data=data)}, step=step)
+
     def close(self) -> None:
         self._run.finish()
+
+
+def _cell(value: Any) -> Any:
+    """A table cell: numbers as they are, anything else as text (None as "")."""
+    if isinstance(value, int | float):
+        return value
+    return "" if value is None else str(value)

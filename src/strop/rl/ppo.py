@@ -61,7 +61,7 @@ from strop.rl.objectives import SHARED_CRITIC_PREFIX
 from strop.rl.overlong import length_penalty, without_truncated
 from strop.rl.prompts import PromptSet
 from strop.rl.rollout import Rollout, token_mult_prob_error
-from strop.scoring import eos_ids, sample_and_score
+from strop.scoring import eos_ids, sample_and_score, sample_records
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +166,7 @@ class PpoLoop:
     progress: RunProgress | None = None
     skipped: dict[str, int] = field(default_factory=lambda: {"policy": 0, "critic": 0})
     always_written: tuple[str, ...] = ("validation/accuracy",)
+    samples: list[dict[str, Any]] = field(default_factory=list)  # the last validation's
 
     def __post_init__(self) -> None:
         self.sampling = SamplingParams.from_config(self.config.generation)
@@ -354,7 +355,7 @@ class PpoLoop:
         )  # fmt: skip
         size = self.config.ppo.rollouts_per_step
         prompt_columns = self._prompt_columns(prompts)
-        correct = 0
+        correct, self.samples = 0, []
         for begin in range(0, len(prompts), size):
             rows = range(begin, min(begin + size, len(prompts)))
             asked, columns, golds = prompts.reward_inputs(rows)
@@ -367,7 +368,15 @@ class PpoLoop:
                 eos_ids=self.eos_ids, tokenizer=self.tokenizer, prompt_columns=prompt_columns,
             )  # fmt: skip
             correct += sum(value >= 1.0 for value in scored.scores)
+            wanted = self.config.logging.samples - len(self.samples)
+            golds = [prompts.golds[i] for i in rows]
+            self.samples += sample_records(asked, scored, golds, wanted)
         return correct / len(prompts)
+
+    def take_samples(self) -> list[dict[str, Any]]:
+        """The last validation's sample records (``logging.samples`` of them), once."""
+        samples, self.samples = self.samples, []
+        return samples
 
 
 def _seed(seed: int, step: int) -> int:
