@@ -38,7 +38,7 @@ from strop.io.atomic import write_text_atomically
 from strop.io.model_spec import read_model_spec
 from strop.io.peft import load_adapter
 from strop.job import eval_job
-from strop.preflight import preflight
+from strop.preflight import check_context_length, preflight
 from strop.progress import RunProgress
 from strop.rl.prompts import record_columns
 from strop.scoring import eos_ids as model_eos_ids
@@ -118,6 +118,8 @@ def _evaluate(config: Config, path: str, reward, progress: RunProgress) -> EvalR
     reward.check_call(columns)
     prompts = [prompt_ids(example, tokenizer) for example in examples]
     progress.set_total(len(examples))
+    longest = max(len(p) for p in prompts)
+    check_context_length(config, "eval", longest)  # before the weights load
 
     reward.start()  # its worker imports the user's function while the model loads
     progress.phase("loading the model")
@@ -125,7 +127,6 @@ def _evaluate(config: Config, path: str, reward, progress: RunProgress) -> EvalR
     policy = backend.build_policy(config, total_steps=1, checkpoint_dir=None)
     if config.eval.adapter is not None:
         policy.load_adapter(config.eval.adapter)
-    longest = max(len(p) for p in prompts)
     with rollout_engine(config, policy, max_prompt_tokens=longest) as sampled:
         return _sample_and_record(
             config, path, reward, progress, sampled, tokenizer, examples, golds, columns, prompts

@@ -8,6 +8,8 @@ distribution, each row's length and why it stopped.
 
 from __future__ import annotations
 
+import hashlib
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -151,13 +153,49 @@ def prompt_repeats(prompts: Sequence[Sequence[int]]) -> int:
     return repeats
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def row_uniforms(prompts: Sequence[Sequence[int]], seed: int, steps: int) -> np.ndarray:
+    """``[B, steps] float64`` uniforms in ``[0, 1)``: row ``b``'s draw at decode step
+    ``t``, a function of ``(seed, t, prompts[b], its sample index)`` only, so a row samples
+    the same tokens whatever the batch size, its place in the batch and its neighbours.
+
+    The sample index of a row is how many earlier rows hold the same prompt: the PPO loop's
+    ``num_generations_per_prompt`` rollouts of a prompt (side by side, see
+    :func:`prompt_repeats`), or ``strop eval``'s ``eval.num_samples``, are samples
+    ``0, 1, ...`` of it. Each row's key is a BLAKE2b hash of the seed, the sample index and
+    the prompt's token ids; its draws are the SplitMix64 sequence of that key (counter
+    based: computed for all rows and steps at once, on the host, before decoding)."""
+    keys = np.empty(len(prompts), dtype=np.uint64)
+    seen: Counter[tuple[int, ...]] = Counter()
+    for row, prompt in enumerate(prompts):
+        ids = tuple(int(i) for i in prompt)
+        index = seen[ids]
+        seen[ids] += 1
+        digest = hashlib.blake2b(digest_size=8)
+        digest.update(int(seed).to_bytes(16, "little", signed=True))
+        digest.update(index.to_bytes(8, "little"))
+        digest.update(np.asarray(ids, dtype=np.int64).tobytes())
+        keys[row] = int.from_bytes(digest.digest(), "little")
+    counters = np.arange(1, steps + 1, dtype=np.uint64)[None, :] * _GOLDEN
+    z = keys[:, None] + counters  # uint64 arithmetic wraps, as SplitMix64's does
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
 @dataclass(frozen=True)
 class Decoding:
     """What a sampler needs besides the prompts and :class:`SamplingParams`: the
     keyword arguments of :meth:`Sampler.generate`, bundled.
 
     Attributes:
-      seed: the sampling seed (the same seed, the same responses).
+      seed: the sampling seed (the same seed, the same responses). On torch a row's
+        randomness is a function of the seed, the step, its prompt and its sample index
+        (:func:`row_uniforms`), not of the batch around it; JAX's follows the row's place.
       eos_ids: the token ids that end a response.
       pad_id: what fills ``Generation.tokens`` past each row's length.
       tokenizer: decodes responses for ``SamplingParams.stop_strings``.

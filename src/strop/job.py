@@ -46,7 +46,7 @@ def training_job(
         return progress.completed + 1
 
     with (
-        holding_run_dir(config),
+        holding_run_dir(config, job),
         progress,
         reporting_interrupts(step_running, config.checkpoint_path(), config.backend),
     ):
@@ -176,6 +176,7 @@ def _steps(
         first = steps.first_record() if run.start == 0 else None
         if first is not None:
             writer.write(0, first)
+            writer.write_samples(0, _samples(steps))
             progress.update(0, **steps.figures(first))
         progress.phase("")
         for step in run:
@@ -188,8 +189,16 @@ def _steps(
                 or any(name in record for name in steps.always_written)
             ):
                 writer.write(done, record)
+            writer.write_samples(done, _samples(steps))
             progress.update(done, **steps.figures(record))
             if done % config.checkpoint.every_steps == 0 or done == total:
                 extra = {"step": done, "seed": config.seed, CHECKPOINT_KEY: steps.counters()}
                 with deferred_interrupts():  # a save is never cut
                     model.save_checkpoint(done, extra)
+
+
+def _samples(steps: Steps) -> list[dict[str, Any]]:
+    """What a step's validation sampled, for ``samples.jsonl`` (PPO's ``take_samples``;
+    none from Steps without one)."""
+    take = getattr(steps, "take_samples", None)
+    return [] if take is None else take()

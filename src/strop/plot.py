@@ -18,6 +18,7 @@ from pathlib import Path
 
 from strop.errors import StropError
 from strop.io.untrusted import reading
+from strop.io.writable import require_writable_parent
 
 # (metric name, panel title, y-axis label); drawn in this order, those present only.
 PANELS = (
@@ -76,6 +77,7 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
         wanted = ", ".join(name for name, _, _ in PANELS[:-1]) + f" or {PANELS[-1][0]}"
         raise PlotError(f"{path} has no {wanted} values to plot")
     target = Path(out) if out is not None else run_dir / PLOT_FILE
+    require_writable_parent(target, "--out" if out is not None else "plot")
 
     import matplotlib
 

@@ -9,7 +9,9 @@ the job would resume but cannot: one another run wrote (its stored identity, rea
 a backend: :func:`check_checkpoint`) or one already past the job's last step. Then, still
 before any tokenizer, data or weights load, the job takes its run directory
 (:func:`holding_run_dir`: one job per run directory, a second one refused at once; the
-demo takes it first, as it writes its data there). A refused job changes nothing there:
+demo takes it first, as it writes its data there), after checking the job can write
+there, and in its checkpoint directory, and that ``logging.wandb`` has a W&B login. A
+refused job changes nothing there:
 ``config.yaml`` and ``versions.json`` are written once the resume succeeded
 (:func:`strop.job.run_steps`).
 
@@ -43,21 +45,47 @@ from strop.io.checkpoint_dir import (
     newest_identity,
     refuse_other_backends_checkpoints,
 )
+from strop.io.model_spec import CONFIG_FILE as MODEL_CONFIG
+from strop.io.model_spec import read_model_spec
 from strop.io.run_identity import RESUME_ADVICE, check_same_run, job_identity
-from strop.metrics.wandb_sink import require_wandb
+from strop.io.writable import require_writable_dir, require_writable_parent
+from strop.metrics.wandb_sink import require_wandb, require_wandb_login
 
 
 @contextmanager
-def holding_run_dir(config: Config) -> Iterator[None]:
+def holding_run_dir(config: Config, job: str | None = None) -> Iterator[None]:
     """Hold ``config.run_dir`` for the job's life (:mod:`strop.io.run_lock`); the main
-    process takes the lock and every process learns whether it could."""
+    process takes the lock and every process learns whether it could, once it has checked
+    that the job can write there (:func:`check_write_targets`; a training ``job``,
+    ``"sft"`` or ``"ppo"``, also in its checkpoint directory)."""
     refuse_launcher_of_another_backend(config)
     backend = get_backend(config.backend)
-    backend.write_once(lambda: run_lock.acquire(config.run_dir), f"locking {config.run_dir}")
+    backend.write_once(lambda: _take(config, job), f"locking {config.run_dir}")
     try:
         yield
     finally:
         run_lock.release(config.run_dir)  # a no-op where the lock was not taken
+
+
+def _take(config: Config, job: str | None) -> None:
+    check_write_targets(config, job)
+    run_lock.acquire(config.run_dir)
+
+
+def check_write_targets(config: Config, job: str | None) -> None:
+    """Refuse what the job could not write, in one line (:mod:`strop.io.writable`): the
+    run directory (metrics, eval results, W&B's files), a training ``job``'s checkpoint
+    directory, and ``logging.wandb`` without a W&B login (:func:`require_wandb_login`)."""
+    require_writable_dir(config.run_dir, "run_dir")
+    if job is None:
+        return
+    checkpoints = config.checkpoint_path()
+    if checkpoints.is_dir():
+        require_writable_dir(checkpoints, "checkpoint.dir")
+    else:  # made by the first save
+        require_writable_parent(checkpoints, "checkpoint.dir")
+    if config.logging.wandb:
+        require_wandb_login()
 
 
 def refuse_launcher_of_another_backend(config: Config) -> None:
@@ -102,6 +130,7 @@ def preflight(
         check_checkpoint(config, job, checkpoint_dir, advice=advice)
         if not exporting:
             refuse_run_past_its_end(config, job, checkpoint_dir)
+    check_context_length(config, job)
 
 
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as on the Hugging Face Hub
@@ -159,6 +188,41 @@ def refuse_step_past_the_end(config: Config, job: str, step: int) -> None:
             f"with `strop export {config.run_dir} --adapter --out DIR`, or give another "
             "run_dir for a new run"
         )
+
+
+def check_context_length(config: Config, job: str, longest_prompt: int | None = None) -> None:
+    """Refuse sequences longer than the model's positions (``max_position_embeddings``
+    of ``model.path``'s config.json), which would otherwise sample garbage without a word
+    (or fail in vLLM after its load): SFT's ``data.max_length``; for ``ppo`` and ``eval``,
+    ``generation.max_new_tokens`` (at preflight, ``longest_prompt=None``) and then the
+    longest prompt read plus ``generation.max_new_tokens`` (called again once the prompts
+    are read, before the weights load)."""
+    if config.model.path is None or not (Path(config.model.path) / MODEL_CONFIG).is_file():
+        return  # nothing to check against (yet): the load names what is missing
+    positions = read_model_spec(config.model.path).max_position_embeddings
+    limit = f"the model's max_position_embeddings={positions} ({config.model.path}/{MODEL_CONFIG})"
+    if job == "sft":
+        if config.data.max_length > positions:
+            raise ConfigError(
+                f"data.max_length={config.data.max_length} is more than {limit}: "
+                f"lower data.max_length to at most {positions}"
+            )
+        return
+    new = config.generation.max_new_tokens
+    if job not in ("ppo", "eval") or new + (longest_prompt or 1) <= positions:
+        return
+    if longest_prompt is None:
+        raise ConfigError(
+            f"generation.max_new_tokens={new} leaves no room for a prompt within {limit}: "
+            f"lower generation.max_new_tokens to at most {positions - 1}"
+        )
+    fix = f"lower generation.max_new_tokens to at most {max(positions - longest_prompt, 1)}"
+    if job == "ppo" and positions - new >= 1:  # data.max_length drops the longer prompts
+        fix += f", or data.max_length to {positions - new} to drop the longer prompts"
+    raise ConfigError(
+        f"the longest prompt ({longest_prompt} tokens) + generation.max_new_tokens={new} "
+        f"is more than {limit}: {fix}"
+    )
 
 
 def rows_per_pass(config: Config, job: str) -> dict[str, int]:

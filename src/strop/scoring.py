@@ -12,6 +12,7 @@ from strop.backends.base import ActorCritic, Policy
 from strop.data import Tokenizer
 from strop.generation import Generation, SamplingParams
 from strop.io.model_spec import read_model_spec
+from strop.rewards import extract_answer
 
 
 def eos_ids(tokenizer: Tokenizer, model_path: str) -> list[int]:
@@ -49,3 +50,21 @@ def sample_and_score(
     )  # fmt: skip
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in generation.responses()]
     return Scored(generation, texts, [float(s) for s in score(texts)])
+
+
+def sample_records(
+    prompts: Sequence[str], scored: Scored, golds: Sequence[Any], count: int
+) -> list[dict[str, Any]]:
+    """The first ``count`` of a scored batch as the records a validation logs
+    (:meth:`strop.metrics.MetricsWriter.write_samples`): prompt, response, the answer the
+    math rules extract from it, the gold and the reward."""
+    return [
+        {
+            "prompt": prompts[i],
+            "response": scored.texts[i],
+            "extracted": extract_answer(scored.texts[i]),
+            "gold": golds[i],
+            "reward": scored.scores[i],
+        }
+        for i in range(min(count, len(scored.texts)))
+    ]

@@ -123,6 +123,15 @@ def test_cli_ppo_writes_metrics_checkpoints_and_the_adapter(task, tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     assert "validation/accuracy" in records[0] and "train/reward" in records[2]
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in samples] == [0] * 4 + [1] * 4 + [2] * 4  # logging.samples=4
+    assert set(samples[0]) == {"step", "prompt", "response", "extracted", "gold", "reward"}
+    assert all(r["prompt"] and r["reward"] in (0.0, 1.0) for r in samples)
+    events = b"".join(p.read_bytes() for p in (run_dir / "tensorboard").iterdir())
+    assert (
+        b"validation/samples" in events
+        and samples[0]["prompt"].replace("\n", "<br>").encode() in events
+    )
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["1", "2"]
     plotted = subprocess.run([sys.executable, "-m", "strop", "plot", str(run_dir)],

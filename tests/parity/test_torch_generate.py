@@ -484,3 +484,24 @@ def test_a_prompt_s_rollouts_prefill_it_once_and_sample_what_each_row_would(mode
     np.testing.assert_array_equal(shared.tokens, apart.tokens)
     np.testing.assert_allclose(shared.logprobs, apart.logprobs, atol=1e-5)
     assert len({tuple(r) for r in shared.tokens.tolist()}) > len(prompts) // 3  # rows differ
+
+
+def test_a_rows_sample_does_not_depend_on_the_batch_around_it(models):
+    """A row's randomness is f(seed, step, prompt, sample index): the same prompt samples
+    the same tokens alone at row 0 and at row 3 of a batch of 6 with other neighbours, and
+    a prompt's second sample is the same wherever its two samples sit."""
+    model = models["qwen2"]
+    a, b, c, d = ragged_prompts(seed=8, lengths=(5, 3, 7, 4))
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.95)
+
+    def sample(prompts):
+        return generate(model, prompts, params, eos_ids=[], pad_id=PAD, seed=21)
+
+    alone = sample([a])
+    among = sample([b, c, d, a, c, b])
+    np.testing.assert_array_equal(among.tokens[3], alone.tokens[0])
+    np.testing.assert_allclose(among.logprobs[3], alone.logprobs[0], atol=1e-5)
+    pair = sample([a, a])  # side by side: one prefill
+    apart = sample([b, a, c, a])
+    np.testing.assert_array_equal(apart.tokens[[1, 3]], pair.tokens)
+    assert (pair.tokens[0] != pair.tokens[1]).any()  # samples 0 and 1 differ

@@ -14,7 +14,7 @@ import sys
 
 CHILD = """
 import torch, flax.nnx
-from strop.backends.jax import checkpoint
+from strop.backends.jax import orbax_noise
 
 def async_serialize_from_host():
     async def write_fragment():
@@ -25,7 +25,7 @@ async def unrelated():
     pass
 
 pending = [async_serialize_from_host()]
-checkpoint._quiet_unawaited_writes()  # what a failed save calls
+orbax_noise.quiet_unawaited_writes()  # what a failed save calls
 pending += [async_serialize_from_host(), unrelated()]  # stragglers made later, and others
 print("error: the one line", file=sys.stderr)
 """

@@ -41,3 +41,52 @@ def test_without_keep_through_records_are_appended_and_unknown_lines_kept(tmp_pa
     assert path.read_text().splitlines() == [
         "not json", '{"step": 1, "train/loss": 1.0}', '{"step": 2, "train/loss": 2.0}'
     ]  # fmt: skip
+
+
+SAMPLES = [
+    {"prompt": "2 + 3 =", "response": "5 | five\n#### 5", "extracted": "5", "gold": "5",
+     "reward": 1.0},
+    {"prompt": "7 - 4 =", "response": "four", "extracted": None, "gold": "3", "reward": 0.0},
+]  # fmt: skip
+
+
+def test_sample_generations_go_to_samples_jsonl_tensorboard_and_wandb(tmp_path):
+    """A validation's samples: one JSON line each with its step, a TensorBoard text
+    summary (a Markdown table) and a W&B table; a resume drops the killed attempt's."""
+    import wandb
+
+    from strop.metrics.wandb_sink import WandbSink
+
+    logged = []
+
+    class Run:  # stands in for wandb.init's run: what the sink logs
+        def log(self, data, step):
+            logged.append((step, data))
+
+        def finish(self):
+            pass
+
+    with MetricsWriter(tmp_path) as writer:
+        writer._wandb = WandbSink.__new__(WandbSink)
+        writer._wandb._run = Run()
+        writer.write_samples(3, SAMPLES)
+        writer.write_samples(4, [])  # logging.samples=0: nothing
+        writer.write_samples(6, SAMPLES[:1])
+    lines = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert lines == [
+        {"step": 3, **SAMPLES[0]},
+        {"step": 3, **SAMPLES[1]},
+        {"step": 6, **SAMPLES[0]},
+    ]
+    events = b"".join(p.read_bytes() for p in (tmp_path / "tensorboard").iterdir())
+    assert b"validation/samples" in events
+    assert b"| 2 + 3 = | 5 \\| five<br>#### 5 | 5 | 5 | 1.0 |" in events
+    assert [step for step, _ in logged] == [3, 6]
+    table = logged[0][1]["validation/samples"]
+    assert isinstance(table, wandb.Table)
+    assert table.columns == ["prompt", "response", "extracted", "gold", "reward"]
+    assert table.data[1] == ["7 - 4 =", "four", "", "3", 0.0]
+
+    with MetricsWriter(tmp_path, tensorboard=False, keep_through=4):  # resumed from step 4
+        pass
+    assert [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").open()] == [3, 3]

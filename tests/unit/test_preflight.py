@@ -142,3 +142,47 @@ def test_a_run_already_past_its_end_is_refused_and_keeps_its_metrics(tmp_path, j
     ), str(err.value)
     assert _records(run_dir) == before
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+
+
+def _model_with_positions(tmp_path, positions: int) -> str:
+    """A model directory whose config.json allows ``positions`` positions (all the
+    context check reads)."""
+    import json
+
+    from strop.io.tiny import tiny_qwen2_config
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({**tiny_qwen2_config(128), "max_position_embeddings": positions})
+    )
+    return str(tmp_path)
+
+
+def test_context_longer_than_the_models_positions_is_refused_in_one_line(tmp_path):
+    from strop.preflight import check_context_length
+
+    path = _model_with_positions(tmp_path, 64)
+    limit = f"the model's max_position_embeddings=64 ({path}/config.json)"
+    sft = config(**{"model.path": path, "data.max_length": 65})
+    with pytest.raises(ConfigError) as err:
+        check_context_length(sft, "sft")
+    assert str(err.value) == (
+        f"data.max_length=65 is more than {limit}: lower data.max_length to at most 64"
+    )
+    check_context_length(config(**{"model.path": path, "data.max_length": 64}), "sft")
+
+    ppo = config(**{"model.path": path, "generation.max_new_tokens": 64})
+    for job in ("ppo", "eval"):  # at preflight: no room for any prompt
+        with pytest.raises(ConfigError, match=r"generation\.max_new_tokens=64 leaves no room"):
+            check_context_length(ppo, job)
+    ppo = config(**{"model.path": path, "generation.max_new_tokens": 24})
+    check_context_length(ppo, "ppo")  # the prompts are not read yet
+    check_context_length(ppo, "ppo", 40)  # 40 + 24 = 64 fit
+    with pytest.raises(ConfigError) as err:
+        check_context_length(ppo, "ppo", 41)
+    assert str(err.value) == (
+        f"the longest prompt (41 tokens) + generation.max_new_tokens=24 is more than {limit}: "
+        "lower generation.max_new_tokens to at most 23, or data.max_length to 40 to drop "
+        "the longer prompts"
+    )
+    with pytest.raises(ConfigError, match=r"at most 23$"):  # eval drops no prompt
+        check_context_length(ppo, "eval", 41)

@@ -336,6 +336,11 @@ class LoggingConfig(_Section):
     wandb_project: str = Field(
         "strop", min_length=1, description="The W&B project of logging.wandb."
     )
+    samples: int = Field(
+        4,
+        ge=0,
+        description="At each PPO validation, log this many prompts with their responses, extracted answers and rewards (run_dir/samples.jsonl, TensorBoard text, a W&B table); 0 = off.",
+    )
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Level of strop's own log messages (progress lines are INFO)."
     )

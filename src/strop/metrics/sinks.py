@@ -1,6 +1,11 @@
 """Where metrics go: ``metrics.jsonl`` in the run directory, TensorBoard event files, and
 Weights & Biases (:mod:`strop.metrics.wandb_sink`) when ``logging.wandb`` is on.
 
+Sample generations (:meth:`MetricsWriter.write_samples`: a validation's prompts,
+responses, extracted answers and rewards, ``logging.samples`` of them) go to
+``samples.jsonl`` (one JSON object per sample, with its step), a TensorBoard text summary
+(a Markdown table) and a W&B table, under ``validation/samples``.
+
 Metric names are ``group/name`` (``train/loss``, ``eval/loss``, ``throughput/tokens_per_s``).
 One JSON object per logged step: ``{"step": 10, "train/loss": 1.23, ...}``.
 
@@ -15,7 +20,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +28,9 @@ if TYPE_CHECKING:
     from strop.config import Config
 
 logger = logging.getLogger(__name__)
+
+SAMPLES_FILE = "samples.jsonl"
+SAMPLES_TAG = "validation/samples"
 
 
 class MetricsWriter:
@@ -48,14 +56,16 @@ class MetricsWriter:
     ):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
+        self.samples_path = self.run_dir / SAMPLES_FILE
         self._file = None
         self._tb = None
         self._wandb = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if keep_through is not None and self.path.exists():
-            _drop_records_after(self.path, keep_through)
+        for path in (self.path, self.samples_path):
+            if keep_through is not None and path.exists():
+                _drop_records_after(path, keep_through)
         self._file = self.path.open("a", encoding="utf-8")
         if tensorboard:
             try:
@@ -106,6 +116,20 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.write(step, metrics)
 
+    def write_samples(
+        self, step: int, samples: Sequence[Mapping[str, Any]], tag: str = SAMPLES_TAG
+    ) -> None:
+        """Record sample generations at ``step`` (records of the same keys: prompt,
+        response, extracted, gold, reward) in every sink; nothing when there are none."""
+        if self._file is None or not samples:
+            return
+        with self.samples_path.open("a", encoding="utf-8") as f:
+            f.write("".join(json.dumps({"step": step, **s}) + "\n" for s in samples))
+        if self._tb is not None:
+            self._tb.add_text(tag, markdown_table(samples), step)
+        if self._wandb is not None:
+            self._wandb.write_table(step, tag, samples)
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
@@ -119,6 +143,20 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``rows`` as a Markdown table (TensorBoard's text plugin renders it), a column per
+    key of the first row; ``|`` escaped and newlines as ``<br>`` inside cells."""
+    columns = list(rows[0])
+
+    def cell(value: Any) -> str:
+        text = "" if value is None else str(value)
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

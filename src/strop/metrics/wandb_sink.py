@@ -9,16 +9,23 @@ steps a killed attempt logged past its checkpoint are not replaced there, unlike
 a network, to be synced later with ``wandb sync``.
 
 ``wandb`` is an optional extra: :func:`require_wandb` refuses ``logging.wandb=true``
-without it before anything loads.
+without it before anything loads, and :func:`require_wandb_login` an online run with no
+W&B credentials (``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE`` or a ``wandb login``
+entry in ``~/.netrc``), which ``wandb.init`` would otherwise refuse with a traceback once
+the models are built.
 """
 
 from __future__ import annotations
 
+import configparser
 import importlib.util
+import netrc
+import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from strop.errors import ConfigError
 from strop.io.atomic import write_text_atomically
@@ -34,6 +41,52 @@ def require_wandb() -> None:
             f"logging.wandb=true needs the wandb package, which is not installed: {INSTALL} "
             "(or set logging.wandb=false)"
         )
+
+
+OFFLINE_MODES = ("offline", "dryrun", "disabled")
+
+
+def require_wandb_login() -> None:
+    """Raise :class:`ConfigError` when an online W&B run would find no credentials:
+    neither ``WANDB_MODE`` (or a ``wandb offline`` setting) offline, nor
+    ``WANDB_API_KEY`` / ``WANDB_IDENTITY_TOKEN_FILE``, nor the W&B host in the netrc file
+    (``$NETRC``, else ``~/.netrc``) where ``wandb login`` keeps the key."""
+    if _wandb_mode() in OFFLINE_MODES or os.environ.get("WANDB_DISABLED", "").lower() in (
+        "true", "1",
+    ):  # fmt: skip
+        return
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    path = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
+    try:
+        if (netrc.netrc(path).authenticators(host) or (None, None, None))[2]:
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise ConfigError(
+        f"logging.wandb=true, but no W&B login was found (no WANDB_API_KEY, no {host} "
+        f"entry in {path}): run `wandb login` or set WANDB_API_KEY; or set "
+        "WANDB_MODE=offline to keep the W&B run under run_dir/wandb and sync it later; "
+        "or logging.wandb=false"
+    )
+
+
+def _wandb_mode() -> str:
+    """``WANDB_MODE``, else the ``mode`` a ``wandb offline`` / ``wandb online`` wrote to
+    W&B's settings files (the working directory's, then the user's)."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"].lower()
+    config_dir = os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb"
+    for settings in (Path("wandb") / "settings", Path(config_dir) / "settings"):
+        parser = configparser.ConfigParser()
+        try:
+            parser.read(settings)
+        except (OSError, configparser.Error):
+            continue
+        if parser.has_option("default", "mode"):
+            return parser.get("default", "mode").lower()
+    return "online"
 
 
 class WandbSink:
@@ -62,5 +115,20 @@ class WandbSink:
         numbers = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
         self._run.log(numbers, step=step)
 
+    def write_table(self, step: int, tag: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """``rows`` (records of the same keys) as a W&B table ``tag`` at ``step``."""
+        import wandb
+
+        columns = list(rows[0])
+        data = [[_cell(row.get(c)) for c in columns] for row in rows]
+        self._run.log({tag: wandb.Table(columns=columns, data=data)}, step=step)
+
     def close(self) -> None:
         self._run.finish()
+
+
+def _cell(value: Any) -> Any:
+    """A table cell: numbers as they are, anything else as text (None as "")."""
+    if isinstance(value, int | float):
+        return value
+    return "" if value is None else str(value)

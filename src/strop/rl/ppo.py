@@ -53,7 +53,7 @@ from strop.errors import ConfigError
 from strop.generation import SamplingParams
 from strop.job import RunResult, run_steps, training_job
 from strop.nonfinite import count_skipped, likely_causes
-from strop.preflight import preflight
+from strop.preflight import check_context_length, preflight
 from strop.progress import RunProgress
 from strop.rewards.weighted import ScoredBatch
 from strop.rl.experience import build_experience, minibatches, pad_columns, round_up
@@ -61,7 +61,7 @@ from strop.rl.objectives import SHARED_CRITIC_PREFIX
 from strop.rl.overlong import length_penalty, without_truncated
 from strop.rl.prompts import PromptSet
 from strop.rl.rollout import Rollout, token_mult_prob_error
-from strop.scoring import eos_ids, sample_and_score
+from strop.scoring import eos_ids, sample_and_score, sample_records
 
 logger = logging.getLogger(__name__)
 
@@ -99,13 +99,14 @@ def _train(
         validation = PromptSet.read(
             config.data.eval_path, config, tokenizer, ppo.validation_size, reward=reward
         )
+    longest = max(train.longest, validation.longest if validation is not None else 0)
+    check_context_length(config, "ppo", longest)  # before the weights load
 
     reward.start()  # its worker imports the user's function while the models load
     progress.phase("loading the models")
     engine = get_backend(config.backend).build_actor_critic(
         config, total_updates=ppo.optimizer_updates(), checkpoint_dir=config.checkpoint_path()
     )
-    longest = max(train.longest, validation.longest if validation is not None else 0)
     with rollout_engine(config, engine, max_prompt_tokens=longest) as sampled:
         loop = PpoLoop(config, sampled, train, validation, tokenizer, reward, progress)
         run = run_steps(config, loop, progress, job="ppo", total=ppo.steps, stop_after=stop_after)
@@ -177,6 +178,7 @@ class PpoLoop:
     progress: RunProgress | None = None
     skipped: dict[str, int] = field(default_factory=lambda: {"policy": 0, "critic": 0})
     always_written: tuple[str, ...] = ("validation/accuracy",)
+    samples: list[dict[str, Any]] = field(default_factory=list)  # the last validation's
 
     def __post_init__(self) -> None:
         self.sampling = SamplingParams.from_config(self.config.generation)
@@ -370,7 +372,7 @@ class PpoLoop:
         )  # fmt: skip
         size = self.config.ppo.rollouts_per_step
         prompt_columns = self._prompt_columns(prompts)
-        correct = 0
+        correct, self.samples = 0, []
         for begin in range(0, len(prompts), size):
             rows = range(begin, min(begin + size, len(prompts)))
             asked, columns, golds = prompts.reward_inputs(rows)
@@ -383,7 +385,15 @@ class PpoLoop:
                 eos_ids=self.eos_ids, tokenizer=self.tokenizer, prompt_columns=prompt_columns,
             )  # fmt: skip
             correct += sum(value >= 1.0 for value in scored.scores)
+            wanted = self.config.logging.samples - len(self.samples)
+            golds = [prompts.golds[i] for i in rows]
+            self.samples += sample_records(asked, scored, golds, wanted)
         return correct / len(prompts)
+
+    def take_samples(self) -> list[dict[str, Any]]:
+        """The last validation's sample records (``logging.samples`` of them), once."""
+        samples, self.samples = self.samples, []
+        return samples
 
 
 def _seed(seed: int, step: int) -> int:

@@ -26,13 +26,18 @@ longer take one.
 
 Sampling
 --------
-Sampling runs on the device with a ``torch.Generator`` seeded from ``seed``: logits are
-divided by the temperature, restricted to the top-k and then to the top-p nucleus (the
-smallest set of most likely tokens whose probability, renormalised over the top-k, reaches
-``top_p``), and a token is drawn by the Gumbel-max trick (argmax of logits plus Gumbel
-noise), which needs no host sync. The reported log-probability is that of the sampled token
-under the full temperature-scaled distribution, before top-k/top-p truncation (plain
-log-softmax of the logits when greedy, ``temperature == 0``).
+Logits are divided by the temperature, restricted to the top-k and then to the top-p
+nucleus (the smallest set of most likely tokens whose probability, renormalised over the
+top-k, reaches ``top_p``), and a token is drawn by inverting the candidates' cumulative
+distribution (float64) at one uniform per row and step, which needs no host sync. The
+uniforms come from :func:`~strop.generation.row_uniforms`, computed on the host before
+the loop and moved to the device once: row ``b``'s draw at step ``t`` is a function of
+``(seed, t, prompt, sample index)`` only, so a row samples the same tokens whatever the
+batch size, its place in the batch and its neighbours (one ``torch.Generator`` over the
+whole batch, as before, gave a row other noise as soon as the batch changed). The reported
+log-probability is that of the sampled token under the full temperature-scaled
+distribution, before top-k/top-p truncation (plain log-softmax of the logits when greedy,
+``temperature == 0``).
 
 A row stops after emitting any of ``eos_ids`` (the EOS is kept and counted) or after
 ``max_new_tokens``. Finished rows keep being fed (their outputs are discarded) until every
@@ -60,8 +65,7 @@ all-gathers into, and buffers made in inference mode cannot be written by the ne
 training forward.
 
 ``compile_mode`` wraps the decode-step forward in ``torch.compile`` with that mode (the
-prefill, whose shape varies, runs eagerly; sampling stays eager because it takes a
-``torch.Generator``). ``"reduce-overhead"`` also captures the step in a CUDA graph on CUDA
+prefill, whose shape varies, runs eagerly; sampling stays eager). ``"reduce-overhead"`` also captures the step in a CUDA graph on CUDA
 (one launch per step instead of hundreds); the cache's tensors keep their addresses, and a
 new call's cache is re-recorded. One compile per decode shape: the batch size and the cache
 length (the prompt bucket plus ``max_new_tokens``); after a second shape dynamo compiles
@@ -92,6 +96,7 @@ from strop.generation import (
     check_generate_args,
     cut_at_stop_strings,
     prompt_repeats,
+    row_uniforms,
 )
 
 logger = logging.getLogger(__name__)
@@ -224,7 +229,9 @@ def _sample_loop(
     prompt_positions = (attention_mask[:, :width].cumsum(-1) - 1).clamp(min=0)
 
     kv_cache = StaticCache(config=model.config, max_cache_len=width + steps - 1)
-    generator = torch.Generator(device=device).manual_seed(seed)
+    uniforms = None  # [B, N] float64: each row's draw at each step (row_uniforms)
+    if not params.greedy:
+        uniforms = torch.from_numpy(row_uniforms(prompts, seed, steps)).to(device)
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
     step_forward = _DecodeStep(compile_mode, device)
     check_every = 1 if device.type == "cpu" else DONE_CHECK_EVERY
@@ -246,7 +253,7 @@ def _sample_loop(
         _repeat_rows(kv_cache, repeats)
         logits = logits.repeat_interleave(repeats, 0)
     for t in range(steps):
-        token, logprob = _sample(logits, params, generator)
+        token, logprob = _sample(logits, params, None if uniforms is None else uniforms[:, t])
         token = token.masked_fill(done, pad_id)
         tokens[:, t] = token
         logprobs[:, t] = logprob.masked_fill(done, 0.0)
@@ -356,12 +363,14 @@ def _compiled_forward(mode: str):
 
 
 def _sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from float32 ``logits [B, V]``, and its log-probability."""
+    """One token per row from float32 ``logits [B, V]``, and its log-probability;
+    ``uniform [B]`` (float64 in ``[0, 1)``) is each row's draw, ``None`` when greedy."""
     if params.greedy:
         token = logits.argmax(-1)
         return token, F.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
+    assert uniform is not None
     scaled = logits / params.temperature
     vocab = scaled.shape[-1]
     if 0 < params.top_k < vocab or params.top_p < 1.0:
@@ -374,18 +383,21 @@ def _sample(
             probs = cand_logits.softmax(-1)
             mass_before = probs.cumsum(-1) - probs  # the best candidate always stays
             cand_logits = cand_logits.masked_fill(mass_before >= params.top_p, -torch.inf)
-        choice = _gumbel_argmax(cand_logits, generator)
+        choice = _inverse_cdf(cand_logits, uniform)
         token = cand_ids.gather(-1, choice[:, None])[:, 0]
     else:
-        token = _gumbel_argmax(scaled, generator)
+        token = _inverse_cdf(scaled, uniform)
     return token, F.log_softmax(scaled, -1).gather(-1, token[:, None])[:, 0]
 
 
-def _gumbel_argmax(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """A sample of ``softmax(logits)`` per row: ``argmax(logits + Gumbel noise)``.
-
-    ``-inf`` logits are never drawn; a uniform draw of exactly 0 gives ``-inf`` noise, which
-    only removes that one candidate for that draw.
-    """
-    uniform = torch.rand(logits.shape, generator=generator, device=logits.device)
-    return (logits - torch.log(-torch.log(uniform))).argmax(-1)
+def _inverse_cdf(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """A sample of ``softmax(logits)`` per row: the first index whose cumulative
+    probability (float64) exceeds ``uniform`` times the total. The target stays below the
+    total, so the index found always has a positive probability: ``-inf`` logits are
+    never drawn."""
+    cdf = logits.softmax(-1).double().cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(
+        uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total))
+    )
+    return torch.searchsorted(cdf, target, right=True)[:, 0]
