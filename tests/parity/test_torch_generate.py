@@ -505,3 +505,16 @@ def test_a_rows_sample_does_not_depend_on_the_batch_around_it(models):
     apart = sample([b, a, c, a])
     np.testing.assert_array_equal(apart.tokens[[1, 3]], pair.tokens)
     assert (pair.tokens[0] != pair.tokens[1]).any()  # samples 0 and 1 differ
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_nan_logits_sample_a_token_in_range(top_k):
+    """A poisoned model's NaN logits still give a token of the vocabulary (the update they
+    poison stops the run): the inverse CDF of a NaN distribution finds no index, and
+    searchsorted's past-the-end answer indexed out of bounds."""
+    from strop.backends.torch.generate import _sample
+
+    logits = torch.full((3, 7), float("nan"))
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, top_k=top_k)
+    token, _ = _sample(logits, params, torch.tensor([0.1, 0.5, 0.99], dtype=torch.float64))
+    assert ((0 <= token) & (token < 7)).all(), token

@@ -16,6 +16,9 @@ from strop.config import load_config
 from strop.errors import ConfigError
 from strop.io.writable import require_writable_dir, require_writable_parent
 
+REFUSAL = "(cannot write in |.* is a file, not a directory)"
+REFUSED = rf"^--out .*: {REFUSAL}"
+
 
 @pytest.fixture(params=["under-a-file", "read-only"])
 def unwritable(request, tmp_path):
@@ -43,9 +46,16 @@ def test_an_unwritable_directory_is_refused_in_one_line(unwritable):
     with pytest.raises(ConfigError) as err:
         require_writable_dir(unwritable, "run_dir")
     message = str(err.value)
-    assert message.startswith(f"run_dir={unwritable}: cannot write in {unwritable}: ")
-    assert message.endswith("; choose a writable directory") and "\n" not in message
-    with pytest.raises(ConfigError, match=r"^--out .*: cannot write in "):
+    assert "\n" not in message
+    if unwritable.parent.is_file():  # the file in the way is named
+        assert message == (
+            f"run_dir={unwritable}: {unwritable.parent} is a file, not a directory; "
+            "choose another path or move the file"
+        )
+    else:
+        assert message.startswith(f"run_dir={unwritable}: cannot write in {unwritable}: ")
+        assert message.endswith("; choose a writable directory")
+    with pytest.raises(ConfigError, match=REFUSED):
         require_writable_parent(unwritable / "adapter", "--out")
 
 
@@ -56,11 +66,11 @@ def test_export_and_plot_refuse_an_unwritable_out_first(unwritable, tmp_path):
     from strop.plot import plot_run
 
     config = load_config("tiny", [f"run_dir={tmp_path / 'run'}"])
-    with pytest.raises(ConfigError, match=r"^--out .*: cannot write in "):
+    with pytest.raises(ConfigError, match=REFUSED):
         run_export(config, unwritable / "adapter", merged=False)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "train/reward": 0.5}\n')
-    with pytest.raises(ConfigError, match=r"^--out .*: cannot write in "):
+    with pytest.raises(ConfigError, match=REFUSED):
         plot_run(tmp_path / "run", unwritable / "plot.png")
 
 
@@ -73,7 +83,7 @@ def test_a_job_refuses_an_unwritable_run_or_checkpoint_dir_before_it_starts(unwr
         ([run, f"checkpoint.dir={unwritable}"], "checkpoint.dir"),  # before: at the 1st save
     ):
         config = load_config("tiny", overrides)
-        with pytest.raises(ConfigError, match=rf"^{key}.*: cannot write in "):
+        with pytest.raises(ConfigError, match=rf"^{key}.*: {REFUSAL}"):
             check_write_targets(config, "sft")  # what holding_run_dir does first
 
 

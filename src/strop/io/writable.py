@@ -34,8 +34,21 @@ def _check(directory: Path, named: str) -> None:
         fd, probe = tempfile.mkstemp(prefix=".strop-write-check-", dir=directory)
         os.close(fd)
         os.unlink(probe)
+    except (FileExistsError, NotADirectoryError):  # a file where a directory goes
+        raise ConfigError(
+            f"{named}: {_file_in_the_way(directory)} is a file, not a directory; choose "
+            "another path or move the file"
+        ) from None
     except OSError as err:
         reason = err.strerror or type(err).__name__
         raise ConfigError(
             f"{named}: cannot write in {directory}: {reason}; choose a writable directory"
         ) from None
+
+
+def _file_in_the_way(directory: Path) -> Path:
+    """The nearest of ``directory`` and its parents that exists and is not a directory."""
+    for candidate in (directory, *directory.parents):
+        if candidate.exists() or candidate.is_symlink():
+            return candidate
+    return directory

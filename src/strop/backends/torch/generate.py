@@ -394,10 +394,12 @@ def _inverse_cdf(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """A sample of ``softmax(logits)`` per row: the first index whose cumulative
     probability (float64) exceeds ``uniform`` times the total. The target stays below the
     total, so the index found always has a positive probability: ``-inf`` logits are
-    never drawn."""
+    never drawn (NaN logits give some index in range, as Gumbel-max's argmax did)."""
     cdf = logits.softmax(-1).double().cumsum(-1)
     total = cdf[:, -1:]
     target = torch.minimum(
         uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total))
     )
-    return torch.searchsorted(cdf, target, right=True)[:, 0]
+    # NaN logits (a poisoned model) make every comparison false: the index past the end,
+    # clamped to the last one; the update that NaN poisons stops the run (or skips it)
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
