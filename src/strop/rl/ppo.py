@@ -10,7 +10,8 @@ Per iteration (``ppo.steps`` of them):
 3. one forward each for old log-probabilities (actor; or the sampler's own with
    ``ppo.old_logprobs=sampler``), reference log-probabilities (only when a KL is used or
    logged) and values (critic; none with a critic-free ``ppo.advantage_estimator``), at
-   the rollout temperature;
+   the rollout temperature; the sampler/trainer gap ``mismatch/*`` and a correction's
+   weights (``ppo.rollout_correction``, :mod:`strop.rl.rollout_correction`);
 4. token rewards (score on the last response token, KL penalty per token when it is in
    the reward), GAE advantages and returns, optional whitening (:mod:`strop.rl.gae`), or
    a critic-free estimator's advantages (:mod:`strop.rl.estimators`: GRPO, RLOO,
@@ -56,11 +57,13 @@ from strop.nonfinite import count_skipped, likely_causes
 from strop.preflight import preflight
 from strop.progress import RunProgress
 from strop.rewards.weighted import ScoredBatch
+from strop.rl import rollout_correction
 from strop.rl.experience import build_experience, minibatches, pad_columns, round_up
 from strop.rl.objectives import SHARED_CRITIC_PREFIX
 from strop.rl.overlong import length_penalty, without_truncated
 from strop.rl.prompts import PromptSet
-from strop.rl.rollout import Rollout, token_mult_prob_error
+from strop.rl.rollout import Rollout
+from strop.rl.rollout_correction import PREFIX as MISMATCH
 from strop.scoring import eos_ids, sample_and_score
 
 logger = logging.getLogger(__name__)
@@ -287,14 +290,10 @@ class PpoLoop:
         if self.model.static_shapes:  # one shape for the run: the widest rollout possible
             width = round_up(self._prompt_columns(self.train) + self.sampling.max_new_tokens)
             batch, sampled = pad_columns(batch, width), pad_columns({"x": sampled}, width)["x"]
-        gap = {}
         if ppo.old_logprobs == "sampler":
             old = sampled
         else:
             old = self._timed("logprobs", engine.logprobs, batch)
-            gap = {
-                "token_mult_prob_error": token_mult_prob_error(sampled, old, batch["response_mask"])
-            }
         ref = None  # with no KL in the reward or the loss, and none to report: not computed
         if ppo.reference_forward:
             ref = self._timed("logprobs", engine.logprobs, batch, reference=True)
@@ -303,6 +302,9 @@ class PpoLoop:
         arrays, stats = build_experience(batch, scores, old, ref, values, ppo)
         if ppo.overlong == "mask":
             arrays = without_truncated(arrays, sample.truncated)
+        gap = {}  # with old_logprobs=sampler the first update measures it (_update)
+        if ppo.old_logprobs == "recompute":
+            arrays, gap = rollout_correction.correct(arrays, old, sampled, ppo)
         return arrays, {**gap, **stats}
 
     def _update(
@@ -329,6 +331,10 @@ class PpoLoop:
                 checkpoint_dir=str(self.config.checkpoint_path()),
                 causes=lambda: likely_causes(self.config, scores),
             )
+            mismatch = {n: stats.pop(n) for n in list(stats) if n.startswith(MISMATCH)}
+            if role == "policy" and epoch == index == 0 and ppo.old_logprobs == "sampler":
+                for name, value in rollout_correction.first_update_metrics(mismatch).items():
+                    updates[name].append(value)  # the policy is still the sampler's
             for name, value in stats.items():
                 if name.startswith(SHARED_CRITIC_PREFIX):  # critic.shared_trunk: one update
                     updates[f"critic/{name.removeprefix(SHARED_CRITIC_PREFIX)}"].append(value)
