@@ -92,13 +92,16 @@ def policy_loss(
     clip_high: float,
     dual_clip: float | None = None,
     aggregation: Aggregation = "token_mean",
+    is_weights: np.ndarray | None = None,
 ) -> tuple[float, dict[str, float]]:
     """Clipped-surrogate PPO loss (to minimise) and its statistics.
 
     ``ratio = exp(logprobs - old_logprobs)`` (log-ratio clamped to ``[-20, 20]``);
     ``pg1 = -A * ratio``; ``pg2 = -A * clip(ratio, 1 - clip_low, 1 + clip_high)``;
     ``loss_t = max(pg1, pg2)``, and with a dual clip ``c > 1``, for ``A < 0``:
-    ``loss_t = min(max(pg1, pg2), -A * c)``. Aggregated with ``aggregation``.
+    ``loss_t = min(max(pg1, pg2), -A * c)``. With a rollout correction's ``is_weights``
+    (``ppo.rollout_correction``), ``loss_t * w_t``, the tokens of weight 0 left out (their
+    place in the aggregation's normaliser kept). Aggregated with ``aggregation``.
 
     Stats (token means over response tokens): ``clipfrac`` (``pg2 > pg1``: the clipped
     term is the one in force), ``approx_kl`` (``(logprobs - old_logprobs)^2 / 2``, the k2
@@ -123,6 +126,9 @@ def policy_loss(
         bound = -adv * dual_clip
         per_token = np.where(adv < 0, np.minimum(clipped, bound), clipped)
         stats["dual_clip_frac"] = _token_mean(((adv < 0) & (clipped > bound)).astype(float), mask)
+    if is_weights is not None:
+        w = _select(on, is_weights)
+        per_token = np.where(w > 0, per_token * w, 0.0)
     return aggregate(per_token, mask, aggregation), stats
 
 

@@ -29,7 +29,8 @@ BACKENDS = ("jax", "torch")
 REQUIRED_METRICS = {
     "train/reward", "train/response_length", "policy/loss", "policy/clipfrac", "policy/kl",
     "policy/entropy", "policy/grad_norm", "critic/loss", "critic/explained_var",
-    "critic/grad_norm", "critic/value_mean", "token_mult_prob_error", "timing/generate",
+    "critic/grad_norm", "critic/value_mean", "token_mult_prob_error", "mismatch/kl",
+    "mismatch/abs_logprob_diff_mean", "mismatch/abs_logprob_diff_max", "timing/generate",
     "timing/logprobs", "timing/values", "timing/train",
     "throughput/tokens_per_s", "reward/timeouts",
 }  # fmt: skip
@@ -228,17 +229,32 @@ def test_without_a_kl_the_reference_forward_is_skipped_and_nothing_else_changes(
 def test_old_logprobs_from_the_sampler_train_as_recomputed_ones(task, tmp_path, backend):
     """``ppo.old_logprobs=sampler`` skips the actor's forward and trains the same: the
     native samplers' log-probabilities are the trainer's (float32), so two iterations
-    (the second sampled from the updated actor) give the same metrics."""
+    (the second sampled from the updated actor) give the same metrics. The recomputing
+    run has ``ppo.rollout_correction=tis`` too: its weights are 1 up to float rounding
+    there, so it trains the same. Both write the mismatch monitor's metrics (``mismatch/*``:
+    in sampler mode, from the first update's forward)."""
     overrides = ("ppo.steps=2", "ppo.validate_every=0", "ppo.kl_coef=0.0")
-    recomputed = run_ppo(config_for(task, tmp_path / "recompute", backend, *overrides))
+    recomputed = run_ppo(
+        config_for(task, tmp_path / "recompute", backend, *overrides, "ppo.rollout_correction=tis")
+    )
     sampled = run_ppo(
         config_for(task, tmp_path / "sampler", backend, *overrides, "ppo.old_logprobs=sampler")
     )
     assert "timing/logprobs" in recomputed.history[0]
     assert "timing/logprobs" not in sampled.history[0]  # no forward: no time spent on it
     assert "token_mult_prob_error" not in sampled.history[0]  # nothing to compare with
+    monitor = {"mismatch/kl", "mismatch/abs_logprob_diff_mean", "mismatch/abs_logprob_diff_max"}
+    correction = {"mismatch/is_weight_mean", "mismatch/masked_fraction"}
+    for run in ("recompute", "sampler"):
+        for record in read_metrics(tmp_path / run / "metrics.jsonl"):
+            assert monitor | (correction if run == "recompute" else set()) <= record.keys()
+    assert not any(k.startswith("policy/mismatch") for k in sampled.history[0])
+    for record in recomputed.history:
+        assert record["mismatch/masked_fraction"] == 0
+        assert record["mismatch/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    only_recomputed = {"token_mult_prob_error", *correction}
     for expected, got in zip(recomputed.history, sampled.history, strict=True):
-        assert comparable(got).keys() == comparable(expected).keys() - {"token_mult_prob_error"}
+        assert comparable(got).keys() == comparable(expected).keys() - only_recomputed
         for key, value in comparable(got).items():
             np.testing.assert_allclose(value, expected[key], rtol=1e-4, atol=1e-5, err_msg=key)
 

@@ -25,6 +25,7 @@ from strop.backends.torch import losses as torch_losses
 from strop.backends.torch import ppo_steps as torch_steps
 from strop.rl.losses import explained_variance
 from strop.rl.objectives import PolicyObjective, aggregation_weights
+from strop.rl.rollout_correction import correction_weights, first_update_metrics, mismatch_metrics
 from tests import losses_reference as ref
 
 RTOL = ATOL = 1e-6
@@ -66,14 +67,15 @@ def weighted_sum(impl: str, per_token, mask: np.ndarray, mode: str = "token_mean
 
 def backend_policy_loss(
     impl, logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip=None,
-    aggregation="token_mean",
+    aggregation="token_mean", is_weights=None,
 ):  # fmt: skip
     """``ref.policy_loss`` from a backend: its ``policy_terms`` summed under the loss
     weights of ``aggregation``, and the statistics under token-mean weights (the
     reference's statistics are token means whatever the aggregation). ``mask`` is numpy."""
     module, convert = BACKENDS[impl]
     arrays = [convert(a) for a in (logprobs, old_logprobs, advantages, mask)]
-    per_token, terms = module.policy_terms(*arrays, clip_low, clip_high, dual_clip)
+    weights = None if is_weights is None else convert(is_weights)
+    per_token, terms = module.policy_terms(*arrays, clip_low, clip_high, dual_clip, weights)
     stats = {name: weighted_sum(impl, term, mask) for name, term in terms.items()}
     return weighted_sum(impl, per_token, mask, aggregation), stats
 
@@ -205,6 +207,66 @@ def test_policy_loss_matches_reference(impl, seed, options):
     if "dual_clip" in options:
         assert expected[1]["dual_clip_frac"] > 0
     assert_tree_close(call(impl, "policy_loss", *args, **options), expected)
+
+
+def correction_case(seed: int, mode: str, level: str):
+    """A random case and a rollout correction's weights (strop.rl.rollout_correction)
+    from a sampler whose log-probabilities are the old ones plus noise."""
+    c = random_case(seed)
+    rng = np.random.default_rng(100 + seed)
+    sampled = c["old_logprobs"] + rng.normal(scale=0.5, size=c["mask"].shape)
+    weights = correction_weights(c["old_logprobs"], sampled, c["mask"], mode, level, 1.5)
+    return c, np.asarray(weights, np.float32), sampled.astype(np.float32)
+
+
+@pytest.mark.parametrize("impl", ["jax", "torch"])
+@pytest.mark.parametrize("seed", SEEDS[:2])
+@pytest.mark.parametrize(
+    "mode, level, options",
+    [
+        ("tis", "token", POLICY_OPTIONS[0]),
+        ("mis", "sequence", POLICY_OPTIONS[2]),
+        ("icepop", "token", POLICY_OPTIONS[4]),
+        ("tis", "geometric", POLICY_OPTIONS[3]),
+    ],
+)
+def test_policy_loss_with_a_rollout_correction_matches_reference(impl, seed, mode, level, options):
+    c, weights, _ = correction_case(seed, mode, level)
+    args = (c["logprobs"], c["old_logprobs"], c["advantages"], c["mask"])
+    expected = ref.policy_loss(*args, **options, is_weights=weights)
+    assert expected[0] != pytest.approx(ref.policy_loss(*args, **options)[0])  # in play
+    got = call(impl, "policy_loss", *args, **options, is_weights=weights)
+    assert_tree_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["jax", "torch"])
+def test_weights_of_one_change_nothing(impl):
+    """``rollout_correction: none`` adds no array; weights of 1 would leave every number
+    exactly as it is."""
+    c = random_case(3)
+    args = (c["logprobs"], c["old_logprobs"], c["advantages"], c["mask"])
+    ones = np.ones_like(c["mask"])
+    for options in POLICY_OPTIONS:
+        plain = call(impl, "policy_loss", *args, **options)
+        np.testing.assert_array_equal(
+            call(impl, "policy_loss", *args, **options, is_weights=ones)[0], plain[0]
+        )
+
+
+@pytest.mark.parametrize("impl", ["jax", "torch"])
+@pytest.mark.parametrize("seed", SEEDS[:2])
+def test_mismatch_stats_match_the_monitor(impl, seed):
+    """The backends' first-update sums (sampler mode: trainer minus sampler) give the
+    metrics the core computes in numpy in recompute mode."""
+    c, _, sampled = correction_case(seed, "tis", "token")
+    module, convert = BACKENDS[impl]
+    stats = module.mismatch_stats(convert(c["old_logprobs"]), convert(sampled), convert(c["mask"]))
+    assert all(to_numpy(v).shape == () for v in stats.values())
+    got = first_update_metrics({k: float(to_numpy(v)) for k, v in stats.items()})
+    expected = mismatch_metrics(c["old_logprobs"], sampled, c["mask"])
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 @pytest.mark.parametrize("impl", ["jax", "torch"])

@@ -517,4 +517,4 @@ def test_nan_logits_sample_a_token_in_range(top_k):
     logits = torch.full((3, 7), float("nan"))
     params = SamplingParams(max_new_tokens=1, temperature=1.0, top_k=top_k)
     token, _ = _sample(logits, params, torch.tensor([0.1, 0.5, 0.99], dtype=torch.float64))
-    assert ((0 <= token) & (token < 7)).all(), token
+    assert ((token >= 0) & (token < 7)).all(), token

@@ -285,14 +285,14 @@ def test_an_unset_kl_placement_follows_a_critic_free_estimator(estimator: str) -
 
 
 def test_the_log_says_where_an_unset_kl_went(caplog) -> None:
-    from strop.rl.ppo import _check
+    from strop.rl.checks import check_ppo_config
 
     paths = ["model.path=m", "data.train_path=t.jsonl", "data.eval_path=v.jsonl"]
     caplog.set_level("INFO", logger="strop.rl.ppo")
-    _check(load_config("ppo-lora-tiny", [*paths, "ppo.advantage_estimator=grpo"]))
+    check_ppo_config(load_config("ppo-lora-tiny", [*paths, "ppo.advantage_estimator=grpo"]))
     assert "the KL penalty (ppo.kl_coef=0.01) is a loss term" in caplog.text
     caplog.clear()
-    _check(load_config("ppo-lora-tiny", [*paths, "ppo.advantage_estimator=grpo",
+    check_ppo_config(load_config("ppo-lora-tiny", [*paths, "ppo.advantage_estimator=grpo",
                                          "ppo.kl_in_reward=false"]))  # fmt: skip
     assert "KL" not in caplog.text
 

@@ -91,6 +91,20 @@ class PpoConfig(_Section):
         "recompute",
         description="Where the update's old log-probabilities come from: a forward of the actor before the update (recompute), or the sampler's own, saving that forward (sampler; the same numbers where sampler and trainer compute alike, as the float32 native samplers do).",
     )
+    rollout_correction: Literal["none", "tis", "mis", "icepop"] = Field(
+        "none",
+        description="Correct the policy-gradient loss for the sampler/trainer mismatch by the importance ratio pi_old_trainer / pi_sampler (needs old_logprobs=recompute): tis multiplies by the ratio truncated at rollout_correction_threshold, mis by the ratio where it is at most the threshold and drops the rest, icepop drops tokens whose ratio is outside [1/threshold, threshold]; see docs/ppo.md.",
+    )
+    rollout_correction_level: Literal["token", "sequence", "geometric"] = Field(
+        "token",
+        description="The ratio rollout_correction uses: per token, per sequence (the product of its tokens' ratios), or geometric (exp of the mean token log-ratio, on the whole sequence).",
+    )
+    rollout_correction_threshold: float = Field(
+        2.0,
+        ge=1,
+        allow_inf_nan=False,
+        description="rollout_correction's threshold C (verl's default 2).",
+    )
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
     value_clip: float = Field(
         0.2, ge=0, description="Clip new values to old values +- this; 0 = no value clipping."
@@ -200,6 +214,12 @@ class PpoConfig(_Section):
         if estimator != "gae" and self.critic_warmup_steps:
             raise ValueError(
                 f"ppo.critic_warmup_steps: ppo.advantage_estimator={estimator} has no critic"
+            )
+        if self.rollout_correction != "none" and self.old_logprobs == "sampler":
+            raise ValueError(
+                f"ppo.rollout_correction={self.rollout_correction} needs "
+                "ppo.old_logprobs=recompute: its weight is the trainer's old probability over "
+                "the sampler's, and with old_logprobs=sampler the two are the same numbers"
             )
         if self.kl_placed_by_estimator:
             self.__dict__["kl_in_reward"] = False  # not set by the user: not in fields_set

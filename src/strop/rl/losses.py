@@ -132,10 +132,15 @@ def policy_terms(
     clip_low: float,
     clip_high: float,
     dual_clip: float | None = None,
+    is_weights=None,
 ) -> tuple[Any, dict[str, Any]]:
     """Per-token clipped-surrogate loss ``[B, L]`` and per-token statistics (``clipfrac``
     and ``dual_clip_frac`` indicators, ``approx_kl``), before any aggregation; all 0 where
-    ``mask`` is 0, whatever the inputs hold there (NaN and Inf included)."""
+    ``mask`` is 0, whatever the inputs hold there (NaN and Inf included).
+
+    ``is_weights``: a rollout correction's per-token weights
+    (:mod:`strop.rl.rollout_correction`, finite, no gradient), multiplied into the loss
+    term; the tokens they drop (weight 0) are selected away, not multiplied by 0."""
     check_dual_clip(dual_clip)
     xp = ops.xp
     on = ops.on(mask)
@@ -146,11 +151,39 @@ def policy_terms(
     pg2 = -adv * xp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
     clipped = xp.maximum(pg1, pg2)
     terms = {"clipfrac": ops.indicator(pg2 > pg1), "approx_kl": 0.5 * log_ratio * log_ratio}
-    if dual_clip is None:
-        return clipped, terms
-    bound = -adv * dual_clip
-    terms["dual_clip_frac"] = ops.indicator((adv < 0) & (clipped > bound))
-    return xp.where(adv < 0, xp.minimum(clipped, bound), clipped), terms
+    loss = clipped
+    if dual_clip is not None:
+        bound = -adv * dual_clip
+        terms["dual_clip_frac"] = ops.indicator((adv < 0) & (clipped > bound))
+        loss = xp.where(adv < 0, xp.minimum(clipped, bound), clipped)
+    if is_weights is not None:
+        weights = ops.select(on, is_weights)
+        loss = xp.where(weights > 0, loss * weights, xp.zeros_like(loss))
+    return loss, terms
+
+
+MAX_STATS = frozenset({"mismatch_abs_diff_max"})
+"""Update stats reduced by ``max`` over micro-batches and ranks (every other one is a sum)."""
+
+
+def mismatch_stats(ops: ArrayOps, logprobs, old_logprobs, mask) -> dict[str, Any]:
+    """Unweighted sums over the response tokens of ``mask`` (whatever the loss's
+    aggregation), for the training-inference mismatch monitor
+    (:func:`strop.rl.rollout_correction.first_update_metrics`), with ``d = logprobs -
+    old_logprobs``: ``mismatch_tokens`` (the count), ``mismatch_k3_sum`` (``exp(d) - d -
+    1``, ``d`` clamped), ``mismatch_abs_diff_sum`` and ``mismatch_abs_diff_max`` (``|d|``).
+    0-d arrays; 0 on a micro-batch without a response token."""
+    xp = ops.xp
+    on = ops.on(mask)
+    d = ops.select(on, logprobs) - ops.select(on, old_logprobs)
+    clamped = xp.clip(d, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    absolute = xp.abs(d)
+    return {
+        "mismatch_tokens": ops.indicator(on).sum(),
+        "mismatch_k3_sum": (xp.exp(clamped) - clamped - 1.0).sum(),
+        "mismatch_abs_diff_sum": absolute.sum(),
+        "mismatch_abs_diff_max": absolute.max(),
+    }
 
 
 def value_terms(

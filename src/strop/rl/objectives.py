@@ -24,6 +24,7 @@ from strop.rl.losses import (
     KlEstimator,
     check_aggregation,
 )
+from strop.rl.rollout_correction import WEIGHTS
 
 UPDATE_COLUMNS = ("input_ids", "attention_mask", "loss_weights")
 """The arrays every update reads: tokens, attention and the loss weights."""
@@ -36,6 +37,7 @@ class PolicyObjective:
     ``temperature`` is the rollout's: current, old and reference log-probabilities all
     come from ``logits / temperature`` (ARCHITECTURE invariant 4). ``kl_coef`` is used
     here only when the KL is a loss term (``kl_in_loss``); in the reward it is the core's.
+    ``rollout_correction``: the batch carries ``rollout_is_weights`` for the loss.
     Frozen and hashable: the JAX backend passes it to ``jit`` as a static argument.
     """
 
@@ -47,6 +49,7 @@ class PolicyObjective:
     kl_coef: float
     kl_estimator: KlEstimator
     entropy_coef: float
+    rollout_correction: bool = False
 
     @classmethod
     def from_config(cls, config: Config) -> PolicyObjective:
@@ -60,15 +63,18 @@ class PolicyObjective:
             kl_coef=ppo.kl_coef,
             kl_estimator=ppo.kl_estimator,
             entropy_coef=ppo.entropy_coef,
+            rollout_correction=ppo.rollout_correction != "none",
         )
 
     @property
     def batch_names(self) -> tuple[str, ...]:
         """The arrays an actor update reads (all made by
         :func:`strop.rl.experience.build_experience`): the reference's log-probabilities
-        only with a KL term in the loss."""
+        only with a KL term in the loss, a rollout correction's weights only with one
+        (``ppo.rollout_correction``, :mod:`strop.rl.rollout_correction`)."""
         kl = ("ref_logprobs",) if self.kl_in_loss else ()
-        return (*UPDATE_COLUMNS, "old_logprobs", "advantages", *kl)
+        weights = (WEIGHTS,) if self.rollout_correction else ()
+        return (*UPDATE_COLUMNS, "old_logprobs", "advantages", *kl, *weights)
 
 
 SHARED_CRITIC_PREFIX = "critic_"

@@ -10,7 +10,8 @@ Per iteration (``ppo.steps`` of them):
 3. one forward each for old log-probabilities (actor; or the sampler's own with
    ``ppo.old_logprobs=sampler``), reference log-probabilities (only when a KL is used or
    logged) and values (critic; none with a critic-free ``ppo.advantage_estimator``), at
-   the rollout temperature;
+   the rollout temperature; the sampler/trainer gap ``mismatch/*`` and a correction's
+   weights (``ppo.rollout_correction``, :mod:`strop.rl.rollout_correction`);
 4. token rewards (score on the last response token, KL penalty per token when it is in
    the reward), GAE advantages and returns, optional whitening (:mod:`strop.rl.gae`), or
    a critic-free estimator's advantages (:mod:`strop.rl.estimators`: GRPO, RLOO,
@@ -49,18 +50,20 @@ from strop.backends.base import ActorCritic
 from strop.config import Config
 from strop.data import Tokenizer
 from strop.engines import rollout_engine
-from strop.errors import ConfigError
 from strop.generation import SamplingParams
 from strop.job import RunResult, run_steps, training_job
 from strop.nonfinite import count_skipped, likely_causes
 from strop.preflight import check_context_length, preflight
 from strop.progress import RunProgress
 from strop.rewards.weighted import ScoredBatch
+from strop.rl import rollout_correction
+from strop.rl.checks import check_ppo_config
 from strop.rl.experience import build_experience, minibatches, pad_columns, round_up
 from strop.rl.objectives import SHARED_CRITIC_PREFIX
 from strop.rl.overlong import length_penalty, without_truncated
 from strop.rl.prompts import PromptSet
-from strop.rl.rollout import Rollout, token_mult_prob_error
+from strop.rl.rollout import Rollout
+from strop.rl.rollout_correction import PREFIX as MISMATCH
 from strop.scoring import eos_ids, sample_and_score, sample_records
 
 logger = logging.getLogger(__name__)
@@ -75,7 +78,7 @@ class PpoResult(RunResult):
 
 def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     """Train for ``ppo.steps`` iterations (or until ``stop_after``), resuming if possible."""
-    _check(config)
+    check_ppo_config(config)
     limits = rewards.RewardLimits.of(config.ppo, "ppo")  # a deadline: user functions in a worker
     reward = rewards.resolve(config.ppo.reward, setting="ppo.reward", config=config, limits=limits)
     preflight(config, "ppo", config.checkpoint_path())  # before anything loads
@@ -114,37 +117,6 @@ def _train(
         run_dir=Path(config.run_dir), final_step=run.end, resumed_from=run.resumed_from,
         export_path=run.export_path, is_main=engine.is_main, history=run.records,
     )  # fmt: skip
-
-
-def _check(config: Config) -> None:
-    if config.model.path is None or config.data.train_path is None:
-        raise ConfigError("strop ppo needs model.path and data.train_path")
-    if config.generation.temperature <= 0:
-        raise ConfigError(
-            "generation.temperature must be > 0 for PPO: the policy's log-probabilities are "
-            "taken at the sampling temperature"
-        )
-    if config.ppo.validate_every and not config.data.eval_path:
-        raise ConfigError("ppo.validate_every > 0 needs data.eval_path (held-out prompts)")
-    if config.ppo.kl_placed_by_estimator and config.ppo.kl_coef > 0:
-        logger.info(
-            "the KL penalty (ppo.kl_coef=%g) is a loss term (ppo.kl_in_reward=false): "
-            "ppo.advantage_estimator=%s scores whole responses, and verl's and TRL's GRPO "
-            "put the KL in the loss too",
-            config.ppo.kl_coef, config.ppo.advantage_estimator,
-        )  # fmt: skip
-    if config.ppo.old_logprobs == "sampler" and config.model.dtype != "float32":
-        logger.warning(
-            "ppo.old_logprobs=sampler with model.dtype=%s: the sampler's and the trainer's "
-            "%s numerics differ, so the first update's ratio is not exactly 1; "
-            "ppo.old_logprobs=recompute is the safe choice there",
-            config.model.dtype, config.model.dtype,
-        )  # fmt: skip
-    if config.critic.shared_trunk and config.critic.lr is not None:
-        logger.warning(
-            "critic.lr (%g) does not apply with critic.shared_trunk: the value head trains "
-            "in the actor's optimizer (optim.lr %g)", config.critic.lr, config.optim.lr,
-        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -289,14 +261,10 @@ class PpoLoop:
         if self.model.static_shapes:  # one shape for the run: the widest rollout possible
             width = round_up(self._prompt_columns(self.train) + self.sampling.max_new_tokens)
             batch, sampled = pad_columns(batch, width), pad_columns({"x": sampled}, width)["x"]
-        gap = {}
         if ppo.old_logprobs == "sampler":
             old = sampled
         else:
             old = self._timed("logprobs", engine.logprobs, batch)
-            gap = {
-                "token_mult_prob_error": token_mult_prob_error(sampled, old, batch["response_mask"])
-            }
         ref = None  # with no KL in the reward or the loss, and none to report: not computed
         if ppo.reference_forward:
             ref = self._timed("logprobs", engine.logprobs, batch, reference=True)
@@ -305,6 +273,9 @@ class PpoLoop:
         arrays, stats = build_experience(batch, scores, old, ref, values, ppo)
         if ppo.overlong == "mask":
             arrays = without_truncated(arrays, sample.truncated)
+        gap = {}  # with old_logprobs=sampler the first update measures it (_update)
+        if ppo.old_logprobs == "recompute":
+            arrays, gap = rollout_correction.correct(arrays, old, sampled, ppo)
         return arrays, {**gap, **stats}
 
     def _update(
@@ -331,6 +302,10 @@ class PpoLoop:
                 checkpoint_dir=str(self.config.checkpoint_path()),
                 causes=lambda: likely_causes(self.config, scores),
             )
+            mismatch = {n: stats.pop(n) for n in list(stats) if n.startswith(MISMATCH)}
+            if role == "policy" and epoch == index == 0 and ppo.old_logprobs == "sampler":
+                for name, value in rollout_correction.first_update_metrics(mismatch).items():
+                    updates[name].append(value)  # the policy is still the sampler's
             for name, value in stats.items():
                 if name.startswith(SHARED_CRITIC_PREFIX):  # critic.shared_trunk: one update
                     updates[f"critic/{name.removeprefix(SHARED_CRITIC_PREFIX)}"].append(value)

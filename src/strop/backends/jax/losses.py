@@ -60,3 +60,4 @@ def entropy_from_logits(logits) -> jax.Array:
 OPS = ArrayOps(xp=jnp, on=_on, select=_select, indicator=lambda b: b.astype(F32))
 policy_terms = partial(losses.policy_terms, OPS)  # rl/losses.py, over this backend's arrays
 value_terms = partial(losses.value_terms, OPS)
+mismatch_stats = partial(losses.mismatch_stats, OPS)

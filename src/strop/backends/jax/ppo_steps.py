@@ -31,11 +31,13 @@ from flax import nnx
 from strop.backends.jax.losses import (
     entropy_from_logits,
     kl_penalty,
+    mismatch_stats,
     policy_terms,
     shift_values,
     value_terms,
 )
 from strop.rl.objectives import SHARED_CRITIC_PREFIX, PolicyObjective, ValueObjective
+from strop.rl.rollout_correction import WEIGHTS
 
 F32 = jnp.float32
 
@@ -99,12 +101,14 @@ def policy_micro_loss(
     per_token, terms = policy_terms(
         logp, micro["old_logprobs"], micro["advantages"], on,
         objective.clip_low, objective.clip_high, objective.dual_clip,
+        micro.get(WEIGHTS),  # a rollout correction's (ppo.rollout_correction), or None
     )  # fmt: skip
     entropy = _shift(entropy_from_logits(logits[:, :-1] / objective.temperature))
     pg_loss = _weighted_sum(per_token, weights)
     entropy_sum = _weighted_sum(entropy, weights)
     loss = pg_loss - objective.entropy_coef * entropy_sum
     stats = {name: _weighted_sum(term, weights) for name, term in terms.items()}
+    stats.update(mismatch_stats(logp, micro["old_logprobs"], on))
     stats["pg_loss"] = pg_loss
     stats["entropy"] = entropy_sum
     if objective.kl_in_loss:

@@ -30,6 +30,7 @@ from strop.backends.jax.model import CausalLM
 from strop.backends.jax.sharding import logical_to_partition_spec
 from strop.config import OptimConfig
 from strop.errors import ConfigError
+from strop.rl.losses import MAX_STATS
 from strop.sft.objective import SFT_BATCH, target_tokens, with_loss_weights
 
 
@@ -143,14 +144,20 @@ the loss (weighted for the whole batch, so shares add up) and its stats, differe
 
 def accumulate(micro_loss: MicroLoss, trainable: Any, frozen: Any, batch: dict[str, jax.Array]):
     """Sums of ``micro_loss``'s gradients, loss and stats over the leading micro axis of
-    ``batch`` (a ``lax.scan``): ``(grads, loss, stats)``."""
+    ``batch`` (a ``lax.scan``): ``(grads, loss, stats)``; the stats of
+    :data:`strop.rl.losses.MAX_STATS` are maxima."""
     grad_fn = jax.value_and_grad(
         lambda trainable, micro: micro_loss(trainable, frozen, micro), has_aux=True
     )
 
     def body(carry, micro):
         (loss, stats), grads = grad_fn(trainable, micro)
-        return jax.tree.map(jnp.add, carry, (grads, loss, stats)), None
+        sums = jax.tree.map(jnp.add, carry[:2], (grads, loss))
+        reduced = {
+            name: (jnp.maximum if name in MAX_STATS else jnp.add)(carry[2][name], value)
+            for name, value in stats.items()
+        }
+        return (*sums, reduced), None
 
     first = jax.tree.map(lambda x: x[0], batch)
     if jax.tree.leaves(batch)[0].shape[0] == 1:  # one micro-batch: nothing to sum

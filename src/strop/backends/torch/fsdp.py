@@ -224,6 +224,15 @@ def all_reduce_sum(value: float, placement: Placement) -> float:
     return float(tensor.item())
 
 
+def all_reduce_max(value: float, placement: Placement) -> float:
+    """The largest of a host float over all ranks (identity when not distributed)."""
+    if not placement.distributed:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=placement.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
 def barrier(placement: Placement) -> None:
     if placement.distributed:
         dist.barrier()

@@ -13,8 +13,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from strop.backends.torch.losses import entropy_from_logits, kl_penalty, policy_terms, value_terms
+from strop.backends.torch.losses import (
+    entropy_from_logits,
+    kl_penalty,
+    mismatch_stats,
+    policy_terms,
+    value_terms,
+)
 from strop.rl.objectives import PolicyObjective, ValueObjective
+from strop.rl.rollout_correction import WEIGHTS
 
 Stats = dict[str, torch.Tensor]
 
@@ -60,12 +67,15 @@ def policy_micro_loss(
     per_token, terms = policy_terms(
         logp, micro["old_logprobs"], micro["advantages"], on,
         objective.clip_low, objective.clip_high, objective.dual_clip,
+        micro.get(WEIGHTS),  # a rollout correction's (ppo.rollout_correction), or None
     )  # fmt: skip
     entropy = _shift(entropy_from_logits(logits[:, :-1].float() / objective.temperature))
     pg_loss = _weighted_sum(per_token, weights)
     entropy_sum = _weighted_sum(entropy, weights)
     loss = pg_loss - objective.entropy_coef * entropy_sum
     stats = {name: _weighted_sum(term, weights).detach() for name, term in terms.items()}
+    mismatch = mismatch_stats(logp.detach(), micro["old_logprobs"], on)
+    stats.update({name: value.detach() for name, value in mismatch.items()})
     stats["pg_loss"] = pg_loss.detach()
     stats["entropy"] = entropy_sum.detach()
     if objective.kl_in_loss:

@@ -16,6 +16,7 @@ update, so a resumed run draws exactly what an uninterrupted one would.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,10 +26,11 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from strop.backends.torch.fsdp import Placement, all_reduce_sum
+from strop.backends.torch.fsdp import Placement, all_reduce_max, all_reduce_sum
 from strop.backends.torch.model import LoadedModel
 from strop.config import OptimConfig
 from strop.errors import ConfigError
+from strop.rl.losses import MAX_STATS
 from strop.schedules import learning_rate
 
 BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")
@@ -186,7 +188,8 @@ class Trainer:
         ``loss_fn(micro) -> (loss, stats)`` returns sums already weighted for the whole
         global batch (its ``loss_weights``: :mod:`strop.sft.objective`,
         :mod:`strop.rl.objectives`), so gradients and stats just add up over micro-batches
-        and ranks. Returns the global sums of the loss and of every stat. Every array is per
+        and ranks. Returns the global sums of the loss and of every stat (maxima for
+        :data:`strop.rl.losses.MAX_STATS`). Every array is per
         token (``[B, L]``); each micro-batch is cut to the columns its rows use
         (:func:`without_padding_columns`). ``dropout``: run the model in training mode.
         """
@@ -203,10 +206,14 @@ class Trainer:
             loss.backward()
             loss_sum += float(loss.detach())
             for name, value in stats.items():
-                sums[name] = sums.get(name, 0.0) + float(value.detach())
+                combine = max if name in MAX_STATS else operator.add
+                sums[name] = combine(sums.get(name, 0.0), float(value.detach()))
         self.loaded.model.eval()
         placement = self.loaded.placement
-        stats = {name: all_reduce_sum(value, placement) for name, value in sums.items()}
+        stats = {
+            name: (all_reduce_max if name in MAX_STATS else all_reduce_sum)(value, placement)
+            for name, value in sums.items()
+        }
         return all_reduce_sum(loss_sum, placement), stats
 
     def apply(self, loss: float) -> tuple[float, bool]:

@@ -1,0 +1,154 @@
+"""The training-inference mismatch monitor and correction (strop.rl.rollout_correction)
+against an independent float64 oracle of verl's ``rollout_corr`` and TRL's
+``vllm_importance_sampling_mode`` semantics, written row by row and token by token."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from strop.config import load_config
+from strop.errors import StropError
+from strop.rl import rollout_correction as rc
+from strop.rl.objectives import PolicyObjective
+
+SAFETY_BOUND = 20.0  # verl's rollout_corr_helper: log-ratios clamped before exp
+
+
+def oracle_weights(old, sampled, mask, mode, level, threshold):
+    """verl (``rollout_is`` token/sequence, truncate; the geometric level of its
+    ``rollout_rs``) and TRL (``token|sequence_truncate|mask``): per row, the log-ratio
+    ``log pi_old / pi_rollout`` at the level, clamped to +-20, exponentiated; truncate
+    (``tis``) clamps at the threshold, mask (``mis``) zeroes the weights above it;
+    ``icepop`` keeps (weight 1) the tokens whose ratio is inside [1/C, C]."""
+    out = np.zeros(old.shape)
+    for b in range(old.shape[0]):
+        tokens = [t for t in range(old.shape[1]) if mask[b, t] > 0]
+        diffs = [float(old[b, t]) - float(sampled[b, t]) for t in tokens]
+        for t, d in zip(tokens, diffs, strict=True):
+            if level == "token":
+                log_ratio = d
+            elif level == "sequence":
+                log_ratio = math.fsum(diffs)
+            else:
+                log_ratio = math.fsum(diffs) / len(diffs)
+            ratio = math.exp(min(max(log_ratio, -SAFETY_BOUND), SAFETY_BOUND))
+            if mode == "tis":
+                out[b, t] = min(ratio, threshold)
+            elif mode == "mis":
+                out[b, t] = 0.0 if ratio > threshold else ratio
+            elif mode == "icepop":
+                out[b, t] = 1.0 if 1.0 / threshold <= ratio <= threshold else 0.0
+            else:
+                out[b, t] = 1.0
+    return out
+
+
+def oracle_metrics(old, sampled, mask):
+    """verl's ``compute_offpolicy_metrics``' ``k3_kl`` (``exp(r) - r - 1``, ``r = old -
+    rollout``) and the mean and max of ``|old - rollout|``, over the masked tokens."""
+    k3, diffs = [], []
+    for b, t in zip(*np.nonzero(mask), strict=True):
+        r = float(old[b, t]) - float(sampled[b, t])
+        c = min(max(r, -SAFETY_BOUND), SAFETY_BOUND)
+        k3.append(math.exp(c) - c - 1.0)
+        diffs.append(abs(r))
+    return {
+        "mismatch/kl": math.fsum(k3) / len(k3),
+        "mismatch/abs_logprob_diff_mean": math.fsum(diffs) / len(diffs),
+        "mismatch/abs_logprob_diff_max": max(diffs),
+    }
+
+
+def random_case(seed: int, rows: int = 12, width: int = 20):
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((rows, width), np.float32)
+    for b in range(rows):
+        start = int(rng.integers(2, 8))
+        mask[b, start : start + int(rng.integers(1, width - start + 1))] = 1
+    sampled = -rng.exponential(1.5, size=mask.shape)
+    old = sampled + rng.normal(scale=0.4, size=mask.shape)
+    old[0] = sampled[0] + 25.0  # beyond the clamp, per token and per sequence
+    old[1] = sampled[1] - 30.0
+    old[~(mask > 0)] = np.nan  # off the response: never read
+    return old, sampled, mask
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("level", rc.LEVELS)
+@pytest.mark.parametrize("mode", rc.MODES)
+def test_weights_match_the_oracle(seed, mode, level):
+    old, sampled, mask = random_case(seed)
+    threshold = 1.5 if mode != "tis" else 2.0
+    got = rc.correction_weights(old, sampled, mask, mode, level, threshold)
+    expected = oracle_weights(old, sampled, mask, mode, level, threshold)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-12)
+    assert np.isfinite(got).all() and (got[mask == 0] == 0).all()
+    if mode in ("mis", "icepop"):  # the case drops some tokens and keeps others
+        on = got[mask > 0]
+        assert (on == 0).any() and (on > 0).any()
+
+
+def test_none_is_one_on_every_response_token():
+    old, sampled, mask = random_case(0)
+    np.testing.assert_array_equal(rc.correction_weights(old, sampled, mask, "none"), mask)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_monitor_matches_the_oracle(seed):
+    old, sampled, mask = random_case(seed)
+    got = rc.mismatch_metrics(old, sampled, mask)
+    expected = oracle_metrics(old, sampled, mask)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-9, err_msg=key)
+
+
+def test_the_first_update_sums_give_the_same_metrics():
+    """Sampler mode: the backends' unweighted sums (strop.rl.losses.mismatch_stats, here
+    over numpy) turn into the metrics the core computes itself in recompute mode."""
+    from strop.rl.losses import ArrayOps, mismatch_stats
+
+    ops = ArrayOps(
+        xp=np, on=lambda m: np.asarray(m) > 0, select=lambda on, x: np.where(on, x, 0.0),
+        indicator=lambda b: b.astype(np.float64),
+    )  # fmt: skip
+    old, sampled, mask = random_case(1)
+    # the update's log-ratio is new (the trainer's) - old (the sampler's, in sampler mode)
+    stats = {k: float(v) for k, v in mismatch_stats(ops, old, sampled, mask).items()}
+    got = rc.first_update_metrics(stats)
+    for key, value in oracle_metrics(old, sampled, mask).items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-9, err_msg=key)
+    assert rc.first_update_metrics({**stats, "mismatch_tokens": 0.0}) == {}
+
+
+def test_correct_adds_the_weights_only_with_a_correction():
+    old, sampled, mask = random_case(2)
+    arrays = {"response_mask": mask}
+    off = load_config("ppo-lora-tiny", []).ppo
+    same, metrics = rc.correct(arrays, old, sampled, off)
+    assert same is arrays and rc.WEIGHTS not in same
+    assert {"mismatch/kl", "token_mult_prob_error"} <= metrics.keys()
+    assert "mismatch/is_weight_mean" not in metrics
+    on = load_config("ppo-lora-tiny", ["ppo.rollout_correction=mis"]).ppo
+    corrected, metrics = rc.correct(arrays, old, sampled, on)
+    weights = corrected[rc.WEIGHTS]
+    assert weights.dtype == np.float32
+    np.testing.assert_allclose(weights, oracle_weights(old, sampled, mask, "mis", "token", 2.0))
+    kept = weights[mask > 0]
+    assert metrics["mismatch/masked_fraction"] == pytest.approx((kept == 0).mean())
+    assert metrics["mismatch/is_weight_mean"] == pytest.approx(kept.mean())
+
+
+def test_the_weights_reach_the_update_only_with_a_correction():
+    off = PolicyObjective.from_config(load_config("ppo-lora-tiny", []))
+    assert rc.WEIGHTS not in off.batch_names
+    config = load_config("ppo-lora-tiny", ["ppo.rollout_correction=tis"])
+    assert rc.WEIGHTS in PolicyObjective.from_config(config).batch_names
+
+
+def test_a_correction_with_the_samplers_logprobs_is_refused():
+    with pytest.raises(StropError, match=r"needs ppo\.old_logprobs=recompute"):
+        load_config("ppo-lora-tiny", ["ppo.rollout_correction=tis", "ppo.old_logprobs=sampler"])
