@@ -217,19 +217,19 @@ def all_gather_rows(tensor: torch.Tensor, placement: Placement) -> torch.Tensor:
 
 def all_reduce_sum(value: float, placement: Placement) -> float:
     """Sum a host float over all ranks (identity when not distributed)."""
-    if not placement.distributed:
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64, device=placement.device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return float(tensor.item())
+    return _all_reduce(value, placement, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(value: float, placement: Placement) -> float:
     """The largest of a host float over all ranks (identity when not distributed)."""
+    return _all_reduce(value, placement, dist.ReduceOp.MAX)
+
+
+def _all_reduce(value: float, placement: Placement, op: dist.ReduceOp) -> float:
     if not placement.distributed:
         return value
     tensor = torch.tensor([value], dtype=torch.float64, device=placement.device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    dist.all_reduce(tensor, op=op)
     return float(tensor.item())
 
 
