@@ -56,7 +56,7 @@ class Rows:
 
     per_micro_batch: int
     pack: bool
-    pack_width: int
+    pack_width: float
     share_prompts: bool
 
 
@@ -140,11 +140,11 @@ class RolePlan:
 
     def adapter_of(self, role: Role) -> str | None:
         """The adapter a forward of ``role`` runs with (None: the base alone, or no LoRA)."""
+        if role == "critic" and not self.has_critic:
+            raise ValueError("this run has no critic")
         if not self.lora:
             return None
         if role == "critic":
-            if not self.has_critic:
-                raise ValueError("this run has no critic")
             return "actor" if self.shared_trunk else "critic"
         if role == "reference":
             return "reference" if self.reference == "adapter" else None
