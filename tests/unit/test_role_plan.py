@@ -118,7 +118,8 @@ def test_reference_adapter_critic_settings_warmup_and_rows():
 BACKENDS = Path(strop.backends.__file__).parent
 # The reward models (ppo.reward: model:DIR) are no PPO role: they read their row count.
 NOT_ROLES = {"jax/reward_model.py", "torch/reward_model.py"}
-CONFIG_METHODS = {"critic_optim", "reference_adapter_path"}  # Config's ppo/critic readers
+# the sections, and Config's methods that read them
+READ = {"ppo", "critic", "critic_optim", "reference_adapter_path"}
 
 
 def _reads_ppo_or_critic(path: Path, root: Path = BACKENDS) -> list[str]:
@@ -128,10 +129,8 @@ def _reads_ppo_or_critic(path: Path, root: Path = BACKENDS) -> list[str]:
             continue
         owner = node.value
         owner_name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
-        if node.attr in ("ppo", "critic") and owner_name == "config":
+        if node.attr in READ and owner_name == "config":
             found.append(f"{name}:{node.lineno}: config.{node.attr}")
-        if node.attr in CONFIG_METHODS:
-            found.append(f"{name}:{node.lineno}: {node.attr}()")
     return found
 
 
@@ -146,9 +145,12 @@ def test_backends_read_no_ppo_or_critic_setting():
 
 def test_the_check_finds_a_read(tmp_path):
     source = tmp_path / "x.py"
-    source.write_text("a = self.config.ppo.pack\nb = config.critic.lr\nc = config.critic_optim()\n")
+    source.write_text(
+        "a = self.config.ppo.pack\nb = config.critic.lr\nc = config.critic_optim()\n"
+        "d = plan.critic_optim\ne = self.critic.lm\n"  # the plan's, a role's: not the config
+    )
     assert _reads_ppo_or_critic(source, tmp_path) == [
         "x.py:1: config.ppo",
         "x.py:2: config.critic",
-        "x.py:3: critic_optim()",
+        "x.py:3: config.critic_optim",
     ]
