@@ -97,7 +97,7 @@ class JaxActorCritic(Sampler):
         # an own critic (its arrays, optimizer state and update), or the value head on the
         # actor's adapters (critic.shared_trunk), or neither (critic-free estimators)
         self.critic = self.critic_graph = self.critic_frozen = self.critic_opt = None
-        self.head = self.head_graph = None
+        self.head = self.head_graph = self.critic_filter = self._critic = None
         self._critic_update = self._joint_update = self._policy_update = self._shared_update = None
         if plan.own_critic:
             self._build_critic(config, lm, load, total_updates)
