@@ -28,6 +28,7 @@ from strop.io.checkpoint_dir import (
 )
 from strop.io.run_record import CONFIG_FILE
 from strop.io.writable import require_writable_parent
+from strop.objectives.roles import RolePlan
 from strop.preflight import preflight
 
 logger = logging.getLogger(__name__)
@@ -118,8 +119,9 @@ def run_export(config: Config, out: str | os.PathLike, *, merged: bool) -> Expor
     backend = get_backend(config.backend)
     if job == "ppo":
         engine = backend.build_actor_critic(
-            config, total_updates=config.ppo.optimizer_updates(), checkpoint_dir=checkpoint_dir
-        )
+            config, total_updates=config.ppo.optimizer_updates(), checkpoint_dir=checkpoint_dir,
+            plan=RolePlan.from_config(config),
+        )  # fmt: skip
     else:
         engine = backend.build_policy(
             config, total_steps=config.sft.steps, checkpoint_dir=checkpoint_dir

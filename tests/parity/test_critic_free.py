@@ -39,11 +39,11 @@ def grpo_config(model_path, *overrides):
 @pytest.mark.parametrize("backend", ENGINES)
 def test_a_critic_free_engine_allocates_no_critic(qwen2, backend, tmp_path):
     engine = ENGINES[backend](grpo_config(qwen2), total_updates=2, checkpoint_dir=tmp_path)
-    assert engine.has_critic is False
+    assert engine.plan.has_critic is False
     assert engine.lora_weights().keys() == {"actor"}
     if backend == "jax":
-        for name in ("critic", "critic_opt", "critic_graph", "_critic_update"):
-            assert not hasattr(engine, name), name
+        for name in ("critic", "critic_opt", "critic_graph", "_critic_update", "head"):
+            assert getattr(engine, name) is None, name
         held = [str(path) for path, _ in nnx_paths(engine)]
         assert not any("value_head" in p for p in held)
     else:

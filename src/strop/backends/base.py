@@ -27,6 +27,7 @@ from strop.io.model_spec import ModelSpec
 
 if TYPE_CHECKING:
     from strop.config import Config
+    from strop.objectives.roles import RolePlan
 
 
 def logits_inputs(
@@ -153,7 +154,8 @@ class Policy(TrainableModel, Protocol):
 
 @runtime_checkable
 class ActorCritic(TrainableModel, Protocol):
-    """PPO's models: the actor, the critic (value head included) and the frozen reference.
+    """PPO's models: the actor, the critic (value head included) and the frozen reference,
+    as the core's :class:`~strop.objectives.roles.RolePlan` names them (``plan``).
 
     With LoRA all three share one frozen base in device memory. Per-token arrays are
     ``[B, L]`` in the layout of :mod:`strop.rl.gae` (column ``t`` is about ``x_t``).
@@ -243,9 +245,16 @@ class Backend(Protocol):
         ...
 
     def build_actor_critic(
-        self, config: Config, *, total_updates: int, checkpoint_dir: str | os.PathLike | None
+        self,
+        config: Config,
+        *,
+        total_updates: int,
+        checkpoint_dir: str | os.PathLike | None,
+        plan: RolePlan | None = None,
     ) -> ActorCritic:
-        """The :class:`ActorCritic` of ``config`` (PPO, export of a PPO run); schedules span
+        """The :class:`ActorCritic` of ``config`` (PPO, export of a PPO run) with the roles
+        ``plan`` names (default: :meth:`RolePlan.from_config` of ``config``; the backend
+        reads no ``ppo.*`` / ``critic.*`` setting itself); schedules span
         ``total_updates``, checkpoints live in ``checkpoint_dir`` (``None``: none are kept)."""
         ...
 

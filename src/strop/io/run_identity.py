@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar
 
 from strop.config import Config, LoraConfig
 from strop.errors import CheckpointError
+from strop.objectives.roles import RolePlan
 
 T = TypeVar("T")
 
@@ -64,32 +65,20 @@ def run_identity(model_path: str | os.PathLike, lora: LoraConfig, backend: str) 
 
 
 def ppo_identity(
-    model_path: str | os.PathLike,
-    lora: LoraConfig,
-    backend: str,
-    *,
-    has_critic: bool,
-    shared_trunk: bool = False,
+    model_path: str | os.PathLike, lora: LoraConfig, backend: str, plan: RolePlan
 ) -> dict[str, Any]:
-    """A PPO run's checkpoint identity: :func:`run_identity`, ``job: ppo`` and, for a
-    critic-free run (no critic in its checkpoints), ``critic: false``, for a critic on the
-    actor's adapters (``critic.shared_trunk``: no critic adapter, one optimizer)
-    ``critic: shared_trunk``; checkpoints with a critic of its own carry no such key, as
-    they did before either existed."""
-    identity = {**run_identity(model_path, lora, backend), "job": "ppo"}
-    if not has_critic:
-        return {**identity, "critic": False}
-    return {**identity, "critic": "shared_trunk"} if shared_trunk else identity
+    """A PPO run's checkpoint identity: :func:`run_identity`, ``job: ppo`` and what
+    :meth:`RolePlan.identity` records of its roles (a critic-free run: ``critic: false``;
+    a critic on the actor's adapters: ``critic: shared_trunk``; an own critic: nothing,
+    as checkpoints were before either existed)."""
+    return {**run_identity(model_path, lora, backend), "job": "ppo", **plan.identity()}
 
 
 def job_identity(config: Config, backend: str, job: Literal["sft", "ppo"]) -> dict[str, Any]:
     """The identity of ``config``'s checkpoints of ``job`` on ``backend``:
-    :func:`run_identity` (SFT) or :func:`ppo_identity` (PPO)."""
+    :func:`run_identity` (SFT) or :func:`ppo_identity` (PPO, of ``config``'s role plan)."""
     if job == "ppo":
-        return ppo_identity(
-            config.model_path(), config.lora, backend, has_critic=config.ppo.has_critic,
-            shared_trunk=config.critic.shared_trunk,
-        )  # fmt: skip
+        return ppo_identity(config.model_path(), config.lora, backend, RolePlan.from_config(config))
     return run_identity(config.model_path(), config.lora, backend)
 
 

@@ -53,6 +53,7 @@ from strop.engines import rollout_engine
 from strop.generation import SamplingParams
 from strop.job import RunResult, run_steps, training_job
 from strop.nonfinite import count_skipped, likely_causes
+from strop.objectives.roles import RolePlan
 from strop.preflight import check_context_length, preflight
 from strop.progress import RunProgress
 from strop.rewards.weighted import ScoredBatch
@@ -108,8 +109,9 @@ def _train(
     reward.start()  # its worker imports the user's function while the models load
     progress.phase("loading the models")
     engine = get_backend(config.backend).build_actor_critic(
-        config, total_updates=ppo.optimizer_updates(), checkpoint_dir=config.checkpoint_path()
-    )
+        config, total_updates=ppo.optimizer_updates(), checkpoint_dir=config.checkpoint_path(),
+        plan=RolePlan.from_config(config),
+    )  # fmt: skip
     with rollout_engine(config, engine, max_prompt_tokens=longest) as sampled:
         loop = PpoLoop(config, sampled, train, validation, tokenizer, reward, progress)
         run = run_steps(config, loop, progress, job="ppo", total=ppo.steps, stop_after=stop_after)
@@ -153,6 +155,7 @@ class PpoLoop:
     samples: list[dict[str, Any]] = field(default_factory=list)  # the last validation's
 
     def __post_init__(self) -> None:
+        self.plan = RolePlan.from_config(self.config)  # the roles, as the model's
         self.sampling = SamplingParams.from_config(self.config.generation)
         self.eos_ids = eos_ids(self.tokenizer, self.config.model.path)
 
@@ -204,7 +207,7 @@ class PpoLoop:
             "train/truncated_fraction": float(sample.truncated.mean()),
             **stats,
             **{name: float(np.mean(values)) for name, values in updates.items()},
-            **({"critic/nonfinite_skipped": skipped["critic"]} if ppo.has_critic else {}),
+            **({"critic/nonfinite_skipped": skipped["critic"]} if self.plan.has_critic else {}),
             "policy/nonfinite_skipped": skipped["policy"],
             **self._timings,
             "timing/step": seconds,
@@ -266,9 +269,9 @@ class PpoLoop:
         else:
             old = self._timed("logprobs", engine.logprobs, batch)
         ref = None  # with no KL in the reward or the loss, and none to report: not computed
-        if ppo.reference_forward:
+        if self.plan.reference_forward:
             ref = self._timed("logprobs", engine.logprobs, batch, reference=True)
-        values = self._timed("values", engine.values, batch) if ppo.has_critic else None
+        values = self._timed("values", engine.values, batch) if self.plan.has_critic else None
         scores = sample.task_scores + sample.penalty
         arrays, stats = build_experience(batch, scores, old, ref, values, ppo)
         if ppo.overlong == "mask":
@@ -289,8 +292,7 @@ class PpoLoop:
         ppo, engine = self.config.ppo, self.model
         updates: dict[str, list[float]] = defaultdict(list)
         micro_batches = ppo.mini_batch_size // ppo.rows_per_micro_batch
-        critic = ppo.has_critic and not self.config.critic.shared_trunk
-        roles = ("critic",) * critic + ("policy",) * (step >= ppo.critic_warmup_steps)
+        roles = tuple(update.name for update in self.plan.updates_at(step))
 
         def record(role: str, stats: dict[str, float], epoch: int, index: int) -> None:
             self.skipped[role] += count_skipped(

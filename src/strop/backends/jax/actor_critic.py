@@ -1,8 +1,11 @@
 """The JAX backend's PPO models: actor, critic and reference over one base, numpy in/out.
 
 This is what :func:`strop.rl.ppo.run_ppo` drives (``strop.backends.base.ActorCritic``).
+Which roles exist, which adapter each uses and what each update trains is the core's
+:class:`~strop.objectives.roles.RolePlan`; this module builds and drives what it names.
 
-Roles are held functionally (see :mod:`strop.backends.jax.ppo_steps`):
+Roles are held functionally (:mod:`strop.backends.jax.ppo_steps`); a role the plan has
+not leaves its attributes None (``critic*``: an own critic, ``head*``: a shared trunk's):
 
 - **LoRA on**: one base model is loaded once. The actor and the critic are two LoRA
   adapters over it (two Qwix injections with different seeds into twin module trees
@@ -10,7 +13,8 @@ Roles are held functionally (see :mod:`strop.backends.jax.ppo_steps`):
   :class:`~strop.backends.jax.value.ValueHead` that trains in full (invariant 5: its
   trainable filter is LoRA params *or* the head). The reference is the base with a
   zero adapter (exactly the base: ``x W + (x A) 0``), or the frozen SFT adapter named
-  by ``ppo.reference_adapter`` / ``lora.restore_path`` (invariant 6).
+  by ``ppo.reference_adapter`` / ``lora.restore_path`` (invariant 6). With
+  ``critic.shared_trunk`` there is no critic adapter: a value head on the actor's.
 - **LoRA off**: the actor trains every weight, the critic is a second model (from
   ``critic.model_path`` or ``model.path``) plus the head, and the reference is a frozen
   copy of the actor's initial weights: three models, as full-parameter PPO needs.
@@ -62,6 +66,7 @@ from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
 from strop.lora_init import critic_seed as critic_seed_of
+from strop.objectives.roles import RolePlan
 from strop.rl import packing
 from strop.rl.objectives import PolicyObjective, ValueObjective
 
@@ -73,10 +78,12 @@ class JaxActorCritic(Sampler):
     static_shapes = True  # every new shape compiles: one width per run, a few packed row counts
 
     def __init__(
-        self, config: Config, *, total_updates: int, checkpoint_dir: str | os.PathLike | None
-    ):
+        self, config: Config, *, total_updates: int,
+        checkpoint_dir: str | os.PathLike | None, plan: RolePlan | None = None,
+    ):  # fmt: skip
         check_supported(config.lora)
         self.config = config
+        self.plan = plan = plan or RolePlan.from_config(config)
         self.mesh = make_mesh(config.mesh)
         self.policy_objective = PolicyObjective.from_config(config)
         self.value_objective = ValueObjective.from_config(config)
@@ -87,20 +94,22 @@ class JaxActorCritic(Sampler):
             param_dtype=config.model.param_dtype,
         )
         lm = load(config.model_path())
-        self.has_critic = config.ppo.has_critic  # critic-free estimators build none
-        # critic.shared_trunk: a value head on the actor's adapters, one update for both
-        self.shared_trunk = self.has_critic and config.critic.shared_trunk
-        if self.has_critic and not self.shared_trunk:
+        # an own critic (its arrays, optimizer state and update), or the value head on the
+        # actor's adapters (critic.shared_trunk), or neither (critic-free estimators)
+        self.critic = self.critic_graph = self.critic_frozen = self.critic_opt = None
+        self.head = self.head_graph = self.critic_filter = self._critic = None
+        self._critic_update = self._joint_update = self._policy_update = self._shared_update = None
+        if plan.own_critic:
             self._build_critic(config, lm, load, total_updates)
-        if config.lora.enabled:
+        if plan.lora:
             lm = apply_lora(lm, config.lora, seed=config.seed)
         self.actor_graph, self.actor, self.frozen = nnx.split(
-            lm, nnx.LoRAParam if config.lora.enabled else nnx.Param, ...
+            lm, nnx.LoRAParam if plan.lora else nnx.Param, ...
         )
-        self.reference = initial_reference(self.actor_graph, self.actor, self.frozen, config)
+        self.reference = initial_reference(self.actor_graph, self.actor, self.frozen, config, plan)
 
         actor_tx = make_optimizer(config.optim, total_updates)
-        if self.shared_trunk:
+        if plan.policy_update.joint:
             self._build_shared_trunk(config, actor_tx, lm.spec.hidden_size)
         else:
             self.actor_opt = replicate_unplaced(actor_tx.init(self.actor), self.mesh)
@@ -109,7 +118,7 @@ class JaxActorCritic(Sampler):
                 partial(ppo_steps.policy_loss, self.actor_graph, self.policy_objective),
             )
             self._policy_update = jit_update(*policy, name="policy_update")
-            if self.has_critic:
+            if plan.critic_update is not None:
                 self._joint_update = jit_joint_update(
                     self._critic, policy, name="critic_and_policy_update"
                 )
@@ -122,16 +131,16 @@ class JaxActorCritic(Sampler):
         optimizer state and jitted update; the adapter and head start from the core's
         critic seed (as on torch)."""
         critic_seed = critic_seed_of(config.seed)
-        if config.lora.enabled:
+        if self.plan.lora:
             critic_lm = apply_lora(twin(lm), config.lora, seed=critic_seed)
         else:
-            critic_lm = load(config.critic.model_path or config.model.path)
+            critic_lm = load(self.plan.critic_model_path)
         critic = ValueModel(critic_lm, seed=critic_seed, mesh=self.mesh)
-        self.critic_filter = critic_trainable_filter(config.lora.enabled)
+        self.critic_filter = critic_trainable_filter(self.plan.lora)
         self.critic_graph, self.critic, self.critic_frozen = nnx.split(
             critic, self.critic_filter, ...
         )
-        critic_tx = make_optimizer(config.critic_optim(), total_updates)
+        critic_tx = make_optimizer(self.plan.critic_optim, total_updates)
         self.critic_opt = replicate_unplaced(critic_tx.init(self.critic), self.mesh)
         self._critic = (
             critic_tx,
@@ -167,20 +176,20 @@ class JaxActorCritic(Sampler):
     def _packing(self, batch: dict[str, np.ndarray], micro_batches: int) -> packing.Packing | None:
         """How ``ppo.pack`` packs these rows (:mod:`strop.rl.packing`): into a bin count
         that splits evenly into ``micro_batches`` and over the batch's devices."""
-        if not self.config.ppo.pack:
+        rows = self.plan.rows
+        if not rows.pack:
             return None
         shards = math.prod(self.mesh.shape[axis] for axis in BATCH_AXES)
         return packing.plan(
             batch["attention_mask"], multiple=micro_batches * shards,
-            bin_width=self.config.ppo.pack_width,
-            **packing.shared_prompts(batch, self.config.ppo.share_prompts),
+            bin_width=rows.pack_width, **packing.shared_prompts(batch, rows.share_prompts),
         )  # fmt: skip
 
     def _rows(self, batch: dict[str, np.ndarray], fn) -> np.ndarray:
         """``fn(ids, mask, positions)`` over the batch in chunks of
         ``ppo.micro_batch_size`` rows (each packed when ``ppo.pack`` saves rows)."""
         rows = len(batch["input_ids"])
-        step = min(self.config.ppo.rows_per_micro_batch, rows)
+        step = min(self.plan.rows.per_micro_batch, rows)
         out = []
         for begin in range(0, rows, step):
             chunk = {
@@ -230,7 +239,7 @@ class JaxActorCritic(Sampler):
 
     def values(self, batch: dict[str, np.ndarray]) -> np.ndarray:
         """``[B, L]`` critic values ``V(x_<t)``."""
-        if self.shared_trunk:
+        if self.plan.shared_trunk:
             graphs = (self.actor_graph, self.head_graph)
             return self._rows(
                 batch,
@@ -258,8 +267,9 @@ class JaxActorCritic(Sampler):
 
     def train_policy(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
         """One actor update over the mini-batch ``batch`` (see :mod:`ppo_steps`); with
-        ``critic.shared_trunk`` the value head's too, over both losses."""
-        if self.shared_trunk:
+        ``critic.shared_trunk`` the value head's too, over both losses (the plan's joint
+        policy update)."""
+        if self.plan.policy_update.joint:
             wanted = (*self.policy_objective.batch_names, *self.value_objective.batch_names)
             (arrays,) = self._arrays(batch, micro_batches, tuple(dict.fromkeys(wanted)))
             shared, self.actor_opt, stats = self._shared_update(
@@ -308,20 +318,22 @@ class JaxActorCritic(Sampler):
             step, self._params(), self._optimizers()
         )
         self.actor, self.actor_opt = params["actor"], optimizers["actor"]
-        if self.shared_trunk:
-            self.head = params["value_head"]
-        elif self.has_critic:
+        self.head = params.get("value_head")
+        if self.plan.own_critic:
             self.critic, self.critic_opt = params["critic"], optimizers["critic"]
         return extra
 
     def _params(self) -> dict[str, Any]:
-        if self.shared_trunk:
-            return {"actor": self.actor, "value_head": self.head}
-        return {"actor": self.actor, **({"critic": self.critic} if self.has_critic else {})}
+        """What a checkpoint holds of the plan's trained parts: the actor, and an own
+        critic (its value head in its state) or the shared trunk's value head."""
+        parts = {"actor": self.actor, "critic": self.critic, "value_head": self.head}
+        if self.plan.own_critic:
+            del parts["value_head"]  # in the critic's state
+        return {name: parts[name] for name in self.plan.trained if name in parts}
 
     def _optimizers(self) -> dict[str, Any]:
-        critic = {"critic": self.critic_opt} if self.has_critic and not self.shared_trunk else {}
-        return {"actor": self.actor_opt, **critic}
+        states = {"actor": self.actor_opt, "critic": self.critic_opt}
+        return {name: states[name] for name in self.plan.optimizers}
 
     # adapters and exports ----------------------------------------------------------------
 
@@ -340,17 +352,13 @@ class JaxActorCritic(Sampler):
     def lora_weights(self) -> dict[str, Any]:
         """Host copies: ``actor`` and ``critic`` adapters (PEFT layout) and ``value_head``
         ``(kernel [E], bias)`` (the actor's alone without a critic)."""
-        if not self.has_critic:
-            return {"actor": adapter_weights(self.actor_module())}
-        if self.shared_trunk:
-            head = nnx.merge(self.head_graph, self.head).weights()
-            return {"actor": adapter_weights(self.actor_module()), "value_head": head}
-        critic = self.critic_module()
-        return {
-            "actor": adapter_weights(self.actor_module()),
-            "critic": adapter_weights(critic.lm),
-            "value_head": critic.head_weights(),
-        }
+        weights = {"actor": adapter_weights(self.actor_module())}
+        if self.plan.shared_trunk:
+            weights["value_head"] = nnx.merge(self.head_graph, self.head).weights()
+        elif self.plan.own_critic:
+            critic = self.critic_module()
+            weights |= {"critic": adapter_weights(critic.lm), "value_head": critic.head_weights()}
+        return weights
 
     def set_lora_weights(self, *, actor=None, critic=None, value_head=None) -> None:
         """Overwrite any of the weights :meth:`lora_weights` returns."""
@@ -358,7 +366,7 @@ class JaxActorCritic(Sampler):
             module = self.actor_module()
             set_adapter_weights(module, actor, "actor weights")
             self.actor = nnx.state(module, nnx.LoRAParam)
-        if self.shared_trunk and value_head is not None:
+        if self.plan.shared_trunk and value_head is not None:
             head = nnx.merge(self.head_graph, self.head)
             head.set_weights(*value_head)
             self.head = nnx.state(head)

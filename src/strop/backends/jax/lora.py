@@ -30,6 +30,7 @@ from strop.errors import ConfigError
 from strop.io.peft import check_adapter_shape, check_adapter_targets, read_adapter_for
 from strop.lora_init import adapters as initial_adapters
 from strop.lora_targets import match_targets
+from strop.objectives.roles import RolePlan
 
 logger = logging.getLogger(__name__)
 
@@ -139,15 +140,18 @@ def set_adapter_weights(
             variable.set_value(jnp.asarray(new, dtype=current.dtype, device=current.sharding))
 
 
-def initial_reference(graph: nnx.GraphDef, actor: nnx.State, frozen: nnx.State, config: Config):
+def initial_reference(
+    graph: nnx.GraphDef, actor: nnx.State, frozen: nnx.State, config: Config, plan: RolePlan
+):
     """The PPO reference's trainable-shaped part, beside the actor's ``(graph, actor,
-    frozen)``: a zero adapter (= the base), the SFT adapter it is told to be
-    (``config.reference_adapter_path()``), or (full fine-tuning) a copy of ``actor``."""
-    if not config.lora.enabled:
+    frozen)``, as ``plan.reference`` says: a zero adapter (``base``), the SFT adapter
+    ``plan.reference_adapter`` (``adapter``), or (full fine-tuning, ``copy``) a copy of
+    ``actor``."""
+    if plan.reference == "copy":
         return jax.tree.map(jnp.copy, actor)
     reference = jax.tree.map(jnp.zeros_like, actor)
-    path = config.reference_adapter_path()
-    if path is not None:
+    path = plan.reference_adapter
+    if plan.reference == "adapter":
         module = nnx.merge(graph, reference, frozen)
         set_adapter_weights(
             module, read_adapter_for(path, config.lora, config.model.path), str(path)

@@ -1,12 +1,15 @@
 """The torch backend's PPO models: actor, critic and reference over one base, numpy in/out.
 
-The same surface as :class:`strop.backends.jax.actor_critic.JaxActorCritic`.
+The same surface as :class:`strop.backends.jax.actor_critic.JaxActorCritic`, built and
+driven by the core's :class:`~strop.objectives.roles.RolePlan` (which roles exist, which
+adapter each forward uses, what each update trains and a checkpoint holds).
 
 - **LoRA on**: one PEFT model holds the base once and two adapters over it, ``default``
   (the actor) and ``critic``; a third, frozen ``reference`` adapter is added when the
   reference is an SFT adapter (``ppo.reference_adapter`` / ``lora.restore_path``),
   otherwise the reference is the base with adapters disabled. :func:`use_adapter` picks
-  the adapter per forward. The critic's float32 value head trains in full.
+  the adapter per forward. The critic's float32 value head trains in full. With
+  ``critic.shared_trunk`` there is no ``critic`` adapter: the head reads the actor's.
 - **LoRA off**: three models: the actor, the critic (from ``critic.model_path`` or
   ``model.path``) and a frozen reference copy of the actor's initial weights.
 
@@ -51,12 +54,14 @@ from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
 from strop.lora_init import critic_seed as critic_seed_of
+from strop.objectives.roles import RolePlan
 from strop.rl import packing
 from strop.rl.objectives import SHARED_CRITIC_PREFIX, PolicyObjective, ValueObjective
 
 logger = logging.getLogger(__name__)
 
 CRITIC_ADAPTER, REFERENCE_ADAPTER = "critic", "reference"
+_ADAPTERS = {"actor": ADAPTER_NAME, "critic": CRITIC_ADAPTER, "reference": REFERENCE_ADAPTER}
 _UPDATES_KEY = "optimizer_updates"
 
 
@@ -67,18 +72,17 @@ class TorchActorCritic(Sampler):
     static_shapes = False  # eager: any shape; packed rows, each micro-batch cut to its columns
 
     def __init__(
-        self, config: Config, *, total_updates: int, checkpoint_dir: str | os.PathLike | None
-    ):
+        self, config: Config, *, total_updates: int,
+        checkpoint_dir: str | os.PathLike | None, plan: RolePlan | None = None,
+    ):  # fmt: skip
         model_path = config.model_path()
         self.config = config
+        self.plan = plan = plan or RolePlan.from_config(config)
         self.placement = place(config.mesh)
         self.policy_objective = PolicyObjective.from_config(config)
         self.value_objective = ValueObjective.from_config(config)
-        reference_path = config.reference_adapter_path()
-        lora = config.lora.enabled
-        self.has_critic = critic = config.ppo.has_critic  # critic-free estimators build none
-        # critic.shared_trunk: the value head reads the actor's adapters; one update for both
-        self.shared_trunk = critic and config.critic.shared_trunk
+        reference_path = plan.reference_adapter
+        lora, critic = plan.lora, plan.has_critic
         # the critic's adapter and head start from the core's critic seed (as on JAX)
         critic_seed = critic_seed_of(config.seed)
 
@@ -92,13 +96,11 @@ class TorchActorCritic(Sampler):
 
         critic_params: list[nn.Parameter] = []
         if lora:
-            extra = ((CRITIC_ADAPTER,) if critic and not self.shared_trunk else ()) + (
-                (REFERENCE_ADAPTER,) if reference_path else ()
-            )
+            extra = tuple(_ADAPTERS[name] for name in plan.adapters if name != "actor")
             self.loaded = build(model_path, extra_adapters=extra)
             self.critic_loaded = self.loaded if critic else None
             self.reference_loaded = None
-            if reference_path:
+            if plan.reference == "adapter":
                 weights = read_adapter_for(reference_path, config.lora, model_path)
                 set_adapter_weights(
                     self.loaded.model, weights, str(reference_path), REFERENCE_ADAPTER
@@ -112,17 +114,17 @@ class TorchActorCritic(Sampler):
             for name, param in self.loaded.model.named_parameters():
                 if f".{CRITIC_ADAPTER}." in name and hf_module_path(name).startswith("lm_head"):
                     param.requires_grad_(False)
-            if critic and not self.shared_trunk:
+            if plan.own_critic:
                 critic_params = [
                     p for p in adapter_params(self.loaded.model, CRITIC_ADAPTER) if p.requires_grad
                 ]
         else:
             self.loaded = build(model_path)
-            self.critic_loaded = build(config.critic.model_path or model_path) if critic else None
-            self.reference_loaded = build(model_path)
+            self.critic_loaded = build(plan.critic_model_path) if plan.own_critic else None
+            self.reference_loaded = build(model_path)  # plan.reference == "copy"
             self.reference_loaded.model.requires_grad_(False)
             actor_params = list(self.loaded.model.parameters())
-            if critic:
+            if plan.own_critic:
                 critic_params = list(self.critic_loaded.model.parameters())
 
         # what a checkpoint holds: the trainable parameters of these, and the optimizers
@@ -130,7 +132,7 @@ class TorchActorCritic(Sampler):
         self.critic = self.critic_trainer = None
         if critic:
             self._build_critic(critic_params, critic_seed, total_updates)
-        shared_head = [self.critic.value_head] if self.shared_trunk else []
+        shared_head = [self.critic.value_head] if plan.policy_update.joint else []
         self.actor_trainer = Trainer(
             self.loaded, config.optim, total_steps=total_updates, seed=config.seed,
             params=actor_params + [p for head in shared_head for p in head.parameters()],
@@ -149,15 +151,15 @@ class TorchActorCritic(Sampler):
         if self.placement.distributed:
             shard_module(self.critic.value_head, self.placement.mesh, torch.float32)
         self._state["value_head"] = self.critic.value_head
-        if self.shared_trunk:  # the actor's Trainer trains the head (critic.lr: rl/ppo.py warns)
+        if not self.plan.own_critic:  # the actor's Trainer trains the head (critic.lr: warned)
             return
         head_params = list(self.critic.value_head.parameters())
         self.critic_trainer = Trainer(
-            self.critic_loaded, self.config.critic_optim(), total_steps=total_updates,
+            self.critic_loaded, self.plan.critic_optim, total_steps=total_updates,
             seed=critic_seed, params=critic_params + head_params,
             modules=[self.critic_loaded.model, self.critic.value_head],
         )  # fmt: skip
-        if not self.config.lora.enabled:
+        if not self.plan.lora:  # with LoRA the critic's adapter is in the actor's model
             self._state["critic"] = self.critic_loaded.model
 
     # roles -------------------------------------------------------------------------------
@@ -165,30 +167,26 @@ class TorchActorCritic(Sampler):
     @contextlib.contextmanager
     def _role(self, role: str) -> Iterator[Any]:
         """The loaded model to run for ``role`` (actor / critic / reference), with the
-        right adapter active."""
-        if self.reference_loaded is not None or not self.config.lora.enabled:
+        adapter the plan names for it active (none: the base alone)."""
+        if not self.plan.lora:
             yield {"actor": self.loaded, "critic": self.critic_loaded,
                    "reference": self.reference_loaded}[role]  # fmt: skip
             return
-        adapter = {
-            "actor": ADAPTER_NAME,
-            "critic": ADAPTER_NAME if self.shared_trunk else CRITIC_ADAPTER,
-            "reference": REFERENCE_ADAPTER if self.config.reference_adapter_path() else None,
-        }[role]
-        with use_adapter(self.loaded.model, adapter):
+        adapter = self.plan.adapter_of(role)
+        with use_adapter(self.loaded.model, None if adapter is None else _ADAPTERS[adapter]):
             yield self.loaded
 
     def _packing(self, batch: dict[str, np.ndarray], micro_batches: int) -> packing.Packing | None:
         """How ``ppo.pack`` packs these rows (:mod:`strop.rl.packing`): into the fewest bins
         that first-fit fills and that split evenly into ``micro_batches`` on every rank
         (eager torch runs any shape, so no buckets)."""
-        if not self.config.ppo.pack:
+        rows = self.plan.rows
+        if not rows.pack:
             return None
         multiple = micro_batches * self.placement.world_size
         return packing.plan(
             batch["attention_mask"], multiple=multiple, buckets=False,
-            bin_width=self.config.ppo.pack_width,
-            **packing.shared_prompts(batch, self.config.ppo.share_prompts),
+            bin_width=rows.pack_width, **packing.shared_prompts(batch, rows.share_prompts),
         )  # fmt: skip
 
     def _packed(
@@ -203,7 +201,7 @@ class TorchActorCritic(Sampler):
         ``ppo.pack`` saves rows, and cut to the columns its rows use."""
         rows = len(batch["input_ids"])
         world = self.placement.world_size
-        chunk = min(self.config.ppo.rows_per_micro_batch, rows // world) or 1
+        chunk = min(self.plan.rows.per_micro_batch, rows // world) or 1
         names = tuple(k for k in packing.FORWARD_COLUMNS if k in batch)
         local = {k: v[0] for k, v in rank_rows(batch, names, 1, self.placement).items()}
         out = torch.zeros(local["input_ids"].shape, dtype=torch.float32)
@@ -264,7 +262,7 @@ class TorchActorCritic(Sampler):
             return self._forward_rows(batch, self.critic.values)
 
     def train_policy(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
-        if self.shared_trunk:
+        if self.plan.policy_update.joint:
             return self._train_shared_trunk(batch, micro_batches)
         batch, names = self._packed(batch, self.policy_objective.batch_names, micro_batches)
         with self._role("actor") as loaded:
@@ -324,7 +322,9 @@ class TorchActorCritic(Sampler):
         return None if self.checkpoints is None else self.checkpoints.latest_step()
 
     def _trainers(self) -> list[Trainer]:
-        return [self.actor_trainer] + ([self.critic_trainer] if self.critic_trainer else [])
+        """The plan's optimizers' trainers, in its order (a checkpoint holds their state)."""
+        trainers = {"actor": self.actor_trainer, "critic": self.critic_trainer}
+        return [trainers[name] for name in self.plan.optimizers]
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return [trainer.optimizer for trainer in self._trainers()]
@@ -356,9 +356,9 @@ class TorchActorCritic(Sampler):
         ``(kernel [E], bias)`` (the actor's alone without a critic; no ``critic`` adapter
         with ``critic.shared_trunk``)."""
         weights = {"actor": adapter_weights(self.loaded.model)}
-        if self.has_critic and not self.shared_trunk:
+        if self.plan.own_critic:
             weights["critic"] = adapter_weights(self.loaded.model, CRITIC_ADAPTER)
-        if self.has_critic:
+        if self.plan.has_critic:
             weights["value_head"] = self.critic.head_weights()
         return weights
 
