@@ -117,8 +117,8 @@ def test_at_top_p_the_first_update_starts_on_policy(straight_run):
 def test_a_vllm_run_killed_and_resumed_gives_the_same_metrics(
     tmp_path,
     ppo_inputs,
-    jax_cache,
-    straight_run,  # noqa: F811
+    jax_cache,  # noqa: F811 (a fixture)
+    straight_run,
 ):
     run_dir = tmp_path / "killed"
     kills, _, resumes = _kill_and_resume(
