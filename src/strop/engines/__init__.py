@@ -122,7 +122,7 @@ def _entry(config: Config) -> EngineEntry:
     return ENGINES[name]
 
 
-def check_engine(config: Config, job: str = "ppo") -> None:
+def check_engine(config: Config, job: str) -> None:
     """Refuse, before any model loads, what the run's engine cannot do for ``job``
     (``"ppo"``, ``"eval"``, ...) (one line, exit 2)."""
     _entry(config).check(config, job)

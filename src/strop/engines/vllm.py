@@ -13,7 +13,9 @@ At ``generation.temperature`` 1 the raw distribution is the one asked for; at an
 temperature the processed one is, as long as top-k/top-p cut nothing. What is left (top-k
 or top-p < 1 at a temperature other than 1) gives the truncated distribution's
 log-probabilities, off from the trainer's by a tenth of a nat and more: ``strop ppo``
-refuses them as old log-probabilities (:func:`check_vllm_ppo`).
+refuses them as old log-probabilities (:func:`check_vllm_ppo`). The mode follows
+``generation.temperature``, the rollouts'; ``strop eval`` at another ``eval.temperature``
+gets that mode's log-probabilities, which it does not use.
 
 :class:`~strop.engines.vllm_sync.VllmRollouts` puts the engine in front of a backend's model: ``generate`` runs on
 vLLM, and before the first sample after anything that changed the actor (an update, a
