@@ -17,9 +17,9 @@ refuses them as old log-probabilities (:func:`check_vllm_ppo`). The mode follows
 ``generation.temperature``, the rollouts'; ``strop eval`` at another ``eval.temperature``
 gets that mode's log-probabilities, which it does not use.
 
-:class:`~strop.engines.vllm_sync.VllmRollouts` puts the engine in front of a backend's model: ``generate`` runs on
-vLLM, and before the first sample after anything that changed the actor (an update, a
-resume, a loaded adapter) it pushes the actor's weights into the engine:
+:class:`~strop.engines.vllm_sync.VllmRollouts` makes it a rollout engine over a backend's
+model: ``generate`` runs on vLLM, and before the first sample after the loop marked the
+actor changed (an update, a resume, a loaded adapter) it pushes the actor into the engine:
 
 - with LoRA, only the actor's adapter: written as a PEFT adapter directory (the backend's
   ``export_adapter``: JAX and torch alike) and served under a new LoRA id;
