@@ -27,11 +27,10 @@ from pathlib import Path
 
 from strop import rewards
 from strop.backends import get_backend
-from strop.backends.base import Policy
 from strop.config import Config
 from strop.data import Tokenizer, read_data_file
 from strop.data.prompts import gold_answers, prompt_ids
-from strop.engines import rollout_engine
+from strop.engines import RolloutEngine, rollout_engine
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
 from strop.io.atomic import write_text_atomically
@@ -125,16 +124,17 @@ def _evaluate(config: Config, path: str, reward, progress: RunProgress) -> EvalR
     progress.phase("loading the model")
     backend = get_backend(config.backend)
     policy = backend.build_policy(config, total_steps=1, checkpoint_dir=None)
-    if config.eval.adapter is not None:
+    if config.eval.adapter is not None:  # before the engine: a new engine samples it
         policy.load_adapter(config.eval.adapter)
-    with rollout_engine(config, policy, max_prompt_tokens=longest) as sampled:
-        return _sample_and_record(
-            config, path, reward, progress, sampled, tokenizer, examples, golds, columns, prompts
+    with rollout_engine(config, policy, max_prompt_tokens=longest) as rollouts:
+        result = _sample_and_record(
+            config, path, reward, progress, rollouts, tokenizer, examples, golds, columns, prompts
         )
+    return dataclasses.replace(result, is_main=policy.is_main)
 
 
 def _sample_and_record(
-    config: Config, path: str, reward, progress: RunProgress, policy: Policy,
+    config: Config, path: str, reward, progress: RunProgress, rollouts: RolloutEngine,
     tokenizer: Tokenizer, examples, golds, columns, prompts: list[list[int]],
 ) -> EvalResult:  # fmt: skip
     # generation: supplies length, top-k/top-p and stop strings; eval: the temperature
@@ -157,7 +157,7 @@ def _sample_and_record(
             return reward(asked, texts, **{n: [v[i] for i in rows] for n, v in columns.items()})
 
         scored = sample_and_score(
-            policy, [prompts[i] for i in rows], params, score, seed=config.seed + start,
+            rollouts, [prompts[i] for i in rows], params, score, seed=config.seed + start,
             eos_ids=eos_ids, tokenizer=tokenizer,
         )  # fmt: skip
         texts, scores = scored.texts, scored.scores
@@ -198,7 +198,6 @@ def _sample_and_record(
         seconds=seconds,
         tokens_per_s=tokens / max(seconds, 1e-9),
         results_path=str(out_dir / "results.jsonl"),
-        is_main=policy.is_main,
     )
     summary = {k: v for k, v in asdict(result).items() if k != "is_main"}
 

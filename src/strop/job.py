@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from strop.backends import get_backend
 from strop.backends.base import TrainableModel
@@ -30,6 +30,9 @@ from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY
 from strop.preflight import holding_run_dir, refuse_step_past_the_end
 from strop.progress import RunProgress, is_main_by_environment
+
+if TYPE_CHECKING:
+    from strop.engines import RolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -115,10 +118,13 @@ def run_steps(
     job: str,
     total: int,
     stop_after: int | None,
+    rollouts: RolloutEngine | None = None,
 ) -> Finished:
     """Resume ``steps.model`` from its latest checkpoint (or seed it from
     ``lora.restore_path``), record the run (``config.yaml``, ``versions.json`` of ``job``),
     run steps up to ``total`` (or ``stop_after``), and export once all ``total`` are done.
+    ``rollouts``: the engine sampling ``steps.model`` (PPO), marked stale after a restore
+    or a loaded adapter.
 
     A checkpoint past ``total`` is refused (preflight refuses it before anything loads);
     ``metrics.jsonl`` is opened only when a step runs, so a call that runs none (a finished
@@ -128,6 +134,8 @@ def run_steps(
     if resumed_from is not None:
         refuse_step_past_the_end(config, job, resumed_from)
         extra = model.restore_checkpoint(resumed_from)
+        if rollouts is not None:
+            rollouts.mark_stale()
         start = int(extra["step"])
         steps.restore_counters(extra.get(CHECKPOINT_KEY))
         logger.info("resumed from checkpoint step %d in %s", start, run_dir)
@@ -136,6 +144,8 @@ def run_steps(
             logger.info("ignoring lora.restore_path on a resumed run (the checkpoint has it)")
     elif config.lora.restore_path:
         model.load_adapter(config.lora.restore_path)
+        if rollouts is not None:
+            rollouts.mark_stale()
         logger.info("initialised the adapter from %s", config.lora.restore_path)
 
     where = run_dir / CONFIG_FILE

@@ -121,7 +121,7 @@ def preflight(
     if checkpoint_dir is not None:
         refuse_other_backends_checkpoints(checkpoint_dir, config.backend)
     if not exporting:  # an export samples nothing: a vLLM run exports without vLLM
-        check_engine(config)
+        check_engine(config, job)
     devices = get_backend(config.backend).device_count()
     check_parallel_layout(config, devices, rows_per_pass(config, job))
     if config.model.path is not None and not Path(config.model.path).is_dir():

@@ -66,3 +66,23 @@ def test_engine_names_are_checked_by_the_config():
 
     with pytest.raises(ConfigError, match=r"generation\.engine"):
         load_config("tiny", ["generation.engine=sglang"])
+
+
+def test_vllm_sampler_logprobs_at_top_p_are_refused_before_anything_loads(
+    inputs, tmp_path, capsys, no_model_builds, without_vllm
+):
+    """top-p below 1 at a temperature other than 1: vLLM returns the truncated
+    distribution's log-probabilities (a config check: refused with or without vLLM)."""
+    from strop.cli import main
+
+    args = ["ppo", "ppo-lora-tiny", f"model.path={inputs / 'model'}",
+            f"data.train_path={inputs / 'good.jsonl'}", f"run_dir={tmp_path / 'run'}",
+            "mesh.fsdp=1", "mesh.tensor=-1", "ppo.validate_every=0", "data.format=auto",
+            "backend=torch", "generation.engine=vllm", "ppo.old_logprobs=sampler",
+            "generation.temperature=0.7", "generation.top_k=5"]  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "vLLM returns the log-probabilities of the truncated distribution" in line
+    assert "use ppo.old_logprobs=recompute" in line

@@ -34,6 +34,8 @@ REQUIRED_METRICS = {
     "timing/logprobs", "timing/values", "timing/train",
     "throughput/tokens_per_s", "reward/timeouts",
 }  # fmt: skip
+MISMATCH = {"mismatch/kl", "mismatch/abs_logprob_diff_mean", "mismatch/abs_logprob_diff_max"}
+"""The mismatch monitor: in every PPO/GRPO iteration's metrics."""
 MARGIN = 0.1  # train/reward: mean of the last 3 iterations >= mean of the first 3 + this
 
 
@@ -243,7 +245,7 @@ def test_old_logprobs_from_the_sampler_train_as_recomputed_ones(task, tmp_path, 
     assert "timing/logprobs" in recomputed.history[0]
     assert "timing/logprobs" not in sampled.history[0]  # no forward: no time spent on it
     assert "token_mult_prob_error" not in sampled.history[0]  # nothing to compare with
-    monitor = {"mismatch/kl", "mismatch/abs_logprob_diff_mean", "mismatch/abs_logprob_diff_max"}
+    monitor = MISMATCH
     correction = {"mismatch/is_weight_mean", "mismatch/masked_fraction"}
     for run in ("recompute", "sampler"):
         for record in read_metrics(tmp_path / run / "metrics.jsonl"):
@@ -283,6 +285,8 @@ def test_a_grpo_run_trains_without_a_critic_and_resumes_exactly(task, tmp_path, 
     record = straight.history[-1]
     assert not [key for key in record if key.startswith(("critic/", "timing/values"))]
     assert {"policy/loss", "policy/kl", "train/equal_score_groups"} <= record.keys()
+    for written in read_metrics(tmp_path / "straight" / "metrics.jsonl"):
+        assert written.keys() >= MISMATCH
     assert (straight.export_path / "adapter_config.json").is_file()
 
     # `strop export RUN_DIR`: the run's config.yaml says it had no critic (the recipe alone
@@ -312,6 +316,7 @@ def test_the_other_critic_free_estimators_run(task, tmp_path, estimator):
     result = run_ppo(config)
     assert len(result.history) == 2
     assert not [key for key in result.history[-1] if key.startswith("critic/")]
+    assert all(r.keys() >= MISMATCH for r in read_metrics(tmp_path / "run" / "metrics.jsonl"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -87,8 +87,8 @@ def test_greedy_tokens_equal_native_and_transformers_before_and_after_an_update(
 
         # an update moves the actor; the next generate syncs it into the engine
         batch = _update_batch(model, prompts, native)
-        rollouts.train_policy(batch, 1)
-        assert rollouts._stale
+        model.train_policy(batch, 1)
+        rollouts.mark_stale()  # as the PPO loop does after an update
         after = generate(rollouts, prompts, greedy)
         assert rollouts.syncs == 2
         assert after.responses() == generate(model, prompts, greedy).responses()

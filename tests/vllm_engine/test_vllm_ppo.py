@@ -79,27 +79,54 @@ def test_the_demo_learns_on_vllm_as_on_the_native_engine(tmp_path):
     assert abs(served - native) <= MAX_GAP, (native, served)
 
 
-def test_a_vllm_run_killed_and_resumed_gives_the_same_metrics(tmp_path, ppo_inputs, jax_cache):  # noqa: F811
-    env = _env(jax_cache)
-    common = [
-        "backend=torch", "generation.engine=vllm", "generation.vllm_memory_fraction=0.1",
-        "ppo.steps=4", "ppo.prompts_per_step=4", "ppo.num_generations_per_prompt=2",
-        "ppo.mini_batch_size=8", "ppo.validate_every=2", "ppo.validation_size=8",
-        "generation.max_new_tokens=16", "checkpoint.every_steps=1", "checkpoint.keep=2",
-        "logging.tensorboard=false", *ppo_inputs,
-    ]  # fmt: skip
-    straight = subprocess.run(
-        [*PPO, f"run_dir={tmp_path / 'straight'}", *common], env=env, capture_output=True
-    )
-    assert straight.returncode == 0, straight.stderr[-2000:]
+# top-p 0.7 at temperature 1 with the sampler's log-probabilities as the old ones: vLLM's
+# must be those of the untruncated distribution, as the trainer's are (docs/ppo.md)
+VLLM_PPO = [
+    "backend=torch", "generation.engine=vllm", "generation.vllm_memory_fraction=0.1",
+    "ppo.steps=4", "ppo.prompts_per_step=4", "ppo.num_generations_per_prompt=2",
+    "ppo.mini_batch_size=8", "ppo.validate_every=2", "ppo.validation_size=8",
+    "generation.max_new_tokens=16", "checkpoint.every_steps=1", "checkpoint.keep=2",
+    "logging.tensorboard=false", "generation.top_p=0.7", "ppo.old_logprobs=sampler",
+]  # fmt: skip
 
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, ppo_inputs, jax_cache):  # noqa: F811
+    """A 4-iteration vLLM run, uninterrupted: its run directory."""
+    run_dir = tmp_path_factory.mktemp("vllm-ppo") / "straight"
+    done = subprocess.run(
+        [*PPO, f"run_dir={run_dir}", *VLLM_PPO, *ppo_inputs], env=_env(jax_cache),
+        capture_output=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return run_dir
+
+
+def test_at_top_p_the_first_update_starts_on_policy(straight_run):
+    """One mini-batch per iteration: the first iteration's clip fraction is the first
+    update's, whose forward is the sampler's policy (``mismatch/*``: its gap). With vLLM's
+    renormalised top-p log-probabilities it was 0.22 nats off and clipped tokens."""
+    records = read_metrics(straight_run / "metrics.jsonl")
+    monitor = {"mismatch/kl", "mismatch/abs_logprob_diff_mean", "mismatch/abs_logprob_diff_max"}
+    assert all(monitor <= r.keys() for r in records if "train/reward" in r)
+    first = next(r for r in records if r["step"] == 1)
+    assert first["mismatch/abs_logprob_diff_max"] < 1e-3  # the ratio is 1 within 1e-3
+    assert first["policy/clipfrac"] == 0
+
+
+def test_a_vllm_run_killed_and_resumed_gives_the_same_metrics(
+    tmp_path,
+    ppo_inputs,
+    jax_cache,  # noqa: F811 (a fixture)
+    straight_run,
+):
     run_dir = tmp_path / "killed"
     kills, _, resumes = _kill_and_resume(
-        [*PPO, f"run_dir={run_dir}", *common], env, run_dir / "checkpoints", "torch",
-        1, 0.5, random.Random("ppo-kill-vllm"), tmp_path,
+        [*PPO, f"run_dir={run_dir}", *VLLM_PPO, *ppo_inputs], _env(jax_cache),
+        run_dir / "checkpoints", "torch", 1, 0.5, random.Random("ppo-kill-vllm"), tmp_path,
     )  # fmt: skip
     assert kills == 1 and resumes == 1
-    want = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    want = read_metrics(straight_run / "metrics.jsonl")
     got = read_metrics(run_dir / "metrics.jsonl")
     assert _metric_steps(run_dir) == [r["step"] for r in want]
     assert [_comparable(r) for r in got] == [_comparable(r) for r in want]

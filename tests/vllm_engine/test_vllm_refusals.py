@@ -1,7 +1,8 @@
 # ruff: noqa: F811 (inputs: a fixture imported from test_gold_refusal)
 """What a vLLM engine cannot do is refused in one line (exit 2) before any model loads: a
 model vLLM cannot serve (here: heads of 16 dims, below what vLLM's CPU attention takes),
-sleep mode on a platform without it, several processes."""
+sleep mode on a platform without it, several processes, the sampler's log-probabilities as
+old ones where vLLM has only the truncated distribution's."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def test_a_model_vllm_cannot_serve_is_refused_before_any_model_loads(
     assert "heads of 16 dims" in line and "generation.engine=native" in line
 
 
-def test_sleep_mode_on_cpu_jax_processes_and_a_bad_tensor_parallel_size_are_refused(
+def test_sleep_mode_jax_processes_tensor_parallel_size_and_truncated_logprobs_are_refused(
     inputs, tmp_path, capsys, no_model_builds, monkeypatch
 ):
     args = cli_args(inputs, tmp_path, *COMMANDS[0])
@@ -58,6 +59,11 @@ def test_sleep_mode_on_cpu_jax_processes_and_a_bad_tensor_parallel_size_are_refu
     assert "generation.vllm_sleep=true: vLLM's sleep mode needs a CUDA or ROCm device" in line
     line = refused([*args, "generation.vllm_tensor_parallel_size=2"], capsys)
     assert "generation.vllm_tensor_parallel_size=2 must divide the 1 process(es)" in line
+    # vLLM has only the truncated distribution's log-probabilities there (docs/ppo.md)
+    truncated = ["ppo.old_logprobs=sampler", "generation.temperature=0.7", "generation.top_p=0.9"]
+    line = refused([*args, *truncated], capsys)
+    assert line.startswith("error: ppo.old_logprobs=sampler with generation.engine=vllm, top_p=0.9")
+    assert line.endswith("use ppo.old_logprobs=recompute (or temperature 1, or no top-p/top-k)")
     monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
     line = refused([*args, "backend=jax"], capsys)
     assert "JAX over several processes is not supported yet" in line

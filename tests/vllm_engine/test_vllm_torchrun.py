@@ -27,6 +27,8 @@ def test_strop_ppo_on_vllm_under_torchrun_equals_a_single_process(tmp_path):
     _run_two_ranks_and_one(tmp_path, ["ppo", "ppo-lora-tiny", *overrides])
     records = _metric_lines(tmp_path)
     assert [r["step"] for r in records["two"]] == [r["step"] for r in records["one"]]
+    monitor = {"mismatch/kl", "mismatch/abs_logprob_diff_mean", "mismatch/abs_logprob_diff_max"}
+    assert all(monitor <= r.keys() for r in records["two"] if "train/reward" in r)
     for two, one in zip(records["two"], records["one"], strict=True):
         for key in ("train/reward", "train/response_length", "policy/loss", "critic/loss",
                     "validation/accuracy"):  # fmt: skip

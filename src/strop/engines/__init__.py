@@ -1,51 +1,142 @@
 """Rollout engines: who samples a run's responses (``generation.engine``).
 
-``native`` is the backend's own sampler on the training model (``model.generate``);
-``vllm`` is a vLLM engine in the training process fed the actor's weights after every
-update (:mod:`strop.engines.vllm`). The loops enter :func:`rollout_engine` once and
-sample through what it returns, whichever engine it is.
+A :class:`RolloutEngine` is a :class:`~strop.generation.Sampler` that the loop tells, by an
+explicit :meth:`~RolloutEngine.mark_stale`, when the actor it samples from has changed (an
+update, a restored checkpoint, a loaded adapter). The loops hold two things: the model
+they train (the backend's ``ActorCritic`` or ``Policy``) and the engine they sample from,
+entered once with :func:`rollout_engine`.
+
+Engines register here by name (:data:`ENGINES`), each with its check (run by preflight,
+before any model loads) and its builder; ``generation.engine`` names one of them:
+
+- ``native``: the backend's own sampler on the training model (:class:`NativeEngine`:
+  it reads the model's current weights at every call, so a stale mark needs no work);
+- ``vllm``: a vLLM engine in the training process (:mod:`strop.engines.vllm`), fed the
+  actor's weights before the first sample after a stale mark
+  (:class:`~strop.engines.vllm_sync.VllmRollouts`); its settings are the
+  ``generation.vllm_*`` keys.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar, cast
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 from strop.config import Config
+from strop.generation import Decoding, Generation, Sampler, SamplingParams
 
-Model = TypeVar("Model")
+
+@runtime_checkable
+class RolloutEngine(Sampler, Protocol):
+    """What a loop samples from: ``generate`` (:class:`~strop.generation.Sampler`'s) with
+    the actor's current weights, given that every change to the actor was reported."""
+
+    def mark_stale(self) -> None:
+        """The actor changed since the last sample (an update, a restored checkpoint, a
+        loaded adapter): the next sample must use its new weights. Called on every
+        process of the run, after each such change."""
+        ...
+
+    def close(self) -> None:
+        """Free what the engine holds (its own weights, caches, files)."""
+        ...
 
 
-def check_engine(config: Config) -> None:
-    """Refuse, before any model loads, an engine this run cannot use (one line, exit 2)."""
-    if config.generation.engine == "vllm":
-        from strop.engines.vllm import check_vllm
+class NativeEngine(Sampler):
+    """The backend's own sampler on the training model: samples with the weights the model
+    holds at each call, so a change to the actor needs nothing done."""
 
-        check_vllm(
-            config,
-            world_size=int(os.environ.get("WORLD_SIZE") or 1),  # torchrun's ranks
-            jax_processes=int(os.environ.get("JAX_NUM_PROCESSES") or 1),
-        )
+    def __init__(self, model: Sampler) -> None:
+        self.model = model
+
+    def sample(
+        self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
+    ) -> Generation:
+        return self.model.sample(prompts, params, decoding)
+
+    def mark_stale(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """A registered rollout engine: ``check(config, job)`` refuses (one line,
+    :class:`~strop.errors.ConfigError`) what it cannot do before any model loads;
+    ``build(config, model, max_prompt_tokens)`` returns the engine over ``model``."""
+
+    check: Callable[[Config, str], None]
+    build: Callable[[Config, Any, int | None], RolloutEngine]
+
+
+def _check_nothing(config: Config, job: str) -> None:
+    pass
+
+
+def _build_native(config: Config, model: Any, max_prompt_tokens: int | None) -> RolloutEngine:
+    return NativeEngine(model)
+
+
+def _check_vllm(config: Config, job: str) -> None:
+    from strop.engines.vllm import check_vllm, check_vllm_ppo
+
+    if job == "ppo":
+        check_vllm_ppo(config)
+    check_vllm(
+        config,
+        world_size=int(os.environ.get("WORLD_SIZE") or 1),  # torchrun's ranks
+        jax_processes=int(os.environ.get("JAX_NUM_PROCESSES") or 1),
+    )
+
+
+def _build_vllm(config: Config, model: Any, max_prompt_tokens: int | None) -> RolloutEngine:
+    from strop.engines.vllm import VllmEngine
+    from strop.engines.vllm_sync import VllmRollouts
+
+    return VllmRollouts(model, VllmEngine(config, max_prompt_tokens=max_prompt_tokens), config)
+
+
+ENGINES: dict[str, EngineEntry] = {}
+"""The rollout engines by name: what ``generation.engine`` may name."""
+
+
+def register(name: str, check: Callable[[Config, str], None], build: Callable) -> None:
+    """Make ``generation.engine=name`` build ``build`` after ``check`` (see
+    :class:`EngineEntry`)."""
+    ENGINES[name] = EngineEntry(check, build)
+
+
+register("native", _check_nothing, _build_native)
+register("vllm", _check_vllm, _build_vllm)
+
+
+def _entry(config: Config) -> EngineEntry:
+    name = config.generation.engine
+    if name not in ENGINES:  # the schema's choices are the registry's (tests/unit)
+        raise ValueError(f"generation.engine={name!r} is not a registered engine")
+    return ENGINES[name]
+
+
+def check_engine(config: Config, job: str) -> None:
+    """Refuse, before any model loads, what the run's engine cannot do for ``job``
+    (``"ppo"``, ``"eval"``, ...) (one line, exit 2)."""
+    _entry(config).check(config, job)
 
 
 @contextmanager
 def rollout_engine(
-    config: Config, model: Model, *, max_prompt_tokens: int | None = None
-) -> Iterator[Model]:
-    """Yield ``model`` itself (native engine), or ``model`` with its ``generate`` served by
-    a vLLM engine synced with the actor (``generation.engine=vllm``), freed at exit.
+    config: Config, model: Any, *, max_prompt_tokens: int | None = None
+) -> Iterator[RolloutEngine]:
+    """The run's rollout engine over ``model`` (``generation.engine``), closed at exit.
     ``max_prompt_tokens``: the longest prompt the engine will see (default
-    ``data.max_length``)."""
-    if config.generation.engine == "native":
-        yield model
-        return
-    from strop.engines.vllm import VllmEngine
-    from strop.engines.vllm_sync import VllmRollouts
-
-    rollouts = VllmRollouts(model, VllmEngine(config, max_prompt_tokens=max_prompt_tokens), config)
+    ``data.max_length``). A new engine samples ``model`` as it is when entered."""
+    engine = _entry(config).build(config, model, max_prompt_tokens)
     try:
-        yield cast(Model, rollouts)
+        yield engine
     finally:
-        rollouts.close()
+        engine.close()

@@ -5,9 +5,21 @@ in-process executor, as TRL's colocate mode), and samples through the same contr
 native samplers (:mod:`strop.generation`): token ids, the sampled token's log-probability
 at the rollout temperature, lengths, finish reasons, EOS ids and stop strings.
 
-:class:`~strop.engines.vllm_sync.VllmRollouts` puts the engine in front of a backend's model: ``generate`` runs on
-vLLM, and before the first sample after anything that changed the actor (an update, a
-resume, a loaded adapter) it pushes the actor's weights into the engine:
+The sampled token's log-probability is that of the untruncated temperature-scaled
+distribution, as the native samplers return it, wherever vLLM can give it
+(:func:`logprobs_mode`): vLLM returns either the raw model's (before the temperature) or
+the sampler's after the temperature *and* top-k/top-p, renormalised over what they kept.
+At ``generation.temperature`` 1 the raw distribution is the one asked for; at any other
+temperature the processed one is, as long as top-k/top-p cut nothing. What is left (top-k
+or top-p < 1 at a temperature other than 1) gives the truncated distribution's
+log-probabilities, off from the trainer's by a tenth of a nat and more: ``strop ppo``
+refuses them as old log-probabilities (:func:`check_vllm_ppo`). The mode follows
+``generation.temperature``, the rollouts'; ``strop eval`` at another ``eval.temperature``
+gets that mode's log-probabilities, which it does not use.
+
+:class:`~strop.engines.vllm_sync.VllmRollouts` makes it a rollout engine over a backend's
+model: ``generate`` runs on vLLM, and before the first sample after the loop marked the
+actor changed (an update, a resume, a loaded adapter) it pushes the actor into the engine:
 
 - with LoRA, only the actor's adapter: written as a PEFT adapter directory (the backend's
   ``export_adapter``: JAX and torch alike) and served under a new LoRA id;
@@ -122,6 +134,36 @@ def check_vllm(config: Config, *, world_size: int = 1, jax_processes: int = 1) -
         )
 
 
+def truncates(config: Config) -> bool:
+    """Whether sampling cuts the distribution (``generation.top_k`` or ``top_p < 1``)."""
+    return config.generation.top_k > 0 or config.generation.top_p < 1
+
+
+def logprobs_mode(config: Config) -> str:
+    """vLLM's ``logprobs_mode`` for the untruncated temperature-scaled distribution:
+    ``raw_logprobs`` at temperature 1 (the model's own, before vLLM's top-k/top-p),
+    else ``processed_logprobs`` (after the temperature; after top-k/top-p as well, which
+    :func:`check_vllm_ppo` refuses where the log-probabilities are trained on)."""
+    return "raw_logprobs" if config.generation.temperature == 1.0 else "processed_logprobs"
+
+
+def check_vllm_ppo(config: Config) -> None:
+    """Refuse ``ppo.old_logprobs=sampler`` where vLLM can return only the truncated
+    distribution's log-probabilities (top-k or top-p < 1 at a temperature other than 1)."""
+    generation = config.generation
+    if (
+        config.ppo.old_logprobs == "sampler"
+        and truncates(config)
+        and logprobs_mode(config) == "processed_logprobs"
+    ):
+        raise ConfigError(
+            f"ppo.old_logprobs=sampler with generation.engine=vllm, top_p={generation.top_p}, "
+            f"top_k={generation.top_k} at temperature {generation.temperature}: vLLM returns "
+            "the log-probabilities of the truncated distribution there, not the trainer's; "
+            "use ppo.old_logprobs=recompute (or temperature 1, or no top-p/top-k)"
+        )
+
+
 def _max_lora_rank(rank: int) -> int:
     return next(r for r in VLLM_LORA_RANKS if r >= rank)
 
@@ -169,8 +211,9 @@ class VllmEngine(Sampler):
             skip_tokenizer_init=True,  # strop passes token ids and cuts stop strings itself
             max_model_len=max_prompt + generation.max_new_tokens,
             gpu_memory_utilization=generation.vllm_memory_fraction,
-            # the sampled token's log-probability after the temperature (strop's contract)
-            logprobs_mode="processed_logprobs",
+            # the sampled token's log-probability under the untruncated distribution at
+            # the temperature (strop's contract), where vLLM has it (see logprobs_mode)
+            logprobs_mode=logprobs_mode(config),
             enforce_eager=current_platform.is_cpu(),  # no compile step on CPU
             enable_sleep_mode=generation.vllm_sleep,
             # a prompt's KV is always computed the same way, so a resumed run samples what

@@ -1,5 +1,6 @@
-"""The training model behind a vLLM engine: :class:`VllmRollouts` samples on the engine
-(:mod:`strop.engines.vllm`) and pushes the actor into it after anything changed it."""
+"""vLLM as a :class:`~strop.engines.RolloutEngine`: :class:`VllmRollouts` samples on the
+engine (:mod:`strop.engines.vllm`) and pushes the actor into it after the loop marked it
+stale."""
 
 from __future__ import annotations
 
@@ -14,18 +15,14 @@ from strop.generation import Decoding, Generation, Sampler, SamplingParams
 
 
 class VllmRollouts(Sampler):
-    """A backend's model (``ActorCritic`` or ``Policy``) whose ``generate`` runs on a vLLM
-    engine fed the actor's current weights; everything else is the model's own.
+    """A :class:`~strop.engines.RolloutEngine` that samples a backend's model (``ActorCritic``
+    or ``Policy``) on a vLLM engine fed the actor's current weights.
 
-    The engine is synced lazily: anything that changes the actor (an update, a restored
-    checkpoint, a loaded adapter) marks it stale, and the next ``generate`` pushes the
-    actor's adapter (LoRA) or weights (full fine-tuning) first. Every process of the run
-    takes part in a sync (gathers are collectives)."""
-
-    _CHANGES_THE_ACTOR = (
-        "train_policy", "train_critic_and_policy", "train_step", "restore_checkpoint",
-        "load_adapter",
-    )  # fmt: skip
+    The engine is synced lazily: the loop calls :meth:`mark_stale` after anything that
+    changed the actor (an update, a restored checkpoint, a loaded adapter), and the next
+    ``generate`` pushes the actor's adapter (LoRA) or weights (full fine-tuning) first.
+    A new one is stale (vLLM serves ``model.path``; the actor may already differ). Every
+    process of the run takes part in a sync (gathers are collectives)."""
 
     def __init__(self, model: Any, engine: VllmEngine, config: Config) -> None:
         self.model = model
@@ -33,7 +30,7 @@ class VllmRollouts(Sampler):
         self.lora = config.lora.enabled
         self.sleep = config.generation.vllm_sleep
         self.syncs = 0
-        self._stale = True  # the engine holds model.path; the actor may already differ
+        self.stale = True  # the engine holds model.path; the actor may already differ
         # the adapter is written once (by rank 0) and read by every rank's engine: under
         # torchrun it goes where every rank sees it, the run directory
         self._shared = engine.world_size > 1
@@ -44,16 +41,9 @@ class VllmRollouts(Sampler):
         else:
             self._staging = Path(tempfile.mkdtemp(prefix="strop-vllm-"))
 
-    def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self.model, name)
-        if name in self._CHANGES_THE_ACTOR and callable(attribute):
-
-            def changing(*args: Any, **kwargs: Any) -> Any:
-                self._stale = True
-                return attribute(*args, **kwargs)
-
-            return changing
-        return attribute
+    def mark_stale(self) -> None:
+        """The actor changed: push it into the engine before the next sample."""
+        self.stale = True
 
     def sync(self) -> None:
         """Push the actor's adapter or weights into the engine (every process calls it)."""
@@ -66,14 +56,14 @@ class VllmRollouts(Sampler):
         else:
             self.engine.load_weights(self.model.merged_weights())
         self.syncs += 1
-        self._stale = False
+        self.stale = False
 
     def sample(
         self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
     ) -> Generation:
         """Sample from the actor on vLLM, syncing it first if it changed."""
         self.engine.wake_up()
-        if self._stale:
+        if self.stale:
             self.sync()
         generation = self.engine.sample(prompts, params, decoding)
         if self.sleep:

@@ -49,7 +49,7 @@ from strop.backends import get_backend
 from strop.backends.base import ActorCritic
 from strop.config import Config
 from strop.data import Tokenizer
-from strop.engines import rollout_engine
+from strop.engines import RolloutEngine, rollout_engine
 from strop.generation import SamplingParams
 from strop.job import RunResult, run_steps, training_job
 from strop.nonfinite import count_skipped, likely_causes
@@ -108,16 +108,19 @@ def _train(
 
     reward.start()  # its worker imports the user's function while the models load
     progress.phase("loading the models")
-    engine = get_backend(config.backend).build_actor_critic(
+    model = get_backend(config.backend).build_actor_critic(
         config, total_updates=ppo.optimizer_updates(), checkpoint_dir=config.checkpoint_path(),
         plan=RolePlan.from_config(config),
     )  # fmt: skip
-    with rollout_engine(config, engine, max_prompt_tokens=longest) as sampled:
-        loop = PpoLoop(config, sampled, train, validation, tokenizer, reward, progress)
-        run = run_steps(config, loop, progress, job="ppo", total=ppo.steps, stop_after=stop_after)
+    with rollout_engine(config, model, max_prompt_tokens=longest) as rollouts:
+        loop = PpoLoop(config, model, rollouts, train, validation, tokenizer, reward, progress)
+        run = run_steps(
+            config, loop, progress, job="ppo", total=ppo.steps, stop_after=stop_after,
+            rollouts=rollouts,
+        )  # fmt: skip
     return PpoResult(
         run_dir=Path(config.run_dir), final_step=run.end, resumed_from=run.resumed_from,
-        export_path=run.export_path, is_main=engine.is_main, history=run.records,
+        export_path=run.export_path, is_main=model.is_main, history=run.records,
     )  # fmt: skip
 
 
@@ -135,7 +138,8 @@ class _Sample:
 
 @dataclass
 class PpoLoop:
-    """PPO's iterations and validation over one engine (:class:`strop.job.Steps`).
+    """PPO's iterations and validation (:class:`strop.job.Steps`): ``model`` trains,
+    ``rollouts`` samples it and is marked stale after each update of the actor.
 
     ``skipped`` counts the updates not applied because their loss or gradient norm was
     NaN/Inf (``train.skip_nonfinite``; without it the engine raises
@@ -145,6 +149,7 @@ class PpoLoop:
 
     config: Config
     model: ActorCritic
+    rollouts: RolloutEngine
     train: PromptSet
     validation: PromptSet | None
     tokenizer: Tokenizer
@@ -235,7 +240,7 @@ class PpoLoop:
         rows = [i for i in chosen for _ in range(ppo.num_generations_per_prompt)]
         prompts = [train.ids[i] for i in rows]
         generation = self._timed(
-            "generate", self.model.generate, prompts, sampling,
+            "generate", self.rollouts.generate, prompts, sampling,
             seed=_seed(self.config.seed, step), eos_ids=self.eos_ids,
             pad_id=self.tokenizer.pad_token_id, tokenizer=self.tokenizer,
             prompt_columns=self._prompt_columns(train),
@@ -330,12 +335,18 @@ class PpoLoop:
         self, roles: tuple[str, ...], mini: dict[str, np.ndarray], micro_batches: int
     ) -> tuple[dict[str, float], ...]:
         """The updates ``roles`` names over one mini-batch, their stats in that order:
-        the critic's and the policy's in one call when both run."""
-        engine = self.model
+        the critic's and the policy's in one call when both run. An update of the actor
+        (the policy's; with ``critic.shared_trunk`` the critic's rides in it) marks the
+        rollout engine stale."""
+        model = self.model
         if roles == ("critic", "policy"):
-            return engine.train_critic_and_policy(mini, micro_batches)
-        one = {"critic": engine.train_critic, "policy": engine.train_policy}
-        return tuple(one[role](mini, micro_batches) for role in roles)
+            stats = model.train_critic_and_policy(mini, micro_batches)
+        else:
+            one = {"critic": model.train_critic, "policy": model.train_policy}
+            stats = tuple(one[role](mini, micro_batches) for role in roles)
+        if "policy" in roles:
+            self.rollouts.mark_stale()
+        return stats
 
     def validate(self) -> float:
         """Greedy accuracy of the actor on the validation prompts: the share whose response
@@ -358,7 +369,7 @@ class PpoLoop:
                 return self.reward.score(asked, texts, columns, golds, primary_only=True).total
 
             scored = sample_and_score(
-                self.model, [prompts.ids[i] for i in rows], greedy, score, seed=self.config.seed,
+                self.rollouts, [prompts.ids[i] for i in rows], greedy, score, seed=self.config.seed,
                 eos_ids=self.eos_ids, tokenizer=self.tokenizer, prompt_columns=prompt_columns,
             )  # fmt: skip
             correct += sum(value >= 1.0 for value in scored.scores)
