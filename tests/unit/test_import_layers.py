@@ -1,0 +1,129 @@
+"""The package layers, read from the source with ``ast`` (nothing is imported).
+
+Every ``import strop...`` / ``from strop... import ...`` counts, at module level and inside
+functions alike (a lazy import is still a dependency). Folder-level edges among the
+training packages (``backends``, ``rl``, ``sft``, ``rewards``) may not form a loop: the
+backends sit above the core they are driven by, and what both need (batch layout,
+objectives, the reward model's checks) lives in packages below both. The core packages
+import no array framework at module level.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import strop
+
+ROOT = Path(strop.__file__).parent
+LAYERED = ("backends", "rl", "sft", "rewards")
+# the core: never jax/torch/flax/transformers at module level (the backends alone may)
+CORE = ("rl", "sft", "rewards", "data", "io", "config", "batch", "objectives", "engines")
+FRAMEWORKS = ("jax", "jaxlib", "flax", "optax", "orbax", "qwix", "torch", "transformers", "peft")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> list[tuple[str, bool, int]]:
+    """``(imported module, at module level, line)`` for every import in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    top = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        at_top = id(node) in top
+        if isinstance(node, ast.Import):
+            found += [(alias.name, at_top, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            found.append((base, at_top, node.lineno))
+            # `from strop import rewards` names a package too
+            found += [(f"{base}.{alias.name}", at_top, node.lineno) for alias in node.names]
+    return found
+
+
+def folder(module: str) -> str | None:
+    """The layered folder a ``strop.X...`` module lives in, or None."""
+    parts = module.split(".")
+    if len(parts) >= 2 and parts[0] == "strop" and parts[1] in LAYERED:
+        return parts[1]
+    return None
+
+
+def folder_edges() -> dict[tuple[str, str], list[str]]:
+    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for path in sorted(ROOT.rglob("*.py")):
+        source = folder(module_name(path))
+        if source is None:
+            continue
+        for target, _, line in imports(path):
+            into = folder(target)
+            if into is not None and into != source:
+                edges[source, into].append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    return edges
+
+
+def cycles(edges: dict[tuple[str, str], list[str]]) -> list[list[str]]:
+    """Every elementary loop among the folders (few nodes: a plain search)."""
+    graph = defaultdict(set)
+    for a, b in edges:
+        graph[a].add(b)
+    loops = []
+
+    def visit(start: str, node: str, path: list[str]) -> None:
+        for nxt in sorted(graph[node]):
+            if nxt == start:
+                loops.append([*path, start])
+            elif nxt not in path and nxt > start:
+                visit(start, nxt, [*path, nxt])
+
+    for start in sorted(graph):
+        visit(start, start, [start])
+    return loops
+
+
+def test_no_folder_level_loop_among_backends_rl_sft_rewards():
+    edges = folder_edges()
+    loops = cycles(edges)
+    lines = []
+    for loop in loops:
+        lines.append(" -> ".join(loop))
+        for a, b in zip(loop, loop[1:], strict=False):
+            lines += [f"    {where}" for where in edges[a, b]]
+    assert not loops, "folder-level import loops:\n" + "\n".join(lines)
+
+
+def test_the_core_imports_no_framework_at_module_level():
+    found = []
+    for name in CORE:
+        for path in sorted((ROOT / name).rglob("*.py")) if (ROOT / name).is_dir() else []:
+            for target, at_top, line in imports(path):
+                if at_top and target.split(".")[0] in FRAMEWORKS:
+                    found.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not found, "\n".join(found)
+
+
+def test_the_walk_sees_lazy_imports(tmp_path):
+    """The reader finds an import inside a function and a relative one (a check of the
+    checker: a loop made by a lazy import must not slip through)."""
+    package = tmp_path / "strop" / "rl"
+    package.mkdir(parents=True)
+    code = "def f():\n    from strop.backends import get_backend\n    from ..sft import loop\n"
+    (package / "x.py").write_text(code)
+    global ROOT
+    saved, ROOT = ROOT, tmp_path / "strop"
+    try:
+        found = imports(package / "x.py")
+    finally:
+        ROOT = saved
+    assert ("strop.backends", False, 2) in found
+    assert ("strop.sft.loop", False, 3) in found
+    assert cycles({("rl", "backends"): [], ("backends", "rl"): []}) == [["backends", "rl", "backends"]]
