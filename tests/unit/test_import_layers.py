@@ -11,6 +11,7 @@ import no array framework at module level.
 from __future__ import annotations
 
 import ast
+import itertools
 from collections import defaultdict
 from pathlib import Path
 
@@ -58,8 +59,9 @@ def folder(module: str) -> str | None:
     return None
 
 
-def folder_edges() -> dict[tuple[str, str], list[str]]:
-    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+def folder_edges() -> dict[tuple[str, str], dict[str, str]]:
+    """``(from folder, to folder)`` -> the import lines that make that edge."""
+    edges: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)
     for path in sorted(ROOT.rglob("*.py")):
         source = folder(module_name(path))
         if source is None:
@@ -67,11 +69,11 @@ def folder_edges() -> dict[tuple[str, str], list[str]]:
         for target, _, line in imports(path):
             into = folder(target)
             if into is not None and into != source:
-                edges[source, into].append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+                edges[source, into].setdefault(f"{path.relative_to(ROOT)}:{line}", target)
     return edges
 
 
-def cycles(edges: dict[tuple[str, str], list[str]]) -> list[list[str]]:
+def cycles(edges: dict[tuple[str, str], dict[str, str]]) -> list[list[str]]:
     """Every elementary loop among the folders (few nodes: a plain search)."""
     graph = defaultdict(set)
     for a, b in edges:
@@ -96,8 +98,8 @@ def test_no_folder_level_loop_among_backends_rl_sft_rewards():
     lines = []
     for loop in loops:
         lines.append(" -> ".join(loop))
-        for a, b in zip(loop, loop[1:], strict=False):
-            lines += [f"    {where}" for where in edges[a, b]]
+        for a, b in itertools.pairwise(loop):
+            lines += [f"    {where} imports {target}" for where, target in edges[a, b].items()]
     assert not loops, "folder-level import loops:\n" + "\n".join(lines)
 
 
@@ -126,4 +128,6 @@ def test_the_walk_sees_lazy_imports(tmp_path):
         ROOT = saved
     assert ("strop.backends", False, 2) in found
     assert ("strop.sft.loop", False, 3) in found
-    assert cycles({("rl", "backends"): [], ("backends", "rl"): []}) == [["backends", "rl", "backends"]]
+    assert cycles({("rl", "backends"): {}, ("backends", "rl"): {}}) == [
+        ["backends", "rl", "backends"]
+    ]

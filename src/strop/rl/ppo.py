@@ -80,7 +80,9 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     """Train for ``ppo.steps`` iterations (or until ``stop_after``), resuming if possible."""
     check_ppo_config(config)
     limits = rewards.RewardLimits.of(config.ppo, "ppo")  # a deadline: user functions in a worker
-    reward = rewards.resolve(config.ppo.reward, setting="ppo.reward", config=config, limits=limits)
+    reward = rewards.resolve(
+        config.ppo.reward, setting="ppo.reward", build_model=_reward_model(config), limits=limits
+    )
     preflight(config, "ppo", config.checkpoint_path())  # before anything loads
     figures = {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"}
     with training_job(config, "ppo", config.ppo.steps, figures) as progress:
@@ -88,6 +90,15 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
             return _train(config, stop_after, progress, reward)
         finally:
             reward.close()
+
+
+def _reward_model(config: Config) -> Callable[[Path], Any]:
+    """How a ``model:DIR`` reward is built, at its first score: by the run's backend."""
+
+    def build(directory: Path) -> Any:
+        return get_backend(config.backend).build_reward_model(config, directory)
+
+    return build
 
 
 def _train(

@@ -6,7 +6,7 @@ decoder (without an LM head) and a ``[E, 1]`` kernel, every weight sharded over 
 mesh by the same logical-axis rules as the policy (the head like the value head:
 ``("embed", None)``). No optimizer, no gradients. Texts are scored in micro-batches of
 ``ppo.rows_per_micro_batch`` rows, right-padded to a multiple of 16 columns (so a run
-compiles a few shapes, not one per batch); see :mod:`strop.rewards.model` for the text and
+compiles a few shapes, not one per batch); see :mod:`strop.batch.reward_rows` for the text and
 the pooled token.
 """
 
@@ -29,7 +29,7 @@ from strop.backends.jax.weights import weight_bindings
 from strop.data import Tokenizer
 from strop.io.hf import check_tensors, open_checkpoint
 from strop.io.untrusted import read_json
-from strop.rewards.model import encode_pairs, pooled_index, right_padded
+from strop.batch.reward_rows import encode_pairs, pooled_index, right_padded
 
 HEAD_AXES = ("embed", None)
 COLUMNS = 16
