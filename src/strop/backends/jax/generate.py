@@ -124,17 +124,12 @@ def generate(
     tokenizer: Decoder | None = None,
     prompt_columns: int | None = None,
 ) -> Generation:
-    """Sample a response to each prompt (see the module docstring for the details).
+    """Sample a response to each (ragged, non-empty) prompt (see the module docstring for
+    the details); the arguments but these are :class:`~strop.generation.Decoding`'s.
 
     Args:
       model: the policy; its weights may be sharded on ``mesh``.
-      prompts: token ids of each prompt (ragged, each non-empty).
-      params: how to sample; ``params.stop_strings`` needs ``tokenizer``.
-      eos_ids: a row stops after emitting any of these (may be empty).
-      pad_id: fills the prompt padding and the responses past their lengths.
-      seed: seeds the sampling noise; the same seed gives the same tokens.
       mesh: where the inputs and the cache go; default: the mesh of the model's weights.
-      tokenizer: decodes responses for stop strings.
       prompt_columns: left-pad the prompts to this many columns instead of their bucket,
         so that every batch of a run has one shape and compiles once (the PPO loop passes
         its prompt set's longest prompt); ignored when a prompt is longer.

@@ -115,19 +115,14 @@ def generate(
     compile_mode: str | None = None,
     prompt_columns: int | None = None,
 ) -> Generation:
-    """Sample a response to each prompt (see the module docstring for the details).
+    """Sample a response to each (ragged, non-empty) prompt (see the module docstring for
+    the details); the arguments but these are :class:`~strop.generation.Decoding`'s.
 
     Runs under ``torch.inference_mode()`` (``torch.no_grad()`` for an FSDP2-sharded model).
 
     Args:
       model: a ``transformers`` causal LM (``PreTrainedModel``), possibly a ``PeftModel`` or
         sharded with FSDP2. Run in eval mode; its training/eval mode is restored afterwards.
-      prompts: token ids of each prompt (ragged, each non-empty).
-      params: how to sample; ``params.stop_strings`` needs ``tokenizer``.
-      eos_ids: a row stops after emitting any of these (may be empty).
-      pad_id: fills the prompt padding and the responses past their lengths.
-      seed: seeds the sampling noise; the same seed gives the same tokens.
-      tokenizer: decodes responses for stop strings.
       compile_mode: run the decode step through ``torch.compile`` with this mode
         (``"default"``, ``"reduce-overhead"``, ...); ``None`` runs it eagerly.
       prompt_columns: pad the prompts to at least this many columns (rounded up to the
@@ -143,8 +138,9 @@ def generate(
     model.eval()
     try:
         with torch.no_grad() if sharded else torch.inference_mode(), unsharded(model):
+            decoding = Decoding(seed, tuple(eos_ids), pad_id, prompt_columns=prompt_columns)
             tokens, logprobs, lengths, hit_eos = _sample_loop(
-                model, prompts, params, eos_ids, pad_id, seed, device, compile_mode, prompt_columns
+                model, prompts, params, decoding, device, compile_mode
             )
     finally:
         model.train(was_training)
@@ -179,23 +175,17 @@ def decode_compile_mode(setting: str, model: torch.nn.Module) -> str | None:
 
 
 def _sample_loop(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    eos_ids: Sequence[int],
-    pad_id: int,
-    seed: int,
-    device: torch.device,
-    compile_mode: str | None,
-    prompt_columns: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, decoding: Decoding,
+    device: torch.device, compile_mode: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Prefill and decode.
 
     Returns ``tokens [B, N]`` (``pad_id`` after a row's EOS), ``logprobs [B, N]`` (0 there),
     ``lengths [B]`` and ``hit_eos [B]`` (whether the row ended with an EOS).
     """
     batch, steps = len(prompts), params.max_new_tokens
-    longest = max(prompt_columns or 0, *(len(p) for p in prompts))
+    pad_id, seed, eos_ids = decoding.pad_id, decoding.seed, decoding.eos_ids
+    longest = max(decoding.prompt_columns or 0, *(len(p) for p in prompts))
     width = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
     prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
 
