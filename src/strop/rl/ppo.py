@@ -39,6 +39,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,10 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     check_ppo_config(config)
     limits = rewards.RewardLimits.of(config.ppo, "ppo")  # a deadline: user functions in a worker
     reward = rewards.resolve(
-        config.ppo.reward, setting="ppo.reward", build_model=_reward_model(config), limits=limits
+        config.ppo.reward,
+        setting="ppo.reward",
+        build_model=partial(_build_reward_model, config),
+        limits=limits,
     )
     preflight(config, "ppo", config.checkpoint_path())  # before anything loads
     figures = {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"}
@@ -92,13 +96,9 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
             reward.close()
 
 
-def _reward_model(config: Config) -> Callable[[Path], Any]:
-    """How a ``model:DIR`` reward is built, at its first score: by the run's backend."""
-
-    def build(directory: Path) -> Any:
-        return get_backend(config.backend).build_reward_model(config, directory)
-
-    return build
+def _build_reward_model(config: Config, directory: Path) -> Any:
+    """A ``model:DIR`` reward's model, built at its first score by the run's backend."""
+    return get_backend(config.backend).build_reward_model(config, directory)
 
 
 def _train(
