@@ -5,8 +5,9 @@ Face sequence-classification checkpoint (``Qwen2ForSequenceClassification`` or
 This module is backend-neutral: it checks ``DIR`` when the reward is resolved (before any
 model loads: config.json, its architecture and ``num_labels``, tokenizer.json). The model
 itself is built at the first call by the ``build_model`` the caller gave
-:func:`strop.rewards.resolve` (the PPO loop's: its backend's ``build_reward_model`` for the
-run's config, a :class:`~strop.backends.base.RewardModel`), so a config mistake still
+:func:`strop.rewards.resolve` (PPO's and ``strop eval``'s:
+:func:`strop.scoring.build_reward_model`, the run's backend's, a
+:class:`~strop.backends.base.RewardModel`), so a config mistake still
 stops a run before anything loads, and the rewards never import a backend.
 
 The text and the pooled column both backends' reward models read:

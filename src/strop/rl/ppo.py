@@ -65,7 +65,7 @@ from strop.rl.overlong import length_penalty, without_truncated
 from strop.rl.prompts import PromptSet
 from strop.rl.rollout import Rollout
 from strop.rl.rollout_correction import PREFIX as MISMATCH
-from strop.scoring import eos_ids, sample_and_score, sample_records
+from strop.scoring import build_reward_model, eos_ids, sample_and_score, sample_records
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     reward = rewards.resolve(
         config.ppo.reward,
         setting="ppo.reward",
-        build_model=partial(_build_reward_model, config),
+        build_model=partial(build_reward_model, config),
         limits=limits,
     )
     preflight(config, "ppo", config.checkpoint_path())  # before anything loads
@@ -94,11 +94,6 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
             return _train(config, stop_after, progress, reward)
         finally:
             reward.close()
-
-
-def _build_reward_model(config: Config, directory: Path) -> Any:
-    """A ``model:DIR`` reward's model, built at its first score by the run's backend."""
-    return get_backend(config.backend).build_reward_model(config, directory)
 
 
 def _train(
