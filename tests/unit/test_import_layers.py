@@ -51,23 +51,27 @@ def imports(path: Path) -> list[tuple[str, bool, int]]:
     return found
 
 
-def folder(module: str) -> str | None:
-    """The layered folder a ``strop.X...`` module lives in, or None."""
+def part(module: str, among: tuple[str, ...] | None = None) -> str | None:
+    """The top-level part of strop (a folder or a module) that ``strop.X...`` lives in, if
+    it is one of ``among`` (None: any part), else None."""
     parts = module.split(".")
-    if len(parts) >= 2 and parts[0] == "strop" and parts[1] in LAYERED:
-        return parts[1]
-    return None
+    if len(parts) < 2 or parts[0] != "strop":
+        return None
+    name = parts[1]
+    if not ((ROOT / name).is_dir() or (ROOT / f"{name}.py").is_file()):
+        return None  # a name `from strop import X` takes from strop/__init__.py
+    return name if among is None or name in among else None
 
 
-def folder_edges() -> dict[tuple[str, str], dict[str, str]]:
-    """``(from folder, to folder)`` -> the import lines that make that edge."""
+def part_edges(among: tuple[str, ...] | None = None) -> dict[tuple[str, str], dict[str, str]]:
+    """``(from part, to part)`` -> the import lines that make that edge."""
     edges: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)
     for path in sorted(ROOT.rglob("*.py")):
-        source = folder(module_name(path))
+        source = part(module_name(path), among)
         if source is None:
             continue
         for target, _, line in imports(path):
-            into = folder(target)
+            into = part(target, among)
             if into is not None and into != source:
                 edges[source, into].setdefault(f"{path.relative_to(ROOT)}:{line}", target)
     return edges
@@ -92,15 +96,26 @@ def cycles(edges: dict[tuple[str, str], dict[str, str]]) -> list[list[str]]:
     return loops
 
 
-def test_no_folder_level_loop_among_backends_rl_sft_rewards():
-    edges = folder_edges()
-    loops = cycles(edges)
+def described(edges: dict[tuple[str, str], dict[str, str]]) -> str:
+    """Each loop, with the import lines that make each of its edges."""
     lines = []
-    for loop in loops:
+    for loop in cycles(edges):
         lines.append(" -> ".join(loop))
         for a, b in itertools.pairwise(loop):
             lines += [f"    {where} imports {target}" for where, target in edges[a, b].items()]
-    assert not loops, "folder-level import loops:\n" + "\n".join(lines)
+    return "\n".join(lines)
+
+
+def test_no_folder_level_loop_among_backends_rl_sft_rewards():
+    edges = part_edges(LAYERED)
+    assert not cycles(edges), "folder-level import loops:\n" + described(edges)
+
+
+def test_no_loop_among_the_top_level_parts():
+    """The same over every folder and module directly under strop/ (job.py, preflight.py,
+    scoring.py, ... too): the house has floors, and every import points down."""
+    edges = part_edges()
+    assert not cycles(edges), "import loops between strop's parts:\n" + described(edges)
 
 
 def test_the_core_imports_no_framework_at_module_level():
