@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strop.io.model_spec import read_model_spec
 from strop.batch import packing
+from strop.io.model_spec import read_model_spec
 from strop.rl.experience import build_experience, minibatches
 from tests.parity.test_ppo_backends import (
     ENGINES,

@@ -57,12 +57,12 @@ from strop.backends.jax.train import (
 )
 from strop.backends.jax.value import ValueHead, ValueModel, critic_trainable_filter, twin
 from strop.backends.jax.weights import hf_weights, load_hf_model, save_hf_model
+from strop.batch import packing
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
 from strop.lora_init import critic_seed as critic_seed_of
-from strop.batch import packing
 from strop.rl.objectives import PolicyObjective, ValueObjective
 
 

@@ -27,8 +27,8 @@ from flax import nnx
 
 from strop.backends.jax.attention import cached_attention, causal_attention
 from strop.backends.jax.rope import apply_rope, rope_inv_freq
-from strop.io.model_spec import ModelSpec
 from strop.batch.packing import PREFIX_STRIDE
+from strop.io.model_spec import ModelSpec
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -32,11 +32,11 @@ from strop.backends.torch.lora import (
     initial_value,
     is_lora_param,
 )
+from strop.batch.packing import PREFIX_STRIDE
 from strop.config import LoraConfig
 from strop.errors import ModelError
 from strop.io.hf import SafetensorsReader, check_tensors, open_checkpoint
 from strop.io.model_spec import ModelSpec
-from strop.batch.packing import PREFIX_STRIDE
 
 
 @dataclass

@@ -33,10 +33,10 @@ from strop.backends.torch.model import (
     _to_torch,
     positions_from_mask,
 )
+from strop.batch.reward_rows import encode_pairs, pooled_index, right_padded
 from strop.data import Tokenizer
 from strop.errors import ModelError
 from strop.io.hf import check_tensors, open_checkpoint
-from strop.batch.reward_rows import encode_pairs, pooled_index, right_padded
 
 
 class TorchRewardModel:
