@@ -103,7 +103,7 @@ def config_show(recipe: Recipe, overrides: Overrides = None) -> None:
 @app.command()
 def recipes() -> None:
     """List the built-in recipes, one line each; `strop config show NAME` prints one."""
-    from strop.config_sources import builtin_recipes, recipe_summary
+    from strop.config.sources import builtin_recipes, recipe_summary
 
     names = builtin_recipes()
     width = max(map(len, names))

@@ -22,7 +22,7 @@ from pathlib import Path
 from strop.assets import tiny_math_path
 from strop.backends import get_backend
 from strop.config import Config, load_config
-from strop.config_sources import overrides_set
+from strop.config.sources import overrides_set
 from strop.data.synthetic import split_paths, write_splits
 from strop.metrics.sinks import read_metrics
 from strop.plot import plot_run

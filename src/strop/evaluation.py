@@ -23,6 +23,7 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 from strop import rewards
@@ -40,8 +41,8 @@ from strop.job import eval_job
 from strop.preflight import check_context_length, preflight
 from strop.progress import RunProgress
 from strop.rl.prompts import record_columns
+from strop.scoring import build_reward_model, sample_and_score
 from strop.scoring import eos_ids as model_eos_ids
-from strop.scoring import sample_and_score
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,10 @@ def run_eval(config: Config) -> EvalResult:
     if config.model.path is None or path is None:
         raise ConfigError("strop eval needs model.path and eval.path (or data.eval_path)")
     limits = rewards.RewardLimits.of(config.eval, "eval")  # a deadline: user functions in a worker
-    reward = rewards.load(config.eval.reward, setting="eval.reward", config=config, limits=limits)
+    reward = rewards.load(
+        config.eval.reward, setting="eval.reward", build_model=partial(build_reward_model, config),
+        limits=limits,
+    )  # fmt: skip
     preflight(config, "eval", checkpoint_dir=None)  # before anything loads
     with eval_job(config, {"solved": "solved {:.1%}"}) as progress:
         try:

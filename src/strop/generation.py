@@ -120,6 +120,32 @@ def cut_at_stop_strings(
         reasons[row] = "stop"
 
 
+def finished(
+    tokens: np.ndarray,
+    logprobs: np.ndarray,
+    lengths: np.ndarray,
+    reasons: list[FinishReason],
+    params: SamplingParams,
+    tokenizer: Decoder | None,
+    pad_id: int,
+) -> Generation:
+    """A sampler's writable host arrays (``tokens``/``logprobs [B, N]``, ``lengths [B]``) as
+    its :class:`Generation`: each row cut after its first stop string
+    (:func:`cut_at_stop_strings`, in place), the columns past the longest response dropped."""
+    if params.stop_strings:
+        assert tokenizer is not None  # checked in check_generate_args
+        cut_at_stop_strings(
+            tokens, logprobs, lengths, reasons, params.stop_strings, tokenizer, pad_id
+        )
+    width = int(lengths.max())
+    return Generation(
+        tokens=np.ascontiguousarray(tokens[:, :width]),
+        logprobs=np.ascontiguousarray(logprobs[:, :width]),
+        lengths=lengths,
+        finish_reasons=reasons,
+    )
+
+
 def check_generate_args(
     prompts: list[list[int]], params: SamplingParams, tokenizer: Decoder | None
 ) -> None:

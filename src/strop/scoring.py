@@ -1,18 +1,29 @@
 """Sampling a model's responses to prompts and scoring them: what PPO's validation
-(:meth:`strop.rl.ppo.PpoLoop.validate`) and ``strop eval`` (:mod:`strop.evaluation`) share.
+(:meth:`strop.rl.ppo.PpoLoop.validate`) and ``strop eval`` (:mod:`strop.evaluation`) share,
+and the reward model either may score with (:func:`build_reward_model`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from strop.backends.base import ActorCritic, Policy
+from strop.backends import get_backend
+from strop.backends.base import ActorCritic, Policy, RewardModel
+from strop.config import Config
 from strop.data import Tokenizer
 from strop.generation import Generation, SamplingParams
 from strop.io.model_spec import read_model_spec
 from strop.rewards import extract_answer
+
+
+def build_reward_model(config: Config, directory: Path) -> RewardModel:
+    """A ``model:DIR`` reward's model (``ppo.reward``, ``eval.reward``), built by the run's
+    backend at its first score: what ``rewards.resolve``/``rewards.load`` get as
+    ``build_model``, over the run's config (``functools.partial``)."""
+    return get_backend(config.backend).build_reward_model(config, directory)
 
 
 def eos_ids(tokenizer: Tokenizer, model_path: str) -> list[int]:

@@ -52,7 +52,7 @@ def test_version(tmp_path: Path) -> None:
 
 def test_recipes_lists_every_builtin_with_its_summary(capsys) -> None:
     from strop.cli import main
-    from strop.config_sources import builtin_recipes
+    from strop.config.sources import builtin_recipes
 
     with pytest.raises(SystemExit) as info:
         main(["recipes"])

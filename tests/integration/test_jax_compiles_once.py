@@ -5,7 +5,7 @@ Responses of varying lengths would each give the rollout batch a new width, and 
 width a new compile of the sampler, both forwards and both updates; the loop pads prompts
 and rollouts to one shape per run instead (:mod:`strop.rl.ppo`). With ``ppo.pack`` the
 forwards and updates see rollouts packed into one of a few bin counts
-(:mod:`strop.rl.packing`), or the batch as it is: at most one shape per bucket and one
+(:mod:`strop.batch.packing`), or the batch as it is: at most one shape per bucket and one
 unpacked each, whatever the responses. Counted here: every trace JAX makes (``jax.monitoring``'s trace event fires
 for each jitted function and eager op traced for a new shape), during the iterations and
 validations after the first.
@@ -18,7 +18,7 @@ import json
 import jax
 import pytest
 
-from strop.rl import packing
+from strop.batch import packing
 from strop.rl import ppo as ppo_module
 from tests.integration.test_ppo_run import config_for, task  # noqa: F401  (fixture)
 

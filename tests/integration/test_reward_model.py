@@ -7,14 +7,16 @@ through the CLI on both backends."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from strop import rewards
+from strop.batch.reward_rows import encode_pairs
 from strop.data import Tokenizer
-from strop.rewards.model import encode_pairs
+from strop.scoring import build_reward_model
 from tests.integration.test_ppo_run import task  # noqa: F401 (a fixture)
 from tests.integration.test_reward_file_cli import cli_args, strop
 from tests.tiny_models import TINY
@@ -107,7 +109,9 @@ def run_config(backend, rows=3, **mesh):
 )
 def test_scores_equal_transformers(tmp_path, backend, arch, chat, pad):
     directory = save_reward_model(tmp_path / "rm", arch, chat=chat, pad=pad)
-    reward = rewards.resolve(f"model:{directory}", config=run_config(backend))
+    reward = rewards.resolve(
+        f"model:{directory}", build_model=partial(build_reward_model, run_config(backend))
+    )
     scores = np.array(reward(PROMPTS, COMPLETIONS))
     expected = transformers_scores(directory, PROMPTS, COMPLETIONS)
     np.testing.assert_allclose(scores, expected, atol=1e-4, rtol=0)
@@ -117,7 +121,7 @@ def test_scores_equal_transformers(tmp_path, backend, arch, chat, pad):
 def test_a_reward_model_split_over_tensor_scores_the_same_on_jax(tmp_path):
     directory = save_reward_model(tmp_path / "rm")
     config = run_config("jax", rows=4, fsdp=1, tensor=-1)
-    reward = rewards.resolve(f"model:{directory}", config=config)
+    reward = rewards.resolve(f"model:{directory}", build_model=partial(build_reward_model, config))
     expected = transformers_scores(directory, PROMPTS, COMPLETIONS)
     np.testing.assert_allclose(reward(PROMPTS, COMPLETIONS), expected, atol=1e-4, rtol=0)
 

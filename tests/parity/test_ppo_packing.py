@@ -1,5 +1,5 @@
 """``ppo.pack``, on both backends: rollouts packed end to end into fewer rows
-(strop.rl.packing) give the forwards, losses, statistics and updated weights of the same
+(strop.batch.packing) give the forwards, losses, statistics and updated weights of the same
 rows unpacked.
 
 A packed row holds several rollouts one after another; the model must keep them apart
@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from strop.batch import packing
 from strop.io.model_spec import read_model_spec
-from strop.rl import packing
 from strop.rl.experience import build_experience, minibatches
 from tests.parity.test_ppo_backends import (
     ENGINES,

@@ -512,7 +512,7 @@ def test_nan_logits_sample_a_token_in_range(top_k):
     """A poisoned model's NaN logits still give a token of the vocabulary (the update they
     poison stops the run): the inverse CDF of a NaN distribution finds no index, and
     searchsorted's past-the-end answer indexed out of bounds."""
-    from strop.backends.torch.generate import _sample
+    from strop.backends.torch.sampling import sample_token as _sample
 
     logits = torch.full((3, 7), float("nan"))
     params = SamplingParams(max_new_tokens=1, temperature=1.0, top_k=top_k)

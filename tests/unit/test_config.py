@@ -9,7 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from strop.config import Config, MeshConfig, dump_config, load_config
-from strop.config_sources import builtin_recipes
+from strop.config.sources import builtin_recipes
 from strop.errors import ConfigError
 
 
@@ -325,7 +325,7 @@ def test_a_misspelled_recipe_name_gets_a_suggestion() -> None:
 @pytest.mark.parametrize("name", builtin_recipes())
 def test_every_builtin_recipe_starts_with_a_one_line_summary(name: str) -> None:
     """What `strop recipes` lists."""
-    from strop.config_sources import recipe_summary
+    from strop.config.sources import recipe_summary
 
     summary = recipe_summary(name)
     assert 20 < len(summary) <= 100 and summary.endswith("."), summary

@@ -1,4 +1,4 @@
-"""Packing rollout rows into bins (strop.rl.packing): every real token moves, with its own
+"""Packing rollout rows into bins (strop.batch.packing): every real token moves, with its own
 segment id and position, and comes back where it was."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strop.rl import packing
+from strop.batch import packing
 
 
 def _batch(spans: list[tuple[int, int]], columns: int, seed: int = 0) -> dict[str, np.ndarray]:

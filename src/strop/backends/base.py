@@ -197,7 +197,8 @@ class ActorCritic(TrainableModel, Protocol):
 
 @runtime_checkable
 class RewardModel(Protocol):
-    """A frozen sequence-classification reward model (:mod:`strop.rewards.model`).
+    """A frozen sequence-classification reward model (:mod:`strop.rewards.model`; its input
+    rows: :mod:`strop.batch.reward_rows`).
 
     Distributed runs call :meth:`score` on every process with the same (all) rows; every
     process gets every score.

@@ -29,7 +29,7 @@ from strop.config.sections import (
     TrainConfig,
     _Section,
 )
-from strop.config_sources import (
+from strop.config.sources import (
     Provenance,
     apply_override,
     describe_validation_error,

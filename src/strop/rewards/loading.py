@@ -34,6 +34,7 @@ import inspect
 import re
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -55,15 +56,19 @@ def is_reference(text: str) -> bool:
 
 
 def load(
-    ref: str, *, setting: str = "reward", config: Any = None, limits: RewardLimits | None = None
+    ref: str,
+    *,
+    setting: str = "reward",
+    build_model: Callable[[Path], Any] | None = None,
+    limits: RewardLimits | None = None,
 ) -> Reward:
     """A new :class:`Reward` (fresh counters) for ``ref``; ``setting`` (``ppo.reward``) is
-    named in messages; ``config``: the run's, which a reward model (``model:DIR``) is built
-    for; ``limits``: the run's (a function from a reference is called in a worker process
+    named in messages; ``build_model``: how the run builds a reward model (``model:DIR``)
+    from its directory, at its first call; ``limits``: the run's (a function from a reference is called in a worker process
     when they set a deadline). Raises :class:`RewardError` (a :class:`ConfigError`)."""
     if is_model_reference(ref):
         directory = check_directory(ref.removeprefix(PREFIX), ref, setting)
-        model = ModelReward(directory, ref, setting, config)
+        model = ModelReward(directory, ref, setting, build_model)
         return Reward(NAME, model, source=ref, limits=limits)
     if not is_reference(ref):
         try:

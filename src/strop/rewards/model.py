@@ -3,26 +3,21 @@ Face sequence-classification checkpoint (``Qwen2ForSequenceClassification`` or
 ``LlamaForSequenceClassification``, one label), frozen, on the run's backend.
 
 This module is backend-neutral: it checks ``DIR`` when the reward is resolved (before any
-model loads: config.json, its architecture and ``num_labels``, tokenizer.json), turns
-(prompt, response) pairs into the reward model's token ids, and says which token's hidden
-state is scored. The model itself is built by the backend
-(``get_backend(config.backend).build_reward_model(config, DIR)``, a
-:class:`~strop.backends.base.RewardModel`) at the first call, so a config mistake still
-stops a run before anything loads.
+model loads: config.json, its architecture and ``num_labels``, tokenizer.json). The model
+itself is built at the first call by the ``build_model`` the caller gave
+:func:`strop.rewards.resolve` (PPO's and ``strop eval``'s:
+:func:`strop.scoring.build_reward_model`, the run's backend's, a
+:class:`~strop.backends.base.RewardModel`), so a config mistake still
+stops a run before anything loads, and the rewards never import a backend.
 
-Text: the reward model's own tokenizer; with a chat template, the conversation
-``[user: prompt, assistant: response]`` rendered by it; without one, prompt + response
-(with the tokenizer's special prefix, e.g. BOS, as ``transformers`` would add).
-
-Score: the score head on the hidden state of the last token that is not
-``pad_token_id`` (of the model's config.json), as ``transformers``'
-``...ForSequenceClassification`` pools; with no ``pad_token_id``, the last token.
+The text and the pooled column both backends' reward models read:
+:mod:`strop.batch.reward_rows`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,76 +84,38 @@ def check_directory(directory: str, ref: str, setting: str) -> Path:
     return path
 
 
-def encode_pairs(tokenizer, prompts: Sequence[str], completions: Sequence[str]) -> list[list[int]]:
-    """The reward model's token ids of each (prompt, completion): through its chat template
-    when it has one, else the plain concatenation after its special prefix."""
-    if tokenizer.chat_template is not None:
-        texts = [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
-            )
-            for p, c in zip(prompts, completions, strict=True)
-        ]
-        return tokenizer.encode_batch(texts)
-    prefix = tokenizer.special_prefix_ids
-    texts = [p + c for p, c in zip(prompts, completions, strict=True)]
-    return [prefix + ids for ids in tokenizer.encode_batch(texts)]
-
-
-def pooled_index(ids: Sequence[int], pad_id: int | None) -> int:
-    """The column whose hidden state is scored: the last token that is not ``pad_id``
-    (0 if every token is), as transformers pools; the last token without a ``pad_id``."""
-    if pad_id is None:
-        return len(ids) - 1
-    real = np.flatnonzero(np.asarray(ids) != pad_id)
-    return int(real[-1]) if len(real) else 0
-
-
-def right_padded(
-    rows: Sequence[Sequence[int]], width: int, count: int, fill: int = 0
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(ids, mask)`` ``[count, width]`` int32: ``rows`` right-padded, then empty rows."""
-    ids = np.full((count, width), fill, np.int32)
-    mask = np.zeros((count, width), np.int32)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = row
-        mask[i, : len(row)] = 1
-    return ids, mask
-
-
 class ModelReward:
-    """The reward function of ``model:DIR``: the backend's reward model, built at the first
-    call for the run's config (given by :meth:`bind`, which :func:`strop.rewards.resolve`
-    does when it gets ``config=``)."""
+    """The reward function of ``model:DIR``: the model ``build_model(DIR)`` returns, built
+    at the first call (``build_model``: what :func:`strop.rewards.resolve` was given)."""
 
-    def __init__(self, directory: Path, ref: str, setting: str, config: Any = None):
+    def __init__(
+        self,
+        directory: Path,
+        ref: str,
+        setting: str,
+        build_model: Callable[[Path], Any] | None = None,
+    ):
         self.directory, self.ref, self.setting = directory, ref, setting
-        self.config = config
+        self.build_model = build_model
         self._model = None
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"ModelReward({str(self.directory)!r})"
 
-    def bind(self, config: Any) -> None:
-        """The run's config: its backend, dtype, mesh and micro-batch size."""
-        self.config = config
-
     @property
     def model(self):
-        """The backend's :class:`~strop.backends.base.RewardModel` (built once)."""
+        """The :class:`~strop.backends.base.RewardModel` (built once)."""
         with self._lock:
             if self._model is None:
-                from strop.backends import get_backend
                 from strop.rewards.base import RewardError
 
-                if self.config is None:
+                if self.build_model is None:
                     raise RewardError(
-                        f"{self.setting}={self.ref!r}: a reward model needs the run's config "
-                        "(strop.rewards.resolve(..., config=config))"
+                        f"{self.setting}={self.ref!r}: a reward model needs the run's backend "
+                        "(strop.rewards.resolve(..., build_model=...))"
                     )
-                backend = get_backend(self.config.backend)
-                self._model = backend.build_reward_model(self.config, self.directory)
+                self._model = self.build_model(self.directory)
             return self._model
 
     def __call__(

@@ -25,8 +25,9 @@ from __future__ import annotations
 import math
 import re
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from strop.rewards.base import Reward, RewardError, RewardLimits, RewardStats
@@ -156,14 +157,14 @@ def resolve(
     spec: str | Sequence[Any],
     *,
     setting: str = "reward",
-    config: Any = None,
+    build_model: Callable[[Path], Any] | None = None,
     limits: RewardLimits | None = None,
 ) -> WeightedReward:
     """The :class:`WeightedReward` of a config value: a reference (:func:`load`), or a list
     of terms ``{reward: REF, weight: 1.0, name: null}`` (mappings or objects with those
     attributes). Every function is imported and checked here, before any model loads;
-    raises :class:`RewardError` naming ``setting``. ``config``: the run's, for reward
-    models (``model:DIR``), which are built by its backend when they first score;
+    raises :class:`RewardError` naming ``setting``. ``build_model``: how the run builds a
+    reward model (``model:DIR``) from its directory (its backend's), at its first score;
     ``limits``: the deadline and error share every component gets."""
     if isinstance(spec, str):
         terms = [(spec, 1.0, None, setting)]
@@ -180,7 +181,7 @@ def resolve(
             raise RewardError(f"{where}: each term needs reward: NAME_OR_FUNCTION")
         if not isinstance(weight, int | float) or not math.isfinite(weight):
             raise RewardError(f"{where}: weight must be a finite number, got {weight!r}")
-        reward = load(ref, setting=where, config=config, limits=limits)
+        reward = load(ref, setting=where, build_model=build_model, limits=limits)
         name = name or reward.name
         if not _NAME.fullmatch(name):
             raise RewardError(

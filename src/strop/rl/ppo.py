@@ -39,6 +39,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ from strop.rl.overlong import length_penalty, without_truncated
 from strop.rl.prompts import PromptSet
 from strop.rl.rollout import Rollout
 from strop.rl.rollout_correction import PREFIX as MISMATCH
-from strop.scoring import eos_ids, sample_and_score, sample_records
+from strop.scoring import build_reward_model, eos_ids, sample_and_score, sample_records
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,12 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     """Train for ``ppo.steps`` iterations (or until ``stop_after``), resuming if possible."""
     check_ppo_config(config)
     limits = rewards.RewardLimits.of(config.ppo, "ppo")  # a deadline: user functions in a worker
-    reward = rewards.resolve(config.ppo.reward, setting="ppo.reward", config=config, limits=limits)
+    reward = rewards.resolve(
+        config.ppo.reward,
+        setting="ppo.reward",
+        build_model=partial(build_reward_model, config),
+        limits=limits,
+    )
     preflight(config, "ppo", config.checkpoint_path())  # before anything loads
     figures = {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"}
     with training_job(config, "ppo", config.ppo.steps, figures) as progress:

@@ -61,13 +61,13 @@ from strop.backends.jax.train import (
 )
 from strop.backends.jax.value import ValueHead, ValueModel, critic_trainable_filter, twin
 from strop.backends.jax.weights import hf_weights, load_hf_model, save_hf_model
+from strop.batch import packing
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
 from strop.lora_init import critic_seed as critic_seed_of
 from strop.objectives.roles import RolePlan
-from strop.rl import packing
 from strop.rl.objectives import PolicyObjective, ValueObjective
 
 
@@ -174,7 +174,7 @@ class JaxActorCritic(Sampler):
         }
 
     def _packing(self, batch: dict[str, np.ndarray], micro_batches: int) -> packing.Packing | None:
-        """How ``ppo.pack`` packs these rows (:mod:`strop.rl.packing`): into a bin count
+        """How ``ppo.pack`` packs these rows (:mod:`strop.batch.packing`): into a bin count
         that splits evenly into ``micro_batches`` and over the batch's devices."""
         rows = self.plan.rows
         if not rows.pack:

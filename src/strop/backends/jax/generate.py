@@ -31,14 +31,9 @@ their traces. The cache is donated to the decode loop, which updates it in place
 
 Sampling
 --------
-Logits are divided by the temperature, restricted to the top-k and then to the top-p
-nucleus (the smallest set of most likely tokens whose probability, renormalised over the
-top-k, reaches ``top_p``), and a token is drawn with ``jax.random.categorical`` (Gumbel
-max). The key of step ``t`` is ``fold_in(key(seed), t)``: the same seed gives the same
-tokens, on any mesh. The reported log-probability is that of the sampled token under the
-full temperature-scaled distribution, before top-k/top-p truncation (plain log-softmax of
-the logits when greedy, ``temperature == 0``), which is what a teacher-forced forward over
-prompt + response computes.
+One token per row from the last column's logits (:mod:`strop.backends.jax.sampling`); the
+key of step ``t`` is ``fold_in(key(seed), t)``: the same seed gives the same tokens, on
+any mesh.
 
 A row stops after emitting any of ``eos_ids`` (the EOS is kept and counted) or after
 ``max_new_tokens``. Finished rows keep being fed (their outputs are discarded) until every
@@ -67,6 +62,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from strop.backends.jax.model import CausalLM, KVCache
+from strop.backends.jax.sampling import Sampling, sample_token
 from strop.backends.jax.sharding import (
     batch_sharding,
     inference_layout,
@@ -80,7 +76,7 @@ from strop.generation import (
     Generation,
     SamplingParams,
     check_generate_args,
-    cut_at_stop_strings,
+    finished,
     prompt_repeats,
 )
 
@@ -97,15 +93,6 @@ class GenerateTraces:
 
 
 TRACES = GenerateTraces()
-
-
-@dataclass(frozen=True)
-class _Sampling:
-    """The static (compile-time) part of :class:`SamplingParams`."""
-
-    temperature: float
-    top_k: int
-    top_p: float
 
 
 class _DecodeState(NamedTuple):
@@ -137,17 +124,12 @@ def generate(
     tokenizer: Decoder | None = None,
     prompt_columns: int | None = None,
 ) -> Generation:
-    """Sample a response to each prompt (see the module docstring for the details).
+    """Sample a response to each (ragged, non-empty) prompt (see the module docstring for
+    the details); the arguments but these are :class:`~strop.generation.Decoding`'s.
 
     Args:
       model: the policy; its weights may be sharded on ``mesh``.
-      prompts: token ids of each prompt (ragged, each non-empty).
-      params: how to sample; ``params.stop_strings`` needs ``tokenizer``.
-      eos_ids: a row stops after emitting any of these (may be empty).
-      pad_id: fills the prompt padding and the responses past their lengths.
-      seed: seeds the sampling noise; the same seed gives the same tokens.
       mesh: where the inputs and the cache go; default: the mesh of the model's weights.
-      tokenizer: decodes responses for stop strings.
       prompt_columns: left-pad the prompts to this many columns instead of their bucket,
         so that every batch of a run has one shape and compiles once (the PPO loop passes
         its prompt set's longest prompt); ignored when a prompt is longer.
@@ -173,7 +155,7 @@ def generate(
     # Through the host: a device array cannot be put on other processes' devices.
     key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
     key = jax.random.wrap_key_data(jax.device_put(key_data, replicated))
-    sampling = _Sampling(float(params.temperature), int(params.top_k), float(params.top_p))
+    sampling = Sampling(float(params.temperature), int(params.top_k), float(params.top_p))
 
     cache, state = _prefill(
         model, put(ids), put(mask), put(np.repeat(active, repeats)), eos, pad, key,
@@ -190,18 +172,7 @@ def generate(
         "stop" if n > 0 and int(row[n - 1]) in eos_set else "length"
         for row, n in zip(tokens, lengths, strict=True)
     ]
-    if params.stop_strings:
-        assert tokenizer is not None  # checked in _check_args
-        cut_at_stop_strings(
-            tokens, logprobs, lengths, reasons, params.stop_strings, tokenizer, pad_id
-        )
-    width = int(lengths.max())
-    return Generation(
-        tokens=np.ascontiguousarray(tokens[:, :width]),
-        logprobs=np.ascontiguousarray(logprobs[:, :width]),
-        lengths=lengths,
-        finish_reasons=reasons,
-    )
+    return finished(tokens, logprobs, lengths, reasons, params, tokenizer, pad_id)
 
 
 def prompt_bucket(length: int) -> int:
@@ -261,33 +232,6 @@ def _constrain_cache(cache: KVCache, mesh: Mesh) -> KVCache:
     )
 
 
-def _sample(logits: jax.Array, key: jax.Array, sampling: _Sampling) -> tuple[jax.Array, jax.Array]:
-    """One token per row from float32 ``logits [B, V]``, and its log-probability."""
-    if sampling.temperature == 0.0:
-        token = jnp.argmax(logits, axis=-1)
-        return token, _logprob_of(logits, token)
-    scaled = logits / sampling.temperature
-    vocab = scaled.shape[-1]
-    top_k = sampling.top_k if 0 < sampling.top_k < vocab else 0
-    if top_k or sampling.top_p < 1.0:
-        # Candidates in descending order: the top-k, or the whole sorted vocabulary.
-        candidates, candidate_ids = jax.lax.top_k(scaled, top_k or vocab)
-        if sampling.top_p < 1.0:
-            probs = jax.nn.softmax(candidates, axis=-1)
-            mass_before = jnp.cumsum(probs, axis=-1) - probs  # the best candidate always stays
-            candidates = jnp.where(mass_before >= sampling.top_p, -jnp.inf, candidates)
-        choice = jax.random.categorical(key, candidates, axis=-1)
-        token = jnp.take_along_axis(candidate_ids, choice[:, None], axis=-1)[:, 0]
-    else:
-        token = jax.random.categorical(key, scaled, axis=-1)
-    return token, _logprob_of(scaled, token)
-
-
-def _logprob_of(logits: jax.Array, token: jax.Array) -> jax.Array:
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    return jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
-
-
 def _record(
     state: _DecodeState, token: jax.Array, logprob: jax.Array, eos: jax.Array, pad: jax.Array
 ) -> _DecodeState:
@@ -316,7 +260,7 @@ def _prefill(
     pad: jax.Array,
     key: jax.Array,
     max_new_tokens: int,
-    sampling: _Sampling,
+    sampling: Sampling,
     mesh: Mesh,
     repeats: int = 1,
 ) -> tuple[KVCache, _DecodeState]:
@@ -333,7 +277,7 @@ def _prefill(
         cache = KVCache(layers, rows(cache.mask), cache.index)
         logits, mask = rows(logits), rows(mask)
     batch = len(logits)
-    token, logprob = _sample(logits, jax.random.fold_in(key, 0), sampling)
+    token, logprob = sample_token(logits, jax.random.fold_in(key, 0), sampling)
     state = _DecodeState(
         tokens=jnp.full((batch, max_new_tokens), pad, dtype=jnp.int32),
         logprobs=jnp.zeros((batch, max_new_tokens), dtype=jnp.float32),
@@ -353,7 +297,7 @@ def _decode(
     eos: jax.Array,
     pad: jax.Array,
     key: jax.Array,
-    sampling: _Sampling,
+    sampling: Sampling,
     mesh: Mesh,
 ) -> tuple[KVCache, _DecodeState]:
     """Sample the remaining tokens, one forward per step, until every row is done.
@@ -375,7 +319,9 @@ def _decode(
         cache, state = carry
         fed = jax.lax.dynamic_slice_in_dim(state.tokens, state.step - 1, 1, axis=1)
         out = nnx.merge(graphdef, weights)(fed, positions=state.positions[:, None], cache=cache)
-        token, logprob = _sample(out.logits[:, -1], jax.random.fold_in(key, state.step), sampling)
+        token, logprob = sample_token(
+            out.logits[:, -1], jax.random.fold_in(key, state.step), sampling
+        )
         state = _record(state._replace(positions=state.positions + 1), token, logprob, eos, pad)
         return _constrain_cache(out.cache, mesh), state
 

@@ -27,8 +27,8 @@ from flax import nnx
 
 from strop.backends.jax.attention import cached_attention, causal_attention
 from strop.backends.jax.rope import apply_rope, rope_inv_freq
+from strop.batch.packing import PREFIX_STRIDE
 from strop.io.model_spec import ModelSpec
-from strop.rl.packing import PREFIX_STRIDE
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -332,7 +332,7 @@ class CausalLM(nnx.Module):
         ``positions`` each row counts positions from its first real token, so left and
         right padding give the same result on real tokens. Without ``cache`` it may also
         hold segment ids (1, 2, ... : rollouts packed one after another into a row, see
-        :mod:`strop.rl.packing`, with their ``positions``): a token then attends only
+        :mod:`strop.batch.packing`, with their ``positions``): a token then attends only
         within its own segment, as if each segment were a row of its own, and within the
         shared prompt it sees (``segment + PREFIX_STRIDE * prefix``).
 

@@ -11,7 +11,7 @@ Per-token arrays follow :mod:`strop.rl.gae`: column ``t`` is about token ``x_t``
 from the logits (or hidden state) at column ``t - 1``; column 0 is 0. Micro-batch arrays
 come stacked ``[micro, rows, L]``; losses are ``sum(per_token * loss_weights)`` (see
 :mod:`strop.rl.objectives`), so the micro-batch sums add up to the mini-batch loss, and a
-packed batch (:mod:`strop.rl.packing`: segment ids in ``attention_mask``, plus
+packed batch (:mod:`strop.batch.packing`: segment ids in ``attention_mask``, plus
 ``positions``) gives the loss of its rows unpacked. The two
 updates are :func:`strop.backends.jax.train.update` (the one accumulate-and-apply, with
 the one non-finite guard, that SFT uses too) of :func:`policy_loss` and
@@ -65,7 +65,7 @@ def _critic_values(graphdef, trainable, frozen, input_ids, attention_mask, posit
 @partial(jax.jit, static_argnums=(0, 6))
 def logprobs(graphdef, trainable, frozen, input_ids, attention_mask, positions, temperature):
     """``[B, L]`` log-probabilities of the batch's tokens under a policy role
-    (``positions``: ``None``, or a packed batch's, see :mod:`strop.rl.packing`)."""
+    (``positions``: ``None``, or a packed batch's, see :mod:`strop.batch.packing`)."""
     logits = _lm_logits(graphdef, trainable, frozen, input_ids, attention_mask, positions)
     return token_logprobs(logits, input_ids, temperature)
 

@@ -6,7 +6,7 @@ decoder (without an LM head) and a ``[E, 1]`` kernel, every weight sharded over 
 mesh by the same logical-axis rules as the policy (the head like the value head:
 ``("embed", None)``). No optimizer, no gradients. Texts are scored in micro-batches of
 ``ppo.rows_per_micro_batch`` rows, right-padded to a multiple of 16 columns (so a run
-compiles a few shapes, not one per batch); see :mod:`strop.rewards.model` for the text and
+compiles a few shapes, not one per batch); see :mod:`strop.batch.reward_rows` for the text and
 the pooled token.
 """
 
@@ -14,22 +14,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from rich.progress import track
 
 from strop.backends.jax.model import CausalLM
 from strop.backends.jax.sharding import batch_sharding, logical_to_sharding, make_mesh, to_host
-from strop.backends.jax.weights import weight_bindings
+from strop.backends.jax.weights import place_weights, weight_bindings
+from strop.batch.reward_rows import encode_pairs, pooled_index, right_padded
 from strop.data import Tokenizer
 from strop.io.hf import check_tensors, open_checkpoint
 from strop.io.untrusted import read_json
-from strop.rewards.model import encode_pairs, pooled_index, right_padded
 
 HEAD_AXES = ("embed", None)
 COLUMNS = 16
@@ -63,17 +61,7 @@ def load_score_model(path, mesh, *, dtype: str = "float32", param_dtype: str = "
     bindings = weight_bindings(lm)
     expected = {b.hf_name: b.hf_shape for b in bindings}
     check_tensors(reader, {**expected, "score.weight": (1, spec.hidden_size)}, tied=True)
-    for binding in track(
-        bindings, description="loading the reward model", transient=True,
-        disable=not sys.stderr.isatty(),
-    ):  # fmt: skip
-        variable = binding.variable
-        abstract = variable.get_value()
-        host = binding.to_model(reader.get(binding.hf_name)).astype(abstract.dtype)
-        sharding = binding.sharding(mesh)
-        variable.set_value(
-            jax.make_array_from_callback(abstract.shape, sharding, lambda i, h=host: h[i])
-        )
+    place_weights(bindings, reader, mesh, "loading the reward model")
     head = np.asarray(reader.get("score.weight"), np.float32).T  # [E, 1]
     kernel = jax.device_put(head, logical_to_sharding(HEAD_AXES, head.shape, mesh))
     config = read_json(Path(path) / "config.json")

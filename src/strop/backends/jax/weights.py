@@ -23,7 +23,7 @@ from rich.progress import track
 
 from strop.backends.jax.model import CausalLM, Dense, Embedding, RMSNorm
 from strop.backends.jax.sharding import is_main_process, logical_to_sharding, to_host, write_once
-from strop.io.hf import check_tensors, open_checkpoint, write_checkpoint_once
+from strop.io.hf import SafetensorsReader, check_tensors, open_checkpoint, write_checkpoint_once
 
 
 @dataclass(frozen=True)
@@ -96,9 +96,17 @@ def load_hf_model(
     bindings = weight_bindings(model)
     # Names and shapes from the headers, before a single weight is read or placed.
     check_tensors(reader, {b.hf_name: b.hf_shape for b in bindings}, tied=spec.tie_word_embeddings)
-    for binding in track(
-        bindings, description="loading weights", transient=True, disable=not sys.stderr.isatty()
-    ):
+    place_weights(bindings, reader, mesh, "loading weights")
+    return model
+
+
+def place_weights(
+    bindings: list[WeightBinding], reader: SafetensorsReader, mesh: Mesh, description: str
+) -> None:
+    """Read each binding's tensor and place it, in the model's dtype, sharded over ``mesh``
+    (one tensor on the host at a time; a progress bar on a terminal)."""
+    disable = not sys.stderr.isatty()
+    for binding in track(bindings, description=description, transient=True, disable=disable):
         variable = binding.variable
         abstract = variable.get_value()
         host = binding.to_model(reader.get(binding.hf_name)).astype(abstract.dtype)
@@ -106,7 +114,6 @@ def load_hf_model(
         variable.set_value(
             jax.make_array_from_callback(abstract.shape, sharding, lambda index, h=host: h[index])
         )
-    return model
 
 
 def hf_weights(model: CausalLM) -> Iterator[tuple[str, np.ndarray]]:

@@ -49,13 +49,13 @@ from strop.backends.torch.model import build_model, forward_logits, run_model
 from strop.backends.torch.ppo_steps import critic_micro_loss, policy_micro_loss, token_logprobs
 from strop.backends.torch.train import Trainer, rank_rows, used_columns
 from strop.backends.torch.value import ValueModel
+from strop.batch import packing
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
 from strop.lora_init import critic_seed as critic_seed_of
 from strop.objectives.roles import RolePlan
-from strop.rl import packing
 from strop.rl.objectives import SHARED_CRITIC_PREFIX, PolicyObjective, ValueObjective
 
 logger = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class TorchActorCritic(Sampler):
             yield self.loaded
 
     def _packing(self, batch: dict[str, np.ndarray], micro_batches: int) -> packing.Packing | None:
-        """How ``ppo.pack`` packs these rows (:mod:`strop.rl.packing`): into the fewest bins
+        """How ``ppo.pack`` packs these rows (:mod:`strop.batch.packing`): into the fewest bins
         that first-fit fills and that split evenly into ``micro_batches`` on every rank
         (eager torch runs any shape, so no buckets)."""
         rows = self.plan.rows

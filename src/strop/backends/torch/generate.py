@@ -26,18 +26,9 @@ longer take one.
 
 Sampling
 --------
-Logits are divided by the temperature, restricted to the top-k and then to the top-p
-nucleus (the smallest set of most likely tokens whose probability, renormalised over the
-top-k, reaches ``top_p``), and a token is drawn by inverting the candidates' cumulative
-distribution (float64) at one uniform per row and step, which needs no host sync. The
-uniforms come from :func:`~strop.generation.row_uniforms`, computed on the host before
-the loop and moved to the device once: row ``b``'s draw at step ``t`` is a function of
-``(seed, t, prompt, sample index)`` only, so a row samples the same tokens whatever the
-batch size, its place in the batch and its neighbours (one ``torch.Generator`` over the
-whole batch, as before, gave a row other noise as soon as the batch changed). The reported
-log-probability is that of the sampled token under the full temperature-scaled
-distribution, before top-k/top-p truncation (plain log-softmax of the logits when greedy,
-``temperature == 0``).
+One token per row from the last column's logits (:mod:`strop.backends.torch.sampling`),
+at one uniform per row and step from :func:`~strop.generation.row_uniforms`, computed on
+the host before the loop and moved to the device once.
 
 A row stops after emitting any of ``eos_ids`` (the EOS is kept and counted) or after
 ``max_new_tokens``. Finished rows keep being fed (their outputs are discarded) until every
@@ -82,10 +73,10 @@ from functools import cache
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import StaticCache
 
 from strop.backends.torch.fsdp import is_sharded, unsharded
+from strop.backends.torch.sampling import sample_token
 from strop.config.sections import GenerationConfig
 from strop.generation import (
     Decoder,
@@ -94,7 +85,7 @@ from strop.generation import (
     Generation,
     SamplingParams,
     check_generate_args,
-    cut_at_stop_strings,
+    finished,
     prompt_repeats,
     row_uniforms,
 )
@@ -124,19 +115,14 @@ def generate(
     compile_mode: str | None = None,
     prompt_columns: int | None = None,
 ) -> Generation:
-    """Sample a response to each prompt (see the module docstring for the details).
+    """Sample a response to each (ragged, non-empty) prompt (see the module docstring for
+    the details); the arguments but these are :class:`~strop.generation.Decoding`'s.
 
     Runs under ``torch.inference_mode()`` (``torch.no_grad()`` for an FSDP2-sharded model).
 
     Args:
       model: a ``transformers`` causal LM (``PreTrainedModel``), possibly a ``PeftModel`` or
         sharded with FSDP2. Run in eval mode; its training/eval mode is restored afterwards.
-      prompts: token ids of each prompt (ragged, each non-empty).
-      params: how to sample; ``params.stop_strings`` needs ``tokenizer``.
-      eos_ids: a row stops after emitting any of these (may be empty).
-      pad_id: fills the prompt padding and the responses past their lengths.
-      seed: seeds the sampling noise; the same seed gives the same tokens.
-      tokenizer: decodes responses for stop strings.
       compile_mode: run the decode step through ``torch.compile`` with this mode
         (``"default"``, ``"reduce-overhead"``, ...); ``None`` runs it eagerly.
       prompt_columns: pad the prompts to at least this many columns (rounded up to the
@@ -152,8 +138,9 @@ def generate(
     model.eval()
     try:
         with torch.no_grad() if sharded else torch.inference_mode(), unsharded(model):
+            decoding = Decoding(seed, tuple(eos_ids), pad_id, prompt_columns=prompt_columns)
             tokens, logprobs, lengths, hit_eos = _sample_loop(
-                model, prompts, params, eos_ids, pad_id, seed, device, compile_mode, prompt_columns
+                model, prompts, params, decoding, device, compile_mode
             )
     finally:
         model.train(was_training)
@@ -162,18 +149,7 @@ def generate(
     logprobs_np = logprobs.cpu().numpy().astype(np.float32)
     lengths_np = lengths.cpu().numpy().astype(np.int32)
     reasons: list[FinishReason] = ["stop" if hit else "length" for hit in hit_eos.tolist()]
-    if params.stop_strings:
-        assert tokenizer is not None  # checked in _check_args
-        cut_at_stop_strings(
-            tokens_np, logprobs_np, lengths_np, reasons, params.stop_strings, tokenizer, pad_id
-        )
-    width = int(lengths_np.max())
-    return Generation(
-        tokens=np.ascontiguousarray(tokens_np[:, :width]),
-        logprobs=np.ascontiguousarray(logprobs_np[:, :width]),
-        lengths=lengths_np,
-        finish_reasons=reasons,
-    )
+    return finished(tokens_np, logprobs_np, lengths_np, reasons, params, tokenizer, pad_id)
 
 
 def sampler_keywords(
@@ -199,23 +175,17 @@ def decode_compile_mode(setting: str, model: torch.nn.Module) -> str | None:
 
 
 def _sample_loop(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    eos_ids: Sequence[int],
-    pad_id: int,
-    seed: int,
-    device: torch.device,
-    compile_mode: str | None,
-    prompt_columns: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, decoding: Decoding,
+    device: torch.device, compile_mode: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Prefill and decode.
 
     Returns ``tokens [B, N]`` (``pad_id`` after a row's EOS), ``logprobs [B, N]`` (0 there),
     ``lengths [B]`` and ``hit_eos [B]`` (whether the row ended with an EOS).
     """
     batch, steps = len(prompts), params.max_new_tokens
-    longest = max(prompt_columns or 0, *(len(p) for p in prompts))
+    pad_id, seed, eos_ids = decoding.pad_id, decoding.seed, decoding.eos_ids
+    longest = max(decoding.prompt_columns or 0, *(len(p) for p in prompts))
     width = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
     prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
 
@@ -253,7 +223,7 @@ def _sample_loop(
         _repeat_rows(kv_cache, repeats)
         logits = logits.repeat_interleave(repeats, 0)
     for t in range(steps):
-        token, logprob = _sample(logits, params, None if uniforms is None else uniforms[:, t])
+        token, logprob = sample_token(logits, params, None if uniforms is None else uniforms[:, t])
         token = token.masked_fill(done, pad_id)
         tokens[:, t] = token
         logprobs[:, t] = logprob.masked_fill(done, 0.0)
@@ -360,46 +330,3 @@ def _compiled_forward(mode: str):
     """One compiled decode step per mode, shared by all calls (dynamo caches graphs per
     shape and model)."""
     return torch.compile(_forward, mode=mode)
-
-
-def _sample(
-    logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from float32 ``logits [B, V]``, and its log-probability;
-    ``uniform [B]`` (float64 in ``[0, 1)``) is each row's draw, ``None`` when greedy."""
-    if params.greedy:
-        token = logits.argmax(-1)
-        return token, F.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
-    assert uniform is not None
-    scaled = logits / params.temperature
-    vocab = scaled.shape[-1]
-    if 0 < params.top_k < vocab or params.top_p < 1.0:
-        # Candidates in descending order: the top-k, or the whole sorted vocabulary.
-        if 0 < params.top_k < vocab:
-            cand_logits, cand_ids = scaled.topk(params.top_k, dim=-1)
-        else:
-            cand_logits, cand_ids = scaled.sort(dim=-1, descending=True)
-        if params.top_p < 1.0:
-            probs = cand_logits.softmax(-1)
-            mass_before = probs.cumsum(-1) - probs  # the best candidate always stays
-            cand_logits = cand_logits.masked_fill(mass_before >= params.top_p, -torch.inf)
-        choice = _inverse_cdf(cand_logits, uniform)
-        token = cand_ids.gather(-1, choice[:, None])[:, 0]
-    else:
-        token = _inverse_cdf(scaled, uniform)
-    return token, F.log_softmax(scaled, -1).gather(-1, token[:, None])[:, 0]
-
-
-def _inverse_cdf(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """A sample of ``softmax(logits)`` per row: the first index whose cumulative
-    probability (float64) exceeds ``uniform`` times the total. The target stays below the
-    total, so the index found always has a positive probability: ``-inf`` logits are
-    never drawn (NaN logits give some index in range, as Gumbel-max's argmax did)."""
-    cdf = logits.softmax(-1).double().cumsum(-1)
-    total = cdf[:, -1:]
-    target = torch.minimum(
-        uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total))
-    )
-    # NaN logits (a poisoned model) make every comparison false: the index past the end,
-    # clamped to the last one; the update that NaN poisons stops the run (or skips it)
-    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)

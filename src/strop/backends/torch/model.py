@@ -32,11 +32,11 @@ from strop.backends.torch.lora import (
     initial_value,
     is_lora_param,
 )
+from strop.batch.packing import PREFIX_STRIDE
 from strop.config import LoraConfig
 from strop.errors import ModelError
 from strop.io.hf import SafetensorsReader, check_tensors, open_checkpoint
 from strop.io.model_spec import ModelSpec
-from strop.rl.packing import PREFIX_STRIDE
 
 
 @dataclass
@@ -182,7 +182,7 @@ def packed_attention_mask(packed: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     """``[B, 1, L, L]`` additive mask (0 where a query attends, the dtype's lowest
     elsewhere) of packed rows: a real token sees the tokens before it in its own segment
     and in the shared prompt its ``packed`` value names (``segment + PREFIX_STRIDE *
-    prefix``, :mod:`strop.rl.packing`); a padding token sees every real token before it."""
+    prefix``, :mod:`strop.batch.packing`); a padding token sees every real token before it."""
     segments, prefixes = packed % PREFIX_STRIDE, packed // PREFIX_STRIDE
     real = segments > 0
     length = packed.shape[-1]
@@ -208,7 +208,7 @@ def run_model(
     model's keyword arguments (``output_hidden_states=True``, ``logits_to_keep=1``).
 
     Without ``positions``, ``attention_mask`` is 0/1 and positions count from each row's
-    first real token. With them the rows are packed (:mod:`strop.rl.packing`):
+    first real token. With them the rows are packed (:mod:`strop.batch.packing`):
     ``attention_mask`` holds segment ids (and the shared prompt each token sees), which
     :func:`packed_attention_mask` turns into the 4-D mask transformers takes as it is."""
     if positions is None:

@@ -7,7 +7,7 @@ root) when launched distributed, then filled one tensor at a time. Eval mode, no
 gradients, no optimizer. The PPO loop scores every row on every rank; distributed, each
 rank scores its own share of the rows (padded to equal shares, so every rank runs the
 same forwards) and the scores are all-gathered. The score head's output at every column
-is read with a forward hook and pooled as :mod:`strop.rewards.model` says (transformers'
+is read with a forward hook and pooled as :mod:`strop.batch.reward_rows` says (transformers'
 rule: the last token that is not ``pad_token_id``).
 """
 
@@ -33,10 +33,10 @@ from strop.backends.torch.model import (
     _to_torch,
     positions_from_mask,
 )
+from strop.batch.reward_rows import encode_pairs, pooled_index, right_padded
 from strop.data import Tokenizer
 from strop.errors import ModelError
 from strop.io.hf import check_tensors, open_checkpoint
-from strop.rewards.model import encode_pairs, pooled_index, right_padded
 
 
 class TorchRewardModel:
