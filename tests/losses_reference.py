@@ -3,11 +3,11 @@
 ``strop.backends.jax.losses`` and ``strop.backends.torch.losses`` compute the per-token
 terms (``policy_terms``, ``value_terms``, ``kl_penalty``, ``entropy_from_logits``) in float32,
 differentiably; the PPO steps sum them under the loss weights of
-:func:`strop.rl.objectives.aggregation_weights`. This module computes the same losses
+:func:`strop.objectives.ppo.aggregation_weights`. This module computes the same losses
 directly, in float64: ``aggregate`` (``token_mean``, ``sequence_mean``, Dr. GRPO's
 ``seq_mean_token_sum_norm``), ``policy_loss``, ``value_loss``, ``entropy_from_logits``.
 ``kl_penalty`` and ``explained_variance`` are the core's own numpy functions
-(:mod:`strop.rl.losses`, which also states the conventions all of them follow), re-exported.
+(:mod:`strop.objectives.losses`, which also states the conventions all of them follow), re-exported.
 Statistics are token means over response tokens, whatever the loss's aggregation.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from strop.rl.losses import (
+from strop.objectives.losses import (
     CONSTANT_NORMALISED,
     KL_VALUE_LIMIT,
     LOG_RATIO_LIMIT,

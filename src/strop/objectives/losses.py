@@ -22,7 +22,7 @@ Shared conventions (numpy, JAX and torch alike):
   nor, in the backends, a gradient (the gradient of ``where(m, f(x), 0)`` is NaN where
   ``f'(x)`` is, so the inputs themselves are selected first).
 - A loss is a weighted sum of per-token terms under the loss weights of
-  :func:`strop.rl.objectives.aggregation_weights` (``token_mean``, ``sequence_mean`` or
+  :func:`strop.objectives.ppo.aggregation_weights` (``token_mean``, ``sequence_mean`` or
   Dr. GRPO's ``seq_mean_token_sum_norm``); over no response token it is 0, not NaN.
 """
 
@@ -34,21 +34,41 @@ from typing import Any, Literal
 
 import numpy as np
 
-KlEstimator = Literal["k1", "k2", "k3"]
+KlEstimator = str  # a name of KL_ESTIMATORS
 Aggregation = Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"]
 
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean")
 # Dr. GRPO's constant normaliser needs the response-length budget: the PPO loop reaches it
-# through loss weights (strop.rl.objectives.aggregation_weights), which take the horizon.
+# through loss weights (strop.objectives.ppo.aggregation_weights), which take the horizon.
 CONSTANT_NORMALISED = "seq_mean_token_sum_norm"
 LOG_RATIO_LIMIT = 20.0
 KL_VALUE_LIMIT = 10.0
 
 
+def _k1(d, xp):
+    return d
+
+
+def _k2(d, xp):
+    return 0.5 * d * d
+
+
+def _k3(d, xp):
+    return xp.exp(-d) + d - 1.0
+
+
+KL_ESTIMATORS: dict[str, Callable[[Any, Any], Any]] = {"k1": _k1, "k2": _k2, "k3": _k3}
+"""The KL estimators' registry (``ppo.kl_estimator``): a name -> ``f(d, xp)``, the per-token
+estimate of KL(pi || ref) from the clamped log-ratio ``d = logp - ref_logp`` with the array
+module ``xp``: Schulman's k1 ``d``, k2 ``d^2 / 2``, k3 ``exp(-d) + d - 1`` (unbiased,
+non-negative). Add one by adding an entry; :func:`kl_estimate` applies the conventions."""
+
+
 def check_estimator(estimator: str) -> None:
     if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+        raise ValueError(
+            f"unknown KL estimator {estimator!r}; expected one of {tuple(KL_ESTIMATORS)}"
+        )
 
 
 def check_aggregation(mode: str) -> None:
@@ -63,21 +83,14 @@ def check_dual_clip(dual_clip: float | None) -> None:
 
 def kl_estimate(log_ratio, estimator: KlEstimator, xp):
     """Per-token KL(pi || ref) estimate from ``log_ratio = logprobs - ref_logprobs``, with
-    the array module ``xp`` (``numpy``, ``jax.numpy`` or ``torch``: its ``clip``, ``exp``).
-
-    With ``d`` the log-ratio clamped to ``[-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT]``:
-    ``k1 = d``; ``k2 = d^2 / 2``; ``k3 = exp(-d) + d - 1`` (Schulman's estimator, unbiased
-    and non-negative). Each value is then bounded to ``[-KL_VALUE_LIMIT, KL_VALUE_LIMIT]``.
+    the array module ``xp`` (``numpy``, ``jax.numpy`` or ``torch``: its ``clip``, ``exp``):
+    the registered ``estimator`` (:data:`KL_ESTIMATORS`) of ``d``, the log-ratio clamped to
+    ``[-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT]``, then bounded to ``[-KL_VALUE_LIMIT,
+    KL_VALUE_LIMIT]``.
     """
     check_estimator(estimator)
     d = xp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    if estimator == "k1":
-        kl = d
-    elif estimator == "k2":
-        kl = 0.5 * d * d
-    else:
-        kl = xp.exp(-d) + d - 1.0
-    return xp.clip(kl, -KL_VALUE_LIMIT, KL_VALUE_LIMIT)
+    return xp.clip(KL_ESTIMATORS[estimator](d, xp), -KL_VALUE_LIMIT, KL_VALUE_LIMIT)
 
 
 def kl_penalty(
@@ -109,18 +122,113 @@ def explained_variance(values: np.ndarray, returns: np.ndarray, mask: np.ndarray
 
 @dataclass(frozen=True)
 class ArrayOps:
-    """A backend's array primitives, over which :func:`policy_terms` and :func:`value_terms`
-    are written once for both backends (differentiable, float32).
+    """A backend's array primitives, over which the losses (:func:`policy_terms`,
+    :func:`value_terms`, the :data:`POLICY_LOSSES`, the micro-batch losses of
+    :mod:`strop.objectives.micro`) are written once for both backends (differentiable,
+    float32).
 
     ``xp``: ``jax.numpy`` or ``torch`` (its ``clip``, ``exp``, ``maximum``, ``minimum``,
-    ``where``, ``zeros_like``); ``on(mask)``: the boolean response mask; ``select(on, x)``:
-    ``x`` as float32 where ``on``, else 0; ``indicator(b)``: a boolean array as float32.
+    ``where``, ``zeros_like``, ``abs``); ``on(mask)``: the boolean response mask;
+    ``select(on, x)``: ``x`` as float32 where ``on``, else 0; ``indicator(b)``: a boolean
+    array as float32; ``stop_gradient(x)``: ``x`` without its gradient;
+    ``token_logprobs(logits, input_ids, temperature)``: ``[B, L]`` ``log softmax(logits /
+    T)`` of ``x_t`` from the logits at ``t - 1`` (column 0 is 0);
+    ``token_entropy(logits, temperature)``: ``[B, L]`` the entropy of that distribution.
     """
 
     xp: Any
     on: Callable[[Any], Any]
     select: Callable[[Any, Any], Any]
     indicator: Callable[[Any], Any]
+    stop_gradient: Callable[[Any], Any]
+    token_logprobs: Callable[[Any, Any, float], Any]
+    token_entropy: Callable[[Any, float], Any]
+
+
+def weighted_sum(ops: ArrayOps, per_token, weights):
+    """``sum(per_token * weights)`` over the columns with a weight, the others selected
+    away (``0 * NaN`` would be NaN): a micro-batch's share of a mini-batch loss."""
+    weighted = per_token * weights
+    return ops.xp.where(weights > 0, weighted, ops.xp.zeros_like(weighted)).sum()
+
+
+READABLE: dict[str, str] = {
+    "ref_logprobs": "the reference's log-probabilities (needs ppo.kl_coef > 0 or ppo.log_kl)",
+    "old_values": "the critic's values before the update (needs ppo.advantage_estimator=gae)",
+    "returns": "the critic's return targets (needs ppo.advantage_estimator=gae)",
+}
+"""The update arrays a policy loss may declare it reads, beyond the ones every loss gets."""
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A policy loss and its declared needs.
+
+    ``fn(ops, inputs, objective) -> (per_token [B, L], terms)``: ``inputs`` holds
+    ``logprobs`` (differentiable), ``old_logprobs``, ``advantages`` (all float32, 0 off
+    the response), ``on`` (the boolean response mask), each array of ``reads`` (selected
+    the same way) and, for a ``sequence_level`` loss, ``segments`` (``[B, L]`` ints: the
+    tokens of one rollout share a value within a row, whether rows are packed or not).
+    ``objective``: the
+    :class:`~strop.objectives.ppo.PolicyObjective` (``clip_low``, ``clip_high``,
+    ``dual_clip``, ...). ``per_token`` is 0 off the response; ``terms`` are per-token
+    statistics, summed under the loss weights like the loss and logged as ``policy/NAME``.
+    """
+
+    fn: Callable[..., tuple[Any, dict[str, Any]]]
+    reads: tuple[str, ...] = ()
+    sequence_level: bool = False
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+"""The policy losses' registry (``ppo.policy_loss``): a name -> :class:`PolicyLoss`."""
+
+
+def check_reads(reads) -> None:
+    unknown = [r for r in reads if r not in READABLE]
+    if unknown:
+        raise ValueError(
+            f"unknown need {unknown[0]!r}: a policy loss may read {', '.join(READABLE)}"
+        )
+
+
+def policy_loss(name: str | None = None, *, reads=(), sequence_level: bool = False):
+    """Decorator declaring a policy loss's needs (the function's ``strop_loss``, a
+    :class:`PolicyLoss`); with ``name``, also registered in :data:`POLICY_LOSSES`."""
+
+    def declare(fn):
+        entry = PolicyLoss(fn, tuple(reads), bool(sequence_level))
+        fn.strop_loss = entry
+        if name is not None:
+            check_reads(entry.reads)
+            POLICY_LOSSES[name] = entry
+        return fn
+
+    return declare
+
+
+def clipped_surrogate(ops: ArrayOps, ratio, advantages, clip_low, clip_high, dual_clip):
+    """PPO's ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` per token, with
+    ``dual_clip`` c (or None) bounding it by ``-A c`` where ``A < 0``; the ``clipfrac``
+    indicator and, with a dual clip, the ``dual_clip_frac`` one."""
+    check_dual_clip(dual_clip)
+    xp = ops.xp
+    pg1 = -advantages * ratio
+    pg2 = -advantages * xp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clipped = xp.maximum(pg1, pg2)
+    terms = {"clipfrac": ops.indicator(pg2 > pg1)}
+    if dual_clip is None:
+        return clipped, terms
+    bound = -advantages * dual_clip
+    terms["dual_clip_frac"] = ops.indicator((advantages < 0) & (clipped > bound))
+    return xp.where(advantages < 0, xp.minimum(clipped, bound), clipped), terms
+
+
+def reweighted(ops: ArrayOps, per_token, on, is_weights):
+    """``per_token`` times a rollout correction's weights (finite, no gradient); the tokens
+    they drop (weight 0) are selected away, not multiplied by 0."""
+    weights = ops.select(on, is_weights)
+    return ops.xp.where(weights > 0, per_token * weights, ops.xp.zeros_like(per_token))
 
 
 def policy_terms(
@@ -139,27 +247,35 @@ def policy_terms(
     ``mask`` is 0, whatever the inputs hold there (NaN and Inf included).
 
     ``is_weights``: a rollout correction's per-token weights
-    (:mod:`strop.rl.rollout_correction`, finite, no gradient), multiplied into the loss
-    term; the tokens they drop (weight 0) are selected away, not multiplied by 0."""
-    check_dual_clip(dual_clip)
+    (:mod:`strop.rl.rollout_correction`), multiplied into the loss term
+    (:func:`reweighted`)."""
     xp = ops.xp
     on = ops.on(mask)
     log_ratio = ops.select(on, logprobs) - ops.select(on, old_logprobs)
     ratio = xp.exp(xp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     adv = ops.select(on, advantages)
-    pg1 = -adv * ratio
-    pg2 = -adv * xp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    clipped = xp.maximum(pg1, pg2)
-    terms = {"clipfrac": ops.indicator(pg2 > pg1), "approx_kl": 0.5 * log_ratio * log_ratio}
-    loss = clipped
-    if dual_clip is not None:
-        bound = -adv * dual_clip
-        terms["dual_clip_frac"] = ops.indicator((adv < 0) & (clipped > bound))
-        loss = xp.where(adv < 0, xp.minimum(clipped, bound), clipped)
+    loss, clip_terms = clipped_surrogate(ops, ratio, adv, clip_low, clip_high, dual_clip)
+    terms = {"clipfrac": clip_terms.pop("clipfrac"), "approx_kl": 0.5 * log_ratio * log_ratio}
+    terms.update(clip_terms)
     if is_weights is not None:
-        weights = ops.select(on, is_weights)
-        loss = xp.where(weights > 0, loss * weights, xp.zeros_like(loss))
+        loss = reweighted(ops, loss, on, is_weights)
     return loss, terms
+
+
+@policy_loss("ppo")
+def ppo(ops: ArrayOps, inputs, objective):
+    """PPO's clipped surrogate (:func:`policy_terms`), with ``ppo.dual_clip``."""
+    return policy_terms(
+        ops, inputs["logprobs"], inputs["old_logprobs"], inputs["advantages"], inputs["on"],
+        objective.clip_low, objective.clip_high, objective.dual_clip,
+    )  # fmt: skip
+
+
+def resolve_policy_loss(ref: str) -> PolicyLoss:
+    """The :class:`PolicyLoss` ``ppo.policy_loss`` names: a registered one."""
+    if ref in POLICY_LOSSES:
+        return POLICY_LOSSES[ref]
+    raise ValueError(f"unknown policy loss {ref!r}; expected one of {tuple(POLICY_LOSSES)}")
 
 
 MAX_STATS = frozenset({"mismatch_abs_diff_max"})
