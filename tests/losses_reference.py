@@ -20,6 +20,7 @@ from strop.objectives.losses import (
     KL_VALUE_LIMIT,
     LOG_RATIO_LIMIT,
     Aggregation,
+    ArrayOps,
     check_aggregation,
     check_dual_clip,
     explained_variance,
@@ -176,3 +177,49 @@ def value_loss(
         per_token = 0.5 * unclipped
         frac = 0.0
     return aggregate(per_token, mask, aggregation), {"vf_clipfrac": frac}
+
+
+# --- the registered policy-loss variants, ported from verl / TRL ----------------------------
+
+
+def _sequence_mean(x: np.ndarray, on: np.ndarray) -> np.ndarray:
+    """verl's ``masked_mean(x, response_mask, axis=-1)`` per row, on each of its tokens."""
+    lengths = np.maximum(on.sum(axis=-1, keepdims=True), 1.0)
+    return np.broadcast_to((np.where(on, x, 0.0)).sum(axis=-1, keepdims=True) / lengths, x.shape)
+
+
+def gspo(logprobs, old_logprobs, advantages, mask, clip_low, clip_high):
+    """verl's ``compute_policy_loss_gspo`` (TRL's ``importance_sampling_level="sequence"``)
+    before aggregation, one rollout per row, in float64: ``(per_token, grad, clipfrac)``.
+
+    ``s = exp(mean over the row's response tokens of logprobs - old_logprobs)`` (verl
+    clamps the log at 10 from above; strop at +-LOG_RATIO_LIMIT, never reached here), on
+    each token ``s_t = sg[s] * exp(logp_t - sg[logp_t])``; ``loss_t = max(-A s_t, -A
+    clip(s_t, 1 - clip_low, 1 + clip_high))``. ``grad[b, t]`` = d loss_t / d logprobs[b, t]
+    (the sequence ratio carries no gradient): ``-A s`` where the unclipped term is in
+    force, else 0."""
+    on = _on(mask)
+    log_ratio = _select(on, logprobs) - _select(on, old_logprobs)
+    s = np.exp(np.clip(_sequence_mean(log_ratio, on), -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    adv = _select(on, advantages)
+    pg1, pg2 = -adv * s, -adv * np.clip(s, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = np.where(on, np.maximum(pg1, pg2), 0.0)
+    grad = np.where(on & ~(pg2 > pg1), -adv * s, 0.0)
+    return per_token, grad, np.where(on, pg2 > pg1, False).astype(np.float64)
+
+
+def _numpy_segment_mean(x, segments, on):
+    out = np.zeros(np.shape(x))
+    for row in range(out.shape[0]):
+        for segment in np.unique(segments[row][on[row]]):
+            members = on[row] & (segments[row] == segment)
+            out[row, members] = x[row, members].mean()
+    return out
+
+
+NUMPY_OPS = ArrayOps(
+    xp=np, on=_on, select=_select, indicator=lambda b: np.asarray(b, np.float64),
+    stop_gradient=lambda x: x, token_logprobs=None, token_entropy=None,
+    segment_mean=_numpy_segment_mean,
+)  # fmt: skip
+"""strop's array ops over numpy float64 (no gradients): the core's losses run on it."""

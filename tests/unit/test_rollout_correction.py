@@ -114,7 +114,7 @@ def test_the_first_update_sums_give_the_same_metrics():
     ops = ArrayOps(
         xp=np, on=lambda m: np.asarray(m) > 0, select=lambda on, x: np.where(on, x, 0.0),
         indicator=lambda b: b.astype(np.float64), stop_gradient=lambda x: x,
-        token_logprobs=None, token_entropy=None,
+        token_logprobs=None, token_entropy=None, segment_mean=None,
     )  # fmt: skip
     old, sampled, mask = random_case(1)
     # the update's log-ratio is new (the trainer's) - old (the sampler's, in sampler mode)

@@ -133,7 +133,10 @@ class ArrayOps:
     array as float32; ``stop_gradient(x)``: ``x`` without its gradient;
     ``token_logprobs(logits, input_ids, temperature)``: ``[B, L]`` ``log softmax(logits /
     T)`` of ``x_t`` from the logits at ``t - 1`` (column 0 is 0);
-    ``token_entropy(logits, temperature)``: ``[B, L]`` the entropy of that distribution.
+    ``token_entropy(logits, temperature)``: ``[B, L]`` the entropy of that distribution;
+    ``segment_mean(x, segments, on)``: ``[B, L]``, on each ``on`` token the mean of ``x``
+    over the ``on`` tokens of its row with the same segment id (one rollout, packed rows or
+    not), 0 elsewhere.
     """
 
     xp: Any
@@ -143,6 +146,7 @@ class ArrayOps:
     stop_gradient: Callable[[Any], Any]
     token_logprobs: Callable[[Any, Any, float], Any]
     token_entropy: Callable[[Any, float], Any]
+    segment_mean: Callable[[Any, Any, Any], Any]
 
 
 def weighted_sum(ops: ArrayOps, per_token, weights):
@@ -269,6 +273,26 @@ def ppo(ops: ArrayOps, inputs, objective):
         ops, inputs["logprobs"], inputs["old_logprobs"], inputs["advantages"], inputs["on"],
         objective.clip_low, objective.clip_high, objective.dual_clip,
     )  # fmt: skip
+
+
+@policy_loss("gspo", sequence_level=True)
+def gspo(ops: ArrayOps, inputs, objective):
+    """GSPO (Zheng et al. 2025; verl's ``compute_policy_loss_gspo``, TRL's
+    ``importance_sampling_level="sequence"``): PPO's clipped surrogate of the sequence
+    ratio ``s_i = exp(mean_t (logp - old_logp))`` over rollout ``i``'s response tokens, as
+    ``s_i,t = sg[s_i] * exp(logp_t - sg[logp_t])`` on each token (the value ``s_i``, the
+    gradient of token ``t``'s own log-probability), log-clamped like the token ratio."""
+    xp, on, logp = ops.xp, inputs["on"], inputs["logprobs"]
+    log_ratio = logp - inputs["old_logprobs"]
+    sequence = ops.segment_mean(ops.stop_gradient(log_ratio), inputs["segments"], on)
+    log_ratio_t = xp.clip(
+        sequence + logp - ops.stop_gradient(logp), -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT
+    )
+    loss, terms = clipped_surrogate(
+        ops, xp.exp(log_ratio_t), inputs["advantages"], objective.clip_low,
+        objective.clip_high, objective.dual_clip,
+    )  # fmt: skip
+    return loss, {"approx_kl": 0.5 * log_ratio * log_ratio, **terms}
 
 
 def resolve_policy_loss(ref: str) -> PolicyLoss:

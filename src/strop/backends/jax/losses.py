@@ -74,10 +74,22 @@ def token_entropy(logits: jax.Array, temperature: float) -> jax.Array:
     return _shift(entropy_from_logits(logits[:, :-1] / temperature))
 
 
+def segment_mean(x: jax.Array, segments: jax.Array, on: jax.Array) -> jax.Array:
+    """On each ``on`` token, the mean of ``x`` over the ``on`` tokens of its row with its
+    segment id (:attr:`~strop.objectives.losses.ArrayOps.segment_mean`); 0 elsewhere."""
+    rows, columns = x.shape
+    keys = jnp.arange(rows)[:, None] * (columns + 1) + jnp.clip(segments, 0, columns)
+    keys, count = keys.reshape(-1), rows * (columns + 1)
+    sums = jax.ops.segment_sum(_select(on, x).reshape(-1), keys, num_segments=count)
+    tokens = jax.ops.segment_sum(on.astype(F32).reshape(-1), keys, num_segments=count)
+    means = (sums / jnp.maximum(tokens, 1.0))[keys].reshape(rows, columns)
+    return jnp.where(on, means, 0.0)
+
+
 OPS = ArrayOps(
     xp=jnp, on=_on, select=_select, indicator=lambda b: b.astype(F32),
     stop_gradient=jax.lax.stop_gradient, token_logprobs=token_logprobs,
-    token_entropy=token_entropy,
+    token_entropy=token_entropy, segment_mean=segment_mean,
 )  # fmt: skip
 # strop.objectives' losses, over this backend's arrays
 policy_terms = partial(losses.policy_terms, OPS)

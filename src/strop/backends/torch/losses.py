@@ -77,10 +77,23 @@ def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return _shift(entropy_from_logits(logits[:, :-1].float() / temperature))
 
 
+def segment_mean(x: torch.Tensor, segments: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
+    """On each ``on`` token, the mean of ``x`` over the ``on`` tokens of its row with its
+    segment id (:attr:`~strop.objectives.losses.ArrayOps.segment_mean`); 0 elsewhere."""
+    rows, columns = x.shape
+    row = torch.arange(rows, device=x.device)[:, None] * (columns + 1)
+    keys = (row + segments.to(x.device).long().clamp(0, columns)).reshape(-1)
+    x, on = _select(on, x), on.to(x.device)
+    sums = x.new_zeros(rows * (columns + 1)).index_add(0, keys, x.reshape(-1))
+    tokens = x.new_zeros(rows * (columns + 1)).index_add(0, keys, on.to(F32).reshape(-1))
+    means = (sums / tokens.clamp(min=1.0))[keys].reshape(rows, columns)
+    return torch.where(on, means, torch.zeros_like(means))
+
+
 OPS = ArrayOps(
     xp=torch, on=_on, select=_select, indicator=lambda b: b.to(F32),
     stop_gradient=torch.Tensor.detach, token_logprobs=token_logprobs,
-    token_entropy=token_entropy,
+    token_entropy=token_entropy, segment_mean=segment_mean,
 )  # fmt: skip
 # strop.objectives' losses, over this backend's arrays
 policy_terms = partial(losses.policy_terms, OPS)
