@@ -205,7 +205,35 @@ def gspo(logprobs, old_logprobs, advantages, mask, clip_low, clip_high):
     pg1, pg2 = -adv * s, -adv * np.clip(s, 1.0 - clip_low, 1.0 + clip_high)
     per_token = np.where(on, np.maximum(pg1, pg2), 0.0)
     grad = np.where(on & ~(pg2 > pg1), -adv * s, 0.0)
-    return per_token, grad, np.where(on, pg2 > pg1, False).astype(np.float64)
+    return per_token, grad, {"clipfrac": np.where(on, pg2 > pg1, False).astype(np.float64)}
+
+
+def cispo(logprobs, old_logprobs, advantages, mask, clip_low, clip_high):
+    """verl's ``compute_policy_loss_cispo`` (MiniMax-M1) before aggregation, in float64:
+    ``(per_token, grad, stats)``. ``ratio = exp(clamp(logp - old, -20, 20))``; ``loss_t =
+    -clip(ratio, 1 - clip_low, 1 + clip_high).detach() * A * logp``, so ``grad = -clip(ratio)
+    * A``; ``clipfrac``: the ratio is not its clipped value."""
+    on = _on(mask)
+    logp = _select(on, logprobs)
+    ratio = np.exp(np.clip(logp - _select(on, old_logprobs), -20.0, 20.0))
+    clipped = np.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    adv = _select(on, advantages)
+    outside = np.where(on, ratio != clipped, False).astype(np.float64)
+    return -clipped * adv * logp, np.where(on, -clipped * adv, 0.0), {"clipfrac": outside}
+
+
+def sapo(logprobs, old_logprobs, advantages, mask, tau_pos, tau_neg):
+    """TRL's ``loss_type="sapo"`` (``get_sapo_token_loss``) at token level, in float64:
+    ``(per_token, grad, stats)``. ``r = exp(logp - old)``; ``tau = tau_pos`` where ``A > 0``
+    else ``tau_neg``; ``loss_t = -A * sigmoid(tau (r - 1)) * 4 / tau``, whose derivative in
+    ``logp`` is ``-A * 4 * s (1 - s) * r`` (``s`` the sigmoid)."""
+    on = _on(mask)
+    ratio = np.exp(_select(on, logprobs) - _select(on, old_logprobs))
+    adv = _select(on, advantages)
+    tau = np.where(adv > 0, tau_pos, tau_neg)
+    s = 1.0 / (1.0 + np.exp(-tau * (ratio - 1.0)))
+    grad = np.where(on, -adv * 4.0 * s * (1.0 - s) * ratio, 0.0)
+    return np.where(on, -adv * s * 4.0 / tau, 0.0), grad, {}
 
 
 def _numpy_segment_mean(x, segments, on):

@@ -32,6 +32,7 @@ def objective(name: str, clip_low: float = 0.2, clip_high: float = 0.2) -> Polic
     return PolicyObjective(
         temperature=1.0, clip_low=clip_low, clip_high=clip_high, dual_clip=None,
         kl_in_loss=False, kl_coef=0.0, kl_estimator="k1", entropy_coef=0.0, policy_loss=name,
+        sapo_temperature_pos=1.0 + clip_low, sapo_temperature_neg=1.0 + 2 * clip_high,
     )  # fmt: skip
 
 
@@ -49,23 +50,29 @@ def inputs(case, convert, logprobs=None):
     }
 
 
+NAMES = ["gspo", "cispo", "sapo"]
+
+
 def reference(name, case, clip_low, clip_high):
+    """The port's ``(per_token, grad, stats)``; sapo's temperatures are ``objective``'s."""
     args = (case["logprobs"], case["old_logprobs"], case["advantages"], case["mask"])
-    return {"gspo": ref.gspo}[name](*args, clip_low, clip_high)
+    if name == "sapo":
+        return ref.sapo(*args, 1.0 + clip_low, 1.0 + 2 * clip_high)
+    return {"gspo": ref.gspo, "cispo": ref.cispo}[name](*args, clip_low, clip_high)
 
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("clips", CLIPS)
-@pytest.mark.parametrize("name", ["gspo"])
+@pytest.mark.parametrize("name", NAMES)
 def test_the_core_entry_in_float64_is_the_port(name, clips, seed):
     case = {k: np.asarray(v, np.float64) for k, v in random_case(seed).items()}
-    per_token, _, clipped = reference(name, case, *clips)
-    assert 0 < clipped.sum() < case["mask"].sum()  # the clip is in play, not everywhere
-    got, terms = POLICY_LOSSES[name].fn(
-        ref.NUMPY_OPS, inputs(case, np.asarray), objective(name, *clips)
-    )
-    np.testing.assert_allclose(got, per_token, rtol=1e-9, atol=1e-9)
-    np.testing.assert_allclose(terms["clipfrac"], clipped, atol=0)
+    per_token, _, stats = reference(name, case, *clips)
+    goal = objective(name, *clips)
+    got, terms = POLICY_LOSSES[name].fn(ref.NUMPY_OPS, inputs(case, np.asarray), goal)
+    np.testing.assert_allclose(got * case["mask"], per_token, rtol=1e-9, atol=1e-9)
+    for key, value in stats.items():
+        assert 0 < value.sum() < case["mask"].sum()  # the clip is in play, not everywhere
+        np.testing.assert_allclose(terms[key] * case["mask"], value, atol=0)
 
 
 def _to_jax(x):
@@ -79,7 +86,7 @@ def _to_torch(x):
 @pytest.mark.parametrize("impl", ["jax", "torch"])
 @pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("clips", CLIPS)
-@pytest.mark.parametrize("name", ["gspo"])
+@pytest.mark.parametrize("name", NAMES)
 def test_each_backend_gives_the_port_s_loss_and_gradient(impl, name, clips, seed):
     case = random_case(seed)
     per_token, grad, _ = reference(
@@ -100,7 +107,7 @@ def test_each_backend_gives_the_port_s_loss_and_gradient(impl, name, clips, seed
         out, _ = entry.fn(ops, inputs(case, _to_torch, lp), goal)
         weighted_sum(ops, out, torch.from_numpy(weights)).backward()
         out, got_grad = out.detach(), lp.grad
-    np.testing.assert_allclose(np.asarray(out), per_token, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out) * case["mask"], per_token, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(got_grad), grad * weights, rtol=1e-5, atol=1e-6)
 
 

@@ -180,6 +180,15 @@ class PpoConfig(_Section):
         64, ge=0, description="Held-out prompts (from data.eval_path) per validation; 0 = all."
     )
 
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0, allow_inf_nan=False,
+        description="policy_loss=sapo: the soft gate's temperature where the advantage is positive (TRL's default).",
+    )  # fmt: skip
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0, allow_inf_nan=False,
+        description="policy_loss=sapo: the soft gate's temperature where the advantage is negative or 0 (TRL's default).",
+    )  # fmt: skip
+
     @field_validator("reward", mode="wrap")
     @classmethod
     def _reward_in_one_message(cls, value: Any, handler: Any) -> Any:

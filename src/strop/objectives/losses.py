@@ -295,6 +295,35 @@ def gspo(ops: ArrayOps, inputs, objective):
     return loss, {"approx_kl": 0.5 * log_ratio * log_ratio, **terms}
 
 
+@policy_loss("cispo")
+def cispo(ops: ArrayOps, inputs, objective):
+    """CISPO (MiniMax-M1; verl's ``compute_policy_loss_cispo``): ``-sg[clip(r, 1 - clip_low,
+    1 + clip_high)] * A * logp`` per token: the clipped ratio is a weight without gradient,
+    so a clipped token keeps its gradient. ``clipfrac``: the ratio outside the band."""
+    xp, logp = ops.xp, inputs["logprobs"]
+    log_ratio = logp - inputs["old_logprobs"]
+    ratio = xp.exp(xp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    low, high = 1.0 - objective.clip_low, 1.0 + objective.clip_high
+    weight = ops.stop_gradient(xp.clip(ratio, low, high))
+    terms = {"clipfrac": ops.indicator((ratio < low) | (ratio > high))}
+    return -weight * inputs["advantages"] * logp, {**terms, "approx_kl": 0.5 * log_ratio**2}
+
+
+@policy_loss("sapo")
+def sapo(ops: ArrayOps, inputs, objective):
+    """SAPO (Gao et al. 2025; TRL's ``loss_type="sapo"``): a soft gate instead of the clip,
+    ``-A * sigmoid(tau * (r - 1)) * 4 / tau`` per token, ``tau`` =
+    ``ppo.sapo_temperature_pos`` where ``A > 0``, else ``ppo.sapo_temperature_neg`` (its
+    gradient at ``r = 1`` is PPO's, and fades as ``r`` leaves 1)."""
+    xp, adv = ops.xp, inputs["advantages"]
+    log_ratio = inputs["logprobs"] - inputs["old_logprobs"]
+    ratio = xp.exp(xp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    pos, neg = objective.sapo_temperature_pos, objective.sapo_temperature_neg
+    tau = neg + (pos - neg) * ops.indicator(adv > 0)
+    gate = 4.0 / (tau * (1.0 + xp.exp(-tau * (ratio - 1.0))))
+    return -adv * gate, {"approx_kl": 0.5 * log_ratio * log_ratio}
+
+
 def resolve_policy_loss(ref: str) -> PolicyLoss:
     """The :class:`PolicyLoss` ``ppo.policy_loss`` names: a registered one."""
     if ref in POLICY_LOSSES:

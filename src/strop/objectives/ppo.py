@@ -61,6 +61,8 @@ class PolicyObjective:
     entropy_coef: float
     rollout_correction: bool = False
     policy_loss: str = "ppo"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
 
     @classmethod
     def from_config(cls, config: Config) -> PolicyObjective:
@@ -76,6 +78,8 @@ class PolicyObjective:
             entropy_coef=ppo.entropy_coef,
             rollout_correction=ppo.rollout_correction != "none",
             policy_loss=ppo.policy_loss,
+            sapo_temperature_pos=ppo.sapo_temperature_pos,
+            sapo_temperature_neg=ppo.sapo_temperature_neg,
         )
 
     @property
