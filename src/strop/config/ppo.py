@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from strop.config.sections import _Section
-from strop.objectives.losses import KL_ESTIMATORS, POLICY_LOSSES
+from strop.objectives.losses import KL_ESTIMATORS, resolve_policy_loss
 
 
 def _registered(value: str, registry: Any, what: str) -> str:
@@ -225,8 +225,9 @@ class PpoConfig(_Section):
 
     @field_validator("policy_loss")
     @classmethod
-    def _registered_loss(cls, value: str) -> str:
-        return _registered(value, POLICY_LOSSES, "policy loss")
+    def _known_loss(cls, value: str) -> str:
+        resolve_policy_loss(value)  # your own: imported, its declared needs checked
+        return value
 
     @model_validator(mode="after")
     def _mini_batches_divide(self) -> Self:
@@ -257,6 +258,17 @@ class PpoConfig(_Section):
                 f"ppo.rollout_correction={self.rollout_correction} needs "
                 "ppo.old_logprobs=recompute: its weight is the trainer's old probability over "
                 "the sampler's, and with old_logprobs=sampler the two are the same numbers"
+            )
+        reads = resolve_policy_loss(self.policy_loss).reads
+        if "ref_logprobs" in reads and not self.reference_forward:
+            raise ValueError(
+                f"ppo.policy_loss={self.policy_loss} reads ref_logprobs: set ppo.kl_coef > 0 "
+                "or ppo.log_kl=true, so that the reference's forward runs"
+            )
+        if {"old_values", "returns"} & set(reads) and not self.has_critic:
+            raise ValueError(
+                f"ppo.policy_loss={self.policy_loss} reads the critic's arrays: it needs "
+                "ppo.advantage_estimator=gae"
             )
         if self.kl_placed_by_estimator:
             self.__dict__["kl_in_reward"] = False  # not set by the user: not in fields_set
