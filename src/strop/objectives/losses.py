@@ -1,13 +1,15 @@
-"""PPO loss conventions, shared by the core and both backends, and the loss pieces the core
-computes itself in numpy: the per-token KL estimate (for the reward) and the critic's
-explained variance.
+"""PPO loss conventions, shared by the core and both backends; the registries of KL
+estimators (:data:`KL_ESTIMATORS`) and policy losses (:data:`POLICY_LOSSES`: ``ppo``,
+``gspo``, ``cispo``, ``sapo``); and the loss pieces the core computes itself in numpy: the
+per-token KL estimate (for the reward) and the critic's explained variance.
 
 The differentiable, float32 per-token terms the PPO steps train with are written once
-here (:func:`policy_terms`, :func:`value_terms`) over a backend's :class:`ArrayOps`;
+here (the policy losses, :func:`value_terms`) over a backend's :class:`ArrayOps`;
 ``strop.backends.jax.losses`` and ``strop.backends.torch.losses`` bind them to their own
-arrays. ``tests/losses_reference.py`` is their float64 numpy reference. Inputs are ``[B, L]`` in the teacher-forcing layout of
-:mod:`strop.rl.gae` (column ``t`` is about emitting ``x_t``; ``mask[b, t] = 1`` marks
-response tokens); ``docs/ppo.md`` has each formula.
+arrays. ``tests/losses_reference.py`` holds their float64 numpy references. Inputs are
+``[B, L]`` in the teacher-forcing layout of :mod:`strop.rl.gae` (column ``t`` is about
+emitting ``x_t``; ``mask[b, t] = 1`` marks response tokens); ``docs/ppo.md`` has each
+formula.
 
 Shared conventions (numpy, JAX and torch alike):
 
