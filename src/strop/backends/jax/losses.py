@@ -1,13 +1,15 @@
 """PPO losses in ``jax.numpy``: differentiable, float32, jit-friendly.
 
-``policy_terms`` and ``value_terms`` are :mod:`strop.objectives.losses`'s, written once for both
-backends, bound to this backend's array primitives (:data:`OPS`). The per-token terms the
-PPO steps (:mod:`strop.backends.jax.ppo_steps`) sum under the loss weights of
-:func:`strop.objectives.ppo.aggregation_weights` follow the conventions of
-:mod:`strop.objectives.losses` (see ``docs/ppo.md`` for the formulas); they are tested against the
-numpy float64 reference ``tests/losses_reference.py`` in ``tests/parity/test_ppo_losses.py``.
-Inputs are cast to float32. The clip arguments (``dual_clip``, ``value_clip``) and
-``estimator`` are static Python values.
+This backend's array primitives (:data:`OPS`: ``select``, ``token_logprobs``,
+``token_entropy``, ``segment_mean``, ...) and :mod:`strop.objectives`' losses, written once
+for both backends, bound to them: ``policy_terms``, ``value_terms``, ``mismatch_stats`` and
+the micro-batch losses ``policy_micro_loss`` / ``critic_micro_loss``
+(:mod:`strop.objectives.micro`) that :mod:`strop.backends.jax.ppo_steps` calls with its
+forwards' logits and values. They follow the conventions of :mod:`strop.objectives.losses`
+(see ``docs/ppo.md`` for the formulas) and are tested against the numpy float64 references
+in ``tests/losses_reference.py`` (``tests/parity/test_ppo_losses.py``,
+``test_policy_losses.py``). Inputs are cast to float32. The clip arguments (``dual_clip``,
+``value_clip``), ``estimator`` and the objective are static Python values.
 """
 
 from __future__ import annotations
