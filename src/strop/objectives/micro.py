@@ -54,7 +54,7 @@ def policy_micro_loss(
         **{name: ops.select(on, micro[name]) for name in entry.reads},
     }
     if entry.sequence_level:
-        inputs["segments"] = micro["attention_mask"] % SEGMENT_STRIDE
+        inputs["segments"] = (micro["attention_mask"] * 1) % SEGMENT_STRIDE  # ints, not bools
     per_token, terms = entry.fn(ops, inputs, objective)
     if WEIGHTS in micro:  # a rollout correction's (ppo.rollout_correction)
         per_token = reweighted(ops, per_token, on, micro[WEIGHTS])
