@@ -63,7 +63,7 @@ def policy_micro_loss(
     entropy_sum = weighted_sum(ops, entropy, weights)
     loss = pg_loss - objective.entropy_coef * entropy_sum
     stats = {name: weighted_sum(ops, term, weights) for name, term in terms.items()}
-    stats.update(mismatch_stats(ops, logp, micro["old_logprobs"], on))
+    stats.update(mismatch_stats(ops, ops.stop_gradient(logp), micro["old_logprobs"], on))
     stats["pg_loss"] = pg_loss
     stats["entropy"] = entropy_sum
     if objective.kl_in_loss:
