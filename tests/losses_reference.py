@@ -3,11 +3,11 @@
 ``strop.backends.jax.losses`` and ``strop.backends.torch.losses`` compute the per-token
 terms (``policy_terms``, ``value_terms``, ``kl_penalty``, ``entropy_from_logits``) in float32,
 differentiably; the PPO steps sum them under the loss weights of
-:func:`strop.rl.objectives.aggregation_weights`. This module computes the same losses
+:func:`strop.objectives.ppo.aggregation_weights`. This module computes the same losses
 directly, in float64: ``aggregate`` (``token_mean``, ``sequence_mean``, Dr. GRPO's
 ``seq_mean_token_sum_norm``), ``policy_loss``, ``value_loss``, ``entropy_from_logits``.
 ``kl_penalty`` and ``explained_variance`` are the core's own numpy functions
-(:mod:`strop.rl.losses`, which also states the conventions all of them follow), re-exported.
+(:mod:`strop.objectives.losses`, which also states the conventions all of them follow), re-exported.
 Statistics are token means over response tokens, whatever the loss's aggregation.
 """
 
@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from strop.rl.losses import (
+from strop.objectives.losses import (
     CONSTANT_NORMALISED,
     KL_VALUE_LIMIT,
     LOG_RATIO_LIMIT,
     Aggregation,
+    ArrayOps,
     check_aggregation,
     check_dual_clip,
     explained_variance,
@@ -176,3 +177,77 @@ def value_loss(
         per_token = 0.5 * unclipped
         frac = 0.0
     return aggregate(per_token, mask, aggregation), {"vf_clipfrac": frac}
+
+
+# --- the registered policy-loss variants, ported from verl / TRL ----------------------------
+
+
+def _sequence_mean(x: np.ndarray, on: np.ndarray) -> np.ndarray:
+    """verl's ``masked_mean(x, response_mask, axis=-1)`` per row, on each of its tokens."""
+    lengths = np.maximum(on.sum(axis=-1, keepdims=True), 1.0)
+    return np.broadcast_to((np.where(on, x, 0.0)).sum(axis=-1, keepdims=True) / lengths, x.shape)
+
+
+def gspo(logprobs, old_logprobs, advantages, mask, clip_low, clip_high):
+    """verl's ``compute_policy_loss_gspo`` (TRL's ``importance_sampling_level="sequence"``)
+    before aggregation, one rollout per row, in float64: ``(per_token, grad, clipfrac)``.
+
+    ``s = exp(mean over the row's response tokens of logprobs - old_logprobs)`` (verl
+    clamps the log at 10 from above; strop at +-LOG_RATIO_LIMIT, never reached here), on
+    each token ``s_t = sg[s] * exp(logp_t - sg[logp_t])``; ``loss_t = max(-A s_t, -A
+    clip(s_t, 1 - clip_low, 1 + clip_high))``. ``grad[b, t]`` = d loss_t / d logprobs[b, t]
+    (the sequence ratio carries no gradient): ``-A s`` where the unclipped term is in
+    force, else 0."""
+    on = _on(mask)
+    log_ratio = _select(on, logprobs) - _select(on, old_logprobs)
+    s = np.exp(np.clip(_sequence_mean(log_ratio, on), -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    adv = _select(on, advantages)
+    pg1, pg2 = -adv * s, -adv * np.clip(s, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = np.where(on, np.maximum(pg1, pg2), 0.0)
+    grad = np.where(on & ~(pg2 > pg1), -adv * s, 0.0)
+    return per_token, grad, {"clipfrac": np.where(on, pg2 > pg1, False).astype(np.float64)}
+
+
+def cispo(logprobs, old_logprobs, advantages, mask, clip_low, clip_high):
+    """verl's ``compute_policy_loss_cispo`` (MiniMax-M1) before aggregation, in float64:
+    ``(per_token, grad, stats)``. ``ratio = exp(clamp(logp - old, -20, 20))``; ``loss_t =
+    -clip(ratio, 1 - clip_low, 1 + clip_high).detach() * A * logp``, so ``grad = -clip(ratio)
+    * A``; ``clipfrac``: the ratio is not its clipped value."""
+    on = _on(mask)
+    logp = _select(on, logprobs)
+    ratio = np.exp(np.clip(logp - _select(on, old_logprobs), -20.0, 20.0))
+    clipped = np.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    adv = _select(on, advantages)
+    outside = np.where(on, ratio != clipped, False).astype(np.float64)
+    return -clipped * adv * logp, np.where(on, -clipped * adv, 0.0), {"clipfrac": outside}
+
+
+def sapo(logprobs, old_logprobs, advantages, mask, tau_pos, tau_neg):
+    """TRL's ``loss_type="sapo"`` (``get_sapo_token_loss``) at token level, in float64:
+    ``(per_token, grad, stats)``. ``r = exp(logp - old)``; ``tau = tau_pos`` where ``A > 0``
+    else ``tau_neg``; ``loss_t = -A * sigmoid(tau (r - 1)) * 4 / tau``, whose derivative in
+    ``logp`` is ``-A * 4 * s (1 - s) * r`` (``s`` the sigmoid)."""
+    on = _on(mask)
+    ratio = np.exp(_select(on, logprobs) - _select(on, old_logprobs))
+    adv = _select(on, advantages)
+    tau = np.where(adv > 0, tau_pos, tau_neg)
+    s = 1.0 / (1.0 + np.exp(-tau * (ratio - 1.0)))
+    grad = np.where(on, -adv * 4.0 * s * (1.0 - s) * ratio, 0.0)
+    return np.where(on, -adv * s * 4.0 / tau, 0.0), grad, {}
+
+
+def _numpy_segment_mean(x, segments, on):
+    out = np.zeros(np.shape(x))
+    for row in range(out.shape[0]):
+        for segment in np.unique(segments[row][on[row]]):
+            members = on[row] & (segments[row] == segment)
+            out[row, members] = x[row, members].mean()
+    return out
+
+
+NUMPY_OPS = ArrayOps(
+    xp=np, on=_on, select=_select, indicator=lambda b: np.asarray(b, np.float64),
+    stop_gradient=lambda x: x, token_logprobs=None, token_entropy=None,
+    segment_mean=_numpy_segment_mean,
+)  # fmt: skip
+"""strop's array ops over numpy float64 (no gradients): the core's losses run on it."""

@@ -90,7 +90,7 @@ def sample_prompts(policy) -> dict[str, np.ndarray]:
 def sft_gradients(policy, batch, micro_batches: int) -> tuple[float, float]:
     """An SFT pass of a ``TorchPolicy`` over ``batch`` that leaves the gradients and applies
     nothing: (summed loss, target tokens)."""
-    from strop.sft.objective import SFT_BATCH, target_tokens, with_loss_weights
+    from strop.objectives.sft import SFT_BATCH, target_tokens, with_loss_weights
 
     weighted = with_loss_weights(batch)
     loss, _ = policy.trainer.accumulate(

@@ -1,7 +1,7 @@
 """PPO losses: the JAX and torch implementations equal the numpy float64 reference.
 
 The backends compute per-token terms (``policy_terms``, ``value_terms``); a loss is their
-sum under the loss weights of :func:`strop.rl.objectives.aggregation_weights`, as the PPO
+sum under the loss weights of :func:`strop.objectives.ppo.aggregation_weights`, as the PPO
 steps sum them (:func:`backend_policy_loss`, :func:`backend_value_loss`). Random cases feed
 the same float32 inputs to all three; the reference (``tests/losses_reference.py``)
 computes in float64 on them, the backends in float32, and results must agree at rtol 1e-6
@@ -20,11 +20,9 @@ import pytest
 import torch
 
 from strop.backends.jax import losses as jax_losses
-from strop.backends.jax import ppo_steps as jax_steps
 from strop.backends.torch import losses as torch_losses
-from strop.backends.torch import ppo_steps as torch_steps
-from strop.rl.losses import explained_variance
-from strop.rl.objectives import PolicyObjective, aggregation_weights
+from strop.objectives.losses import explained_variance
+from strop.objectives.ppo import PolicyObjective, aggregation_weights
 from strop.rl.rollout_correction import correction_weights, first_update_metrics, mismatch_metrics
 from tests import losses_reference as ref
 
@@ -60,7 +58,7 @@ BACKENDS = {"jax": (jax_losses, to_jax), "torch": (torch_losses, to_torch)}
 
 def weighted_sum(impl: str, per_token, mask: np.ndarray, mode: str = "token_mean"):
     """``sum(per_token * w)`` with ``w = aggregation_weights(mask, mode)`` in the backend's
-    float32, as the PPO steps sum a micro-batch (``ppo_steps._weighted_sum``)."""
+    float32, as the PPO steps sum a micro-batch (``strop.objectives.losses.weighted_sum``)."""
     weights = BACKENDS[impl][1](aggregation_weights(np.asarray(mask), mode))
     return (per_token * weights).sum()
 
@@ -316,16 +314,16 @@ def test_backend_stats_are_0d_and_gradient_free():
     )  # fmt: skip
     t_logits = torch.from_numpy(logits).requires_grad_(True)
     t_micro = {k: torch.from_numpy(v) for k, v in micro.items()}
-    loss, stats = torch_steps.policy_micro_loss(t_logits, t_micro, objective)
+    loss, stats = torch_losses.policy_micro_loss(t_logits, t_micro, objective)
     assert loss.requires_grad and loss.dtype == torch.float32 and loss.ndim == 0
     assert {"clipfrac", "approx_kl", "dual_clip_frac", "kl_loss"} <= stats.keys()
     assert all(s.ndim == 0 and not s.requires_grad for s in stats.values())
     j_micro = {k: jnp.asarray(v) for k, v in micro.items()}
-    j_loss, j_stats = jax_steps.policy_micro_loss(jnp.asarray(logits), j_micro, objective)
+    j_loss, j_stats = jax_losses.policy_micro_loss(jnp.asarray(logits), j_micro, objective)
     assert j_loss.dtype == jnp.float32 and all(s.shape == () for s in j_stats.values())
 
     def stats_sum(lg):
-        return sum(jax_steps.policy_micro_loss(lg, j_micro, objective)[1].values())
+        return sum(jax_losses.policy_micro_loss(lg, j_micro, objective)[1].values())
 
     assert not np.asarray(jax.grad(stats_sum)(jnp.asarray(logits))).any()  # stop_gradient
     args = (c["logprobs"], c["old_logprobs"], c["advantages"], c["mask"])

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from strop.config import Config, PpoConfig
+from strop.objectives.ppo import PolicyObjective, ValueObjective, aggregation_weights
 from strop.rl.experience import build_experience, minibatches, pad_columns
-from strop.rl.objectives import PolicyObjective, ValueObjective, aggregation_weights
 from strop.rl.prompts import PromptSet
 from tests.losses_reference import aggregate
 

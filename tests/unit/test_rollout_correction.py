@@ -11,8 +11,8 @@ import pytest
 
 from strop.config import load_config
 from strop.errors import StropError
+from strop.objectives.ppo import PolicyObjective
 from strop.rl import rollout_correction as rc
-from strop.rl.objectives import PolicyObjective
 
 SAFETY_BOUND = 20.0  # verl's rollout_corr_helper: log-ratios clamped before exp
 
@@ -107,13 +107,14 @@ def test_monitor_matches_the_oracle(seed):
 
 
 def test_the_first_update_sums_give_the_same_metrics():
-    """Sampler mode: the backends' unweighted sums (strop.rl.losses.mismatch_stats, here
+    """Sampler mode: the backends' unweighted sums (strop.objectives.losses.mismatch_stats, here
     over numpy) turn into the metrics the core computes itself in recompute mode."""
-    from strop.rl.losses import ArrayOps, mismatch_stats
+    from strop.objectives.losses import ArrayOps, mismatch_stats
 
     ops = ArrayOps(
         xp=np, on=lambda m: np.asarray(m) > 0, select=lambda on, x: np.where(on, x, 0.0),
-        indicator=lambda b: b.astype(np.float64),
+        indicator=lambda b: b.astype(np.float64), stop_gradient=lambda x: x,
+        token_logprobs=None, token_entropy=None, segment_mean=None,
     )  # fmt: skip
     old, sampled, mask = random_case(1)
     # the update's log-ratio is new (the trainer's) - old (the sampler's, in sampler mode)

@@ -7,6 +7,13 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from strop.config.sections import _Section
+from strop.objectives.losses import KL_ESTIMATORS, resolve_policy_loss
+
+
+def _registered(value: str, registry: Any, what: str) -> str:
+    if value not in registry:
+        raise ValueError(f"unknown {what} {value!r}; the registered ones are {', '.join(registry)}")
+    return value
 
 
 class RewardTerm(_Section):
@@ -52,9 +59,9 @@ class PpoConfig(_Section):
         gt=1,
         description="Dual-clip constant c bounding the loss for negative advantages; null = off.",
     )
-    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field(
+    advantage_estimator: str = Field(
         "gae",
-        description="How rewards become advantages: gae (a learned critic), or critic-free grpo, rloo, reinforce_pp (no critic is built); see docs/ppo.md.",
+        description="How rewards become advantages, a registered estimator: gae (a learned critic), or critic-free grpo, rloo, reinforce_pp (no critic is built); see docs/ppo.md.",
     )
     grpo_std_normalize: bool = Field(
         True, description="grpo: divide by the group's reward std (false: Dr. GRPO)."
@@ -76,8 +83,12 @@ class PpoConfig(_Section):
     kl_coef: float = Field(
         0.05, ge=0, description="Weight of the KL penalty against the reference policy."
     )
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k1", description="KL estimator (Schulman's k1, k2, k3)."
+    kl_estimator: str = Field(
+        "k1", description="A registered KL estimator (Schulman's k1, k2, k3)."
+    )
+    policy_loss: str = Field(
+        "ppo",
+        description="The policy loss: a registered one (ppo: the clipped surrogate, with dual_clip; gspo, cispo, sapo), or your own, package.module:function or path/to/file.py:function (a function over strop's ArrayOps); see docs/ppo.md.",
     )
     kl_in_reward: bool = Field(
         True,
@@ -169,6 +180,15 @@ class PpoConfig(_Section):
         64, ge=0, description="Held-out prompts (from data.eval_path) per validation; 0 = all."
     )
 
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0, allow_inf_nan=False,
+        description="policy_loss=sapo: the soft gate's temperature where the advantage is positive (TRL's default).",
+    )  # fmt: skip
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0, allow_inf_nan=False,
+        description="policy_loss=sapo: the soft gate's temperature where the advantage is negative or 0 (TRL's default).",
+    )  # fmt: skip
+
     @field_validator("reward", mode="wrap")
     @classmethod
     def _reward_in_one_message(cls, value: Any, handler: Any) -> Any:
@@ -191,6 +211,24 @@ class PpoConfig(_Section):
                 f"{'; '.join(problems)} (each term is {{reward, weight, name}})"
             ) from None
 
+    @field_validator("advantage_estimator")
+    @classmethod
+    def _registered_estimator(cls, value: str) -> str:
+        from strop.rl.estimators import ESTIMATORS
+
+        return _registered(value, ESTIMATORS, "advantage estimator")
+
+    @field_validator("kl_estimator")
+    @classmethod
+    def _registered_kl(cls, value: str) -> str:
+        return _registered(value, KL_ESTIMATORS, "KL estimator")
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_loss(cls, value: str) -> str:
+        resolve_policy_loss(value)  # your own: imported, its declared needs checked
+        return value
+
     @model_validator(mode="after")
     def _mini_batches_divide(self) -> Self:
         rollouts = self.prompts_per_step * self.num_generations_per_prompt
@@ -206,12 +244,12 @@ class PpoConfig(_Section):
                 f"ppo.mini_batch_size ({self.mini_batch_size})"
             )
         estimator = self.advantage_estimator
-        if estimator in ("grpo", "rloo") and self.num_generations_per_prompt < 2:
+        if self.estimator.grouped and self.num_generations_per_prompt < 2:
             raise ValueError(
                 f"ppo.advantage_estimator={estimator} compares the responses to one prompt: "
                 "it needs ppo.num_generations_per_prompt >= 2"
             )
-        if estimator != "gae" and self.critic_warmup_steps:
+        if not self.has_critic and self.critic_warmup_steps:
             raise ValueError(
                 f"ppo.critic_warmup_steps: ppo.advantage_estimator={estimator} has no critic"
             )
@@ -221,9 +259,20 @@ class PpoConfig(_Section):
                 "ppo.old_logprobs=recompute: its weight is the trainer's old probability over "
                 "the sampler's, and with old_logprobs=sampler the two are the same numbers"
             )
+        reads = resolve_policy_loss(self.policy_loss).reads
+        if "ref_logprobs" in reads and not self.reference_forward:
+            raise ValueError(
+                f"ppo.policy_loss={self.policy_loss} reads ref_logprobs: set ppo.kl_coef > 0 "
+                "or ppo.log_kl=true, so that the reference's forward runs"
+            )
+        if {"old_values", "returns"} & set(reads) and not self.has_critic:
+            raise ValueError(
+                f"ppo.policy_loss={self.policy_loss} reads the critic's arrays: it needs "
+                "ppo.advantage_estimator=gae"
+            )
         if self.kl_placed_by_estimator:
             self.__dict__["kl_in_reward"] = False  # not set by the user: not in fields_set
-        if estimator in ("grpo", "rloo") and self.kl_coef > 0 and self.kl_in_reward:
+        if self.estimator.grouped and self.kl_coef > 0 and self.kl_in_reward:
             raise ValueError(
                 f"ppo.advantage_estimator={estimator} scores whole responses: put the KL in "
                 "the loss (ppo.kl_in_reward=false), or set ppo.kl_coef=0"
@@ -234,15 +283,19 @@ class PpoConfig(_Section):
     def kl_placed_by_estimator(self) -> bool:
         """Whether ``kl_in_reward`` is false only because the estimator (grpo, rloo: they
         score whole responses) puts the KL in the loss, the user having set neither."""
-        return (
-            self.advantage_estimator in ("grpo", "rloo")
-            and "kl_in_reward" not in self.model_fields_set
-        )
+        return self.estimator.grouped and "kl_in_reward" not in self.model_fields_set
+
+    @property
+    def estimator(self) -> Any:
+        """The registered advantage estimator (:data:`strop.rl.estimators.ESTIMATORS`)."""
+        from strop.rl.estimators import ESTIMATORS
+
+        return ESTIMATORS[self.advantage_estimator]
 
     @property
     def has_critic(self) -> bool:
         """Whether the run trains a value model (``gae``); critic-free estimators do not."""
-        return self.advantage_estimator == "gae"
+        return self.estimator.needs_critic
 
     @property
     def mini_batch_group(self) -> int:

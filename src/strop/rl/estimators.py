@@ -22,15 +22,13 @@ advantage under ``grpo`` and ``rloo``: it carries no signal, and
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from strop.rl import gae
 
-Estimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
-CRITIC_FREE: tuple[str, ...] = ("grpo", "rloo", "reinforce_pp")
-GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo")
 GROUP_EPS = 1e-6
 
 
@@ -87,8 +85,47 @@ def equal_score_groups(scores: np.ndarray, group_size: int) -> int:
     return int(np.sum(np.all(grouped == grouped[:, :1], axis=1)))
 
 
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """A registered advantage estimator and its declared needs.
+
+    ``fn(scores, mask, *, group_size, gamma, std_normalize, kl, kl_coef) -> [B, L]``: a
+    critic-free estimator's token advantages (``kl``: the per-token KL when it is in the
+    reward, else None); ``None`` for ``gae``, which the PPO loop computes from the critic's
+    values (:mod:`strop.rl.gae`). ``needs_critic``: a value model is built and trained.
+    ``grouped``: it compares the responses to one prompt, so it needs
+    ``ppo.num_generations_per_prompt >= 2`` and scores whole responses (its KL goes in the
+    loss, as verl's and TRL's GRPO put it)."""
+
+    fn: Callable[..., np.ndarray] | None
+    needs_critic: bool = False
+    grouped: bool = False
+
+
+def _grpo(scores, mask, *, group_size, std_normalize, **_):
+    return on_response_tokens(grpo(scores, group_size, std_normalize), mask)
+
+
+def _rloo(scores, mask, *, group_size, **_):
+    return on_response_tokens(rloo(scores, group_size), mask)
+
+
+def _reinforce_pp(scores, mask, *, gamma, kl, kl_coef, **_):
+    return reinforce_pp(scores, mask, gamma, kl=kl, kl_coef=kl_coef)
+
+
+ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "gae": AdvantageEstimator(None, needs_critic=True),
+    "grpo": AdvantageEstimator(_grpo, grouped=True),
+    "rloo": AdvantageEstimator(_rloo, grouped=True),
+    "reinforce_pp": AdvantageEstimator(_reinforce_pp),
+}
+"""The advantage estimators' registry (``ppo.advantage_estimator``): a name ->
+:class:`AdvantageEstimator`. The config's allowed values and cross-checks come from here."""
+
+
 def token_advantages(
-    estimator: Estimator,
+    estimator: str,
     scores: np.ndarray,
     mask: np.ndarray,
     *,
@@ -100,10 +137,11 @@ def token_advantages(
 ) -> np.ndarray:
     """``[B, L]`` advantages of a critic-free ``estimator`` (``kl`` only for
     ``reinforce_pp``, whose rewards carry the KL penalty)."""
-    if estimator == "grpo":
-        return on_response_tokens(grpo(scores, group_size, std_normalize), mask)
-    if estimator == "rloo":
-        return on_response_tokens(rloo(scores, group_size), mask)
-    if estimator == "reinforce_pp":
-        return reinforce_pp(scores, mask, gamma, kl=kl, kl_coef=kl_coef)
-    raise ValueError(f"{estimator!r} is not a critic-free estimator; expected one of {CRITIC_FREE}")
+    entry = ESTIMATORS.get(estimator)
+    if entry is None or entry.fn is None:
+        free = tuple(name for name, e in ESTIMATORS.items() if e.fn is not None)
+        raise ValueError(f"{estimator!r} is not a critic-free estimator; expected one of {free}")
+    return entry.fn(
+        scores, mask, group_size=group_size, gamma=gamma, std_normalize=std_normalize,
+        kl=kl, kl_coef=kl_coef,
+    )  # fmt: skip

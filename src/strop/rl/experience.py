@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import numpy as np
 
 from strop.config import PpoConfig
+from strop.objectives.losses import explained_variance, kl_penalty
+from strop.objectives.ppo import aggregation_weights
 from strop.rl import estimators, gae
-from strop.rl.losses import explained_variance, kl_penalty
-from strop.rl.objectives import aggregation_weights
 
 COLUMN_MULTIPLE = 16
 """Fixed widths (prompt columns, rollout batches) are rounded up to a multiple of this."""
@@ -115,7 +115,7 @@ def _critic_free_experience(batch, scores, old_logprobs, ref_logprobs, kl, ppo: 
     if ref_logprobs is not None:
         arrays["ref_logprobs"] = np.asarray(ref_logprobs, np.float32)
         stats["policy/kl"] = float(gae.masked_mean(kl, mask))
-    if ppo.advantage_estimator in estimators.GROUP_ESTIMATORS:
+    if estimators.ESTIMATORS[ppo.advantage_estimator].grouped:
         groups = estimators.equal_score_groups(scores, ppo.num_generations_per_prompt)
         stats["train/equal_score_groups"] = float(groups)
     return arrays, stats
@@ -130,7 +130,7 @@ def minibatches(
     group: int = 1,
 ) -> Iterator[dict[str, np.ndarray]]:
     """The rows in a random order, ``size`` at a time, each mini-batch with its
-    ``loss_weights`` (:func:`strop.rl.objectives.aggregation_weights`; ``horizon``, the
+    ``loss_weights`` (:func:`strop.objectives.ppo.aggregation_weights`; ``horizon``, the
     response-length budget, for ``seq_mean_token_sum_norm``). With ``group`` > 1 the
     rows come in runs of ``group`` (one prompt's rollouts, which the batch holds side by
     side) and the runs are shuffled whole: ``size`` must be a multiple of ``group``."""

@@ -54,6 +54,7 @@ from strop.engines import RolloutEngine, rollout_engine
 from strop.generation import SamplingParams
 from strop.job import RunResult, run_steps, training_job
 from strop.nonfinite import count_skipped, likely_causes
+from strop.objectives.ppo import SHARED_CRITIC_PREFIX
 from strop.objectives.roles import RolePlan
 from strop.preflight import check_context_length, preflight
 from strop.progress import RunProgress
@@ -61,7 +62,6 @@ from strop.rewards.weighted import ScoredBatch
 from strop.rl import rollout_correction
 from strop.rl.checks import check_ppo_config
 from strop.rl.experience import build_experience, minibatches, pad_columns, round_up
-from strop.rl.objectives import SHARED_CRITIC_PREFIX
 from strop.rl.overlong import length_penalty, without_truncated
 from strop.rl.prompts import PromptSet
 from strop.rl.rollout import Rollout

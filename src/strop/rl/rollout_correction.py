@@ -14,11 +14,11 @@ response tokens (verl's ``rollout_corr/k3_kl``); ``mismatch/abs_logprob_diff_mea
 ``_max``: ``|d|`` over response tokens. With ``ppo.old_logprobs=recompute`` the core has
 both arrays and computes them here over the whole batch; with ``ppo.old_logprobs=sampler``
 the trainer's log-probabilities first exist in the policy update's first forward, before
-any step, so the backends return the sums :func:`strop.rl.losses.mismatch_stats` defines
+any step, so the backends return the sums :func:`strop.objectives.losses.mismatch_stats` defines
 and :func:`first_update_metrics` turns the first mini-batch's into the same metrics.
 
 Correction (:func:`correction_weights`): a per-token array ``rollout_is_weights`` that
-multiplies the policy-gradient term of the loss (:func:`strop.rl.losses.policy_terms`),
+multiplies the policy-gradient term of the loss (:func:`strop.objectives.losses.policy_terms`),
 fixed for the iteration (the weights depend only on the old and sampled log-probabilities),
 so it carries no gradient. The importance ratio at ``level``: ``token``, ``exp(d_t)``;
 ``sequence``, ``exp(sum_t d_t)`` (the product of the token ratios) on every token of the
@@ -36,15 +36,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from strop.rl.losses import LOG_RATIO_LIMIT
+from strop.objectives.losses import LOG_RATIO_LIMIT
+from strop.objectives.ppo import WEIGHTS
 from strop.rl.rollout import token_mult_prob_error
 
 MODES: tuple[str, ...] = ("none", "tis", "mis", "icepop")
 LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
-WEIGHTS = "rollout_is_weights"
-"""The update array a correction adds (``[B, L]`` float32, 0 off the response)."""
 PREFIX = "mismatch_"
-"""The backends' policy stats about the mismatch (:func:`strop.rl.losses.mismatch_stats`):
+"""The backends' policy stats about the mismatch (:func:`strop.objectives.losses.mismatch_stats`):
 not logged as ``policy/*``; the first update's become ``mismatch/*`` in sampler mode."""
 
 
@@ -123,7 +122,7 @@ def weight_metrics(weights: np.ndarray, mask: np.ndarray) -> dict[str, float]:
 def first_update_metrics(stats: Mapping[str, float]) -> dict[str, float]:
     """The ``mismatch/*`` metrics from a policy update's sums (``mismatch_tokens``,
     ``mismatch_k3_sum``, ``mismatch_abs_diff_sum``, ``mismatch_abs_diff_max``: see
-    :func:`strop.rl.losses.mismatch_stats`); none when it had no response token. Honest
+    :func:`strop.objectives.losses.mismatch_stats`); none when it had no response token. Honest
     only for the first update of an iteration in sampler mode (the policy is the sampler's)."""
     tokens = stats.get(f"{PREFIX}tokens", 0.0)
     if not tokens:

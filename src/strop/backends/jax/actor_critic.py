@@ -67,8 +67,8 @@ from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
 from strop.lora_init import critic_seed as critic_seed_of
+from strop.objectives.ppo import PolicyObjective, ValueObjective
 from strop.objectives.roles import RolePlan
-from strop.rl.objectives import PolicyObjective, ValueObjective
 
 
 class JaxActorCritic(Sampler):

@@ -1,13 +1,15 @@
 """PPO losses in ``jax.numpy``: differentiable, float32, jit-friendly.
 
-``policy_terms`` and ``value_terms`` are :mod:`strop.rl.losses`'s, written once for both
-backends, bound to this backend's array primitives (:data:`OPS`). The per-token terms the
-PPO steps (:mod:`strop.backends.jax.ppo_steps`) sum under the loss weights of
-:func:`strop.rl.objectives.aggregation_weights` follow the conventions of
-:mod:`strop.rl.losses` (see ``docs/ppo.md`` for the formulas); they are tested against the
-numpy float64 reference ``tests/losses_reference.py`` in ``tests/parity/test_ppo_losses.py``.
-Inputs are cast to float32. The clip arguments (``dual_clip``, ``value_clip``) and
-``estimator`` are static Python values.
+This backend's array primitives (:data:`OPS`: ``select``, ``token_logprobs``,
+``token_entropy``, ``segment_mean``, ...) and :mod:`strop.objectives`' losses, written once
+for both backends, bound to them: ``policy_terms``, ``value_terms``, ``mismatch_stats`` and
+the micro-batch losses ``policy_micro_loss`` / ``critic_micro_loss``
+(:mod:`strop.objectives.micro`) that :mod:`strop.backends.jax.ppo_steps` calls with its
+forwards' logits and values. They follow the conventions of :mod:`strop.objectives.losses`
+(see ``docs/ppo.md`` for the formulas) and are tested against the numpy float64 references
+in ``tests/losses_reference.py`` (``tests/parity/test_ppo_losses.py``,
+``test_policy_losses.py``). Inputs are cast to float32. The clip arguments (``dual_clip``,
+``value_clip``), ``estimator`` and the objective are static Python values.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from strop.rl import losses
-from strop.rl.losses import ArrayOps, KlEstimator, kl_estimate
+from strop.objectives import losses, micro
+from strop.objectives.losses import ArrayOps, KlEstimator, kl_estimate
 
 F32 = jnp.float32
 
@@ -46,7 +48,7 @@ def shift_values(raw: jax.Array) -> jax.Array:
 
 def kl_penalty(logprobs, ref_logprobs, estimator: KlEstimator) -> jax.Array:
     """Per-token KL(pi || ref) estimate ``[B, L]`` in float32: k1, k2 or k3, log-ratio
-    clamped, each value bounded (:func:`strop.rl.losses.kl_estimate`)."""
+    clamped, each value bounded (:func:`strop.objectives.losses.kl_estimate`)."""
     return kl_estimate(_f32(logprobs) - _f32(ref_logprobs), estimator, jnp)
 
 
@@ -57,7 +59,43 @@ def entropy_from_logits(logits) -> jax.Array:
     return -(jnp.exp(logp) * logp).sum(axis=-1)
 
 
-OPS = ArrayOps(xp=jnp, on=_on, select=_select, indicator=lambda b: b.astype(F32))
-policy_terms = partial(losses.policy_terms, OPS)  # rl/losses.py, over this backend's arrays
+def _shift(per_column: jax.Array) -> jax.Array:
+    """``[B, L-1]`` values about ``x_1..x_{L-1}`` -> ``[B, L]`` with column 0 = 0."""
+    return jnp.pad(per_column, ((0, 0), (1, 0)))
+
+
+def token_logprobs(logits: jax.Array, input_ids: jax.Array, temperature: float) -> jax.Array:
+    """``[B, L]``: ``log softmax(logits / T)`` of ``x_t`` from the logits at ``t - 1``."""
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(F32) / temperature, axis=-1)
+    chosen = jnp.take_along_axis(logp, input_ids[:, 1:, None], axis=-1)[..., 0]
+    return _shift(chosen)
+
+
+def token_entropy(logits: jax.Array, temperature: float) -> jax.Array:
+    """``[B, L]``: the entropy of ``softmax(logits / T)`` at ``t - 1``, column ``t``."""
+    return _shift(entropy_from_logits(logits[:, :-1] / temperature))
+
+
+def segment_mean(x: jax.Array, segments: jax.Array, on: jax.Array) -> jax.Array:
+    """On each ``on`` token, the mean of ``x`` over the ``on`` tokens of its row with its
+    segment id (:attr:`~strop.objectives.losses.ArrayOps.segment_mean`); 0 elsewhere."""
+    rows, columns = x.shape
+    keys = jnp.arange(rows)[:, None] * (columns + 1) + jnp.clip(segments, 0, columns)
+    keys, count = keys.reshape(-1), rows * (columns + 1)
+    sums = jax.ops.segment_sum(_select(on, x).reshape(-1), keys, num_segments=count)
+    tokens = jax.ops.segment_sum(on.astype(F32).reshape(-1), keys, num_segments=count)
+    means = (sums / jnp.maximum(tokens, 1.0))[keys].reshape(rows, columns)
+    return jnp.where(on, means, 0.0)
+
+
+OPS = ArrayOps(
+    xp=jnp, on=_on, select=_select, indicator=lambda b: b.astype(F32),
+    stop_gradient=jax.lax.stop_gradient, token_logprobs=token_logprobs,
+    token_entropy=token_entropy, segment_mean=segment_mean,
+)  # fmt: skip
+# strop.objectives' losses, over this backend's arrays
+policy_terms = partial(losses.policy_terms, OPS)
 value_terms = partial(losses.value_terms, OPS)
 mismatch_stats = partial(losses.mismatch_stats, OPS)
+policy_micro_loss = partial(micro.policy_micro_loss, OPS)
+critic_micro_loss = partial(micro.critic_micro_loss, OPS)

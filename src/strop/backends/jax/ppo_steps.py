@@ -10,14 +10,13 @@ arguments and ``frozen`` as a plain one, so an update never invalidates the shar
 Per-token arrays follow :mod:`strop.rl.gae`: column ``t`` is about token ``x_t``, read
 from the logits (or hidden state) at column ``t - 1``; column 0 is 0. Micro-batch arrays
 come stacked ``[micro, rows, L]``; losses are ``sum(per_token * loss_weights)`` (see
-:mod:`strop.rl.objectives`), so the micro-batch sums add up to the mini-batch loss, and a
+:mod:`strop.objectives.ppo`), so the micro-batch sums add up to the mini-batch loss, and a
 packed batch (:mod:`strop.batch.packing`: segment ids in ``attention_mask``, plus
 ``positions``) gives the loss of its rows unpacked. The two
 updates are :func:`strop.backends.jax.train.update` (the one accumulate-and-apply, with
 the one non-finite guard, that SFT uses too) of :func:`policy_loss` and
-:func:`critic_loss`. Columns
-without a loss weight are selected away (``where``) before any non-linear op, never
-multiplied by 0, so whatever they hold (NaN, Inf) reaches neither a loss nor a gradient.
+:func:`critic_loss`: this backend's forwards, then the micro-batch losses written once in
+:mod:`strop.objectives.micro`.
 """
 
 from __future__ import annotations
@@ -25,33 +24,15 @@ from __future__ import annotations
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from strop.backends.jax.losses import (
-    entropy_from_logits,
-    kl_penalty,
-    mismatch_stats,
-    policy_terms,
+    critic_micro_loss,
+    policy_micro_loss,
     shift_values,
-    value_terms,
+    token_logprobs,
 )
-from strop.rl.objectives import SHARED_CRITIC_PREFIX, PolicyObjective, ValueObjective
-from strop.rl.rollout_correction import WEIGHTS
-
-F32 = jnp.float32
-
-
-def _shift(per_column: jax.Array) -> jax.Array:
-    """``[B, L-1]`` values about ``x_1..x_{L-1}`` -> ``[B, L]`` with column 0 = 0."""
-    return jnp.pad(per_column, ((0, 0), (1, 0)))
-
-
-def token_logprobs(logits: jax.Array, input_ids: jax.Array, temperature: float) -> jax.Array:
-    """``[B, L]``: ``log softmax(logits / T)`` of ``x_t`` from the logits at ``t - 1``."""
-    logp = jax.nn.log_softmax(logits[:, :-1].astype(F32) / temperature, axis=-1)
-    chosen = jnp.take_along_axis(logp, input_ids[:, 1:, None], axis=-1)[..., 0]
-    return _shift(chosen)
+from strop.objectives.ppo import SHARED_CRITIC_PREFIX, PolicyObjective, ValueObjective
 
 
 def _lm_logits(graphdef, trainable, frozen, input_ids, attention_mask, positions) -> jax.Array:
@@ -74,69 +55,6 @@ def logprobs(graphdef, trainable, frozen, input_ids, attention_mask, positions, 
 def values(graphdef, trainable, frozen, input_ids, attention_mask, positions):
     """``[B, L]`` critic values ``V(x_<t)`` (the value head at column ``t - 1``)."""
     return _critic_values(graphdef, trainable, frozen, input_ids, attention_mask, positions)
-
-
-def _weighted_sum(per_token: jax.Array, weights: jax.Array) -> jax.Array:
-    """``sum(per_token * weights)`` over the columns with a weight, the others selected
-    away (``0 * NaN`` would be NaN)."""
-    return jnp.where(weights > 0, per_token * weights, 0.0).sum()
-
-
-def _select(on: jax.Array, x: jax.Array) -> jax.Array:
-    return jnp.where(on, x.astype(F32), 0.0)
-
-
-def policy_micro_loss(
-    logits: jax.Array, micro: dict[str, jax.Array], objective: PolicyObjective
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The actor's weighted loss over one micro-batch and its weighted statistics.
-
-    Only columns with a loss weight (the response tokens) count: the data there is
-    selected before any non-linear op, so NaN/Inf in the other columns of
-    ``old_logprobs``, ``advantages`` or ``ref_logprobs`` change neither the loss nor its
-    gradient."""
-    ids, weights = micro["input_ids"], micro["loss_weights"]
-    on = weights > 0
-    logp = _select(on, token_logprobs(logits, ids, objective.temperature))
-    per_token, terms = policy_terms(
-        logp, micro["old_logprobs"], micro["advantages"], on,
-        objective.clip_low, objective.clip_high, objective.dual_clip,
-        micro.get(WEIGHTS),  # a rollout correction's (ppo.rollout_correction), or None
-    )  # fmt: skip
-    entropy = _shift(entropy_from_logits(logits[:, :-1] / objective.temperature))
-    pg_loss = _weighted_sum(per_token, weights)
-    entropy_sum = _weighted_sum(entropy, weights)
-    loss = pg_loss - objective.entropy_coef * entropy_sum
-    stats = {name: _weighted_sum(term, weights) for name, term in terms.items()}
-    stats.update(mismatch_stats(logp, micro["old_logprobs"], on))
-    stats["pg_loss"] = pg_loss
-    stats["entropy"] = entropy_sum
-    if objective.kl_in_loss:
-        ref = _select(on, micro["ref_logprobs"])
-        kl = kl_penalty(logp, ref, objective.kl_estimator)
-        stats["kl_loss"] = _weighted_sum(kl, weights)
-        loss = loss + objective.kl_coef * stats["kl_loss"]
-    return loss, jax.tree.map(jax.lax.stop_gradient, stats)
-
-
-def critic_micro_loss(
-    values: jax.Array, micro: dict[str, jax.Array], objective: ValueObjective
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The critic's weighted (scaled) loss over one micro-batch; stat ``loss`` is the
-    unscaled one, plus ``vf_clipfrac`` and ``value_mean``. NaN/Inf in ``old_values`` or
-    ``returns`` off the response change neither the loss nor its gradient."""
-    weights = micro["loss_weights"]
-    on = weights > 0
-    per_token, clipped = value_terms(
-        values, micro["old_values"], micro["returns"], on, objective.value_clip
-    )
-    loss = _weighted_sum(per_token, weights)
-    stats = {
-        "vf_clipfrac": _weighted_sum(clipped, weights),
-        "value_mean": _weighted_sum(values, weights),
-        "loss": loss,
-    }
-    return objective.coef * loss, jax.tree.map(jax.lax.stop_gradient, stats)
 
 
 def policy_loss(

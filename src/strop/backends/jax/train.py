@@ -4,7 +4,7 @@ optax update, jitted, for SFT (:class:`Trainer`) and PPO (:mod:`~strop.backends.
 A model trains held functionally as ``nnx.split(model, trainable_filter, ...)``: the
 trainable state and its optax state are donated to the jitted update, the frozen rest is
 not. Losses are sums weighted for the whole batch (``loss_weights``:
-:mod:`strop.sft.objective`, :mod:`strop.rl.objectives`), so the gradients and stats of the
+:mod:`strop.objectives.sft`, :mod:`strop.objectives.ppo`), so the gradients and stats of the
 micro-batches (and of the devices' rows) just add up: splitting a batch does not change
 the update.
 
@@ -30,8 +30,8 @@ from strop.backends.jax.model import CausalLM
 from strop.backends.jax.sharding import logical_to_partition_spec
 from strop.config import OptimConfig
 from strop.errors import ConfigError
-from strop.rl.losses import MAX_STATS
-from strop.sft.objective import SFT_BATCH, target_tokens, with_loss_weights
+from strop.objectives.losses import MAX_STATS
+from strop.objectives.sft import SFT_BATCH, target_tokens, with_loss_weights
 
 
 def put_micro_batches(
@@ -117,7 +117,7 @@ def sft_micro_loss(
     logits: jax.Array, micro: Mapping[str, jax.Array]
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """A micro-batch's share of the SFT loss: next-token cross-entropy weighted by its
-    ``loss_weights`` (:mod:`strop.sft.objective`); no stats besides the loss."""
+    ``loss_weights`` (:mod:`strop.objectives.sft`); no stats besides the loss."""
     weights = micro["loss_weights"][:, 1:].astype(jnp.float32)
     return (token_nll(logits, micro["input_ids"]) * weights).sum(), {}
 
@@ -145,7 +145,7 @@ the loss (weighted for the whole batch, so shares add up) and its stats, differe
 def accumulate(micro_loss: MicroLoss, trainable: Any, frozen: Any, batch: dict[str, jax.Array]):
     """Sums of ``micro_loss``'s gradients, loss and stats over the leading micro axis of
     ``batch`` (a ``lax.scan``): ``(grads, loss, stats)``; the stats of
-    :data:`strop.rl.losses.MAX_STATS` are maxima."""
+    :data:`strop.objectives.losses.MAX_STATS` are maxima."""
     grad_fn = jax.value_and_grad(
         lambda trainable, micro: micro_loss(trainable, frozen, micro), has_aux=True
     )

@@ -45,8 +45,8 @@ from strop.backends.torch.lora import (
     set_adapter_weights,
     use_adapter,
 )
+from strop.backends.torch.losses import critic_micro_loss, policy_micro_loss, token_logprobs
 from strop.backends.torch.model import build_model, forward_logits, run_model
-from strop.backends.torch.ppo_steps import critic_micro_loss, policy_micro_loss, token_logprobs
 from strop.backends.torch.train import Trainer, rank_rows, used_columns
 from strop.backends.torch.value import ValueModel
 from strop.batch import packing
@@ -55,8 +55,8 @@ from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
 from strop.lora_init import critic_seed as critic_seed_of
+from strop.objectives.ppo import SHARED_CRITIC_PREFIX, PolicyObjective, ValueObjective
 from strop.objectives.roles import RolePlan
-from strop.rl.objectives import SHARED_CRITIC_PREFIX, PolicyObjective, ValueObjective
 
 logger = logging.getLogger(__name__)
 

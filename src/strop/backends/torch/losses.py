@@ -1,13 +1,15 @@
 """PPO losses in torch: differentiable, float32.
 
-``policy_terms`` and ``value_terms`` are :mod:`strop.rl.losses`'s, written once for both
-backends, bound to this backend's array primitives (:data:`OPS`). The per-token terms the
-PPO steps (:mod:`strop.backends.torch.ppo_steps`) sum under the loss weights of
-:func:`strop.rl.objectives.aggregation_weights` follow the conventions of
-:mod:`strop.rl.losses` (see ``docs/ppo.md`` for the formulas); they are tested against the
-numpy float64 reference ``tests/losses_reference.py`` in ``tests/parity/test_ppo_losses.py``.
-Inputs are tensors (numpy arrays are accepted and put on the CPU) and are cast to float32;
-results live on the inputs' device.
+This backend's array primitives (:data:`OPS`: ``select``, ``token_logprobs``,
+``token_entropy``, ``segment_mean``, ...) and :mod:`strop.objectives`' losses, written once
+for both backends, bound to them: ``policy_terms``, ``value_terms``, ``mismatch_stats`` and
+the micro-batch losses ``policy_micro_loss`` / ``critic_micro_loss``
+(:mod:`strop.objectives.micro`) that ``actor_critic.py`` calls with its forwards' logits and
+values. They follow the conventions of :mod:`strop.objectives.losses` (see ``docs/ppo.md``
+for the formulas) and are tested against the numpy float64 references in
+``tests/losses_reference.py`` (``tests/parity/test_ppo_losses.py``,
+``test_policy_losses.py``). Inputs are tensors (numpy arrays are accepted and put on the
+CPU) and are cast to float32; results live on the inputs' device.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
-from strop.rl import losses
-from strop.rl.losses import ArrayOps, KlEstimator, kl_estimate
+from strop.objectives import losses, micro
+from strop.objectives.losses import ArrayOps, KlEstimator, kl_estimate
 
 F32 = torch.float32
 
@@ -46,7 +49,7 @@ def shift_values(raw: torch.Tensor) -> torch.Tensor:
 
 def kl_penalty(logprobs, ref_logprobs, estimator: KlEstimator) -> torch.Tensor:
     """Per-token KL(pi || ref) estimate ``[B, L]`` in float32: k1, k2 or k3, log-ratio
-    clamped, each value bounded (:func:`strop.rl.losses.kl_estimate`)."""
+    clamped, each value bounded (:func:`strop.objectives.losses.kl_estimate`)."""
     return kl_estimate(_f32(logprobs) - _f32(ref_logprobs), estimator, torch)
 
 
@@ -57,7 +60,46 @@ def entropy_from_logits(logits) -> torch.Tensor:
     return -(logp.exp() * logp).sum(dim=-1)
 
 
-OPS = ArrayOps(xp=torch, on=_on, select=_select, indicator=lambda b: b.to(F32))
-policy_terms = partial(losses.policy_terms, OPS)  # rl/losses.py, over this backend's arrays
+def _shift(per_column: torch.Tensor) -> torch.Tensor:
+    """``[B, L-1]`` values about ``x_1..x_{L-1}`` -> ``[B, L]`` with column 0 = 0."""
+    return F.pad(per_column, (1, 0))
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """``[B, L]``: ``log softmax(logits / T)`` of ``x_t`` from the logits at ``t - 1``."""
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    chosen = torch.gather(logp, -1, input_ids[:, 1:, None].long())[..., 0]
+    return _shift(chosen)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[B, L]``: the entropy of ``softmax(logits / T)`` at ``t - 1``, column ``t``."""
+    return _shift(entropy_from_logits(logits[:, :-1].float() / temperature))
+
+
+def segment_mean(x: torch.Tensor, segments: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
+    """On each ``on`` token, the mean of ``x`` over the ``on`` tokens of its row with its
+    segment id (:attr:`~strop.objectives.losses.ArrayOps.segment_mean`); 0 elsewhere."""
+    rows, columns = x.shape
+    row = torch.arange(rows, device=x.device)[:, None] * (columns + 1)
+    keys = (row + segments.to(x.device).long().clamp(0, columns)).reshape(-1)
+    x, on = _select(on, x), on.to(x.device)
+    sums = x.new_zeros(rows * (columns + 1)).index_add(0, keys, x.reshape(-1))
+    tokens = x.new_zeros(rows * (columns + 1)).index_add(0, keys, on.to(F32).reshape(-1))
+    means = (sums / tokens.clamp(min=1.0))[keys].reshape(rows, columns)
+    return torch.where(on, means, torch.zeros_like(means))
+
+
+OPS = ArrayOps(
+    xp=torch, on=_on, select=_select, indicator=lambda b: b.to(F32),
+    stop_gradient=torch.Tensor.detach, token_logprobs=token_logprobs,
+    token_entropy=token_entropy, segment_mean=segment_mean,
+)  # fmt: skip
+# strop.objectives' losses, over this backend's arrays
+policy_terms = partial(losses.policy_terms, OPS)
 value_terms = partial(losses.value_terms, OPS)
 mismatch_stats = partial(losses.mismatch_stats, OPS)
+policy_micro_loss = partial(micro.policy_micro_loss, OPS)
+critic_micro_loss = partial(micro.critic_micro_loss, OPS)

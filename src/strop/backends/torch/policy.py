@@ -26,7 +26,7 @@ from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
-from strop.sft.objective import SFT_BATCH, target_tokens, with_loss_weights
+from strop.objectives.sft import SFT_BATCH, target_tokens, with_loss_weights
 
 _UPDATES_KEY = "optimizer_updates"  # the schedule's clock, kept in the checkpoint's extra
 

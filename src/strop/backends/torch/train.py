@@ -30,7 +30,7 @@ from strop.backends.torch.fsdp import Placement, all_reduce_max, all_reduce_sum
 from strop.backends.torch.model import LoadedModel
 from strop.config import OptimConfig
 from strop.errors import ConfigError
-from strop.rl.losses import MAX_STATS
+from strop.objectives.losses import MAX_STATS
 from strop.schedules import learning_rate
 
 BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")
@@ -72,7 +72,7 @@ def sft_micro_loss(
     logits: torch.Tensor, micro: Mapping[str, torch.Tensor]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A micro-batch's share of the SFT loss: next-token cross-entropy weighted by its
-    ``loss_weights`` (:mod:`strop.sft.objective`); no stats besides the loss."""
+    ``loss_weights`` (:mod:`strop.objectives.sft`); no stats besides the loss."""
     vocab = logits.shape[-1]
     losses = F.cross_entropy(
         logits[:, :-1].reshape(-1, vocab).float(),
@@ -186,10 +186,10 @@ class Trainer:
         gradients in ``.grad`` (reduced over ranks; sharded for DTensors).
 
         ``loss_fn(micro) -> (loss, stats)`` returns sums already weighted for the whole
-        global batch (its ``loss_weights``: :mod:`strop.sft.objective`,
-        :mod:`strop.rl.objectives`), so gradients and stats just add up over micro-batches
+        global batch (its ``loss_weights``: :mod:`strop.objectives.sft`,
+        :mod:`strop.objectives.ppo`), so gradients and stats just add up over micro-batches
         and ranks. Returns the global sums of the loss and of every stat (maxima for
-        :data:`strop.rl.losses.MAX_STATS`). Every array is per
+        :data:`strop.objectives.losses.MAX_STATS`). Every array is per
         token (``[B, L]``); each micro-batch is cut to the columns its rows use
         (:func:`without_padding_columns`). ``dropout``: run the model in training mode.
         """

@@ -8,23 +8,30 @@ computes, once per mini-batch, weights ``w [B, L]`` with ``aggregate(x, mask, mo
 (x * w).sum()``. A backend then sums ``x * w`` over whatever rows it holds (a micro-batch,
 a rank's shard) and the sums add up to the mini-batch loss exactly, with no division by a
 local count (ARCHITECTURE invariant 9). Statistics (clip fractions, entropy, KL) use the
-same weights. The per-token terms follow the conventions of :mod:`strop.rl.losses`.
+same weights. The per-token terms follow the conventions of :mod:`strop.objectives.losses`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from strop.config import Config
-from strop.rl.losses import (
+from strop.objectives.losses import (
     CONSTANT_NORMALISED,
     Aggregation,
     KlEstimator,
     check_aggregation,
+    resolve_policy_loss,
 )
-from strop.rl.rollout_correction import WEIGHTS
+
+if TYPE_CHECKING:
+    from strop.config import Config
+
+WEIGHTS = "rollout_is_weights"
+"""The update array a rollout correction adds (``[B, L]`` float32, 0 off the response;
+:mod:`strop.rl.rollout_correction`)."""
 
 UPDATE_COLUMNS = ("input_ids", "attention_mask", "loss_weights")
 """The arrays every update reads: tokens, attention and the loss weights."""
@@ -38,6 +45,9 @@ class PolicyObjective:
     come from ``logits / temperature`` (ARCHITECTURE invariant 4). ``kl_coef`` is used
     here only when the KL is a loss term (``kl_in_loss``); in the reward it is the core's.
     ``rollout_correction``: the batch carries ``rollout_is_weights`` for the loss.
+    ``policy_loss``: ``ppo.policy_loss``, a name of
+    :data:`~strop.objectives.losses.POLICY_LOSSES` (the function is looked up when the
+    loss is traced, so the objective stays hashable).
     Frozen and hashable: the JAX backend passes it to ``jit`` as a static argument.
     """
 
@@ -50,6 +60,9 @@ class PolicyObjective:
     kl_estimator: KlEstimator
     entropy_coef: float
     rollout_correction: bool = False
+    policy_loss: str = "ppo"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
 
     @classmethod
     def from_config(cls, config: Config) -> PolicyObjective:
@@ -64,6 +77,9 @@ class PolicyObjective:
             kl_estimator=ppo.kl_estimator,
             entropy_coef=ppo.entropy_coef,
             rollout_correction=ppo.rollout_correction != "none",
+            policy_loss=ppo.policy_loss,
+            sapo_temperature_pos=ppo.sapo_temperature_pos,
+            sapo_temperature_neg=ppo.sapo_temperature_neg,
         )
 
     @property
@@ -74,7 +90,8 @@ class PolicyObjective:
         (``ppo.rollout_correction``, :mod:`strop.rl.rollout_correction`)."""
         kl = ("ref_logprobs",) if self.kl_in_loss else ()
         weights = (WEIGHTS,) if self.rollout_correction else ()
-        return (*UPDATE_COLUMNS, "old_logprobs", "advantages", *kl, *weights)
+        reads = tuple(r for r in resolve_policy_loss(self.policy_loss).reads if r not in kl)
+        return (*UPDATE_COLUMNS, "old_logprobs", "advantages", *kl, *weights, *reads)
 
 
 SHARED_CRITIC_PREFIX = "critic_"

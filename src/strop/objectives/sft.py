@@ -1,7 +1,7 @@
 """What an SFT update optimises, as loss weights: the mean next-token cross-entropy over
 the batch's target tokens.
 
-As with PPO (:mod:`strop.rl.objectives`), the core gives every update weights
+As with PPO (:mod:`strop.objectives.ppo`), the core gives every update weights
 ``w [B, L]`` with the batch's loss ``== (nll * w).sum()``, where ``nll[:, t]`` is the
 cross-entropy of predicting ``x_t`` from ``x_<t`` (column 0 predicts nothing and weighs
 0). A backend sums ``nll * w`` over whatever rows it holds (a micro-batch, a rank's
