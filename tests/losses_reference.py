@@ -138,7 +138,7 @@ def entropy_from_logits(logits: np.ndarray) -> np.ndarray:
 
     Column ``j``'s logits predict ``x_{j+1}``: to put the entropy of the distribution
     ``x_t`` was drawn from in column ``t`` (the layout of the other arrays), shift it right
-    by one like :func:`strop.rl.gae.shift_values`. The entropy bonus is
+    by one like :func:`strop.objectives.gae.shift_values`. The entropy bonus is
     ``-entropy_coef * aggregate(entropy, mask, mode)``, added by the caller.
     """
     z = _f64(logits)

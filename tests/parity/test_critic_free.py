@@ -4,7 +4,7 @@
   adapter, no critic optimizer state, nothing of a critic in its checkpoint.
 - One GRPO iteration (same weights from the same seed, the same rollout) gives the same
   forwards, advantages, policy statistics and updated actor on JAX and torch, and the
-  advantages are the numpy oracle's (:mod:`strop.rl.estimators`).
+  advantages are the numpy oracle's (:mod:`strop.objectives.estimators`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from strop.backends.jax.actor_critic import JaxActorCritic
 from strop.backends.torch.actor_critic import CRITIC_ADAPTER, TorchActorCritic
 from strop.io.model_spec import read_model_spec
-from strop.rl import estimators
+from strop.objectives import estimators
 from strop.rl.experience import build_experience, minibatches
 from tests.parity.test_ppo_backends import make_config, rollout_batch
 

@@ -291,7 +291,7 @@ def test_entropy_matches_reference(impl, seed):
 
 @pytest.mark.parametrize("impl", ["jax", "torch"])
 def test_shift_values_matches_reference(impl):
-    from strop.rl.gae import shift_values
+    from strop.objectives.gae import shift_values
 
     raw = np.random.default_rng(0).normal(size=(3, 6)).astype(np.float32)
     assert_tree_close(call(impl, "shift_values", raw), shift_values(raw))

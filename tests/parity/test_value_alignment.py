@@ -1,8 +1,8 @@
-"""The critic's value path on both backends, held to the numpy oracle of ``strop.rl.gae``.
+"""The critic's value path on both backends, held to the numpy oracle of ``strop.objectives.gae``.
 
 The oracle is built independently of both backends: the final normed hidden state from
 ``transformers`` (``hidden_states[-1]``), the head applied in numpy, then
-``strop.rl.gae.shift_values``. Both backends' ``ValueModel.values`` must equal it on the
+``strop.objectives.gae.shift_values``. Both backends' ``ValueModel.values`` must equal it on the
 response columns of a batch in the PPO layout (left-padded prompts, right-padded
 responses), and the advantages and returns computed from them must equal the oracle's.
 A deliberately unshifted path fails the same comparison, so the check can fail.
@@ -24,7 +24,7 @@ from strop.backends.torch.fsdp import place
 from strop.backends.torch.model import build_model
 from strop.backends.torch.value import ValueModel as TorchValueModel
 from strop.config import MeshConfig
-from strop.rl.gae import advantages_and_returns, shift_values, token_rewards
+from strop.objectives.gae import advantages_and_returns, shift_values, token_rewards
 
 TOL = 1e-5
 GAMMA, LAM = 0.95, 0.9

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strop.rl import estimators
+from strop.objectives import estimators
 
 SCORES = np.array([1.0, 0.0, 0.0, 1.0, 0.5, 0.5])  # two prompts x ... see each test
 

@@ -1,4 +1,4 @@
-"""The PPO bookkeeping oracle (strop.rl.gae): hand-computed cases and properties.
+"""The PPO bookkeeping oracle (strop.objectives.gae): hand-computed cases and properties.
 
 Every array is [B, L] in the teacher-forcing layout: mask[b, t] = 1 marks response token
 x_t, values[t] = V(x_<t). Values at masked columns are set to garbage (99) where it
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strop.rl.gae import (
+from strop.objectives.gae import (
     advantages_and_returns,
     gae,
     last_response_index,

@@ -1,7 +1,8 @@
 """The package layers, read from the source with ``ast`` (nothing is imported).
 
 Every ``import strop...`` / ``from strop... import ...`` counts, at module level and inside
-functions alike (a lazy import is still a dependency). Folder-level edges among the
+functions alike (a lazy import is still a dependency); only ``if TYPE_CHECKING:`` imports
+(annotations, never run) do not. Folder-level edges among the
 training packages (``backends``, ``rl``, ``sft``, ``rewards``) may not form a loop: the
 backends sit above the core they are driven by, and what both need (batch layout,
 objectives, the reward model's checks) lives in packages below both. The core packages
@@ -36,8 +37,17 @@ def imports(path: Path) -> list[tuple[str, bool, int]]:
     if path.name != "__init__.py":
         package = package[:-1]
     top = {id(node) for node in tree.body}
+    typing_only = {  # `if TYPE_CHECKING:` imports: annotations, never run
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for statement in node.body
+        for inner in ast.walk(statement)
+    }
     found = []
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         at_top = id(node) in top
         if isinstance(node, ast.Import):
             found += [(alias.name, at_top, node.lineno) for alias in node.names]

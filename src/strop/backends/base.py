@@ -158,7 +158,7 @@ class ActorCritic(TrainableModel, Protocol):
     as the core's :class:`~strop.objectives.roles.RolePlan` names them (``plan``).
 
     With LoRA all three share one frozen base in device memory. Per-token arrays are
-    ``[B, L]`` in the layout of :mod:`strop.rl.gae` (column ``t`` is about ``x_t``).
+    ``[B, L]`` in the layout of :mod:`strop.objectives.gae` (column ``t`` is about ``x_t``).
     Update batches carry ``loss_weights`` (:mod:`strop.objectives.ppo`) so that losses are
     weighted sums, exact under micro-batching and data parallelism.
     """

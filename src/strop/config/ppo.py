@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from strop.config.sections import _Section
+from strop.objectives.estimators import ESTIMATORS
 from strop.objectives.losses import KL_ESTIMATORS, resolve_policy_loss
 
 
@@ -214,8 +215,6 @@ class PpoConfig(_Section):
     @field_validator("advantage_estimator")
     @classmethod
     def _registered_estimator(cls, value: str) -> str:
-        from strop.rl.estimators import ESTIMATORS
-
         return _registered(value, ESTIMATORS, "advantage estimator")
 
     @field_validator("kl_estimator")
@@ -287,9 +286,7 @@ class PpoConfig(_Section):
 
     @property
     def estimator(self) -> Any:
-        """The registered advantage estimator (:data:`strop.rl.estimators.ESTIMATORS`)."""
-        from strop.rl.estimators import ESTIMATORS
-
+        """The registered advantage estimator (:data:`strop.objectives.estimators.ESTIMATORS`)."""
         return ESTIMATORS[self.advantage_estimator]
 
     @property

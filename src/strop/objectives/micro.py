@@ -3,7 +3,7 @@
 its forward's logits or values.
 
 Micro-batch arrays are ``[rows, L]`` (column ``t`` is about ``x_t``, read from the logits at
-column ``t - 1``; see :mod:`strop.rl.gae`). Losses are ``sum(per_token * loss_weights)``
+column ``t - 1``; see :mod:`strop.objectives.gae`). Losses are ``sum(per_token * loss_weights)``
 (:mod:`strop.objectives.ppo`), so micro-batch and rank sums add up to the mini-batch loss,
 and a packed micro-batch (segment ids in ``attention_mask``, see :mod:`strop.batch.packing`)
 gives the loss of its rows unpacked. Only columns with a loss weight (the response tokens)

@@ -21,9 +21,10 @@ Imports nothing but the config: no numpy, no backend.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from strop.config import Config, OptimConfig
+if TYPE_CHECKING:  # annotations only: the config package imports objectives' registries
+    from strop.config import Config, OptimConfig
 
 CriticKind = Literal["none", "own", "shared_trunk"]
 ReferenceKind = Literal["base", "adapter", "copy"]

@@ -3,7 +3,7 @@ passes (old log-probabilities, reference log-probabilities, values) to the array
 backends' updates read, plus the mini-batches they are read in.
 
 Everything is ``[B, L]`` in the teacher-forcing layout of :mod:`strop.rl.rollout`; the
-token convention, GAE and whitening are :mod:`strop.rl.gae`'s (the oracle), so only it
+token convention, GAE and whitening are :mod:`strop.objectives.gae`'s (the oracle), so only it
 computes advantages and returns.
 """
 
@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import numpy as np
 
 from strop.config import PpoConfig
+from strop.objectives import estimators, gae
 from strop.objectives.losses import explained_variance, kl_penalty
 from strop.objectives.ppo import aggregation_weights
-from strop.rl import estimators, gae
 
 COLUMN_MULTIPLE = 16
 """Fixed widths (prompt columns, rollout batches) are rounded up to a multiple of this."""
@@ -54,7 +54,7 @@ def build_experience(
         critic before any update (column ``t`` about ``x_t``); ``ref_logprobs`` is ``None``
         when no KL is needed (``ppo.reference_forward`` is false), ``values`` is ``None``
         for a critic-free estimator (then ``arrays`` has no ``old_values``/``returns``,
-        advantages are :mod:`strop.rl.estimators`', not whitened again, and ``stats``
+        advantages are :mod:`strop.objectives.estimators`', not whitened again, and ``stats``
         counts ``train/equal_score_groups`` for grpo/rloo).
       ppo: the ``ppo:`` config (gamma, lambdas, KL, whitening).
 
@@ -98,7 +98,7 @@ def build_experience(
 
 
 def _critic_free_experience(batch, scores, old_logprobs, ref_logprobs, kl, ppo: PpoConfig):
-    """``build_experience`` without a critic: advantages from :mod:`strop.rl.estimators`."""
+    """``build_experience`` without a critic: advantages from :mod:`strop.objectives.estimators`."""
     mask = batch["response_mask"].astype(np.float32)
     in_reward = kl is not None and ppo.kl_in_reward
     advantages = estimators.token_advantages(

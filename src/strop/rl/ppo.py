@@ -13,8 +13,8 @@ Per iteration (``ppo.steps`` of them):
    the rollout temperature; the sampler/trainer gap ``mismatch/*`` and a correction's
    weights (``ppo.rollout_correction``, :mod:`strop.rl.rollout_correction`);
 4. token rewards (score on the last response token, KL penalty per token when it is in
-   the reward), GAE advantages and returns, optional whitening (:mod:`strop.rl.gae`), or
-   a critic-free estimator's advantages (:mod:`strop.rl.estimators`: GRPO, RLOO,
+   the reward), GAE advantages and returns, optional whitening (:mod:`strop.objectives.gae`), or
+   a critic-free estimator's advantages (:mod:`strop.objectives.estimators`: GRPO, RLOO,
    REINFORCE++), and then no critic update below; truncated responses are kept, left out
    of the losses or penalised by length (``ppo.overlong``, :mod:`strop.rl.overlong`);
 5. ``ppo.ppo_epochs`` passes over shuffled mini-batches: a critic update, then (after

@@ -41,7 +41,7 @@ def _select(on: jax.Array, x) -> jax.Array:
 
 def shift_values(raw: jax.Array) -> jax.Array:
     """``values[:, t] = raw[:, t - 1]``, ``values[:, 0] = 0``: the critic's output at column
-    ``t - 1`` is ``V(x_<t)`` (see :func:`strop.rl.gae.shift_values`)."""
+    ``t - 1`` is ``V(x_<t)`` (see :func:`strop.objectives.gae.shift_values`)."""
     raw = jnp.asarray(raw)
     return jnp.concatenate([jnp.zeros_like(raw[:, :1]), raw[:, :-1]], axis=1)
 

@@ -7,7 +7,7 @@ critic's value head) and share one ``frozen`` part: the same base-weight arrays,
 in device memory. Updates take ``trainable`` and the optimizer state as donated
 arguments and ``frozen`` as a plain one, so an update never invalidates the shared base.
 
-Per-token arrays follow :mod:`strop.rl.gae`: column ``t`` is about token ``x_t``, read
+Per-token arrays follow :mod:`strop.objectives.gae`: column ``t`` is about token ``x_t``, read
 from the logits (or hidden state) at column ``t - 1``; column 0 is 0. Micro-batch arrays
 come stacked ``[micro, rows, L]``; losses are ``sum(per_token * loss_weights)`` (see
 :mod:`strop.objectives.ppo`), so the micro-batch sums add up to the mini-batch loss, and a

@@ -2,7 +2,7 @@
 
 ``ValueModel.raw_values`` is the head applied at every column (``raw[:, j]`` has read
 ``x_<=j``, so it estimates ``V(s_{j+1})``); ``ValueModel.values`` shifts it into the
-token convention of :mod:`strop.rl.gae` (``values[:, t] = V(x_<t) = raw[:, t - 1]``,
+token convention of :mod:`strop.objectives.gae` (``values[:, t] = V(x_<t) = raw[:, t - 1]``,
 ``values[:, 0] = 0``) with :func:`strop.backends.jax.losses.shift_values`. See
 ``docs/ppo.md``.
 

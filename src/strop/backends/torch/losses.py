@@ -42,7 +42,7 @@ def _select(on: torch.Tensor, x) -> torch.Tensor:
 
 def shift_values(raw: torch.Tensor) -> torch.Tensor:
     """``values[:, t] = raw[:, t - 1]``, ``values[:, 0] = 0``: the critic's output at column
-    ``t - 1`` is ``V(x_<t)`` (see :func:`strop.rl.gae.shift_values`)."""
+    ``t - 1`` is ``V(x_<t)`` (see :func:`strop.objectives.gae.shift_values`)."""
     raw = torch.as_tensor(raw)
     return torch.cat([torch.zeros_like(raw[:, :1]), raw[:, :-1]], dim=1)
 

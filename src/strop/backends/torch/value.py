@@ -2,7 +2,7 @@
 
 Same contract as :mod:`strop.backends.jax.value`: ``raw_values`` is the head at every
 column (``raw[:, j]`` ~ ``V(x_<=j)``), ``values`` is ``shift_values(raw)`` in the token
-convention of :mod:`strop.rl.gae` (``values[:, t] = V(x_<t)``); see ``docs/ppo.md``.
+convention of :mod:`strop.objectives.gae` (``values[:, t] = V(x_<t)``); see ``docs/ppo.md``.
 
 The head is an ``nn.Linear(E, 1)`` kept in float32 whatever the model's dtype, run outside
 autocast on the hidden state cast to float32. Its initial weight and bias come from

@@ -2,7 +2,7 @@
 
 ``ppo.advantage_estimator`` picks how an iteration's rewards become advantages:
 
-- ``gae`` (default): a learned critic's values and GAE (:mod:`strop.rl.gae`).
+- ``gae`` (default): a learned critic's values and GAE (:mod:`strop.objectives.gae`).
 - ``grpo`` (Shao et al. 2024, DeepSeekMath): the ``G = ppo.num_generations_per_prompt``
   responses to one prompt form a group; a response's advantage is its score minus the
   group's mean, divided by the group's standard deviation (unbiased, as TRL and verl
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from strop.rl import gae
+from strop.objectives import gae
 
 GROUP_EPS = 1e-6
 
@@ -92,7 +92,7 @@ class AdvantageEstimator:
     ``fn(scores, mask, *, group_size, gamma, std_normalize, kl, kl_coef) -> [B, L]``: a
     critic-free estimator's token advantages (``kl``: the per-token KL when it is in the
     reward, else None); ``None`` for ``gae``, which the PPO loop computes from the critic's
-    values (:mod:`strop.rl.gae`). ``needs_critic``: a value model is built and trained.
+    values (:mod:`strop.objectives.gae`). ``needs_critic``: a value model is built and trained.
     ``grouped``: it compares the responses to one prompt, so it needs
     ``ppo.num_generations_per_prompt >= 2`` and scores whole responses (its KL goes in the
     loss, as verl's and TRL's GRPO put it)."""
