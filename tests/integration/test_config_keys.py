@@ -9,6 +9,7 @@ import glob
 import json
 import logging
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -178,7 +179,15 @@ def test_wandb_offline_run_has_the_metrics_the_config_and_the_run_name(
     )
     run_sft(config)
     written = read_metrics(run_dir / "metrics.jsonl")
-    records = _wandb_records(run_dir)
+    # W&B's service process may still be writing its log when `finish()` has returned (its
+    # run record was missing once on a loaded machine): read until its exit record is in.
+    deadline = time.monotonic() + 60
+    while True:
+        records = _wandb_records(run_dir)
+        kinds = {r.WhichOneof("record_type") for r in records}
+        if "exit" in kinds or time.monotonic() > deadline:
+            break
+        time.sleep(1)
 
     [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run.display_name == "my-run" and run.project == "strop"
