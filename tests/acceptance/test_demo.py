@@ -21,7 +21,7 @@ import pytest
 from strop.metrics.sinks import read_metrics
 from tests.integration.test_short_demo import check_demo_outputs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.acceptance]  # make test-acceptance
 
 MIN_GAIN = 0.20
 

@@ -108,6 +108,7 @@ def _adapters_close(left: Path, right: Path, atol: float) -> None:
             _close(x, y, module, atol=atol)
 
 
+@pytest.mark.acceptance  # make test-acceptance; make test runs PPO over two JAX processes
 def test_sft_over_two_jax_processes_equals_one(tmp_path):
     from strop.data.synthetic import write_sum_problems
     from strop.io.tiny import make_tiny_checkpoint

@@ -153,6 +153,7 @@ def _metric_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")]
 
 
+@pytest.mark.acceptance  # make test-acceptance; make test kills each backend's PPO run once
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_repeated_sigkill_then_resume_gives_the_same_losses(
     tmp_path, sum_inputs, jax_cache, backend

@@ -66,6 +66,7 @@ def demo_gain(tmp_path, engine: str, run: subprocess.Popen) -> float:
     return accuracy[-1] - accuracy[0]
 
 
+@pytest.mark.acceptance  # make test-acceptance
 def test_the_demo_learns_on_vllm_as_on_the_native_engine(tmp_path):
     # The two runs side by side, each on its own share of the cores (threads sized to it):
     # on 2 cores sooner than one after the other.
