@@ -21,7 +21,7 @@ import torch
 
 from strop.backends.jax import losses as jax_losses
 from strop.backends.torch import losses as torch_losses
-from strop.objectives.losses import explained_variance
+from strop.objectives.losses import explained_variance, kl_estimate
 from strop.objectives.ppo import PolicyObjective, aggregation_weights
 from strop.rl.rollout_correction import correction_weights, first_update_metrics, mismatch_metrics
 from tests import losses_reference as ref
@@ -90,13 +90,26 @@ def backend_value_loss(
     return weighted_sum(impl, per_token, mask, aggregation), stats
 
 
-LOSSES = {"policy_loss": backend_policy_loss, "value_loss": backend_value_loss}
+def backend_kl_penalty(impl, logprobs, ref_logprobs, estimator):
+    """``ref.kl_penalty`` from a backend: the core's ``kl_estimate`` over its float32 arrays
+    (as the update's KL term, :func:`strop.objectives.micro.policy_micro_loss`)."""
+    convert = BACKENDS[impl][1]
+    xp = jnp if impl == "jax" else torch
+    return kl_estimate(convert(logprobs) - convert(ref_logprobs), estimator, xp)
+
+
+LOSSES = {
+    "policy_loss": backend_policy_loss,
+    "value_loss": backend_value_loss,
+    "kl_penalty": backend_kl_penalty,
+}
 
 
 def call(impl: str, name: str, *arrays, **kwargs):
     """``name(*arrays, **kwargs)`` of the reference (``impl`` "numpy") or a backend, with
     float32 array inputs, results as float64 numpy. A backend's ``policy_loss`` and
-    ``value_loss`` are its per-token terms under the loss weights (``LOSSES``)."""
+    ``value_loss`` are its per-token terms under the loss weights, its ``kl_penalty`` the
+    core's estimate over its arrays (``LOSSES``)."""
     if impl == "numpy":
         return numpy_tree(
             getattr(ref, name)(*[np.asarray(a, np.float32) for a in arrays], **kwargs)
@@ -511,11 +524,11 @@ def test_backend_kl_equals_the_reference_at_extreme_log_ratios(impl, estimator):
     slope = np.where(np.abs(bounded_kl(x, estimator)) < 10.0, slope, 0.0)
     slope = np.where(np.abs(d) < 20.0, slope, 0.0)
     if impl == "jax":
-        grad = jax.grad(lambda lp: jax_losses.kl_penalty(lp, to_jax(ref_lp), estimator).sum())
+        grad = jax.grad(lambda lp: backend_kl_penalty("jax", lp, ref_lp, estimator).sum())
         got = np.asarray(grad(to_jax(logp)), np.float64)
     else:
         lp = to_torch(logp).requires_grad_(True)
-        torch_losses.kl_penalty(lp, to_torch(ref_lp), estimator).sum().backward()
+        backend_kl_penalty("torch", lp, ref_lp, estimator).sum().backward()
         got = lp.grad.numpy().astype(np.float64)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, slope, rtol=1e-5, atol=1e-6)

@@ -52,20 +52,19 @@ def _check_2d(name: str, x: np.ndarray, shape: tuple[int, ...] | None = None) ->
         raise ValueError(f"{name} has shape {x.shape}, expected {shape} (the mask's)")
 
 
-def shift_values(raw: np.ndarray) -> np.ndarray:
+def shift_values(raw, xp=np):
     """The value head's per-column outputs ``raw [B, L, ...]`` -> ``values [B, L, ...]`` with
-    ``values[:, t] = V(x_<t) = raw[:, t - 1]`` and ``values[:, 0] = 0``.
+    ``values[:, t] = V(x_<t) = raw[:, t - 1]`` and ``values[:, 0] = 0``; ``raw`` is an array
+    of the array module ``xp`` (``numpy``, ``jax.numpy`` or ``torch``: the backends bind
+    theirs), differentiable there.
 
     ``raw[:, j]`` comes from the hidden state at column ``j``, which has read ``x_<=j``;
     the state before emitting ``x_t`` is ``x_<t``, whose last hidden state is at
     ``t - 1`` (the one whose logits predict ``x_t``). See the module docstring.
     """
-    raw = np.asarray(raw)
     if raw.ndim < 2:
-        raise ValueError(f"raw values must be [B, L, ...], got shape {raw.shape}")
-    values = np.zeros_like(raw)
-    values[:, 1:] = raw[:, :-1]
-    return values
+        raise ValueError(f"raw values must be [B, L, ...], got shape {tuple(raw.shape)}")
+    return xp.concatenate([xp.zeros_like(raw[:, :1]), raw[:, :-1]], 1)
 
 
 def last_response_index(mask: np.ndarray) -> np.ndarray:

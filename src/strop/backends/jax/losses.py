@@ -19,8 +19,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from strop.objectives import losses, micro
-from strop.objectives.losses import ArrayOps, KlEstimator, kl_estimate
+from strop.objectives import gae, losses, micro
+from strop.objectives.losses import ArrayOps
 
 F32 = jnp.float32
 
@@ -37,19 +37,6 @@ def _select(on: jax.Array, x) -> jax.Array:
     """``x`` (as float32) where ``on``, else 0: masked columns never reach a non-linear op,
     so NaN/Inf there reach neither the result nor its gradient."""
     return jnp.where(on, _f32(x), 0.0)
-
-
-def shift_values(raw: jax.Array) -> jax.Array:
-    """``values[:, t] = raw[:, t - 1]``, ``values[:, 0] = 0``: the critic's output at column
-    ``t - 1`` is ``V(x_<t)`` (see :func:`strop.objectives.gae.shift_values`)."""
-    raw = jnp.asarray(raw)
-    return jnp.concatenate([jnp.zeros_like(raw[:, :1]), raw[:, :-1]], axis=1)
-
-
-def kl_penalty(logprobs, ref_logprobs, estimator: KlEstimator) -> jax.Array:
-    """Per-token KL(pi || ref) estimate ``[B, L]`` in float32: k1, k2 or k3, log-ratio
-    clamped, each value bounded (:func:`strop.objectives.losses.kl_estimate`)."""
-    return kl_estimate(_f32(logprobs) - _f32(ref_logprobs), estimator, jnp)
 
 
 def entropy_from_logits(logits) -> jax.Array:
@@ -94,6 +81,7 @@ OPS = ArrayOps(
     token_entropy=token_entropy, segment_mean=segment_mean,
 )  # fmt: skip
 # strop.objectives' losses, over this backend's arrays
+shift_values = partial(gae.shift_values, xp=jnp)
 policy_terms = partial(losses.policy_terms, OPS)
 value_terms = partial(losses.value_terms, OPS)
 mismatch_stats = partial(losses.mismatch_stats, OPS)

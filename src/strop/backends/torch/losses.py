@@ -19,8 +19,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from strop.objectives import losses, micro
-from strop.objectives.losses import ArrayOps, KlEstimator, kl_estimate
+from strop.objectives import gae, losses, micro
+from strop.objectives.losses import ArrayOps
 
 F32 = torch.float32
 
@@ -38,19 +38,6 @@ def _select(on: torch.Tensor, x) -> torch.Tensor:
     so NaN/Inf there reach neither the result nor its gradient."""
     x = _f32(x)
     return torch.where(on.to(x.device), x, torch.zeros_like(x))
-
-
-def shift_values(raw: torch.Tensor) -> torch.Tensor:
-    """``values[:, t] = raw[:, t - 1]``, ``values[:, 0] = 0``: the critic's output at column
-    ``t - 1`` is ``V(x_<t)`` (see :func:`strop.objectives.gae.shift_values`)."""
-    raw = torch.as_tensor(raw)
-    return torch.cat([torch.zeros_like(raw[:, :1]), raw[:, :-1]], dim=1)
-
-
-def kl_penalty(logprobs, ref_logprobs, estimator: KlEstimator) -> torch.Tensor:
-    """Per-token KL(pi || ref) estimate ``[B, L]`` in float32: k1, k2 or k3, log-ratio
-    clamped, each value bounded (:func:`strop.objectives.losses.kl_estimate`)."""
-    return kl_estimate(_f32(logprobs) - _f32(ref_logprobs), estimator, torch)
 
 
 def entropy_from_logits(logits) -> torch.Tensor:
@@ -98,6 +85,7 @@ OPS = ArrayOps(
     token_entropy=token_entropy, segment_mean=segment_mean,
 )  # fmt: skip
 # strop.objectives' losses, over this backend's arrays
+shift_values = partial(gae.shift_values, xp=torch)
 policy_terms = partial(losses.policy_terms, OPS)
 value_terms = partial(losses.value_terms, OPS)
 mismatch_stats = partial(losses.mismatch_stats, OPS)
