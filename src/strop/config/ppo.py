@@ -8,7 +8,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from strop.config.sections import _Section
 from strop.objectives.estimators import ESTIMATORS
-from strop.objectives.losses import KL_ESTIMATORS, resolve_policy_loss
+from strop.objectives.losses import KL_ESTIMATORS
+from strop.objectives.plugins import resolve_policy_loss
 
 
 def _registered(value: str, registry: Any, what: str) -> str:

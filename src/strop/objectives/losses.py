@@ -326,21 +326,6 @@ def sapo(ops: ArrayOps, inputs, objective):
     return -adv * gate, {"approx_kl": 0.5 * log_ratio * log_ratio}
 
 
-def resolve_policy_loss(ref: str) -> PolicyLoss:
-    """The :class:`PolicyLoss` ``ppo.policy_loss`` names: a registered one, or your own
-    (``path/to/file.py:function``, ``package.module:function``: :mod:`.plugins`)."""
-    if ref in POLICY_LOSSES:
-        return POLICY_LOSSES[ref]
-    if ":" not in ref:
-        raise ValueError(
-            f"unknown policy loss {ref!r}; the registered ones are {', '.join(POLICY_LOSSES)}, "
-            "or give package.module:function or path/to/file.py:function"
-        )
-    from strop.objectives import plugins  # it imports this module
-
-    return plugins.load(ref)
-
-
 MAX_STATS = frozenset({"mismatch_abs_diff_max"})
 """Update stats reduced by ``max`` over micro-batches and ranks (every other one is a sum)."""
 

@@ -21,11 +21,11 @@ from strop.objectives.losses import (
     ArrayOps,
     kl_estimate,
     mismatch_stats,
-    resolve_policy_loss,
     reweighted,
     value_terms,
     weighted_sum,
 )
+from strop.objectives.plugins import resolve_policy_loss
 from strop.objectives.ppo import WEIGHTS, PolicyObjective, ValueObjective
 
 # A packed ``attention_mask`` is ``segment + SEGMENT_STRIDE * prefix``

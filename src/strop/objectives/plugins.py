@@ -17,10 +17,11 @@ cache) when the loss is traced, so the jit's static argument stays hashable.
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 from pathlib import Path
 
-from strop.objectives.losses import PolicyLoss, check_reads
+from strop.objectives.losses import POLICY_LOSSES, PolicyLoss, check_reads
 from strop.references import (
     BadReference,
     import_function,
@@ -29,17 +30,19 @@ from strop.references import (
     type_and_text,
 )
 
-_LOADED: dict[str, PolicyLoss] = {}
+_LOADED: dict[tuple[str, str], PolicyLoss] = {}
 _LOCK = threading.Lock()
 
 
 def load(ref: str) -> PolicyLoss:
     """The :class:`PolicyLoss` of ``package.module:function`` or ``path/to/file.py:function``
-    (cached per reference); a :class:`ValueError` naming what is wrong otherwise."""
+    (cached per reference and working directory: a relative path names another file from
+    elsewhere); a :class:`ValueError` naming what is wrong otherwise."""
+    key = (os.getcwd(), ref)
     with _LOCK:
-        if ref not in _LOADED:
-            _LOADED[ref] = _load(ref)
-        return _LOADED[ref]
+        if key not in _LOADED:
+            _LOADED[key] = _load(ref)
+        return _LOADED[key]
 
 
 def _load(ref: str) -> PolicyLoss:
@@ -68,3 +71,16 @@ def _describe(exc: BaseException, file: Path | None) -> str:
     if file is None and isinstance(exc, ModuleNotFoundError):
         return str(exc)
     return type_and_text(exc)
+
+
+def resolve_policy_loss(ref: str) -> PolicyLoss:
+    """The :class:`PolicyLoss` ``ppo.policy_loss`` names: a registered one, or your own
+    (``path/to/file.py:function``, ``package.module:function``: :func:`load`)."""
+    if ref in POLICY_LOSSES:
+        return POLICY_LOSSES[ref]
+    if ":" not in ref:
+        raise ValueError(
+            f"unknown policy loss {ref!r}; the registered ones are {', '.join(POLICY_LOSSES)}, "
+            "or give package.module:function or path/to/file.py:function"
+        )
+    return load(ref)

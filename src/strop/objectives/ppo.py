@@ -23,8 +23,8 @@ from strop.objectives.losses import (
     Aggregation,
     KlEstimator,
     check_aggregation,
-    resolve_policy_loss,
 )
+from strop.objectives.plugins import resolve_policy_loss
 
 if TYPE_CHECKING:
     from strop.config import Config
