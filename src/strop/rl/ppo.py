@@ -46,17 +46,16 @@ from typing import Any
 import numpy as np
 
 from strop import rewards
-from strop.backends import get_backend
 from strop.backends.base import ActorCritic
 from strop.config import Config
 from strop.data import Tokenizer
 from strop.engines import RolloutEngine, rollout_engine
 from strop.generation import SamplingParams
-from strop.job import RunResult, run_steps, training_job
+from strop.job import Job, RunResult, run_steps, training_job
 from strop.nonfinite import count_skipped, likely_causes
 from strop.objectives.ppo import SHARED_CRITIC_PREFIX
 from strop.objectives.roles import RolePlan
-from strop.preflight import check_context_length, preflight
+from strop.preflight import check_context_length
 from strop.progress import RunProgress
 from strop.rewards.weighted import ScoredBatch
 from strop.rl import rollout_correction
@@ -88,19 +87,18 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
         build_model=partial(build_reward_model, config),
         limits=limits,
     )
-    preflight(config, "ppo", config.checkpoint_path())  # before anything loads
     figures = {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"}
-    with training_job(config, "ppo", config.ppo.steps, figures) as progress:
+    with training_job(config, "ppo", config.ppo.steps, figures) as job:  # preflight first
         try:
-            return _train(config, stop_after, progress, reward)
+            return _train(config, stop_after, job, reward)
         finally:
             reward.close()
 
 
 def _train(
-    config: Config, stop_after: int | None, progress: RunProgress, reward: rewards.WeightedReward
+    config: Config, stop_after: int | None, job: Job, reward: rewards.WeightedReward
 ) -> PpoResult:
-    ppo = config.ppo
+    ppo, progress = config.ppo, job.progress
     progress.phase("reading the prompts")
     tokenizer = Tokenizer.from_pretrained(config.model.path)
     train = PromptSet.read(config.data.train_path, config, tokenizer, reward=reward)
@@ -114,7 +112,7 @@ def _train(
 
     reward.start()  # its worker imports the user's function while the models load
     progress.phase("loading the models")
-    model = get_backend(config.backend).build_actor_critic(
+    model = job.backend.build_actor_critic(
         config, total_updates=ppo.optimizer_updates(), checkpoint_dir=config.checkpoint_path(),
         plan=RolePlan.from_config(config),
     )  # fmt: skip
@@ -122,9 +120,8 @@ def _train(
     with rollout_engine(config, model, max_prompt_tokens=longest) as rollouts:
         loop = PpoLoop(config, model, rollouts, train, validation, tokenizer, reward, progress)
         run = run_steps(
-            config, loop, progress, job="ppo", total=ppo.steps, stop_after=stop_after,
-            rollouts=rollouts,
-        )  # fmt: skip
+            config, loop, job, total=ppo.steps, stop_after=stop_after, rollouts=rollouts
+        )
     return PpoResult(
         run_dir=Path(config.run_dir), final_step=run.end, resumed_from=run.resumed_from,
         export_path=run.export_path, is_main=model.is_main, history=run.records,
