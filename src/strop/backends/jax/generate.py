@@ -8,8 +8,8 @@ Layout and positions
 The batch is padded with dummy rows to a multiple of the mesh's batch shards (``data x
 fsdp``) and the prompts are left-padded to a bucket ``P``: the longest prompt rounded up
 to a power of two, at least :data:`MIN_PROMPT_BUCKET`, or the caller's fixed
-``prompt_columns`` (the PPO actor's one width for a whole run). Each row's position ids count from
-its first real token: a prompt of ``n`` tokens holds positions ``0 .. n-1`` in columns
+``prompt_columns`` (the PPO actor's one width for a run). Each row's position ids count
+from its first real token: a prompt of ``n`` tokens holds positions ``0 .. n-1`` in columns
 ``P-n .. P-1`` and the ``t``-th generated token (``t = 0, 1, ...``) has position ``n + t``
 whatever the padding, the same convention as the training forward, so a row's tokens do
 not depend on the other rows.
