@@ -146,12 +146,16 @@ def sampler(system: str, model_dir: Path, device: str, dtype: str, max_prompt: i
             f"lora.rank={max(lora_rank, 1)}", f"lora.alpha={2 * max(lora_rank, 1)}",
             f"generation.compile={TORCH_COMPILE[system]}", "mesh.fsdp=1", "mesh.data=1",
         ])  # fmt: skip
+        from strop.backends.torch.generate import generate, sampler_keywords
+        from strop.generation import Decoding
+
         policy = get_backend("torch").build_policy(config, total_steps=1, checkpoint_dir=None)
 
         def run(prompts, params: SamplingParams, seed: int):
-            out = policy.generate(prompts, params, seed=seed, eos_ids=eos, pad_id=PAD,
-                                  prompt_columns=max_prompt)  # fmt: skip
-            return out.lengths
+            decoding = Decoding(seed, tuple(eos), PAD)  # one prompt width: one compile
+            keywords = sampler_keywords(config.generation, decoding, policy.model, max_prompt)
+            with policy.loaded.autocast():
+                return generate(policy.model, prompts, params, **keywords).lengths
 
     else:
         import torch

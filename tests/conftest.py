@@ -72,11 +72,20 @@ def no_model_builds(monkeypatch):
     """Building any model (for `strop ppo` or `strop eval`) fails the test: for checks
     that a bad input is refused before anything loads."""
 
-    def refuse(name):
-        raise AssertionError(f"a {name} model was about to be built")
+    import dataclasses
 
-    monkeypatch.setattr("strop.evaluation.get_backend", refuse)
-    monkeypatch.setattr("strop.rl.ppo.get_backend", refuse)
+    from strop import preflight
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was about to be built")
+
+    def refusing(name, get_backend=preflight.get_backend):  # the run's Backend, from preflight
+        return dataclasses.replace(
+            get_backend(name), load_model=refuse, build_policy=refuse,
+            build_actor_critic=refuse, build_reward_model=refuse,
+        )  # fmt: skip
+
+    monkeypatch.setattr(preflight, "get_backend", refusing)
 
 
 _LONG_RUNNING_FOLDERS = ("acceptance", "distributed", "integration", "vllm_engine")

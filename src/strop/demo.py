@@ -53,7 +53,7 @@ def run_demo(overrides: Sequence[str] = ()) -> DemoResult:
     """Write the inputs the config leaves empty, run PPO, plot; a rerun resumes."""
     overrides = demo_overrides(overrides)
     config = load_config(RECIPE, overrides)
-    with holding_run_dir(config):  # PPO inside takes it again: the same job
+    with holding_run_dir(config, get_backend(config.backend)):  # PPO takes it again: one job
         return _demo(config, overrides)
 
 

@@ -27,7 +27,6 @@ from functools import partial
 from pathlib import Path
 
 from strop import rewards
-from strop.backends import get_backend
 from strop.config import Config
 from strop.data import Tokenizer, read_data_file
 from strop.data.prompts import gold_answers, prompt_ids
@@ -37,9 +36,8 @@ from strop.generation import SamplingParams
 from strop.io.atomic import write_text_atomically
 from strop.io.model_spec import read_model_spec
 from strop.io.peft import load_adapter
-from strop.job import eval_job
-from strop.preflight import check_context_length, preflight
-from strop.progress import RunProgress
+from strop.job import Job, eval_job
+from strop.preflight import check_context_length
 from strop.rl.prompts import record_columns
 from strop.scoring import build_reward_model, sample_and_score
 from strop.scoring import eos_ids as model_eos_ids
@@ -96,15 +94,15 @@ def run_eval(config: Config) -> EvalResult:
         config.eval.reward, setting="eval.reward", build_model=partial(build_reward_model, config),
         limits=limits,
     )  # fmt: skip
-    preflight(config, "eval", checkpoint_dir=None)  # before anything loads
-    with eval_job(config, {"solved": "solved {:.1%}"}) as progress:
+    with eval_job(config, {"solved": "solved {:.1%}"}) as job:  # preflight first
         try:
-            return _evaluate(config, path, reward, progress)
+            return _evaluate(config, path, reward, job)
         finally:
             reward.close()
 
 
-def _evaluate(config: Config, path: str, reward, progress: RunProgress) -> EvalResult:
+def _evaluate(config: Config, path: str, reward, job: Job) -> EvalResult:
+    progress = job.progress
     progress.phase("reading the data")
     config = _config_with_adapter(config)
     tokenizer = Tokenizer.from_pretrained(config.model.path)
@@ -126,19 +124,18 @@ def _evaluate(config: Config, path: str, reward, progress: RunProgress) -> EvalR
 
     reward.start()  # its worker imports the user's function while the model loads
     progress.phase("loading the model")
-    backend = get_backend(config.backend)
-    policy = backend.build_policy(config, total_steps=1, checkpoint_dir=None)
+    policy = job.backend.build_policy(config, total_steps=1, checkpoint_dir=None)
     if config.eval.adapter is not None:  # before the engine: a new engine samples it
         policy.load_adapter(config.eval.adapter)
     with rollout_engine(config, policy, max_prompt_tokens=longest) as rollouts:
         result = _sample_and_record(
-            config, path, reward, progress, rollouts, tokenizer, examples, golds, columns, prompts
+            config, path, reward, job, rollouts, tokenizer, examples, golds, columns, prompts
         )
     return dataclasses.replace(result, is_main=policy.is_main)
 
 
 def _sample_and_record(
-    config: Config, path: str, reward, progress: RunProgress, rollouts: RolloutEngine,
+    config: Config, path: str, reward, job: Job, rollouts: RolloutEngine,
     tokenizer: Tokenizer, examples, golds, columns, prompts: list[list[int]],
 ) -> EvalResult:  # fmt: skip
     # generation: supplies length, top-k/top-p and stop strings; eval: the temperature
@@ -150,6 +147,7 @@ def _sample_and_record(
 
     records, tokens, stopped = [], 0, 0
     began = time.perf_counter()
+    progress = job.progress
     progress.phase("")
     solved = correct = 0
     for start in range(0, len(examples), config.eval.batch_size):
@@ -211,5 +209,5 @@ def _sample_and_record(
         )
         write_text_atomically(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
 
-    get_backend(config.backend).write_once(write, f"writing the results in {out_dir}")
+    job.backend.write_once(write, f"writing the results in {out_dir}")
     return result

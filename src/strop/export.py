@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from strop.backends import get_backend
 from strop.config import Config, load_config
 from strop.errors import CheckpointError, ConfigError
 from strop.io.checkpoint_dir import (
@@ -115,8 +114,7 @@ def run_export(config: Config, out: str | os.PathLike, *, merged: bool) -> Expor
             update={"model": config.model.model_copy(update={"path": identity["base_model"]})}
         )
         logger.info("base model from the run's checkpoints: model.path=%s", config.model.path)
-    preflight(config, job, checkpoint_dir, advice=EXPORT_ADVICE, exporting=True)
-    backend = get_backend(config.backend)
+    backend = preflight(config, job, checkpoint_dir, advice=EXPORT_ADVICE, exporting=True)
     if job == "ppo":
         engine = backend.build_actor_critic(
             config, total_updates=config.ppo.optimizer_updates(), checkpoint_dir=checkpoint_dir,

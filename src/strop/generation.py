@@ -225,23 +225,19 @@ class Decoding:
       eos_ids: the token ids that end a response.
       pad_id: what fills ``Generation.tokens`` past each row's length.
       tokenizer: decodes responses for ``SamplingParams.stop_strings``.
-      prompt_columns: left-pad the prompts to this width, so that every rollout of a run
-        has one shape; a hint for samplers that compile each shape, others ignore it.
+
+    How the prompts are padded is the sampler's own business (a sampler that compiles
+    each shape fixes its widths itself: ``ActorCritic.expect_prompts``).
     """
 
     seed: int
     eos_ids: tuple[int, ...]
     pad_id: int
     tokenizer: Decoder | None = None
-    prompt_columns: int | None = None
 
-    def keywords(self, *, shape_hint: bool) -> dict[str, object]:
-        """The keyword arguments of a backend's ``generate`` function (``prompt_columns``
-        only where ``shape_hint``: a sampler that compiles each shape)."""
-        keywords = dict(vars(self))
-        if not shape_hint:
-            del keywords["prompt_columns"]
-        return keywords
+    def keywords(self) -> dict[str, object]:
+        """The keyword arguments of a backend's ``generate`` function."""
+        return dict(vars(self))
 
 
 class Sampler(Protocol):
@@ -258,11 +254,10 @@ class Sampler(Protocol):
         eos_ids: Sequence[int],
         pad_id: int,
         tokenizer: Decoder | None = None,
-        prompt_columns: int | None = None,
     ) -> Generation:
         """Sample a response to each (ragged) prompt with the current weights (adapters
         included; the actor's under PPO); the arguments are :class:`Decoding`'s."""
-        decoding = Decoding(seed, tuple(eos_ids), pad_id, tokenizer, prompt_columns)
+        decoding = Decoding(seed, tuple(eos_ids), pad_id, tokenizer)
         return self.sample(prompts, params, decoding)
 
     def sample(

@@ -1,10 +1,11 @@
 """The skeleton every command's run shares (``strop sft``, ``strop ppo``, ``strop eval``).
 
-- :func:`training_job` / :func:`eval_job`: what a command holds for its whole life, after
-  its preflight: the run directory (:func:`~strop.preflight.holding_run_dir`), its
-  progress report (:class:`~strop.progress.RunProgress`) and, for training, the Ctrl-C /
-  SIGTERM report that names the checkpoint to resume from
-  (:func:`~strop.interrupts.reporting_interrupts`);
+- :func:`training_job` / :func:`eval_job`: the command's preflight
+  (:func:`~strop.preflight.preflight`, which gives the run's one ``Backend``), then what
+  it holds for its whole life (a :class:`Job`): the run directory
+  (:func:`~strop.preflight.holding_run_dir`), its progress report
+  (:class:`~strop.progress.RunProgress`) and, for training, the Ctrl-C / SIGTERM report
+  that names the checkpoint to resume from (:func:`~strop.interrupts.reporting_interrupts`);
 - :func:`run_steps`: resume (or seed the adapter from ``lora.restore_path``), the run's
   record (``config.yaml``, ``versions.json``: once the resume succeeded), the steps,
   metrics on the logging cadence, checkpoints on theirs (never cut by Ctrl-C), and the
@@ -21,14 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from strop.backends import get_backend
-from strop.backends.base import TrainableModel
+from strop.backends.base import Backend, TrainableModel
 from strop.config import Config
 from strop.interrupts import deferred_interrupts, reporting_interrupts
 from strop.io.run_record import CONFIG_FILE, record_run
 from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY
-from strop.preflight import holding_run_dir, refuse_step_past_the_end
+from strop.preflight import holding_run_dir, preflight, refuse_step_past_the_end
 from strop.progress import RunProgress, is_main_by_environment
 
 if TYPE_CHECKING:
@@ -37,32 +37,43 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Job:
+    """What a command holds while it runs: its ``name`` (``"sft"``, ``"ppo"``,
+    ``"eval"``), its progress report and the run's backend (its builders, ``write_once``)."""
+
+    name: str
+    progress: RunProgress
+    backend: Backend
+
+
 @contextmanager
-def training_job(
-    config: Config, job: str, steps: int, figures: Mapping[str, str]
-) -> Iterator[RunProgress]:
-    """Hold ``config.run_dir`` for ``job`` (``"sft"``, ``"ppo"``) of ``steps`` steps and
-    yield its progress report, which shows ``figures`` (see :class:`RunProgress`)."""
+def training_job(config: Config, job: str, steps: int, figures: Mapping[str, str]) -> Iterator[Job]:
+    """Preflight ``job`` (``"sft"``, ``"ppo"``) of ``steps`` steps, before anything loads,
+    then hold ``config.run_dir`` for it; its progress report shows ``figures`` (see
+    :class:`RunProgress`)."""
+    backend = preflight(config, job, config.checkpoint_path())
     progress = RunProgress(job, steps, figures, enabled=is_main_by_environment())
 
     def step_running() -> int:
         return progress.completed + 1
 
     with (
-        holding_run_dir(config, job),
+        holding_run_dir(config, backend, job),
         progress,
         reporting_interrupts(step_running, config.checkpoint_path(), config.backend),
     ):
-        yield progress
+        yield Job(job, progress, backend)
 
 
 @contextmanager
-def eval_job(config: Config, figures: Mapping[str, str]) -> Iterator[RunProgress]:
-    """Hold ``config.run_dir`` for ``strop eval`` and yield its progress report (the
-    total is set once the data is read)."""
+def eval_job(config: Config, figures: Mapping[str, str]) -> Iterator[Job]:
+    """Preflight ``strop eval``, then hold ``config.run_dir`` for it; its progress report's
+    total is set once the data is read."""
+    backend = preflight(config, "eval", checkpoint_dir=None)
     progress = RunProgress("eval", 0, figures, enabled=is_main_by_environment())
-    with holding_run_dir(config), progress:
-        yield progress
+    with holding_run_dir(config, backend), progress:
+        yield Job("eval", progress, backend)
 
 
 class Steps(Protocol):
@@ -113,9 +124,8 @@ class Finished:
 def run_steps(
     config: Config,
     steps: Steps,
-    progress: RunProgress,
+    job: Job,
     *,
-    job: str,
     total: int,
     stop_after: int | None,
     rollouts: RolloutEngine | None = None,
@@ -129,10 +139,10 @@ def run_steps(
     A checkpoint past ``total`` is refused (preflight refuses it before anything loads);
     ``metrics.jsonl`` is opened only when a step runs, so a call that runs none (a finished
     run again: its export again) leaves every record where it was."""
-    model, run_dir = steps.model, Path(config.run_dir)
+    model, run_dir, progress = steps.model, Path(config.run_dir), job.progress
     start, resumed_from = 0, model.latest_checkpoint()
     if resumed_from is not None:
-        refuse_step_past_the_end(config, job, resumed_from)
+        refuse_step_past_the_end(config, job.name, resumed_from)
         extra = model.restore_checkpoint(resumed_from)
         if rollouts is not None:
             rollouts.mark_stale()
@@ -149,7 +159,7 @@ def run_steps(
         logger.info("initialised the adapter from %s", config.lora.restore_path)
 
     where = run_dir / CONFIG_FILE
-    get_backend(config.backend).write_once(lambda: record_run(config, job), f"writing {where}")
+    job.backend.write_once(lambda: record_run(config, job.name), f"writing {where}")
 
     end = total if stop_after is None else min(stop_after, total)
     records: list[dict[str, float]] = []

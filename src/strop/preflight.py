@@ -34,6 +34,7 @@ import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from strop.backends import get_backend
 from strop.config import Config
@@ -51,15 +52,17 @@ from strop.io.run_identity import RESUME_ADVICE, check_same_run, job_identity
 from strop.io.writable import require_writable_dir, require_writable_parent
 from strop.metrics.wandb_sink import require_wandb, require_wandb_login
 
+if TYPE_CHECKING:
+    from strop.backends.base import Backend
+
 
 @contextmanager
-def holding_run_dir(config: Config, job: str | None = None) -> Iterator[None]:
+def holding_run_dir(config: Config, backend: Backend, job: str | None = None) -> Iterator[None]:
     """Hold ``config.run_dir`` for the job's life (:mod:`strop.io.run_lock`); the main
-    process takes the lock and every process learns whether it could, once it has checked
-    that the job can write there (:func:`check_write_targets`; a training ``job``,
-    ``"sft"`` or ``"ppo"``, also in its checkpoint directory)."""
+    process (``backend.write_once``) takes the lock and every process learns whether it
+    could, once it has checked that the job can write there (:func:`check_write_targets`;
+    a training ``job``, ``"sft"`` or ``"ppo"``, also in its checkpoint directory)."""
     refuse_launcher_of_another_backend(config)
-    backend = get_backend(config.backend)
     backend.write_once(lambda: _take(config, job), f"locking {config.run_dir}")
     try:
         yield
@@ -107,9 +110,10 @@ def preflight(
     *,
     advice: str = RESUME_ADVICE,
     exporting: bool = False,
-) -> None:
+) -> Backend:
     """Everything ``job`` (``"sft"``, ``"ppo"`` or ``"eval"``) can refuse before loading a
-    tokenizer, data or weights; raises :class:`~strop.errors.StropError` subclasses. Sets
+    tokenizer, data or weights; raises :class:`~strop.errors.StropError` subclasses, else
+    returns the run's :class:`~strop.backends.base.Backend` (asked once, here). Sets
     the level of strop's log messages (``logging.level``). ``exporting``: ``strop export``
     restores the newest checkpoint whatever the step count says, and needs neither W&B nor
     the rollout engine the run used; ``advice`` ends the message of a checkpoint another
@@ -122,7 +126,8 @@ def preflight(
         refuse_other_backends_checkpoints(checkpoint_dir, config.backend)
     if not exporting:  # an export samples nothing: a vLLM run exports without vLLM
         check_engine(config, job)
-    devices = get_backend(config.backend).device_count()
+    backend = get_backend(config.backend)
+    devices = backend.device_count()
     check_parallel_layout(config, devices, rows_per_pass(config, job))
     if config.model.path is not None and not Path(config.model.path).is_dir():
         raise ConfigError(no_model_directory("model.path", config.model.path))
@@ -131,6 +136,7 @@ def preflight(
         if not exporting:
             refuse_run_past_its_end(config, job, checkpoint_dir)
     check_context_length(config, job)
+    return backend
 
 
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as on the Hugging Face Hub

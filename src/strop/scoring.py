@@ -50,14 +50,13 @@ def sample_and_score(
     seed: int,
     eos_ids: Sequence[int],
     tokenizer: Tokenizer,
-    **generate_options: Any,
 ) -> Scored:
-    """Sample one response to each of ``prompts`` from ``model`` (a ``Policy`` or an
-    ``ActorCritic``: its ``generate``, with ``generate_options`` such as ``prompt_columns``)
-    and score the decoded texts with ``score(texts)``."""
+    """Sample one response to each of ``prompts`` from ``model`` (a ``Policy``, an
+    ``ActorCritic`` or a rollout engine: its ``generate``) and score the decoded texts
+    with ``score(texts)``."""
     generation = model.generate(
         list(prompts), params, seed=seed, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
-        tokenizer=tokenizer, **generate_options,
+        tokenizer=tokenizer,
     )  # fmt: skip
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in generation.responses()]
     return Scored(generation, texts, [float(s) for s in score(texts)])

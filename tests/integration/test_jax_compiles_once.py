@@ -2,8 +2,9 @@
 few packed shapes it has not met yet.
 
 Responses of varying lengths would each give the rollout batch a new width, and each new
-width a new compile of the sampler, both forwards and both updates; the loop pads prompts
-and rollouts to one shape per run instead (:mod:`strop.rl.ppo`). With ``ppo.pack`` the
+width a new compile of the sampler, both forwards and both updates; the JAX actor pads
+prompts and rollouts to one shape per run instead, from the run's longest prompt that the
+loop tells it once (:mod:`strop.batch.columns`). With ``ppo.pack`` the
 forwards and updates see rollouts packed into one of a few bin counts
 (:mod:`strop.batch.packing`), or the batch as it is: at most one shape per bucket and one
 unpacked each, whatever the responses. Counted here: every trace JAX makes (``jax.monitoring``'s trace event fires

@@ -361,12 +361,12 @@ def test_generation_compile_setting_picks_the_decode_mode(models):
     from strop.config import load_config
     from strop.generation import Decoding
 
-    decoding = Decoding(seed=0, eos_ids=(2,), pad_id=PAD, prompt_columns=24)
+    decoding = Decoding(seed=0, eos_ids=(2,), pad_id=PAD)
     model = models["qwen2"]
 
     def keywords(*overrides):
         config = load_config("tiny", ["backend=torch", *overrides])
-        return sampler_keywords(config.generation, decoding, model)
+        return sampler_keywords(config.generation, decoding, model, prompt_columns=24)
 
     assert keywords()["compile_mode"] is None and "prompt_columns" not in keywords()
     assert keywords("generation.compile=off")["compile_mode"] is None

@@ -110,8 +110,9 @@ def test_policy_and_actor_critic_share_one_base():
 
 
 def test_generate_bundles_its_keywords_into_one_decoding():
-    """Callers keep ``generate(prompts, params, seed=, eos_ids=, pad_id=, tokenizer=,
-    prompt_columns=)``; a backend implements ``sample`` with one :class:`Decoding`."""
+    """Callers keep ``generate(prompts, params, seed=, eos_ids=, pad_id=, tokenizer=)``; a
+    backend implements ``sample`` with one :class:`Decoding`, which carries no padding
+    width: a backend that compiles each shape fixes its own (``expect_prompts``)."""
 
     class Recorder(Sampler):
         def sample(self, prompts, params, decoding):
@@ -119,14 +120,12 @@ def test_generate_bundles_its_keywords_into_one_decoding():
 
     params = SamplingParams(max_new_tokens=3)
     prompts, got_params, decoding = Recorder().generate(
-        [[1, 2]], params, seed=7, eos_ids=[3, 4], pad_id=0, prompt_columns=8
+        [[1, 2]], params, seed=7, eos_ids=[3, 4], pad_id=0
     )
     assert (prompts, got_params) == ([[1, 2]], params)
-    assert decoding == Decoding(seed=7, eos_ids=(3, 4), pad_id=0, prompt_columns=8)
-    assert decoding.keywords(shape_hint=True) == {
-        "seed": 7, "eos_ids": (3, 4), "pad_id": 0, "tokenizer": None, "prompt_columns": 8,
-    }  # fmt: skip
-    assert "prompt_columns" not in decoding.keywords(shape_hint=False)
+    assert decoding == Decoding(seed=7, eos_ids=(3, 4), pad_id=0)
+    assert decoding.keywords() == {"seed": 7, "eos_ids": (3, 4), "pad_id": 0, "tokenizer": None}
+    assert "prompt_columns" not in inspect.signature(Sampler.generate).parameters
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS, ids=lambda p: p.__name__)

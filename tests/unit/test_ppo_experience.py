@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from strop.batch.columns import FixedWidths
 from strop.config import Config, PpoConfig
 from strop.objectives.ppo import PolicyObjective, ValueObjective, aggregation_weights
-from strop.rl.experience import build_experience, minibatches, pad_columns
+from strop.rl.experience import build_experience, minibatches
 from strop.rl.prompts import PromptSet
 from tests.losses_reference import aggregate
 
@@ -40,14 +41,19 @@ def test_weights_of_an_empty_batch_are_zero():
     assert not aggregation_weights(np.zeros((2, 3)), "token_mean").any()
 
 
-def test_pad_columns_pads_every_array_with_masked_zeros():
-    batch = {"input_ids": np.ones((2, 17), np.int32), "response_mask": np.ones((2, 17))}
-    padded = pad_columns(batch, 32)
-    assert {v.shape for v in padded.values()} == {(2, 32)}
-    assert not padded["response_mask"][:, 17:].any()
-    assert pad_columns(padded, 32) is padded
-    with pytest.raises(ValueError, match="cannot pad 32 columns to 16"):
-        pad_columns(padded, 16)
+def test_fixed_widths_pad_every_rollout_array_with_masked_zeros():
+    widths = FixedWidths.of(longest_prompt=17, max_new_tokens=40)
+    assert (widths.prompt, widths.rollout) == (32, 80)
+    batch = {
+        "input_ids": np.ones((2, 57), np.int32), "attention_mask": np.ones((2, 57), np.int32),
+        "response_mask": np.ones((2, 57)), "scores": np.ones(2),
+    }  # fmt: skip
+    padded = widths.pad(batch)
+    assert {k: v.shape for k, v in padded.items()} == {
+        "input_ids": (2, 80), "attention_mask": (2, 80), "response_mask": (2, 80), "scores": (2,),
+    }  # fmt: skip
+    assert not padded["response_mask"][:, 57:].any() and not padded["attention_mask"][:, 57:].any()
+    assert widths.pad(padded) is padded and FixedWidths().pad(batch) is batch
 
 
 def test_prompt_draws_cover_each_prompt_once_per_pass_and_repeat_exactly():

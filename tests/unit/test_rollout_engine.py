@@ -11,12 +11,13 @@ from typing import get_args
 import numpy as np
 import pytest
 
+from strop.backends import get_backend
 from strop.config import load_config
 from strop.config.sections import GenerationConfig
 from strop.engines import ENGINES, NativeEngine, RolloutEngine
 from strop.engines.vllm_sync import VllmRollouts
 from strop.generation import Generation, SamplingParams
-from strop.job import run_steps
+from strop.job import Job, run_steps
 from strop.progress import RunProgress
 from strop.rl.ppo import PpoLoop
 
@@ -160,9 +161,6 @@ def test_a_restored_checkpoint_or_a_loaded_adapter_marks_the_engine_stale(tmp_pa
         stop_after = 0
     steps = type("NoSteps", (), {"model": model, "always_written": ()})()
     steps.restore_counters = lambda saved: None
-    progress = RunProgress("ppo", 2, {}, enabled=False)
-    run_steps(
-        config, steps, progress, job="ppo", total=2, stop_after=stop_after,
-        rollouts=Recording(model),
-    )  # fmt: skip
+    job = Job("ppo", RunProgress("ppo", 2, {}, enabled=False), get_backend(config.backend))
+    run_steps(config, steps, job, total=2, stop_after=stop_after, rollouts=Recording(model))
     assert marks == [{"checkpoint": "restore_checkpoint", "adapter": "load_adapter"}[source]]

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from strop.backends import get_backend
 from strop.config import load_config
 from strop.errors import ConfigError
-from strop.job import run_steps
+from strop.job import Job, run_steps
 from strop.progress import RunProgress
 
 METRICS = b'{"step": 3, "train/loss": 1.0}\n{"step": 4, "train/loss": 2.0}\n'
@@ -53,10 +54,8 @@ def run(tmp_path, latest: int, total: int):
     config = load_config("tiny", [f"run_dir={tmp_path}", f"sft.steps={total}", "backend=torch"])
     (tmp_path / "metrics.jsonl").write_bytes(METRICS)
     model = FinishedModel(latest)
-    progress = RunProgress("sft", total, {}, enabled=False)
-    return model, run_steps(
-        config, NoSteps(model), progress, job="sft", total=total, stop_after=None
-    )
+    job = Job("sft", RunProgress("sft", total, {}, enabled=False), get_backend("torch"))
+    return model, run_steps(config, NoSteps(model), job, total=total, stop_after=None)
 
 
 def test_a_checkpoint_past_the_end_is_refused_before_the_restore(tmp_path):

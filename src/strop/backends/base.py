@@ -87,8 +87,7 @@ class ModelHandle(Protocol):
 class TrainableModel(Sampler, Protocol):
     """What :class:`Policy` and :class:`ActorCritic` share: a model being fine-tuned,
     checkpointed and exported, and sampled from (:class:`~strop.generation.Sampler`'s
-    ``generate``: the actor's under PPO, ``prompt_columns`` a hint where
-    ``static_shapes``).
+    ``generate``: the actor's under PPO).
 
     Distributed runs call every method on every process (they may be collectives); only
     the process with ``is_main`` writes files. Under PPO, checkpoints hold the actor's and
@@ -163,10 +162,14 @@ class ActorCritic(TrainableModel, Protocol):
     weighted sums, exact under micro-batching and data parallelism.
     """
 
-    static_shapes: bool
-    """True where each new array shape compiles (JAX): the PPO loop then pads prompts and
-    rollouts to one shape per run. False (torch, eager): nothing is padded beyond the
-    batch, and each micro-batch runs without the columns none of its rows attends."""
+    def expect_prompts(self, longest: int) -> None:
+        """The run's longest prompt (training and validation sets), told once before the
+        first sample. A backend that compiles each shape pads every prompt it samples and
+        every rollout batch it forwards or trains on to widths fixed from it
+        (:class:`strop.batch.columns.FixedWidths`: JAX; torch's sampler when
+        ``generation.compile`` compiles its decode step), so that the run compiles once;
+        the others run each batch at its own width."""
+        ...
 
     def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:
         """``log pi(x_t | x_<t)`` at the rollout temperature, actor or reference."""

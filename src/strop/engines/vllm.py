@@ -284,9 +284,8 @@ class VllmEngine(Sampler):
     def sample(
         self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
     ) -> Generation:
-        """Sample a response to each prompt (see :mod:`strop.generation`; ``prompt_columns``,
-        a shape hint for compiled samplers, does not apply). Stop strings are cut on the
-        host after generation, exactly as the native samplers cut them."""
+        """Sample a response to each prompt (see :mod:`strop.generation`). Stop strings are
+        cut on the host after generation, exactly as the native samplers cut them."""
         check_generate_args(prompts, params, decoding.tokenizer)
         groups = self.world_size // self.tensor_parallel
         mine = _share(len(prompts), groups, self.rank // self.tensor_parallel)

@@ -18,24 +18,6 @@ from strop.objectives import estimators, gae
 from strop.objectives.losses import explained_variance, kl_penalty
 from strop.objectives.ppo import aggregation_weights
 
-COLUMN_MULTIPLE = 16
-"""Fixed widths (prompt columns, rollout batches) are rounded up to a multiple of this."""
-
-
-def round_up(n: int, multiple: int = COLUMN_MULTIPLE) -> int:
-    return -(-n // multiple) * multiple
-
-
-def pad_columns(batch: dict[str, np.ndarray], width: int) -> dict[str, np.ndarray]:
-    """Right-pad every ``[B, L]`` array with zeros to ``width`` columns (at least ``L``), so
-    that a compiled step sees one shape. Padding is masked (attention 0, response 0)."""
-    current = next(iter(batch.values())).shape[1]
-    if width < current:
-        raise ValueError(f"cannot pad {current} columns to {width}")
-    if width == current:
-        return batch
-    return {k: np.pad(v, ((0, 0), (0, width - current))) for k, v in batch.items()}
-
 
 def build_experience(
     batch: dict[str, np.ndarray],

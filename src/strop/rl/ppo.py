@@ -25,11 +25,11 @@ Per iteration (``ppo.steps`` of them):
 Every random choice is seeded from ``(seed, step)``, so a run killed and resumed from its
 latest checkpoint computes what an uninterrupted run would.
 
-Shapes: samplers that compile per shape (JAX's; torch's with ``generation.compile``) get
-prompts left-padded to the prompt set's longest prompt. On a backend whose training steps
-compile per shape (``engine.static_shapes``, JAX) rollout batches are right-padded to that
-plus ``generation.max_new_tokens`` (both rounded up to 16 columns), so a run compiles its
-steps once, whatever the response lengths. Torch trains each batch at its own width.
+Shapes: the loop passes plain prompts and rollout rows at their own widths. It tells the
+model the run's longest prompt once (``expect_prompts``); a backend that compiles each
+shape (JAX; torch's sampler with ``generation.compile``) pads what it compiles from that
+(:mod:`strop.batch.columns`), so that a run compiles once, whatever the prompts drawn and
+the response lengths.
 """
 
 from __future__ import annotations
@@ -46,22 +46,21 @@ from typing import Any
 import numpy as np
 
 from strop import rewards
-from strop.backends import get_backend
 from strop.backends.base import ActorCritic
 from strop.config import Config
 from strop.data import Tokenizer
 from strop.engines import RolloutEngine, rollout_engine
 from strop.generation import SamplingParams
-from strop.job import RunResult, run_steps, training_job
+from strop.job import Job, RunResult, run_steps, training_job
 from strop.nonfinite import count_skipped, likely_causes
 from strop.objectives.ppo import SHARED_CRITIC_PREFIX
 from strop.objectives.roles import RolePlan
-from strop.preflight import check_context_length, preflight
+from strop.preflight import check_context_length
 from strop.progress import RunProgress
 from strop.rewards.weighted import ScoredBatch
 from strop.rl import rollout_correction
 from strop.rl.checks import check_ppo_config
-from strop.rl.experience import build_experience, minibatches, pad_columns, round_up
+from strop.rl.experience import build_experience, minibatches
 from strop.rl.overlong import length_penalty, without_truncated
 from strop.rl.prompts import PromptSet
 from strop.rl.rollout import Rollout
@@ -88,19 +87,18 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
         build_model=partial(build_reward_model, config),
         limits=limits,
     )
-    preflight(config, "ppo", config.checkpoint_path())  # before anything loads
     figures = {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"}
-    with training_job(config, "ppo", config.ppo.steps, figures) as progress:
+    with training_job(config, "ppo", config.ppo.steps, figures) as job:  # preflight first
         try:
-            return _train(config, stop_after, progress, reward)
+            return _train(config, stop_after, job, reward)
         finally:
             reward.close()
 
 
 def _train(
-    config: Config, stop_after: int | None, progress: RunProgress, reward: rewards.WeightedReward
+    config: Config, stop_after: int | None, job: Job, reward: rewards.WeightedReward
 ) -> PpoResult:
-    ppo = config.ppo
+    ppo, progress = config.ppo, job.progress
     progress.phase("reading the prompts")
     tokenizer = Tokenizer.from_pretrained(config.model.path)
     train = PromptSet.read(config.data.train_path, config, tokenizer, reward=reward)
@@ -114,16 +112,16 @@ def _train(
 
     reward.start()  # its worker imports the user's function while the models load
     progress.phase("loading the models")
-    model = get_backend(config.backend).build_actor_critic(
+    model = job.backend.build_actor_critic(
         config, total_updates=ppo.optimizer_updates(), checkpoint_dir=config.checkpoint_path(),
         plan=RolePlan.from_config(config),
     )  # fmt: skip
+    model.expect_prompts(longest)  # what a backend that compiles each shape pads to
     with rollout_engine(config, model, max_prompt_tokens=longest) as rollouts:
         loop = PpoLoop(config, model, rollouts, train, validation, tokenizer, reward, progress)
         run = run_steps(
-            config, loop, progress, job="ppo", total=ppo.steps, stop_after=stop_after,
-            rollouts=rollouts,
-        )  # fmt: skip
+            config, loop, job, total=ppo.steps, stop_after=stop_after, rollouts=rollouts
+        )
     return PpoResult(
         run_dir=Path(config.run_dir), final_step=run.end, resumed_from=run.resumed_from,
         export_path=run.export_path, is_main=model.is_main, history=run.records,
@@ -234,11 +232,6 @@ class PpoLoop:
         self._timings[key] = self._timings.get(key, 0.0) + time.perf_counter() - began
         return out
 
-    def _prompt_columns(self, prompts: PromptSet) -> int:
-        """The rollouts' one prompt width, for samplers that compile each shape (JAX's,
-        torch's with ``generation.compile``): the set's longest prompt, rounded up."""
-        return round_up(prompts.longest)
-
     def _sample(self, step: int) -> _Sample:
         """Draw the iteration's prompts, sample responses and score them."""
         ppo, train, sampling = self.config.ppo, self.train, self.sampling
@@ -249,7 +242,6 @@ class PpoLoop:
             "generate", self.rollouts.generate, prompts, sampling,
             seed=_seed(self.config.seed, step), eos_ids=self.eos_ids,
             pad_id=self.tokenizer.pad_token_id, tokenizer=self.tokenizer,
-            prompt_columns=self._prompt_columns(train),
         )  # fmt: skip
         rollout = Rollout.from_generation(prompts, generation, self.tokenizer)
         texts, columns, golds = train.reward_inputs(rows)
@@ -272,9 +264,6 @@ class PpoLoop:
         ppo, engine, rollout = self.config.ppo, self.model, sample.rollout
         batch = rollout.teacher_forcing_batch(self.tokenizer.pad_token_id)
         sampled = rollout.align(rollout.logprobs)  # the sampler's log-probabilities
-        if self.model.static_shapes:  # one shape for the run: the widest rollout possible
-            width = round_up(self._prompt_columns(self.train) + self.sampling.max_new_tokens)
-            batch, sampled = pad_columns(batch, width), pad_columns({"x": sampled}, width)["x"]
         if ppo.old_logprobs == "sampler":
             old = sampled
         else:
@@ -365,7 +354,6 @@ class PpoLoop:
             stop_strings=sampling.stop_strings,
         )  # fmt: skip
         size = self.config.ppo.rollouts_per_step
-        prompt_columns = self._prompt_columns(prompts)
         correct, self.samples = 0, []
         for begin in range(0, len(prompts), size):
             rows = range(begin, min(begin + size, len(prompts)))
@@ -376,7 +364,7 @@ class PpoLoop:
 
             scored = sample_and_score(
                 self.rollouts, [prompts.ids[i] for i in rows], greedy, score, seed=self.config.seed,
-                eos_ids=self.eos_ids, tokenizer=self.tokenizer, prompt_columns=prompt_columns,
+                eos_ids=self.eos_ids, tokenizer=self.tokenizer,
             )  # fmt: skip
             correct += sum(value >= 1.0 for value in scored.scores)
             wanted = self.config.logging.samples - len(self.samples)

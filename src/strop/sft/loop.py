@@ -14,16 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from strop.backends import get_backend
 from strop.backends.base import Policy
 from strop.config import Config
 from strop.data import Tokenizer, load_sft_examples, make_sft_batcher
 from strop.data.batching import SftBatcher
 from strop.errors import ConfigError
-from strop.job import RunResult, run_steps, training_job
+from strop.job import Job, RunResult, run_steps, training_job
 from strop.nonfinite import count_skipped, likely_causes
-from strop.preflight import preflight
-from strop.progress import RunProgress
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +49,13 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
             "sft.eval_every > 0 needs data.eval_path (held-out data); set sft.eval_every=0 "
             "to train without evaluation"
         )
-    preflight(config, "sft", config.checkpoint_path())  # before anything loads
     figures = {"loss": "loss {:.4f}", "tokens_per_s": "{:,.0f} tok/s"}
-    with training_job(config, "sft", config.sft.steps, figures) as progress:
-        return _train(config, stop_after, progress)
+    with training_job(config, "sft", config.sft.steps, figures) as job:  # preflight first
+        return _train(config, stop_after, job)
 
 
-def _train(config: Config, stop_after: int | None, progress: RunProgress) -> SftResult:
-    sft = config.sft
+def _train(config: Config, stop_after: int | None, job: Job) -> SftResult:
+    sft, progress = config.sft, job.progress
     progress.phase("reading the data")
     tokenizer = Tokenizer.from_pretrained(config.model.path)
     train_examples, stats = load_sft_examples(config.data.train_path, config.data, tokenizer)
@@ -75,11 +71,11 @@ def _train(config: Config, stop_after: int | None, progress: RunProgress) -> Sft
         )
 
     progress.phase("loading the model")
-    policy = get_backend(config.backend).build_policy(
+    policy = job.backend.build_policy(
         config, total_steps=sft.steps, checkpoint_dir=config.checkpoint_path()
     )
     steps = SftSteps(config, policy, batcher, eval_batcher)
-    run = run_steps(config, steps, progress, job="sft", total=sft.steps, stop_after=stop_after)
+    run = run_steps(config, steps, job, total=sft.steps, stop_after=stop_after)
     return SftResult(
         run_dir=Path(config.run_dir), final_step=run.end, resumed_from=run.resumed_from,
         export_path=run.export_path, is_main=policy.is_main,

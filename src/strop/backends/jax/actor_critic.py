@@ -1,23 +1,20 @@
 """The JAX backend's PPO models: actor, critic and reference over one base, numpy in/out.
 
-This is what :func:`strop.rl.ppo.run_ppo` drives (``strop.backends.base.ActorCritic``).
-Which roles exist, which adapter each uses and what each update trains is the core's
+What :func:`strop.rl.ppo.run_ppo` drives (``strop.backends.base.ActorCritic``). Which
+roles exist, which adapter each uses and what each update trains is the core's
 :class:`~strop.objectives.roles.RolePlan`; this module builds and drives what it names.
 
 Roles are held functionally (:mod:`strop.backends.jax.ppo_steps`); a role the plan has
 not leaves its attributes None (``critic*``: an own critic, ``head*``: a shared trunk's):
 
-- **LoRA on**: one base model is loaded once. The actor and the critic are two LoRA
-  adapters over it (two Qwix injections with different seeds into twin module trees
-  whose base variables hold the *same* arrays), and the critic adds a float32
-  :class:`~strop.backends.jax.value.ValueHead` that trains in full (invariant 5: its
-  trainable filter is LoRA params *or* the head). The reference is the base with a
-  zero adapter (exactly the base: ``x W + (x A) 0``), or the frozen SFT adapter named
-  by ``ppo.reference_adapter`` / ``lora.restore_path`` (invariant 6). With
-  ``critic.shared_trunk`` there is no critic adapter: a value head on the actor's.
-- **LoRA off**: the actor trains every weight, the critic is a second model (from
-  ``critic.model_path`` or ``model.path``) plus the head, and the reference is a frozen
-  copy of the actor's initial weights: three models, as full-parameter PPO needs.
+- **LoRA on**: one base loaded once; actor and critic are two LoRA adapters over it
+  (two Qwix injections, different seeds, into twin module trees over the *same* base
+  arrays), the critic with a float32 :class:`~strop.backends.jax.value.ValueHead` that
+  trains in full (invariant 5). The reference is the base with a zero adapter (``x W +
+  (x A) 0``) or the plan's frozen SFT adapter (invariant 6). A shared trunk has no
+  critic adapter: a value head on the actor's.
+- **LoRA off**: the actor trains every weight, the critic is a second model plus the
+  head, the reference a frozen copy of the actor's initial weights: three models.
 """
 
 from __future__ import annotations
@@ -62,6 +59,7 @@ from strop.backends.jax.train import (
 from strop.backends.jax.value import ValueHead, ValueModel, critic_trainable_filter, twin
 from strop.backends.jax.weights import hf_weights, load_hf_model, save_hf_model
 from strop.batch import packing
+from strop.batch.columns import FixedWidths
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
@@ -75,7 +73,7 @@ class JaxActorCritic(Sampler):
     """Actor, critic and reference for PPO on a JAX mesh."""
 
     backend = "jax"
-    static_shapes = True  # every new shape compiles: one width per run, a few packed row counts
+    widths = FixedWidths()  # the run's, from expect_prompts: one compile per run
 
     def __init__(
         self, config: Config, *, total_updates: int,
@@ -186,9 +184,10 @@ class JaxActorCritic(Sampler):
         )  # fmt: skip
 
     def _rows(self, batch: dict[str, np.ndarray], fn) -> np.ndarray:
-        """``fn(ids, mask, positions)`` over the batch in chunks of
-        ``ppo.micro_batch_size`` rows (each packed when ``ppo.pack`` saves rows)."""
-        rows = len(batch["input_ids"])
+        """``fn(ids, mask, positions)`` at the run's rollout width (the result at the batch's),
+        in chunks of ``ppo.micro_batch_size`` rows, each packed when that saves rows."""
+        rows, columns = batch["input_ids"].shape
+        batch = self.widths.pad(batch)
         step = min(self.plan.rows.per_micro_batch, rows)
         out = []
         for begin in range(0, rows, step):
@@ -204,7 +203,7 @@ class JaxActorCritic(Sampler):
                 fn(arrays["input_ids"], arrays["attention_mask"], arrays.get("positions"))
             )
             out.append(result if plan is None else plan.unpack(result))
-        return np.concatenate(out, axis=0).astype(np.float32)
+        return np.concatenate(out, axis=0)[:, :columns].astype(np.float32)
 
     # the ActorCritic surface -------------------------------------------------------------
 
@@ -217,13 +216,17 @@ class JaxActorCritic(Sampler):
         """The actor as a module (over the live arrays: no copy)."""
         return nnx.merge(self.actor_graph, self.actor, self.frozen)
 
+    def expect_prompts(self, longest: int) -> None:
+        self.widths = FixedWidths.of(longest, self.config.generation.max_new_tokens)
+
     def sample(
         self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
     ) -> Generation:
-        """Sample from the actor (:meth:`Sampler.generate`), prompts left-padded to
-        ``prompt_columns``."""
-        module = self.actor_module()
-        return generate(module, prompts, params, **decoding.keywords(shape_hint=True))
+        """Sample from the actor, prompts left-padded to the run's width (expect_prompts)."""
+        return generate(
+            self.actor_module(), prompts, params, **decoding.keywords(),
+            prompt_columns=self.widths.prompt,
+        )  # fmt: skip
 
     def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:
         """``[B, L]`` ``log pi(x_t | x_<t)`` at the rollout temperature, of the actor or the
@@ -257,8 +260,9 @@ class JaxActorCritic(Sampler):
     def _arrays(
         self, batch: dict[str, np.ndarray], micro_batches: int, *updates: Sequence[str]
     ) -> list[dict[str, jax.Array]]:
-        """Each update's arrays (``updates``: the names each reads) on the mesh,
-        ``[micro, rows, ...]``, all packed by one plan when that saves rows."""
+        """Each update's arrays (``updates``: the names each reads) on the mesh, ``[micro,
+        rows, ...]``, at the run's rollout width, packed by one plan when that saves rows."""
+        batch = self.widths.pad(batch)
         plan = self._packing(batch, micro_batches)
         return [
             put_micro_batches(*packing.packed(batch, names, plan), micro_batches, self.mesh)
@@ -266,9 +270,8 @@ class JaxActorCritic(Sampler):
         ]
 
     def train_policy(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
-        """One actor update over the mini-batch ``batch`` (see :mod:`ppo_steps`); with
-        ``critic.shared_trunk`` the value head's too, over both losses (the plan's joint
-        policy update)."""
+        """One actor update over the mini-batch ``batch`` (see :mod:`ppo_steps`); on a
+        shared trunk the value head's too, over both losses (the plan's joint update)."""
         if self.plan.policy_update.joint:
             wanted = (*self.policy_objective.batch_names, *self.value_objective.batch_names)
             (arrays,) = self._arrays(batch, micro_batches, tuple(dict.fromkeys(wanted)))
@@ -324,8 +327,7 @@ class JaxActorCritic(Sampler):
         return extra
 
     def _params(self) -> dict[str, Any]:
-        """What a checkpoint holds of the plan's trained parts: the actor, and an own
-        critic (its value head in its state) or the shared trunk's value head."""
+        """What a checkpoint holds: the plan's trained parts (an own critic holds its head)."""
         parts = {"actor": self.actor, "critic": self.critic, "value_head": self.head}
         if self.plan.own_critic:
             del parts["value_head"]  # in the critic's state
@@ -350,8 +352,7 @@ class JaxActorCritic(Sampler):
         return nnx.merge(self.critic_graph, self.critic, self.critic_frozen)
 
     def lora_weights(self) -> dict[str, Any]:
-        """Host copies: ``actor`` and ``critic`` adapters (PEFT layout) and ``value_head``
-        ``(kernel [E], bias)`` (the actor's alone without a critic)."""
+        """Host copies: ``actor``, ``critic`` adapters (PEFT), ``value_head`` (kernel, bias)."""
         weights = {"actor": adapter_weights(self.actor_module())}
         if self.plan.shared_trunk:
             weights["value_head"] = nnx.merge(self.head_graph, self.head).weights()
@@ -379,8 +380,7 @@ class JaxActorCritic(Sampler):
             self.critic = nnx.state(module, self.critic_filter)
 
     def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        """Write the actor as a HF checkpoint: its adapter folded into the base (LoRA), or
-        the fine-tuned model."""
+        """Write the actor as a HF checkpoint (a LoRA adapter folded into the base)."""
         actor = with_adapters_merged(self.actor_module(), self.config.lora)
         return save_hf_model(actor, path, source_dir=self.config.model.path, overwrite=overwrite)
 

@@ -8,8 +8,8 @@ Layout and positions
 The batch is padded with dummy rows to a multiple of the mesh's batch shards (``data x
 fsdp``) and the prompts are left-padded to a bucket ``P``: the longest prompt rounded up
 to a power of two, at least :data:`MIN_PROMPT_BUCKET`, or the caller's fixed
-``prompt_columns`` (one shape for a whole PPO run). Each row's position ids count from
-its first real token: a prompt of ``n`` tokens holds positions ``0 .. n-1`` in columns
+``prompt_columns`` (the PPO actor's one width for a run). Each row's position ids count
+from its first real token: a prompt of ``n`` tokens holds positions ``0 .. n-1`` in columns
 ``P-n .. P-1`` and the ``t``-th generated token (``t = 0, 1, ...``) has position ``n + t``
 whatever the padding, the same convention as the training forward, so a row's tokens do
 not depend on the other rows.
@@ -131,8 +131,9 @@ def generate(
       model: the policy; its weights may be sharded on ``mesh``.
       mesh: where the inputs and the cache go; default: the mesh of the model's weights.
       prompt_columns: left-pad the prompts to this many columns instead of their bucket,
-        so that every batch of a run has one shape and compiles once (the PPO loop passes
-        its prompt set's longest prompt); ignored when a prompt is longer.
+        so that every batch of a run has one shape and compiles once (the PPO actor passes
+        its run's width, :class:`strop.batch.columns.FixedWidths`); ignored when a prompt
+        is longer.
 
     Returns:
       A :class:`~strop.generation.Generation` of numpy arrays, ``len(prompts)`` rows.

@@ -94,7 +94,7 @@ class JaxPolicy(Sampler):
         self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
     ) -> Generation:
         """Sample with the current weights (adapters included): :meth:`Sampler.generate`."""
-        return generate(self.model, prompts, params, **decoding.keywords(shape_hint=True))
+        return generate(self.model, prompts, params, **decoding.keywords())
 
     # checkpoints -------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ from strop.backends.torch.model import build_model, forward_logits, run_model
 from strop.backends.torch.train import Trainer, rank_rows, used_columns
 from strop.backends.torch.value import ValueModel
 from strop.batch import packing
+from strop.batch.columns import FixedWidths
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
@@ -69,7 +70,7 @@ class TorchActorCritic(Sampler):
     """Actor, critic and reference for PPO, FSDP2-sharded under ``torchrun``."""
 
     backend = "torch"
-    static_shapes = False  # eager: any shape; packed rows, each micro-batch cut to its columns
+    widths = FixedWidths()  # the sampler's, compiled (expect_prompts); training: any shape
 
     def __init__(
         self, config: Config, *, total_updates: int,
@@ -238,13 +239,18 @@ class TorchActorCritic(Sampler):
     def is_main(self) -> bool:
         return self.placement.is_main
 
+    def expect_prompts(self, longest: int) -> None:
+        self.widths = FixedWidths.of(longest, self.config.generation.max_new_tokens)
+
     def sample(
         self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
     ) -> Generation:
-        """Sample from the actor (:meth:`Sampler.generate`; ``prompt_columns``, a shape
-        hint, applies when the decode step is compiled: ``generation.compile``)."""
+        """Sample from the actor (:meth:`Sampler.generate`; a compiled decode step,
+        ``generation.compile``, at the run's prompt width: :meth:`expect_prompts`)."""
         with self._role("actor") as loaded, loaded.autocast():
-            keywords = sampler_keywords(self.config.generation, decoding, loaded.model)
+            keywords = sampler_keywords(
+                self.config.generation, decoding, loaded.model, self.widths.prompt
+            )
             return generate(loaded.model, prompts, params, **keywords)
 
     def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:

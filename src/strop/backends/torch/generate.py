@@ -138,9 +138,9 @@ def generate(
     model.eval()
     try:
         with torch.no_grad() if sharded else torch.inference_mode(), unsharded(model):
-            decoding = Decoding(seed, tuple(eos_ids), pad_id, prompt_columns=prompt_columns)
+            decoding = Decoding(seed, tuple(eos_ids), pad_id)
             tokens, logprobs, lengths, hit_eos = _sample_loop(
-                model, prompts, params, decoding, device, compile_mode
+                model, prompts, params, decoding, device, compile_mode, prompt_columns
             )
     finally:
         model.train(was_training)
@@ -153,13 +153,15 @@ def generate(
 
 
 def sampler_keywords(
-    generation: GenerationConfig, decoding: Decoding, model: torch.nn.Module
-) -> dict[str, object]:
+    generation: GenerationConfig, decoding: Decoding, model: torch.nn.Module,
+    prompt_columns: int | None = None,
+) -> dict[str, object]:  # fmt: skip
     """:func:`generate`'s keyword arguments for a run's ``generation`` settings: the
-    decode step compiled as :func:`decode_compile_mode` says, and then at the run's one prompt
-    width (``decoding.prompt_columns``), so that it compiles once."""
+    decode step compiled as :func:`decode_compile_mode` says, and then at the run's one
+    prompt width (``prompt_columns``, where the model knows it), so that it compiles once."""
     mode = decode_compile_mode(generation.compile, model)
-    return {**decoding.keywords(shape_hint=mode is not None), "compile_mode": mode}
+    fixed = {"prompt_columns": prompt_columns} if mode is not None else {}
+    return {**decoding.keywords(), **fixed, "compile_mode": mode}
 
 
 def decode_compile_mode(setting: str, model: torch.nn.Module) -> str | None:
@@ -176,7 +178,7 @@ def decode_compile_mode(setting: str, model: torch.nn.Module) -> str | None:
 
 def _sample_loop(
     model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, decoding: Decoding,
-    device: torch.device, compile_mode: str | None,
+    device: torch.device, compile_mode: str | None, prompt_columns: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Prefill and decode.
 
@@ -185,7 +187,7 @@ def _sample_loop(
     """
     batch, steps = len(prompts), params.max_new_tokens
     pad_id, seed, eos_ids = decoding.pad_id, decoding.seed, decoding.eos_ids
-    longest = max(decoding.prompt_columns or 0, *(len(p) for p in prompts))
+    longest = max(prompt_columns or 0, *(len(p) for p in prompts))
     width = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
     prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
 

@@ -88,8 +88,7 @@ class TorchPolicy(Sampler):
     def sample(
         self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
     ) -> Generation:
-        """Sample with the current weights (adapters included): :meth:`Sampler.generate`
-        (``prompt_columns`` applies when the decode step is compiled: ``generation.compile``)."""
+        """Sample with the current weights (adapters included): :meth:`Sampler.generate`."""
         with self.loaded.autocast():
             keywords = sampler_keywords(self.config.generation, decoding, self.model)
             return generate(self.model, prompts, params, **keywords)
