@@ -38,3 +38,29 @@ def test_unstarted_writes_are_closed_and_other_coroutines_still_warn():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "write_fragment" not in done.stderr, done.stderr
     assert "coroutine 'unrelated' was never awaited" in done.stderr  # not hidden wholesale
+
+
+def test_a_late_writer_threads_error_naming_the_checkpoint_is_kept_to_debug(tmp_path, caplog):
+    """A failed save's second writer thread can log its failure (absl, ERROR, with a
+    traceback) after the save raised and ``orbax_errors_quiet`` ended: once a save or
+    restore touched a directory, such records naming it go to DEBUG; others still show."""
+    import logging
+
+    from strop.backends.jax import orbax_noise
+
+    directory = tmp_path / "checkpoints"
+    absl = logging.getLogger("absl")
+    with orbax_noise.orbax_errors_quiet(directory):
+        pass
+    caplog.set_level(logging.DEBUG)
+    try:
+        raise ValueError(f'Failed writing: "{directory}/4.orbax-checkpoint-tmp/d/x": too large')
+    except ValueError:
+        absl.exception("_SignalingThread.run() raised an exception")
+    try:
+        raise ValueError("something else entirely")
+    except ValueError:
+        absl.exception("another failure")
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ["another failure"]
+    assert any("other writer failed too" in r.getMessage() for r in caplog.records)

@@ -37,6 +37,25 @@ class _StragglerFilter(logging.Filter):
         return True
 
 
+class _LateWriterErrorFilter(logging.Filter):
+    """Drops Orbax's ERROR reports (absl, with a traceback) of a failed save's other writer
+    threads that fail after the save has already raised (a step's params and optimizer
+    state are written by two threads; the second one's report can come once
+    :func:`orbax_errors_quiet` is over), logging them at DEBUG instead. Only records that
+    name the checkpoint directory are dropped."""
+
+    def __init__(self, directory: Path):
+        super().__init__()
+        self.directory = str(directory)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if record.levelno >= logging.ERROR and self.directory in f"{record.getMessage()} {error}":
+            logger.debug("a failed save's other writer failed too: %s", error)
+            return False
+        return True
+
+
 _straggler_directories: set[Path] = set()
 # Orbax's coroutines reading one array each: when a restore fails on one unreadable file,
 # the others are closed unfinished and each raises its own read error again (a page each).
@@ -47,7 +66,8 @@ def _quiet_stragglers_of_failed_saves(directory: Path) -> None:
     """Orbax raises a failed save's first write error while TensorStore's other writes
     are still in flight. They finish later, even after the save has returned: each one's
     callback hits Orbax's closed event loop (printed through ``sys.unraisablehook``) and
-    asyncio reports the gathered errors as never retrieved. That is a page of tracebacks
+    asyncio reports the gathered errors as never retrieved, and another writer thread's
+    failure can be logged (absl, ERROR) after the save raised. That is a page of tracebacks
     around the one CheckpointError line, so both kinds are kept to DEBUG (the asyncio ones
     only when they name this checkpoint directory), and so are a failed restore's other
     reads; anything else still reaches the previous hooks. Installed once per directory
@@ -56,6 +76,7 @@ def _quiet_stragglers_of_failed_saves(directory: Path) -> None:
         return
     _straggler_directories.add(directory)
     logging.getLogger("asyncio").addFilter(_StragglerFilter(directory))
+    logging.getLogger("absl").addFilter(_LateWriterErrorFilter(directory))
     if getattr(sys.unraisablehook, "_strop_straggler_hook", False):
         return
     previous = sys.unraisablehook
