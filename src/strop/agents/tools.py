@@ -235,9 +235,7 @@ class Tool:
             return self._error(f"{self.name} raised {said}")
         result = box.get("result")
         if not isinstance(result, str):
-            return self._error(
-                f"{self.name} returned {type(result).__name__}, not text (a tool must return str)"
-            )
+            return self._error(f"{self.name} returned {type(result).__name__}, not text")
         return ToolOutcome(self._truncated(result, self.max_output_chars), error=False)
 
     async def acall(self, arguments: Any) -> ToolOutcome:
