@@ -90,6 +90,8 @@ def test_max_turns_truncates_without_running_the_calls():
         return "ok"
 
     env = ToolEnv([record_it], score=lambda record, messages: {"r": 0.5}, max_turns=2)
+    limited = ToolEnv([record_it], tool_timeout_s=0.5, max_output_chars=7).tools["record_it"]
+    assert (limited.timeout_s, limited.max_output_chars) == (0.5, 7)
     _, results = _run(env, {"prompt": "go"}, [_call("record_it", x=1), _call("record_it", x=2)])
     assert ran == [1]
     assert results[-1] == StepResult(

@@ -30,7 +30,7 @@ from typing import Any
 
 from strop.agents.environment import Message, StepResult
 from strop.agents.tool_calls import ToolCall, ToolCallError, format_name, parse_tool_calls
-from strop.agents.tools import Tool, ToolOutcome, as_tool
+from strop.agents.tools import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_TIMEOUT_S, Tool, ToolOutcome
 from strop.errors import ConfigError, DataError
 
 Score = Callable[[Mapping[str, Any], list[Message]], Mapping[str, float]]
@@ -48,6 +48,8 @@ class ToolEnv:
       max_turns: the most assistant turns in an episode (>= 1).
       tool_format: how calls are written in generated text: ``hermes`` (``qwen``) or
         ``llama3_json``.
+      tool_timeout_s, max_output_chars: the limits of a call to a tool made here from a
+        function (a :class:`~strop.agents.tools.Tool` given keeps its own).
     """
 
     def __init__(
@@ -58,12 +60,20 @@ class ToolEnv:
         system_prompt: str | None = None,
         max_turns: int = 4,
         tool_format: str = "hermes",
+        tool_timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
     ) -> None:
         if max_turns < 1:
             raise ConfigError(f"max_turns must be at least 1, got {max_turns}")
         self.tools: dict[str, Tool] = {}
         for item in tools:
-            tool = as_tool(item)
+            tool = (
+                item
+                if isinstance(item, Tool)
+                else Tool.from_function(
+                    item, timeout_s=tool_timeout_s, max_output_chars=max_output_chars
+                )
+            )
             if tool.name in self.tools:
                 raise ConfigError(f"two tools are named {tool.name!r}; tool names must differ")
             self.tools[tool.name] = tool

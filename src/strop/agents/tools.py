@@ -257,11 +257,6 @@ async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
 
-def as_tool(value: Tool | Callable[..., Any]) -> Tool:
-    """``value`` itself if it is a :class:`Tool`, else :meth:`Tool.from_function` of it."""
-    return value if isinstance(value, Tool) else Tool.from_function(value)
-
-
 def parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
     """``(summary, {parameter: description})`` of a Google-style docstring: the summary is
     the text before the first section (``Args:``, ``Returns:``, ...), joined into one line
