@@ -21,7 +21,18 @@ import strop
 ROOT = Path(strop.__file__).parent
 LAYERED = ("backends", "rl", "sft", "rewards")
 # the core: never jax/torch/flax/transformers at module level (the backends alone may)
-CORE = ("rl", "sft", "rewards", "data", "io", "config", "batch", "objectives", "engines")
+CORE = (
+    "rl",
+    "sft",
+    "rewards",
+    "data",
+    "io",
+    "config",
+    "batch",
+    "objectives",
+    "engines",
+    "agents",
+)
 FRAMEWORKS = ("jax", "jaxlib", "flax", "optax", "orbax", "qwix", "torch", "transformers", "peft")
 
 

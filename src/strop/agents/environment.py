@@ -1,0 +1,149 @@
+"""The environment protocol of a multi-turn episode, and where an environment comes from.
+
+An :class:`Environment` has two methods, each either plain or ``async def``:
+
+* ``reset(record) -> list[message]``: the first messages of an episode (system and user
+  turns, in the OpenAI / Hugging Face chat format) for one data record;
+* ``step(messages) -> StepResult``: given the conversation so far, whose last message is
+  the assistant's, the messages to add (tool results, a user turn), or ``None`` when the
+  episode is over, with the reward parts of this turn and counters in ``info``.
+
+An instance holds the state of one episode at a time (``reset`` starts it); run several
+episodes at once with several instances (:func:`resolve_environment` gives the factory,
+which can be called once per episode). :func:`call_maybe_async` calls either kind of method.
+
+:func:`load_environment` turns a reference into an instance:
+
+* a built-in name (``calculator``; see :data:`BUILTINS`);
+* ``package.module:factory`` or ``path/to/file.py:factory`` (imported as
+  :mod:`strop.references` imports rewards and losses): ``factory(**kwargs)`` must return an
+  object with ``reset`` and ``step`` methods (a class is a factory too);
+* ``verifiers:<module>`` is refused for now (the verifiers package is not supported yet).
+
+Every mistake raises :class:`EnvironmentLoadError`, one line naming the reference.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from strop.errors import ConfigError
+from strop.references import BadReference, import_function, is_reference, split
+from strop.rewards.calling import one_line
+
+Message = dict[str, Any]
+T = TypeVar("T")
+
+# Built-in environments: name -> "module:factory", imported when named.
+BUILTINS: dict[str, str] = {
+    "calculator": "strop.agents.calculator:calculator_environment",
+}
+
+
+class EnvironmentLoadError(ConfigError):
+    """An environment reference names nothing usable (one line, with the reference)."""
+
+
+@dataclass
+class StepResult:
+    """What one ``step`` returns: ``messages`` to add to the conversation (``None`` ends
+    the episode), the reward parts earned this turn, and counters (``tool_calls``, ...)."""
+
+    messages: list[Message] | None
+    rewards: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.messages is None
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """``reset`` and ``step``, each plain or ``async def`` (see the module docstring)."""
+
+    def reset(self, record: Mapping[str, Any]) -> list[Message] | Awaitable[list[Message]]: ...
+
+    def step(self, messages: list[Message]) -> StepResult | Awaitable[StepResult]: ...
+
+
+async def call_maybe_async(fn: Callable[..., T | Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, awaited when it returns an awaitable (an ``async def``)."""
+    result = fn(*args, **kwargs)
+    if inspect.isawaitable(result):
+        result = await result
+    return result  # type: ignore[return-value]
+
+
+def is_environment(value: object) -> bool:
+    """Whether ``value`` has callable ``reset`` and ``step`` attributes."""
+    return callable(getattr(value, "reset", None)) and callable(getattr(value, "step", None))
+
+
+def resolve_environment(reference: str) -> Callable[..., Any]:
+    """The factory ``reference`` names (a built-in's, or the imported one), without calling
+    it; :class:`EnvironmentLoadError` when there is none."""
+    ref = reference.strip()
+    if ref.startswith("verifiers:"):
+        raise EnvironmentLoadError(
+            f"environment {reference!r}: verifiers environments are not supported yet; give "
+            f"a built-in ({', '.join(sorted(BUILTINS))}), package.module:factory or "
+            "path/to/file.py:factory"
+        )
+    if not is_reference(ref):
+        if ref not in BUILTINS:
+            hint = f"; give the factory too: {ref}:FACTORY" if ref.endswith(".py") else ""
+            raise EnvironmentLoadError(
+                f"environment {reference!r}: unknown built-in environment; the built-in ones "
+                f"are {', '.join(sorted(BUILTINS))}, or give package.module:factory or "
+                f"path/to/file.py:factory{hint}"
+            )
+        ref = BUILTINS[ref]
+    parts = split(ref)
+    if parts is None:
+        raise EnvironmentLoadError(
+            f"environment {reference!r}: expected a built-in name, package.module:factory or "
+            "path/to/file.py:factory"
+        )
+    try:
+        found = import_function(
+            *parts,
+            namespace="_strop_env_",
+            describe=one_line,
+            hint="; expected package.module:factory or path/to/file.py:factory",
+        )
+    except BadReference as exc:
+        raise EnvironmentLoadError(f"environment {reference!r}: {exc}") from None
+    return found.function
+
+
+def load_environment(reference: str, **kwargs: Any) -> Any:
+    """A new environment: the factory ``reference`` names, called with ``kwargs``, checked
+    to have ``reset`` and ``step``. Raises :class:`EnvironmentLoadError` (one line)."""
+    factory = resolve_environment(reference)
+    name = getattr(factory, "__name__", type(factory).__name__)
+    try:
+        env = factory(**kwargs)
+    except Exception as exc:
+        raise EnvironmentLoadError(
+            f"environment {reference!r}: {name}(...) failed: {one_line(exc)}"
+        ) from None
+    if inspect.isawaitable(env):
+        close = getattr(env, "close", None)
+        if callable(close):
+            close()  # an unawaited coroutine would warn
+        raise EnvironmentLoadError(
+            f"environment {reference!r}: {name} is async; the factory must return the "
+            "environment itself (its reset and step may be async)"
+        )
+    if not is_environment(env):
+        missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+        raise EnvironmentLoadError(
+            f"environment {reference!r}: {name}(...) returned a {type(env).__name__}, which "
+            f"has no {' or '.join(missing)} method; an environment has reset(record) and "
+            "step(messages)"
+        )
+    return env

@@ -1,0 +1,183 @@
+"""An environment whose turns are tool calls: :class:`ToolEnv`.
+
+``reset(record)`` gives the system prompt (when set) and the record's prompt: its
+``messages`` (a chat; a last assistant turn, the reference answer, is dropped), else its
+``prompt`` or ``question`` text as one user turn.
+
+``step(messages)`` reads the last message, the assistant's: its ``tool_calls`` when the
+caller parsed them already, else the calls in its ``content`` (:mod:`strop.agents.tool_calls`,
+in the env's ``tool_format``). Then:
+
+* no call (and nothing that tried to be one): the episode ends; ``score(record, messages)``
+  gives the reward parts of the final answer;
+* calls, on the assistant's ``max_turns``-th turn: the episode ends unrun, ``truncated``
+  in ``info``, and the answer is scored as it stands (usually 0: there is none);
+* else every call runs (:meth:`~strop.agents.tools.Tool.call`: never raises, bounded in
+  time and output) and one ``{"role": "tool", "name", "content"}`` message per call comes
+  back, in the order of the calls. A call that could not be read and a call to an unknown
+  tool are answered with an error message of their own.
+
+``info`` counts this step's ``tool_calls`` (every call the model attempted), ``tool_errors``
+(those answered with an error) and ``truncated`` (1 when max_turns cut the episode).
+An instance runs one episode at a time (``reset`` remembers the record).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from strop.agents.environment import Message, StepResult
+from strop.agents.tool_calls import ToolCall, ToolCallError, format_name, parse_tool_calls
+from strop.agents.tools import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_TIMEOUT_S, Tool, ToolOutcome
+from strop.errors import ConfigError, DataError
+
+Score = Callable[[Mapping[str, Any], list[Message]], Mapping[str, float]]
+ERROR_NAME = "error"  # the tool message's name when a call names no tool we could read
+
+
+class ToolEnv:
+    """An :class:`~strop.agents.environment.Environment` of tools (see the module docstring).
+
+    Args:
+      tools: :class:`~strop.agents.tools.Tool` s, or typed functions made into tools.
+      score: ``score(record, messages) -> {part: value}`` for the final answer; None gives
+        no reward.
+      system_prompt: the first message of every episode, when set.
+      max_turns: the most assistant turns in an episode (>= 1).
+      tool_format: how calls are written in generated text: ``hermes`` (``qwen``) or
+        ``llama3_json``.
+      tool_timeout_s, max_output_chars: the limits of a call to a tool made here from a
+        function (a :class:`~strop.agents.tools.Tool` given keeps its own).
+    """
+
+    def __init__(
+        self,
+        tools: Sequence[Tool | Callable[..., Any]],
+        *,
+        score: Score | None = None,
+        system_prompt: str | None = None,
+        max_turns: int = 4,
+        tool_format: str = "hermes",
+        tool_timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
+    ) -> None:
+        if max_turns < 1:
+            raise ConfigError(f"max_turns must be at least 1, got {max_turns}")
+        self.tools: dict[str, Tool] = {}
+        for item in tools:
+            tool = (
+                item
+                if isinstance(item, Tool)
+                else Tool.from_function(
+                    item, timeout_s=tool_timeout_s, max_output_chars=max_output_chars
+                )
+            )
+            if tool.name in self.tools:
+                raise ConfigError(f"two tools are named {tool.name!r}; tool names must differ")
+            self.tools[tool.name] = tool
+        self.score = score
+        self.system_prompt = system_prompt
+        self.max_turns = max_turns
+        self.tool_format = format_name(tool_format)
+        self.record: Mapping[str, Any] = {}
+
+    @property
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """The tools as a chat template's ``tools=`` takes them."""
+        return [tool.schema for tool in self.tools.values()]
+
+    def reset(self, record: Mapping[str, Any]) -> list[Message]:
+        self.record = record
+        start: list[Message] = []
+        if self.system_prompt is not None:
+            start.append({"role": "system", "content": self.system_prompt})
+        return start + prompt_messages(record)
+
+    async def step(self, messages: list[Message]) -> StepResult:
+        if not messages or messages[-1].get("role") != "assistant":
+            raise DataError("ToolEnv.step needs the conversation to end with the assistant's turn")
+        calls = self.calls_of(messages[-1])
+        turns = sum(1 for m in messages if m.get("role") == "assistant")
+        info = {"tool_calls": len(calls), "tool_errors": 0, "truncated": 0}
+        if not calls:
+            return StepResult(None, self._scored(messages), info)
+        if turns >= self.max_turns:
+            info["truncated"] = 1
+            return StepResult(None, self._scored(messages), info)
+        replies = []
+        for call in calls:
+            name, outcome = await self._answer(call)
+            info["tool_errors"] += outcome.error
+            replies.append({"role": "tool", "name": name, "content": outcome.text})
+        return StepResult(replies, {}, info)
+
+    def calls_of(self, message: Message) -> list[ToolCall | ToolCallError]:
+        """The calls of an assistant message: its ``tool_calls`` if present, else those
+        written in its content."""
+        if message.get("tool_calls"):
+            return [_structured(entry) for entry in message["tool_calls"]]
+        return parse_tool_calls(str(message.get("content") or ""), self.tool_format).calls
+
+    async def _answer(self, call: ToolCall | ToolCallError) -> tuple[str, ToolOutcome]:
+        if isinstance(call, ToolCallError):
+            return call.name or ERROR_NAME, ToolOutcome(f"error: {call.message}", error=True)
+        tool = self.tools.get(call.name)
+        if tool is None:
+            known = ", ".join(self.tools) or "none"
+            text = f"error: there is no tool named {call.name!r}; the tools are: {known}"
+            return call.name, ToolOutcome(text[:500], error=True)
+        return call.name, await tool.acall(call.arguments)
+
+    def _scored(self, messages: list[Message]) -> dict[str, float]:
+        if self.score is None:
+            return {}
+        return {name: float(value) for name, value in self.score(self.record, messages).items()}
+
+
+def prompt_messages(record: Mapping[str, Any]) -> list[Message]:
+    """The opening turns of ``record``: its ``messages`` without a last assistant turn,
+    else its ``prompt`` or ``question`` as a user turn. DataError when it has none."""
+    chat = record.get("messages")
+    if isinstance(chat, list) and chat:
+        turns = [dict(m) for m in chat]
+        if turns[-1].get("role") == "assistant":
+            turns = turns[:-1]
+        if turns:
+            return turns
+    for key in ("prompt", "question"):
+        if isinstance(record.get(key), str):
+            return [{"role": "user", "content": record[key]}]
+    raise DataError(
+        f"a record needs 'messages', 'prompt' or 'question' to start an episode; it has "
+        f"{', '.join(sorted(map(str, record))) or 'no keys'}"
+    )
+
+
+def final_answer(messages: Sequence[Message]) -> str | None:
+    """The content of the last assistant message, None if there is none."""
+    for message in reversed(messages):
+        if message.get("role") == "assistant":
+            return str(message.get("content") or "")
+    return None
+
+
+def _structured(entry: Any) -> ToolCall | ToolCallError:
+    """A ``tool_calls`` entry of a message (``{"function": {"name", "arguments"}}``, the
+    arguments a dict or a JSON string) as a call."""
+    function = entry.get("function", entry) if isinstance(entry, Mapping) else None
+    name = function.get("name") if isinstance(function, Mapping) else None
+    if not isinstance(name, str) or not name:
+        return ToolCallError('the tool call has no "name"')
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            return ToolCallError(
+                f"the arguments of the call to {name} are not JSON ({exc.msg})", name
+            )
+    if not isinstance(arguments, dict):
+        return ToolCallError(f"the arguments of the call to {name} must be a JSON object", name)
+    return ToolCall(name, arguments)
