@@ -45,9 +45,9 @@ QWEN25_INSTRUCT = (
     "            {%- if tool_call.function is defined %}\n"
     "                {%- set tool_call = tool_call.function %}\n"
     "            {%- endif %}\n"
-    "            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n"
+    '            {{- \'\\n<tool_call>\\n{"name": "\' }}\n'
     "            {{- tool_call.name }}\n"
-    "            {{- '\", \"arguments\": ' }}\n"
+    '            {{- \'", "arguments": \' }}\n'
     "            {{- tool_call.arguments | tojson }}\n"
     "            {{- '}\\n</tool_call>' }}\n"
     "        {%- endfor %}\n"
@@ -104,7 +104,7 @@ LLAMA31_INSTRUCT = (
     '{{- "Today Date: " + date_string + "\\n\\n" }}\n'
     "{%- if tools is not none and not tools_in_user_message %}\n"
     '    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}\n'
-    "    {{- 'Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}.' }}\n"
+    '    {{- \'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.\' }}\n'
     '    {{- "Do not use variables.\\n\\n" }}\n'
     "    {%- for t in tools %}\n"
     "        {{- t | tojson(indent=4) }}\n"
@@ -126,7 +126,7 @@ LLAMA31_INSTRUCT = (
     "    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}\n"
     '    {{- "Given the following functions, please respond with a JSON for a function call " }}\n'
     '    {{- "with its proper arguments that best answers the given prompt.\\n\\n" }}\n'
-    "    {{- 'Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}.' }}\n"
+    '    {{- \'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.\' }}\n'
     '    {{- "Do not use variables.\\n\\n" }}\n'
     "    {%- for t in tools %}\n"
     "        {{- t | tojson(indent=4) }}\n"
