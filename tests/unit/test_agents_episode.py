@@ -183,3 +183,13 @@ def test_misuse_is_a_one_line_data_error(tmp_path) -> None:
     tok.chat_template = "{{ messages[-1]['content'] }}"  # renders only the last message
     with pytest.raises(DataError, match="does not render an assistant turn"):
         Episode.start(tok, PROMPT)
+    # Marks assistant turns once something follows them: earlier turns change as it grows.
+    tok.chat_template = (
+        "{% for m in messages %}{{ m.role }}: "
+        "{% if m.role == 'assistant' and not loop.last %}(old) {% endif %}{{ m.content }}\n"
+        "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    ep = Episode.start(tok, PROMPT)
+    ep.add_sampled(tok.encode("20"))
+    with pytest.raises(DataError, match="rewrites earlier turns"):
+        ep.add_messages([{"role": "user", "content": "Sure?"}])
