@@ -155,7 +155,7 @@ class Episode:
         before = self._render(history, add_generation_prompt=False)
         new = [_as_message(m) for m in messages]
         after = self._render([*history, *new], add_generation_prompt=True)
-        if not after.startswith(before):
+        if not (before.startswith(self._text) and after.startswith(before)):
             raise DataError(
                 f"the chat template of {self.tokenizer.name} rewrites earlier turns when "
                 "messages are added, so an episode cannot grow token by token with it; use a "
