@@ -193,3 +193,28 @@ def test_misuse_is_a_one_line_data_error(tmp_path) -> None:
     ep.add_sampled(tok.encode("20"))
     with pytest.raises(DataError, match="rewrites earlier turns"):
         ep.add_messages([{"role": "user", "content": "Sure?"}])
+
+
+def test_parallel_tool_calls_answered_in_one_call(tmp_path) -> None:
+    # Qwen2.5 groups consecutive tool results under one <|im_start|>user ... <|im_end|>.
+    directory = save_chat_tokenizer(tmp_path, "qwen2.5")
+    tok, oracle = (
+        Tokenizer.from_pretrained(directory),
+        transformers.AutoTokenizer.from_pretrained(directory),
+    )
+    calls = [("add", {"a": 2, "b": 3}), ("mul", {"a": 2, "b": 3})]
+    text = "\n".join(call_text("qwen2.5", name, args) for name, args in calls)
+    ep = Episode.start(tok, PROMPT, tools=TOOLS)
+    ep.add_sampled([*tok.encode(text), tok.eos_token_id])
+    results = [
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "tool", "name": "mul", "content": "6"},
+    ]
+    ep.add_messages(results)
+    structured = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [tool_call_message(name, args)["tool_calls"][0] for name, args in calls],
+    }
+    assert ep.ids == oracle_ids(oracle, [*PROMPT, structured, *results])
+    assert tok.decode(ep.ids).count("<|im_start|>user") == 2
