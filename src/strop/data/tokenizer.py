@@ -164,10 +164,16 @@ class Tokenizer:
     # -- chat templates ----------------------------------------------------------------------
 
     def apply_chat_template(
-        self, messages: Sequence[Message], add_generation_prompt: bool = False, **kwargs: Any
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
     ) -> str:
         """The chat rendered as text by the tokenizer's chat template (like transformers'
-        ``apply_chat_template(..., tokenize=False)``); ``kwargs`` reach the template."""
+        ``apply_chat_template(..., tokenize=False)``); ``tools`` are JSON-schema dicts
+        (``{"type": "function", "function": {...}}``) for templates that render them;
+        ``kwargs`` reach the template."""
         if self.chat_template is None:
             raise ModelError(
                 f"{self.name} has no chat template (no chat_template in tokenizer_config.json "
@@ -185,7 +191,7 @@ class Tokenizer:
         try:
             return template.render(
                 messages=chat,
-                tools=None,
+                tools=None if tools is None else [dict(t) for t in tools],
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **{**self.special_tokens, **kwargs},

@@ -1,0 +1,246 @@
+"""Token-in/token-out episodes: one multi-turn conversation kept as the token ids the policy
+saw and sampled, with a mask of the policy's own tokens and their sampling log-probabilities.
+
+Why not render the finished conversation and tokenize it? The text of the model's tokens does
+not always tokenize back to those tokens (the model may write ``" inter" + "national"`` where
+the text encodes to ``" international"``), so the training step would score ids the policy
+never sampled. And gluing per-turn renders together loses the template's text between turns:
+Qwen's ``"\\n"`` after an assistant's ``<|im_end|>`` is not sampled (the model stops on
+``<|im_end|>``) and not in a render of the next message alone (verl#6921). So:
+
+- the policy's tokens are appended unchanged (:meth:`Episode.add_sampled`), mask 1, with their
+  log-probs, its stop token included;
+- everything else (the prompt, tool and environment messages, the template's turn separators
+  and generation prompts) is tokenized once per turn, mask 0, as the text the chat template
+  adds when the conversation grows by those messages (:meth:`Episode.add_messages`): the
+  template's close of the assistant turn the model did not write (``"\\n"`` after a sampled
+  ``<|im_end|>``; all of ``"<|im_end|>\\n"`` after a turn cut by length), the new messages
+  and the next generation prompt.
+
+At every turn boundary the ids equal ``encode(apply_chat_template(episode.messages,
+add_generation_prompt=True, tools=...))`` wherever the model's tokens are the canonical
+tokenization of their text; elsewhere they differ only inside the model's turns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from strop.data.tokenizer import Message, Tokenizer
+from strop.errors import DataError
+
+# Stands for an assistant turn's content when looking up what the template closes assistant
+# turns with: the text after it in a render.
+_SENTINEL = "\x00strop-assistant-content\x00"
+
+
+@dataclass(frozen=True)
+class EpisodeColumns:
+    """An episode as training arrays, one entry per token.
+
+    Attributes:
+      ids: ``[T] int32`` token ids, prompt first.
+      sampled: ``[T] int8`` 1 on the tokens the policy sampled (the loss mask), 0 on prompt,
+        environment, tool and template tokens.
+      logprobs: ``[T] float32`` the sampler's log-probability of each sampled token; NaN where
+        ``sampled`` is 0 or the sampler gave none.
+    """
+
+    ids: np.ndarray
+    sampled: np.ndarray
+    logprobs: np.ndarray
+
+
+class Episode:
+    """A conversation as token ids, built turn by turn (see the module docstring).
+
+    Start with :meth:`start`, then alternate :meth:`add_sampled` (the model's turn, possibly in
+    several pieces) and :meth:`add_messages` (what the environment answers).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        stop_ids: Iterable[int] | None = None,
+    ) -> None:
+        """Prefer :meth:`start`. ``stop_ids``: ids that end a model turn and are not part of
+        its text (default: the tokenizer's EOS); the first token the template closes assistant
+        turns with (``<|im_end|>``, ``<|eot_id|>``) always is one."""
+        if not messages:
+            raise DataError("an episode starts from at least one message (the prompt)")
+        self.tokenizer = tokenizer
+        self.tools = None if tools is None else [dict(t) for t in tools]
+        self._history: list[dict[str, Any]] = [_as_message(m) for m in messages]
+        self._text = self._render(self._history, add_generation_prompt=True)
+        self._ids: list[int] = tokenizer.encode(self._text)
+        self._sampled: list[int] = [0] * len(self._ids)
+        self._logprobs: list[float] = [math.nan] * len(self._ids)
+        self._turns: list[tuple[int, int]] = []
+        self._turn: list[int] | None = None  # the open model turn's ids, None between turns
+        if stop_ids is None:
+            eos = tokenizer.token_id("eos_token")
+            stop_ids = () if eos is None else (eos,)
+        closer_ids = tokenizer.encode(self._closer())
+        self._stop_ids = frozenset(int(i) for i in stop_ids) | frozenset(closer_ids[:1])
+
+    @classmethod
+    def start(
+        cls,
+        tokenizer: Tokenizer,
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        stop_ids: Iterable[int] | None = None,
+    ) -> Episode:
+        """An episode holding the prompt: ``messages`` rendered by ``tokenizer``'s chat
+        template with ``tools`` and the generation prompt, tokenized once (mask 0)."""
+        return cls(tokenizer, messages, tools, stop_ids=stop_ids)
+
+    # -- building --------------------------------------------------------------------------
+
+    def add_sampled(
+        self, token_ids: Sequence[int], logprobs: Sequence[float] | None = None
+    ) -> None:
+        """Append tokens the policy sampled, unchanged (never re-tokenized), with mask 1 and
+        their sampling log-probs (NaN when ``logprobs`` is None). Include the stop token when
+        the model stopped on one; leave it out when the turn was cut by length. Consecutive
+        calls extend the same turn."""
+        ids = [int(i) for i in token_ids]
+        vocab = self.tokenizer.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise DataError(f"sampled token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        if logprobs is None:
+            values = [math.nan] * len(ids)
+        else:
+            values = [float(x) for x in logprobs]
+            if len(values) != len(ids):
+                raise DataError(f"add_sampled got {len(ids)} token ids but {len(values)} log-probs")
+        start = len(self._ids)
+        if self._turn is None:
+            self._turn = []
+            self._turns.append((start, start))
+        self._turn.extend(ids)
+        self._ids.extend(ids)
+        self._sampled.extend([1] * len(ids))
+        self._logprobs.extend(values)
+        self._turns[-1] = (self._turns[-1][0], len(self._ids))
+
+    def add_messages(self, messages: Sequence[Message]) -> list[int]:
+        """Close the model's turn and append ``messages`` (tool results, the environment's
+        reply) and the next generation prompt, tokenized once as the text the chat template
+        adds for them (mask 0). Returns the appended ids."""
+        if not messages:
+            raise DataError("add_messages needs at least one message")
+        if self._turn is None:
+            raise DataError(
+                "add_messages follows a model turn: call add_sampled first (pass all the "
+                "messages that answer one turn in one add_messages call)"
+            )
+        closer = self._closer()
+        content, stop_text = self._split_turn(self._turn)
+        # What the template closes the turn with, less what the model already wrote of it:
+        # "\n" after a sampled "<|im_end|>"; all of "<|im_end|>\n" after a cut turn (or after
+        # a stop token the template does not write there, which stays as sampled).
+        rest = closer[len(stop_text) :] if stop_text and closer.startswith(stop_text) else closer
+        history = [*self._history, {"role": "assistant", "content": content}]
+        before = self._render(history, add_generation_prompt=False)
+        new = [_as_message(m) for m in messages]
+        after = self._render([*history, *new], add_generation_prompt=True)
+        if not (before.startswith(self._text) and after.startswith(before)):
+            raise DataError(
+                f"the chat template of {self.tokenizer.name} rewrites earlier turns when "
+                "messages are added, so an episode cannot grow token by token with it; use a "
+                "template whose render of a longer conversation extends the shorter one's"
+            )
+        ids = self.tokenizer.encode(rest + after[len(before) :])
+        self._ids.extend(ids)
+        self._sampled.extend([0] * len(ids))
+        self._logprobs.extend([math.nan] * len(ids))
+        self._history = [*history, *new]
+        self._text = after
+        self._turn = None
+        return ids
+
+    # -- views -----------------------------------------------------------------------------
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The conversation so far; the assistant's messages hold the text of its tokens
+        (its stop token left out)."""
+        messages = [dict(m) for m in self._history]
+        if self._turn is not None:
+            messages.append({"role": "assistant", "content": self._split_turn(self._turn)[0]})
+        return messages
+
+    @property
+    def ids(self) -> list[int]:
+        """All token ids, prompt first."""
+        return list(self._ids)
+
+    @property
+    def sampled(self) -> list[int]:
+        """Per token: 1 where the policy sampled it, else 0."""
+        return list(self._sampled)
+
+    @property
+    def logprobs(self) -> list[float]:
+        """Per token: the sampler's log-prob where the policy sampled it, else NaN."""
+        return list(self._logprobs)
+
+    @property
+    def turns(self) -> list[tuple[int, int]]:
+        """``(start, end)`` token spans of the policy's turns, in order."""
+        return list(self._turns)
+
+    def columns(self) -> EpisodeColumns:
+        """The episode as training arrays (:class:`EpisodeColumns`)."""
+        return EpisodeColumns(
+            ids=np.asarray(self._ids, dtype=np.int32),
+            sampled=np.asarray(self._sampled, dtype=np.int8),
+            logprobs=np.asarray(self._logprobs, dtype=np.float32),
+        )
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _render(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=self.tools
+        )
+
+    def _closer(self) -> str:
+        """The text the template closes an assistant turn with, after the conversation so
+        far: what follows the content in a render (``"<|im_end|>\\n"`` for Qwen2.5)."""
+        probe = [*self._history, {"role": "assistant", "content": _SENTINEL}]
+        rendered = self._render(probe, add_generation_prompt=False)
+        head, found, closer = rendered[len(self._text) :].partition(_SENTINEL)
+        if not rendered.startswith(self._text) or not found or head:
+            raise DataError(
+                f"the chat template of {self.tokenizer.name} does not render an assistant "
+                "turn as its generation prompt followed by the assistant's text, so the "
+                "model's tokens cannot be kept as sampled; use a template that does"
+            )
+        return closer
+
+    def _split_turn(self, ids: list[int]) -> tuple[str, str]:
+        """A model turn's text and the text of the stop token that ended it ("" if none)."""
+        if ids and ids[-1] in self._stop_ids:
+            return self.tokenizer.decode(ids[:-1]), self.tokenizer.decode(ids[-1:])
+        return self.tokenizer.decode(ids), ""
+
+
+def _as_message(message: Message) -> dict[str, Any]:
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        raise DataError(f"a message is a dict with a 'role', got {message!r:.80}")
+    return dict(message)
