@@ -16,6 +16,7 @@ PID 1 dies, the kernel kills everything the snippet started, ``setsid`` or not.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -136,6 +137,7 @@ if pid == 0:
             os.setgroups([]); os.setgid(cfg["uid"]); os.setuid(cfg["uid"])
         for sig in (signal.SIGXCPU, signal.SIGXFSZ, signal.SIGPIPE, signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
         libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG: SIGKILL when the bootstrap dies
         libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
         say("ok")
@@ -230,10 +232,8 @@ def _config(code_path: str, tmp: str, limits: SandboxLimits, uid: int | None) ->
 
 
 def _kill(pid: int, sig: int = signal.SIGKILL, group: bool = False) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         (os.killpg if group else os.kill)(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _explain(status: int, cpu: float, stderr: str, limits: SandboxLimits) -> str | None:
@@ -318,7 +318,9 @@ def _collect(proc, status_r: int, limits: SandboxLimits, start: float) -> Sandbo
         while sel.get_map():
             left = deadline - time.monotonic()
             if left <= 0:
-                error = f"timeout: ran past the wall-clock limit of {limits.wall_time_s:g} s; killed"
+                error = (
+                    f"timeout: ran past the wall-clock limit of {limits.wall_time_s:g} s; killed"
+                )
                 break
             for key, _ in sel.select(timeout=min(left, 0.5)):
                 chunk = os.read(key.fd, 65536)
