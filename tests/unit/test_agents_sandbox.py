@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import time
 
@@ -63,19 +64,14 @@ def test_an_error_is_reported_with_its_traceback():
 def test_fork_bomb_is_capped_and_every_child_is_dead_afterwards():
     # Each fork that succeeds leaves a child spinning; the parent counts its forks until the
     # process limit refuses one, prints the count and spins: only the wall clock ends it.
-    code = (
-        "import os, sys\nn = 0\nwhile True:\n    try:\n        pid = os.fork()\n"
-        "    except OSError:\n        print(n, flush=True); break\n    if pid == 0:\n"
-        "        os.setsid()\n        while True: pass\n    n += 1\nwhile True: pass\n"
-    )
+    code = FORK_BOMB
     limits = SandboxLimits(wall_time_s=3, cpu_time_s=30, memory_mb=256, max_processes=6)
     start = time.monotonic()
     result = run(code, limits)
     assert time.monotonic() - start < 6
     assert result.error.startswith("timeout") and result.exit_code is None
     assert 0 < int(result.stdout) < limits.max_processes  # capped, not the machine's pid_max
-    time.sleep(0.2)  # the kernel's kill of the PID namespace is asynchronous
-    assert sandboxed_pids() == []
+    assert sandboxed_pids() == []  # gone when run_python returns: no sleep, no retry
 
 
 def test_infinite_loop_hits_the_cpu_limit():
@@ -173,6 +169,55 @@ def test_writing_a_world_writable_dir_outside_the_temp_dir_is_not_prevented():
         assert not os.path.exists(result.stdout.strip())  # the fresh temp dir is gone
     finally:
         shutil.rmtree(shared)
+
+
+FORK_BOMB = (
+    "import os, sys\nn = 0\nwhile True:\n    try:\n        pid = os.fork()\n"
+    "    except OSError:\n        print(n, flush=True); break\n    if pid == 0:\n"
+    "        os.setsid()\n        while True: pass\n    n += 1\nwhile True: pass\n"
+)
+
+
+@pytest.mark.skipif(
+    os.getuid() != 0 or not (shutil.which("setpriv") and os.path.exists("/usr/bin/python3")),
+    reason="needs root (to become an unprivileged user), setpriv and a system python3",
+)
+def test_as_an_unprivileged_user_network_is_cut_and_a_fork_bomb_capped(tmp_path):
+    # The non-root path (a user namespace): the module and strop.errors, copied where uid
+    # 65534 can read them, run by the system python as that user.
+    import strop.agents.sandbox as sandbox
+    import strop.errors as errors
+
+    root = tempfile.mkdtemp(prefix="strop-test-nonroot-")
+    try:
+        os.makedirs(os.path.join(root, "strop", "agents"))
+        for name in ("strop/__init__.py", "strop/agents/__init__.py"):
+            open(os.path.join(root, name), "w").close()
+        shutil.copy(errors.__file__, os.path.join(root, "strop", "errors.py"))
+        shutil.copy(sandbox.__file__, os.path.join(root, "strop", "agents", "sandbox.py"))
+        os.chmod(root, 0o755)
+        script = (
+            "import sys\nfrom strop.agents.sandbox import run_python, SandboxLimits\n"
+            "L = SandboxLimits(wall_time_s=2, cpu_time_s=30, max_processes=6, python=sys.executable)\n"
+            "r = run_python(\"import socket\\nsocket.create_connection(('127.0.0.1', 9), timeout=1)\", L)\n"
+            "print(r.error.split(':')[0])\n"
+            f"r = run_python({FORK_BOMB!r}, L)\n"
+            "print(r.error.split(':')[0], int(r.stdout))\n"
+        )
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": root, "HOME": "/"}
+        argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3"]
+        done = subprocess.run(
+            [*argv, "-c", script], env=env, cwd="/", capture_output=True, text=True, timeout=30
+        )
+    finally:
+        shutil.rmtree(root)
+    if "cannot run here" in done.stderr:
+        pytest.skip(done.stderr.strip().splitlines()[-1])
+    assert done.returncode == 0, done.stderr
+    network, bomb = done.stdout.splitlines()
+    assert network == "network refused (the sandbox has no network)"
+    assert bomb.startswith("timeout ") and 0 < int(bomb.split()[1]) < 6
+    assert sandboxed_pids() == []
 
 
 def test_a_big_file_hits_the_file_size_limit():

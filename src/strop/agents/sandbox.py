@@ -210,7 +210,7 @@ def _config(code_path: str, tmp: str, limits: SandboxLimits, uid: int | None) ->
     python = limits.python or sys.executable
     mb = 1 << 20
     rlimits = [
-        ("RLIMIT_CPU", limits.cpu_time_s, limits.cpu_time_s + 1),
+        ("RLIMIT_CPU", limits.cpu_time_s, limits.cpu_time_s),  # SIGKILL: PID 1 ignores SIGXCPU
         ("RLIMIT_AS", limits.memory_mb * mb, limits.memory_mb * mb),
         ("RLIMIT_NPROC", limits.max_processes, limits.max_processes),
         ("RLIMIT_FSIZE", limits.max_file_mb * mb, limits.max_file_mb * mb),
@@ -240,7 +240,7 @@ def _explain(status: int, cpu: float, stderr: str, limits: SandboxLimits) -> str
     """Why a finished snippet failed, in words, from its wait status, CPU time and traceback."""
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= limits.cpu_time_s):
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= 0.95 * limits.cpu_time_s):
             return f"cpu time limit ({limits.cpu_time_s} s) exceeded: killed"
         if sig == signal.SIGXFSZ:
             return f"file size limit ({limits.max_file_mb} MB) exceeded: killed"
@@ -340,7 +340,11 @@ def _collect(proc, status_r: int, limits: SandboxLimits, start: float) -> Sandbo
         lines = bytes(bufs["status"]).decode(errors="replace").splitlines()
         snippet_pid = next((int(x.split()[1]) for x in lines if x.startswith("pid ")), None)
         if snippet_pid is not None:
-            _kill(snippet_pid)  # PID 1 of its namespace: the kernel kills the rest
+            # PID 1 of its namespace: the kernel kills the rest, and the bootstrap's wait
+            # returns once they are all gone, so nothing outlives this call.
+            _kill(snippet_pid)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
         _kill(proc.pid, group=True)
         status_file.close()
     return _result(proc, bufs, lines, error, truncated, limits, start)
