@@ -230,3 +230,5 @@ def test_bad_limits_are_one_line_errors():
 
     with pytest.raises(StropError, match="wall_time_s must be > 0"):
         SandboxLimits(wall_time_s=0)
+    with pytest.raises(StropError, match="is not an executable file"):
+        SandboxLimits(python="/nonexistent/python3")

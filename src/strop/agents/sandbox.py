@@ -68,6 +68,8 @@ class SandboxLimits:
                 raise StropError(f"sandbox limit {name} must be > 0, got {getattr(self, name)!r}")
         if self.max_open_files < 8 or self.max_output_bytes < 1:
             raise StropError("sandbox limits: max_open_files must be >= 8, max_output_bytes >= 1")
+        if self.python is not None and not os.access(self.python, os.X_OK):
+            raise StropError(f"sandbox python {self.python!r} is not an executable file")
 
 
 @dataclass(frozen=True)
@@ -289,6 +291,9 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
                 pass_fds=(status_w,),
                 start_new_session=True,
             )
+        except BaseException:
+            os.close(status_r)
+            raise
         finally:
             os.close(status_w)
         return _collect(proc, status_r, limits, start)
