@@ -272,7 +272,7 @@ def _gather(slots: list[_Slot], run: Callable, what: str, timeout_s: float | Non
         if isinstance(exc, _Failed):
             _fail(futures[future], str(exc))
         elif exc is not None:
-            _fail(futures[future], f"{what} raised {one_line(exc)}")
+            _fail(futures[future], f"{what} failed: {one_line(exc)}")
 
 
 async def _call(method: Callable[..., Any], *args: Any) -> Any:
@@ -313,19 +313,21 @@ async def _call(method: Callable[..., Any], *args: Any) -> Any:
 
 
 class _SharedLoop:
-    """An event loop in a daemon thread, started on first use, for environment calls."""
+    """An event loop in a daemon thread for environment calls, (re)started when needed."""
 
     def __init__(self) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     def submit(self, coroutine: Any) -> cf.Future:
         with self._lock:
-            if self._loop is None:
+            if self._thread is None or not self._thread.is_alive():
                 self._loop = asyncio.new_event_loop()
-                threading.Thread(
+                self._thread = threading.Thread(
                     target=self._loop.run_forever, name="strop-env-loop", daemon=True
-                ).start()
+                )
+                self._thread.start()
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
 
