@@ -29,7 +29,8 @@ def fresh_warnings(monkeypatch):
 
 
 def call(expression: str) -> str:
-    return f'<tool_call>\n{{"name": "calculate", "arguments": {{"expression": "{expression}"}}}}\n</tool_call>'
+    arguments = f'{{"expression": "{expression}"}}'
+    return f'<tool_call>\n{{"name": "calculate", "arguments": {arguments}}}\n</tool_call>'
 
 
 class Scripted:
@@ -245,3 +246,12 @@ def test_a_factory_that_raises_is_counted_and_bad_limits_are_refused(tok) -> Non
         RolloutLimits(max_turns=0)
     with pytest.raises(ConfigError, match="max_error_fraction"):
         RolloutLimits(max_error_fraction=1.5)
+
+
+def test_an_environment_that_cuts_its_episode_counts_as_truncated(tok) -> None:
+    def one_turn():
+        return calculator_environment(max_turns=1)
+
+    (outcome,) = run_episodes(RECORDS[:1], one_turn, tok, Scripted(tok, SCRIPTS), LIMITS)
+    assert outcome.truncated and outcome.error is None and outcome.turns == 1
+    assert outcome.rewards == {"correct": 0.0} and outcome.info["truncated"] == 1

@@ -1,41 +1,38 @@
 """Run a batch of multi-turn episodes at once, token in / token out, on any sampler.
 
 The engine is a callable ``generate(prefixes, max_new_tokens) -> list[Turn]``: one
-:class:`Turn` (the sampled ids, their log-probs, ``"stop"`` or ``"length"``) per prefix of
-token ids. :func:`sampler_generate` makes one from any strop sampler (``Sampler.generate``
-of the JAX and torch policies and actor-critics, or the vLLM engine): every turn is a fresh
-generate over the whole prefix (re-prefill; continuing from the KV cache is an optimisation
-that must give the same tokens).
+:class:`Turn` (sampled ids, their log-probs, ``"stop"`` or ``"length"``) per prefix of token
+ids. :func:`sampler_generate` makes one from any strop sampler's ``generate`` (JAX and torch
+policies and actor-critics, the vLLM engine): each turn re-prefills the whole prefix
+(continuing from a KV cache is an optimisation that must give the same tokens).
 
-:func:`run_episodes` plays one episode per record, each with its own environment instance
-from the factory (:func:`~strop.agents.environment.resolve_environment` gives it):
-``reset(record)`` -> :meth:`Episode.start` (with the environment's ``tool_schemas`` when it
-has them); then, per round, the ids of every active episode go to ONE ``generate`` call
-(a finished episode frees its row), the turn is added with :meth:`Episode.add_sampled`,
-and the environments step on their conversations concurrently (async methods on one
-event loop in a worker thread, plain ones in threads of their own), each with a wall-clock
-deadline (``step_timeout_s``); their messages are added with :meth:`Episode.add_messages`.
+:func:`run_episodes` plays one episode per record with its own environment instance from a
+factory (:func:`~strop.agents.environment.resolve_environment`): ``reset(record)`` ->
+:meth:`Episode.start` (with the environment's ``tool_schemas`` if it has them); then per
+round the ids of every active episode go to ONE ``generate`` call (a finished episode frees
+its row), each turn is added with :meth:`Episode.add_sampled`, and the environments step
+concurrently (``async def`` methods on one event loop in a daemon thread, plain ones in
+daemon threads of their own), each within ``step_timeout_s``; their messages are added with
+:meth:`Episode.add_messages`.
 
-Bounds (:class:`RolloutLimits`): a turn samples at most ``max_new_tokens`` and never more
-than the episode has left of ``max_episode_tokens`` (rows of one call with different
-budgets are generated at the largest and each cut at its own, finish ``"length"``). An
-episode ends *truncated* when a turn cut by length fills its budget, when the
-environment's messages leave no room for another token (they are kept: ``episode.ids`` may
-then end past the budget with environment tokens, mask 0), when its ``max_turns``-th turn is
-not the last (the environment's reply is then not added), or when the environment says so
-(``info["truncated"]``, as :class:`~strop.agents.tool_env.ToolEnv` does).
+Bounds (:class:`RolloutLimits`): a turn samples at most ``max_new_tokens``, never more than
+the episode has left of ``max_episode_tokens`` (rows of one call with different budgets are
+generated at the largest and each cut at its own, finish ``"length"``). An episode ends
+*truncated* when a turn cut by length fills its budget; when the environment's messages
+leave no room for another token (they are kept: ``episode.ids`` then ends past the budget
+with environment tokens, mask 0); when its ``max_turns``-th turn is not its last (the
+environment's reply is not added); or when the environment says so (``info["truncated"]``).
 
 A broken environment is contained and counted, never a crash or a hang: a factory,
-``reset`` or ``step`` that raises, a ``step`` that returns something other than a
-:class:`StepResult` (or bad messages or rewards in one), a call past its deadline, and a
-conversation the chat template cannot render. That episode ends with ``error`` set,
-*every* reward part 0 (what it earned before is dropped) and counts in ``env/errors``; the
-first failure of each environment is logged once as a warning. When more than
-``max_error_fraction`` of a batch's episodes fail, :class:`EpisodeError` stops the run
-(one line, naming the environment and the first failure), as
-``ppo.max_reward_error_fraction`` stops a failing reward. A runaway plain ``step`` keeps its
-thread until it returns; an ``async def`` step that blocks (``time.sleep``) stalls the
-shared loop, so its later calls time out too.
+``reset`` or ``step`` that raises (``SystemExit`` too), a ``step`` that returns no
+:class:`StepResult` (or bad messages or rewards in one), a call past its deadline, messages
+the chat template cannot render. That episode ends with ``error`` set, *every* reward part
+0 (what it earned before is dropped), counted in ``env/errors``; each environment's first
+failure in the process is logged once as a warning. When more than ``max_error_fraction``
+of a batch's episodes fail, :class:`EpisodeError` stops the run (one line: the environment
+and the first failure), as ``ppo.max_reward_error_fraction`` stops a failing reward. A
+runaway plain ``step`` keeps its thread until it returns; an ``async def`` step that blocks
+(``time.sleep``) stalls the shared loop, so later calls time out too.
 """
 
 from __future__ import annotations
@@ -59,12 +56,11 @@ from strop.rewards.calling import one_line
 
 logger = logging.getLogger(__name__)
 
-Finish = Literal["stop", "length"]
 _WARNED: set[str] = set()  # environments whose first failure was warned about
 
 
 class EpisodeError(StropError):
-    """Too many episodes of a batch failed in their environment (one line)."""
+    """Too many of a batch's episodes failed in their environment (one line)."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +70,7 @@ class Turn:
 
     ids: list[int]
     logprobs: list[float]
-    finish: Finish
+    finish: Literal["stop", "length"]
 
 
 Generate = Callable[[list[list[int]], int], list[Turn]]
@@ -134,7 +130,7 @@ class EpisodeOutcome:
 
 
 class _Failed(Exception):
-    """An environment call failed; ``str()`` is the one-line reason."""
+    """An environment call failed (``str()``: the one-line reason)."""
 
 
 @dataclass
@@ -167,7 +163,7 @@ def run_episodes(
             slot.env = environment()
         except Exception as exc:
             _fail(slot, f"the factory failed: {one_line(exc)}")
-    _gather(slots, lambda s: _start(s, tokenizer, stop_ids, limits), "reset", limits.step_timeout_s)
+    _gather(slots, lambda s: _start(s, tokenizer, stop_ids), "reset", limits.step_timeout_s)
     for slot in slots:
         if slot.active and len(slot.outcome.episode) >= limits.max_episode_tokens:
             _end(slot, truncated=True)  # the prompt alone fills the budget
@@ -189,9 +185,7 @@ def run_episodes(
     return [slot.outcome for slot in slots]
 
 
-async def _start(
-    slot: _Slot, tokenizer: Tokenizer, stop_ids: Sequence[int] | None, limits: RolloutLimits
-) -> None:
+async def _start(slot: _Slot, tokenizer: Tokenizer, stop_ids: Sequence[int] | None) -> None:
     messages = await _call(slot.env.reset, slot.record)
     _check_messages(messages, "reset")
     tools = getattr(slot.env, "tool_schemas", None)
@@ -246,7 +240,7 @@ def _check_messages(messages: Any, method: str) -> None:
             )
 
 
-def _end(slot: _Slot, *, truncated: bool) -> None:
+def _end(slot: _Slot, *, truncated: bool) -> None:  # a clean end
     slot.active = False
     slot.outcome.truncated = slot.outcome.truncated or truncated
 
@@ -363,12 +357,11 @@ def episode_metrics(outcomes: Sequence[EpisodeOutcome]) -> dict[str, float]:
     """Means over the episodes: ``env/turns``, ``env/tool_calls`` and ``env/tool_errors``
     (per episode), ``env/truncated`` and ``env/errors`` (shares of the episodes),
     ``env/episode_tokens`` (token ids per episode), and ``reward/<part>`` per part."""
-    n = len(outcomes)
-    if n == 0:
+    if not outcomes:
         return {}
 
     def mean(values: Any) -> float:
-        return float(sum(values)) / n
+        return float(sum(values)) / len(outcomes)
 
     metrics = {
         "env/turns": mean(o.turns for o in outcomes),
@@ -384,10 +377,10 @@ def episode_metrics(outcomes: Sequence[EpisodeOutcome]) -> dict[str, float]:
 
 
 def sampler_generate(sampler: Any, params: Any, decoding: Any) -> Generate:
-    """``generate`` over a strop sampler's ``generate(prompts, params, **decoding)`` (the
-    JAX and torch policies and actor-critics, the vLLM engine): each call samples from the whole prefix with
-    ``params`` at the call's ``max_new_tokens``. The n-th call of one adapter uses seed
-    ``decoding.seed + n`` (the same seed, the same episodes; turns do not share draws)."""
+    """``generate`` over a strop sampler's ``generate(prompts, params, **decoding)``: each
+    call samples from the whole prefixes with ``params`` at the call's ``max_new_tokens``.
+    The n-th call of one adapter has seed ``decoding.seed + n`` (the same seed, the same
+    episodes; a row's turns do not reuse one draw where a sampler keys them by row)."""
     calls = [0]
 
     def generate(prefixes: list[list[int]], max_new_tokens: int) -> list[Turn]:
