@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from strop.backends.base import Backend, TrainableModel
 from strop.config import Config
 from strop.interrupts import deferred_interrupts, reporting_interrupts
+from strop.io.checkpoint_dir import refuse_step_past_the_end
 from strop.io.run_record import CONFIG_FILE, record_run
 from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY
-from strop.preflight import holding_run_dir, preflight, refuse_step_past_the_end
+from strop.preflight import holding_run_dir, preflight
 from strop.progress import RunProgress, is_main_by_environment
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ def run_steps(
     model, run_dir, progress = steps.model, Path(config.run_dir), job.progress
     start, resumed_from = 0, model.latest_checkpoint()
     if resumed_from is not None:
-        refuse_step_past_the_end(config, job.name, resumed_from)
+        refuse_step_past_the_end(resumed_from, job.name, total, config.run_dir)
         extra = model.restore_checkpoint(resumed_from)
         if rollouts is not None:
             rollouts.mark_stale()

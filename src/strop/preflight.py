@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,16 +41,12 @@ from strop.config import Config
 from strop.engines import check_engine
 from strop.errors import ConfigError
 from strop.io import run_lock
-from strop.io.checkpoint_dir import (
-    backends_with_checkpoints,
-    newest_identity,
-    refuse_other_backends_checkpoints,
-)
-from strop.io.model_spec import CONFIG_FILE as MODEL_CONFIG
-from strop.io.model_spec import read_model_spec
-from strop.io.run_identity import RESUME_ADVICE, check_same_run, job_identity
+from strop.io.checkpoint_dir import refuse_other_backends_checkpoints, refuse_run_past_its_end
+from strop.io.model_spec import check_context_length
+from strop.io.run_identity import RESUME_ADVICE, check_checkpoint
 from strop.io.writable import require_writable_dir, require_writable_parent
 from strop.metrics.wandb_sink import require_wandb, require_wandb_login
+from strop.objectives.roles import RolePlan
 
 if TYPE_CHECKING:
     from strop.backends.base import Backend
@@ -127,15 +123,21 @@ def preflight(
     if not exporting:  # an export samples nothing: a vLLM run exports without vLLM
         check_engine(config, job)
     backend = get_backend(config.backend)
-    devices = backend.device_count()
-    check_parallel_layout(config, devices, rows_per_pass(config, job))
+    config.mesh.check_layout(backend.device_count(), config.rows_per_pass(job))
     if config.model.path is not None and not Path(config.model.path).is_dir():
         raise ConfigError(no_model_directory("model.path", config.model.path))
     if checkpoint_dir is not None and job in ("sft", "ppo"):
-        check_checkpoint(config, job, checkpoint_dir, advice=advice)
+        plan = RolePlan.from_config(config) if job == "ppo" else None
+        check_checkpoint(
+            checkpoint_dir, config.backend, config.model_path(), config.lora, plan, advice=advice
+        )
         if not exporting:
-            refuse_run_past_its_end(config, job, checkpoint_dir)
-    check_context_length(config, job)
+            total = config.ppo.steps if job == "ppo" else config.sft.steps
+            refuse_run_past_its_end(checkpoint_dir, config.backend, job, total, config.run_dir)
+    check_context_length(
+        config.model.path, job, max_length=config.data.max_length,
+        max_new_tokens=config.generation.max_new_tokens,
+    )  # fmt: skip
     return backend
 
 
@@ -156,108 +158,3 @@ def no_model_directory(setting: str, path: str) -> str:
         f"{setting}={path}: no such directory; give a Hugging Face checkpoint directory "
         "(config.json, *.safetensors, tokenizer.json)"
     )
-
-
-def check_checkpoint(
-    config: Config, job: str, checkpoint_dir: str | os.PathLike, *, advice: str = RESUME_ADVICE
-) -> None:
-    """Refuse (:class:`~strop.errors.CheckpointError`) a checkpoint directory whose newest
-    checkpoint another run wrote (another base model, LoRA shape, job or critic), from the
-    identity stored with it: the check the backend repeats on restore, made before anything
-    loads or is written."""
-    newest = newest_identity(checkpoint_dir, config.backend)
-    if newest is not None:
-        step, stored = newest
-        current = job_identity(config, config.backend, job)  # type: ignore[arg-type]
-        check_same_run(Path(checkpoint_dir) / str(step), stored, current, advice=advice)
-
-
-def refuse_run_past_its_end(config: Config, job: str, checkpoint_dir: str | os.PathLike) -> None:
-    """Refuse (:class:`ConfigError`) a run whose newest checkpoint is past the steps the
-    config asks for: there is nothing to train, and resuming would report a run of those
-    steps that is not one (and drop the records past them from ``metrics.jsonl``)."""
-    steps = backends_with_checkpoints(checkpoint_dir).get(config.backend)
-    if steps:
-        refuse_step_past_the_end(config, job, steps[-1])
-
-
-def refuse_step_past_the_end(config: Config, job: str, step: int) -> None:
-    """Raise :class:`ConfigError` if checkpoint ``step`` is past ``job``'s last step."""
-    key, total = (
-        ("ppo.steps", config.ppo.steps) if job == "ppo" else ("sft.steps", config.sft.steps)
-    )
-    if step > total:
-        what = "iteration" if job == "ppo" else "step"
-        raise ConfigError(
-            f"run_dir {config.run_dir} already holds checkpoint {what} {step}, past "
-            f"{key}={total}: nothing to train; raise {key} to continue the run, export it "
-            f"with `strop export {config.run_dir} --adapter --out DIR`, or give another "
-            "run_dir for a new run"
-        )
-
-
-def check_context_length(config: Config, job: str, longest_prompt: int | None = None) -> None:
-    """Refuse sequences longer than the model's positions (``max_position_embeddings``
-    of ``model.path``'s config.json), which would otherwise sample garbage without a word
-    (or fail in vLLM after its load): SFT's ``data.max_length``; for ``ppo`` and ``eval``,
-    ``generation.max_new_tokens`` (at preflight, ``longest_prompt=None``) and then the
-    longest prompt read plus ``generation.max_new_tokens`` (called again once the prompts
-    are read, before the weights load)."""
-    if config.model.path is None or not (Path(config.model.path) / MODEL_CONFIG).is_file():
-        return  # nothing to check against (yet): the load names what is missing
-    positions = read_model_spec(config.model.path).max_position_embeddings
-    limit = f"the model's max_position_embeddings={positions} ({config.model.path}/{MODEL_CONFIG})"
-    if job == "sft":
-        if config.data.max_length > positions:
-            raise ConfigError(
-                f"data.max_length={config.data.max_length} is more than {limit}: "
-                f"lower data.max_length to at most {positions}"
-            )
-        return
-    new = config.generation.max_new_tokens
-    if job not in ("ppo", "eval") or new + (longest_prompt or 1) <= positions:
-        return
-    if longest_prompt is None:
-        raise ConfigError(
-            f"generation.max_new_tokens={new} leaves no room for a prompt within {limit}: "
-            f"lower generation.max_new_tokens to at most {positions - 1}"
-        )
-    fix = f"lower generation.max_new_tokens to at most {max(positions - longest_prompt, 1)}"
-    if job == "ppo" and positions - new >= 1:  # data.max_length drops the longer prompts
-        fix += f", or data.max_length to {positions - new} to drop the longer prompts"
-    raise ConfigError(
-        f"the longest prompt ({longest_prompt} tokens) + generation.max_new_tokens={new} "
-        f"is more than {limit}: {fix}"
-    )
-
-
-def rows_per_pass(config: Config, job: str) -> dict[str, int]:
-    """The config keys that set how many rows one forward/backward pass holds."""
-    if job == "sft":
-        return {"sft.micro_batch_size": config.sft.micro_batch_size}
-    if job == "ppo":
-        ppo = config.ppo
-        if ppo.micro_batch_size is None:
-            return {"ppo.mini_batch_size": ppo.mini_batch_size}
-        return {"ppo.micro_batch_size": ppo.micro_batch_size}
-    return {}  # eval: generation batches of any size run (rows shard where they divide)
-
-
-def check_parallel_layout(
-    config: Config, num_devices: int, rows: Mapping[str, int] | None = None
-) -> dict[str, int]:
-    """Resolve ``config.mesh`` over ``num_devices`` and check each of ``rows`` (config key
-    -> rows per pass) splits over the data-parallel devices; return the mesh sizes.
-
-    Raises :class:`ConfigError` naming the keys, their values and what would fit.
-    """
-    sizes = config.mesh.resolve(num_devices)  # mesh sizes that do not fit: ConfigError
-    parallel = sizes["data"] * sizes["fsdp"]
-    for key, count in (rows or {}).items():
-        if count % parallel:
-            raise ConfigError(
-                f"{key}={count} rows do not split over the {parallel} data-parallel devices "
-                f"(mesh data={sizes['data']} x fsdp={sizes['fsdp']} on {num_devices} "
-                f"device(s)): make {key} a multiple of {parallel}"
-            )
-    return sizes

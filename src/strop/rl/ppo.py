@@ -51,11 +51,11 @@ from strop.config import Config
 from strop.data import Tokenizer
 from strop.engines import RolloutEngine, rollout_engine
 from strop.generation import SamplingParams
+from strop.io.model_spec import check_context_length
 from strop.job import Job, RunResult, run_steps, training_job
 from strop.nonfinite import count_skipped, likely_causes
 from strop.objectives.ppo import SHARED_CRITIC_PREFIX
 from strop.objectives.roles import RolePlan
-from strop.preflight import check_context_length
 from strop.progress import RunProgress
 from strop.rewards.weighted import ScoredBatch
 from strop.rl import rollout_correction
@@ -108,7 +108,13 @@ def _train(
             config.data.eval_path, config, tokenizer, ppo.validation_size, reward=reward
         )
     longest = max(train.longest, validation.longest if validation is not None else 0)
-    check_context_length(config, "ppo", longest)  # before the weights load
+    check_context_length(  # before the weights load
+        config.model.path,
+        "ppo",
+        max_length=config.data.max_length,
+        max_new_tokens=config.generation.max_new_tokens,
+        longest_prompt=longest,
+    )
 
     reward.start()  # its worker imports the user's function while the models load
     progress.phase("loading the models")
