@@ -34,6 +34,7 @@ from strop.progress import RunProgress, is_main_by_environment
 
 if TYPE_CHECKING:
     from strop.engines import RolloutEngine
+    from strop.objectives.roles import RolePlan
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +50,17 @@ class Job:
 
 
 @contextmanager
-def training_job(config: Config, job: str, steps: int, figures: Mapping[str, str]) -> Iterator[Job]:
-    """Preflight ``job`` (``"sft"``, ``"ppo"``) of ``steps`` steps, before anything loads,
-    then hold ``config.run_dir`` for it; its progress report shows ``figures`` (see
-    :class:`RunProgress`)."""
-    backend = preflight(config, job, config.checkpoint_path())
+def training_job(
+    config: Config,
+    job: str,
+    steps: int,
+    figures: Mapping[str, str],
+    plan: RolePlan | None = None,
+) -> Iterator[Job]:
+    """Preflight ``job`` (``"sft"``, ``"ppo"``: of its role ``plan``) of ``steps`` steps,
+    before anything loads, then hold ``config.run_dir`` for it; its progress report shows
+    ``figures`` (see :class:`RunProgress`)."""
+    backend = preflight(config, job, config.checkpoint_path(), plan=plan)
     progress = RunProgress(job, steps, figures, enabled=is_main_by_environment())
 
     def step_running() -> int:

@@ -46,10 +46,10 @@ from strop.io.model_spec import check_context_length
 from strop.io.run_identity import RESUME_ADVICE, check_checkpoint
 from strop.io.writable import require_writable_dir, require_writable_parent
 from strop.metrics.wandb_sink import require_wandb, require_wandb_login
-from strop.objectives.roles import RolePlan
 
 if TYPE_CHECKING:
     from strop.backends.base import Backend
+    from strop.objectives.roles import RolePlan
 
 
 @contextmanager
@@ -104,6 +104,7 @@ def preflight(
     job: str,
     checkpoint_dir: str | os.PathLike | None,
     *,
+    plan: RolePlan | None = None,
     advice: str = RESUME_ADVICE,
     exporting: bool = False,
 ) -> Backend:
@@ -113,21 +114,20 @@ def preflight(
     the level of strop's log messages (``logging.level``). ``exporting``: ``strop export``
     restores the newest checkpoint whatever the step count says, and needs neither W&B nor
     the rollout engine the run used; ``advice`` ends the message of a checkpoint another
-    run wrote."""
+    run wrote; ``plan``: a PPO job's role plan (what its checkpoints' identity records)."""
+    if job == "ppo" and plan is None:
+        raise TypeError("preflight of a ppo job needs its role plan")
     logging.getLogger("strop").setLevel(config.logging.level)
     if config.logging.wandb and job in ("sft", "ppo") and not exporting:
         require_wandb()
     refuse_launcher_of_another_backend(config)
-    if checkpoint_dir is not None:
-        refuse_other_backends_checkpoints(checkpoint_dir, config.backend)
-    if not exporting:  # an export samples nothing: a vLLM run exports without vLLM
-        check_engine(config, job)
-    backend = get_backend(config.backend)
-    config.mesh.check_layout(backend.device_count(), config.rows_per_pass(job))
     if config.model.path is not None and not Path(config.model.path).is_dir():
         raise ConfigError(no_model_directory("model.path", config.model.path))
+    if not exporting:  # an export samples nothing: a vLLM run exports without vLLM
+        check_engine(config, job)
+    if checkpoint_dir is not None:
+        refuse_other_backends_checkpoints(checkpoint_dir, config.backend)
     if checkpoint_dir is not None and job in ("sft", "ppo"):
-        plan = RolePlan.from_config(config) if job == "ppo" else None
         check_checkpoint(
             checkpoint_dir, config.backend, config.model_path(), config.lora, plan, advice=advice
         )
@@ -138,6 +138,8 @@ def preflight(
         config.model.path, job, max_length=config.data.max_length,
         max_new_tokens=config.generation.max_new_tokens,
     )  # fmt: skip
+    backend = get_backend(config.backend)  # the one call of a command
+    config.mesh.check_layout(backend.device_count(), config.rows_per_pass(job))
     return backend
 
 

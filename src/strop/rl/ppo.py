@@ -87,16 +87,21 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
         build_model=partial(build_reward_model, config),
         limits=limits,
     )
+    plan = RolePlan.from_config(config)  # which roles the run has, and what trains
     figures = {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"}
-    with training_job(config, "ppo", config.ppo.steps, figures) as job:  # preflight first
+    with training_job(config, "ppo", config.ppo.steps, figures, plan) as job:  # preflight first
         try:
-            return _train(config, stop_after, job, reward)
+            return _train(config, stop_after, job, reward, plan)
         finally:
             reward.close()
 
 
 def _train(
-    config: Config, stop_after: int | None, job: Job, reward: rewards.WeightedReward
+    config: Config,
+    stop_after: int | None,
+    job: Job,
+    reward: rewards.WeightedReward,
+    plan: RolePlan,
 ) -> PpoResult:
     ppo, progress = config.ppo, job.progress
     progress.phase("reading the prompts")
@@ -120,7 +125,7 @@ def _train(
     progress.phase("loading the models")
     model = job.backend.build_actor_critic(
         config, total_updates=ppo.optimizer_updates(), checkpoint_dir=config.checkpoint_path(),
-        plan=RolePlan.from_config(config),
+        plan=plan,
     )  # fmt: skip
     model.expect_prompts(longest)  # what a backend that compiles each shape pads to
     with rollout_engine(config, model, max_prompt_tokens=longest) as rollouts:
