@@ -29,7 +29,7 @@ from pathlib import Path
 from strop import rewards
 from strop.config import Config
 from strop.data import Tokenizer, read_data_file
-from strop.data.prompts import gold_answers, prompt_ids
+from strop.data.prompts import gold_answers, prompt_ids, record_columns
 from strop.engines import RolloutEngine, rollout_engine
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
@@ -37,7 +37,6 @@ from strop.io.atomic import write_text_atomically
 from strop.io.model_spec import check_context_length, read_model_spec
 from strop.io.peft import load_adapter
 from strop.job import Job, eval_job
-from strop.rl.prompts import record_columns
 from strop.scoring import build_reward_model, sample_and_score
 from strop.scoring import eos_ids as model_eos_ids
 
