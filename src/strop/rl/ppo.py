@@ -129,7 +129,9 @@ def _train(
     )  # fmt: skip
     model.expect_prompts(longest)  # what a backend that compiles each shape pads to
     with rollout_engine(config, model, max_prompt_tokens=longest) as rollouts:
-        loop = PpoLoop(config, model, rollouts, train, validation, tokenizer, reward, progress)
+        loop = PpoLoop(
+            config, model, rollouts, train, validation, tokenizer, reward, plan, progress
+        )
         run = run_steps(
             config, loop, job, total=ppo.steps, stop_after=stop_after, rollouts=rollouts
         )
@@ -169,13 +171,13 @@ class PpoLoop:
     validation: PromptSet | None
     tokenizer: Tokenizer
     reward: rewards.WeightedReward
+    plan: RolePlan  # the roles, as the model's
     progress: RunProgress | None = None
     skipped: dict[str, int] = field(default_factory=lambda: {"policy": 0, "critic": 0})
     always_written: tuple[str, ...] = ("validation/accuracy",)
     samples: list[dict[str, Any]] = field(default_factory=list)  # the last validation's
 
     def __post_init__(self) -> None:
-        self.plan = RolePlan.from_config(self.config)  # the roles, as the model's
         self.sampling = SamplingParams.from_config(self.config.generation)
         self.eos_ids = eos_ids(self.tokenizer, self.config.model.path)
 
