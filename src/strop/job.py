@@ -60,16 +60,17 @@ def training_job(
     """Preflight ``job`` (``"sft"``, ``"ppo"``: of its role ``plan``) of ``steps`` steps,
     before anything loads, then hold ``config.run_dir`` for it; its progress report shows
     ``figures`` (see :class:`RunProgress`)."""
-    backend = preflight(config, job, config.checkpoint_path(), plan=plan)
+    checkpoints = config.checkpoint_path()
+    backend = preflight(config, job, checkpoints, plan=plan)
     progress = RunProgress(job, steps, figures, enabled=is_main_by_environment())
 
     def step_running() -> int:
         return progress.completed + 1
 
     with (
-        holding_run_dir(config, backend, job),
+        holding_run_dir(config, backend, checkpoints),
         progress,
-        reporting_interrupts(step_running, config.checkpoint_path(), config.backend),
+        reporting_interrupts(step_running, checkpoints, config.backend),
     ):
         yield Job(job, progress, backend)
 

@@ -1,17 +1,24 @@
 """Checks a job runs before it reads anything large: launch, run dir, config vs devices.
 
 :func:`preflight` is the first thing ``strop sft``, ``ppo`` and ``eval`` do after the
-config validates: it refuses a launch the backend cannot serve (``torchrun`` with the JAX
-backend), a checkpoint directory another backend wrote
-(:func:`~strop.io.checkpoint_dir.refuse_other_backends_checkpoints`), a mesh or batch
-layout that does not fit the devices (:func:`check_parallel_layout`), and a checkpoint
-the job would resume but cannot: one another run wrote (its stored identity, read without
-a backend: :func:`check_checkpoint`) or one already past the job's last step. Then, still
+config validates. In this order, it refuses a launch the backend cannot serve
+(``torchrun`` with the JAX backend), what the run's rollout engine cannot do
+(:func:`~strop.engines.check_engine`), a checkpoint directory another backend wrote
+(:func:`~strop.io.checkpoint_dir.refuse_other_backends_checkpoints`); then, with the
+backend's device count, a mesh or batch layout that does not fit the devices
+(:meth:`~strop.config.MeshConfig.check_layout` of :meth:`~strop.config.Config.rows_per_pass`);
+a ``model.path`` that is no directory
+(:func:`~strop.io.model_spec.require_model_directory`), a checkpoint the job would resume
+but cannot: one another run wrote (its stored identity, read without a backend:
+:func:`~strop.io.run_identity.check_checkpoint`) or one already past the job's last step
+(:func:`~strop.io.checkpoint_dir.refuse_run_past_its_end`), and a context longer than the
+model's positions (:func:`~strop.io.model_spec.check_context_length`). Each of those
+checks takes the values it reads, not the config. Then, still
 before any tokenizer, data or weights load, the job takes its run directory
 (:func:`holding_run_dir`: one job per run directory, a second one refused at once; the
 demo takes it first, as it writes its data there), after checking the job can write
-there, and in its checkpoint directory, and that ``logging.wandb`` has a W&B login. A
-refused job changes nothing there:
+there, and in its checkpoint directory (``logging.wandb``'s W&B login is checked by
+preflight, on the main process). A refused job changes nothing there:
 ``config.yaml`` and ``versions.json`` are written once the resume succeeded
 (:func:`strop.job.run_steps`).
 
@@ -30,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,9 +48,8 @@ from strop.engines import check_engine
 from strop.errors import ConfigError
 from strop.io import run_lock
 from strop.io.checkpoint_dir import refuse_other_backends_checkpoints, refuse_run_past_its_end
-from strop.io.model_spec import check_context_length
+from strop.io.model_spec import check_context_length, require_model_directory
 from strop.io.run_identity import RESUME_ADVICE, check_checkpoint
-from strop.io.writable import require_writable_dir, require_writable_parent
 from strop.metrics.wandb_sink import require_wandb, require_wandb_login
 
 if TYPE_CHECKING:
@@ -53,38 +58,21 @@ if TYPE_CHECKING:
 
 
 @contextmanager
-def holding_run_dir(config: Config, backend: Backend, job: str | None = None) -> Iterator[None]:
+def holding_run_dir(
+    config: Config, backend: Backend, checkpoints: Path | None = None
+) -> Iterator[None]:
     """Hold ``config.run_dir`` for the job's life (:mod:`strop.io.run_lock`); the main
     process (``backend.write_once``) takes the lock and every process learns whether it
-    could, once it has checked that the job can write there (:func:`check_write_targets`;
-    a training ``job``, ``"sft"`` or ``"ppo"``, also in its checkpoint directory)."""
+    could, once it has checked that the job can write there (:func:`run_lock.take
+    <strop.io.run_lock.take>`; a training job, in its ``checkpoints`` directory too)."""
     refuse_launcher_of_another_backend(config)
-    backend.write_once(lambda: _take(config, job), f"locking {config.run_dir}")
+    backend.write_once(
+        lambda: run_lock.take(config.run_dir, checkpoints), f"locking {config.run_dir}"
+    )
     try:
         yield
     finally:
         run_lock.release(config.run_dir)  # a no-op where the lock was not taken
-
-
-def _take(config: Config, job: str | None) -> None:
-    check_write_targets(config, job)
-    run_lock.acquire(config.run_dir)
-
-
-def check_write_targets(config: Config, job: str | None) -> None:
-    """Refuse what the job could not write, in one line (:mod:`strop.io.writable`): the
-    run directory (metrics, eval results, W&B's files), a training ``job``'s checkpoint
-    directory, and ``logging.wandb`` without a W&B login (:func:`require_wandb_login`)."""
-    require_writable_dir(config.run_dir, "run_dir")
-    if job is None:
-        return
-    checkpoints = config.checkpoint_path()
-    if checkpoints.is_dir():
-        require_writable_dir(checkpoints, "checkpoint.dir")
-    else:  # made by the first save
-        require_writable_parent(checkpoints, "checkpoint.dir")
-    if config.logging.wandb:
-        require_wandb_login()
 
 
 def refuse_launcher_of_another_backend(config: Config) -> None:
@@ -121,12 +109,15 @@ def preflight(
     if config.logging.wandb and job in ("sft", "ppo") and not exporting:
         require_wandb()
     refuse_launcher_of_another_backend(config)
-    if config.model.path is not None and not Path(config.model.path).is_dir():
-        raise ConfigError(no_model_directory("model.path", config.model.path))
     if not exporting:  # an export samples nothing: a vLLM run exports without vLLM
         check_engine(config, job)
     if checkpoint_dir is not None:
         refuse_other_backends_checkpoints(checkpoint_dir, config.backend)
+    backend = get_backend(config.backend)  # the one call of a command
+    if config.logging.wandb and job in ("sft", "ppo") and not exporting:
+        backend.write_once(require_wandb_login, "checking the W&B login")  # the main's
+    config.mesh.check_layout(backend.device_count(), config.rows_per_pass(job))
+    require_model_directory(config.model.path, "model.path")
     if checkpoint_dir is not None and job in ("sft", "ppo"):
         check_checkpoint(
             checkpoint_dir, config.backend, config.model_path(), config.lora, plan, advice=advice
@@ -138,25 +129,4 @@ def preflight(
         config.model.path, job, max_length=config.data.max_length,
         max_new_tokens=config.generation.max_new_tokens,
     )  # fmt: skip
-    backend = get_backend(config.backend)  # the one call of a command
-    config.mesh.check_layout(backend.device_count(), config.rows_per_pass(job))
     return backend
-
-
-_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as on the Hugging Face Hub
-
-
-def no_model_directory(setting: str, path: str) -> str:
-    """The message for a model path that is no directory; for one shaped like a Hugging
-    Face Hub name (``Qwen/Qwen2.5-0.5B``), how to download it (strop downloads nothing)."""
-    if _HUB_NAME.fullmatch(path):
-        local = f"models/{path.split('/')[1]}"
-        return (
-            f"{setting}={path}: no such directory; strop loads only local directories: "
-            f"download it first with `huggingface-cli download {path} --local-dir {local}` "
-            f"and set {setting}={local}"
-        )
-    return (
-        f"{setting}={path}: no such directory; give a Hugging Face checkpoint directory "
-        "(config.json, *.safetensors, tokenizer.json)"
-    )

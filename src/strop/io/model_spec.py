@@ -233,3 +233,25 @@ def check_context_length(
         f"the longest prompt ({longest_prompt} tokens) + generation.max_new_tokens={new} "
         f"is more than {limit}: {fix}"
     )
+
+
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as on the Hugging Face Hub
+
+
+def require_model_directory(path: str | None, setting: str) -> None:
+    """Refuse (:class:`ConfigError`) a model ``path`` (``setting``'s) that is no directory;
+    for one shaped like a Hugging Face Hub name (``Qwen/Qwen2.5-0.5B``), say how to download
+    it (strop downloads nothing). None passes: who needs the path says so."""
+    if path is None or Path(path).is_dir():
+        return
+    if _HUB_NAME.fullmatch(path):
+        local = f"models/{path.split('/')[1]}"
+        raise ConfigError(
+            f"{setting}={path}: no such directory; strop loads only local directories: "
+            f"download it first with `huggingface-cli download {path} --local-dir {local}` "
+            f"and set {setting}={local}"
+        )
+    raise ConfigError(
+        f"{setting}={path}: no such directory; give a Hugging Face checkpoint directory "
+        "(config.json, *.safetensors, tokenizer.json)"
+    )
