@@ -29,16 +29,14 @@ from pathlib import Path
 from strop import rewards
 from strop.config import Config
 from strop.data import Tokenizer, read_data_file
-from strop.data.prompts import gold_answers, prompt_ids
+from strop.data.prompts import gold_answers, prompt_ids, record_columns
 from strop.engines import RolloutEngine, rollout_engine
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
 from strop.io.atomic import write_text_atomically
-from strop.io.model_spec import read_model_spec
+from strop.io.model_spec import check_context_length, read_model_spec
 from strop.io.peft import load_adapter
 from strop.job import Job, eval_job
-from strop.preflight import check_context_length
-from strop.rl.prompts import record_columns
 from strop.scoring import build_reward_model, sample_and_score
 from strop.scoring import eos_ids as model_eos_ids
 
@@ -120,7 +118,13 @@ def _evaluate(config: Config, path: str, reward, job: Job) -> EvalResult:
     prompts = [prompt_ids(example, tokenizer) for example in examples]
     progress.set_total(len(examples))
     longest = max(len(p) for p in prompts)
-    check_context_length(config, "eval", longest)  # before the weights load
+    check_context_length(  # before the weights load
+        config.model.path,
+        "eval",
+        max_length=config.data.max_length,
+        max_new_tokens=config.generation.max_new_tokens,
+        longest_prompt=longest,
+    )
 
     reward.start()  # its worker imports the user's function while the model loads
     progress.phase("loading the model")

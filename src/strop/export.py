@@ -114,11 +114,14 @@ def run_export(config: Config, out: str | os.PathLike, *, merged: bool) -> Expor
             update={"model": config.model.model_copy(update={"path": identity["base_model"]})}
         )
         logger.info("base model from the run's checkpoints: model.path=%s", config.model.path)
-    backend = preflight(config, job, checkpoint_dir, advice=EXPORT_ADVICE, exporting=True)
-    if job == "ppo":
+    plan = RolePlan.from_config(config) if job == "ppo" else None
+    backend = preflight(
+        config, job, checkpoint_dir, plan=plan, advice=EXPORT_ADVICE, exporting=True
+    )
+    if plan is not None:
         engine = backend.build_actor_critic(
             config, total_updates=config.ppo.optimizer_updates(), checkpoint_dir=checkpoint_dir,
-            plan=RolePlan.from_config(config),
+            plan=plan,
         )  # fmt: skip
     else:
         engine = backend.build_policy(

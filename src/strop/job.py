@@ -25,14 +25,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 from strop.backends.base import Backend, TrainableModel
 from strop.config import Config
 from strop.interrupts import deferred_interrupts, reporting_interrupts
+from strop.io.checkpoint_dir import refuse_step_past_the_end
 from strop.io.run_record import CONFIG_FILE, record_run
 from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY
-from strop.preflight import holding_run_dir, preflight, refuse_step_past_the_end
+from strop.preflight import holding_run_dir, preflight
 from strop.progress import RunProgress, is_main_by_environment
 
 if TYPE_CHECKING:
     from strop.engines import RolloutEngine
+    from strop.objectives.roles import RolePlan
 
 logger = logging.getLogger(__name__)
 
@@ -48,20 +50,27 @@ class Job:
 
 
 @contextmanager
-def training_job(config: Config, job: str, steps: int, figures: Mapping[str, str]) -> Iterator[Job]:
-    """Preflight ``job`` (``"sft"``, ``"ppo"``) of ``steps`` steps, before anything loads,
-    then hold ``config.run_dir`` for it; its progress report shows ``figures`` (see
-    :class:`RunProgress`)."""
-    backend = preflight(config, job, config.checkpoint_path())
+def training_job(
+    config: Config,
+    job: str,
+    steps: int,
+    figures: Mapping[str, str],
+    plan: RolePlan | None = None,
+) -> Iterator[Job]:
+    """Preflight ``job`` (``"sft"``, ``"ppo"``: of its role ``plan``) of ``steps`` steps,
+    before anything loads, then hold ``config.run_dir`` for it; its progress report shows
+    ``figures`` (see :class:`RunProgress`)."""
+    checkpoints = config.checkpoint_path()
+    backend = preflight(config, job, checkpoints, plan=plan)
     progress = RunProgress(job, steps, figures, enabled=is_main_by_environment())
 
     def step_running() -> int:
         return progress.completed + 1
 
     with (
-        holding_run_dir(config, backend, job),
+        holding_run_dir(config, backend, checkpoints),
         progress,
-        reporting_interrupts(step_running, config.checkpoint_path(), config.backend),
+        reporting_interrupts(step_running, checkpoints, config.backend),
     ):
         yield Job(job, progress, backend)
 
@@ -142,7 +151,7 @@ def run_steps(
     model, run_dir, progress = steps.model, Path(config.run_dir), job.progress
     start, resumed_from = 0, model.latest_checkpoint()
     if resumed_from is not None:
-        refuse_step_past_the_end(config, job.name, resumed_from)
+        refuse_step_past_the_end(resumed_from, job.name, total, config.run_dir)
         extra = model.restore_checkpoint(resumed_from)
         if rollouts is not None:
             rollouts.mark_stale()

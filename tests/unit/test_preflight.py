@@ -9,7 +9,6 @@ import pytest
 
 from strop.config import load_config
 from strop.errors import ConfigError
-from strop.preflight import check_parallel_layout, rows_per_pass
 
 
 def config(recipe: str = "tiny", **overrides):
@@ -27,11 +26,9 @@ def config(recipe: str = "tiny", **overrides):
     ],
 )
 def test_layouts_that_fit(devices, mesh, expected):
-    assert check_parallel_layout(config(**mesh, **{"sft.micro_batch_size": 8}), devices) == (
-        expected
-    )
+    assert config(**mesh, **{"sft.micro_batch_size": 8}).mesh.check_layout(devices) == (expected)
     layout = config(**mesh, **{"sft.batch_size": 16, "sft.micro_batch_size": 8})
-    assert check_parallel_layout(layout, devices, rows_per_pass(layout, "sft")) == expected
+    assert layout.mesh.check_layout(devices, layout.rows_per_pass("sft")) == expected
 
 
 @pytest.mark.parametrize(
@@ -45,13 +42,13 @@ def test_layouts_that_fit(devices, mesh, expected):
 )
 def test_mesh_sizes_that_do_not_fit_the_devices(devices, mesh):
     with pytest.raises(ConfigError, match=rf"mesh sizes .* do not fit {devices} device\(s\)"):
-        check_parallel_layout(config(**mesh), devices)
+        config(**mesh).mesh.check_layout(devices)
 
 
 def test_rows_per_pass_must_split_over_data_times_fsdp():
     sft = config(**{"sft.batch_size": 12, "sft.micro_batch_size": 6, "mesh.data": 2})
     with pytest.raises(ConfigError) as err:
-        check_parallel_layout(sft, 8, rows_per_pass(sft, "sft"))
+        sft.mesh.check_layout(8, sft.rows_per_pass("sft"))
     assert str(err.value) == (
         "sft.micro_batch_size=6 rows do not split over the 8 data-parallel devices (mesh "
         "data=2 x fsdp=4 on 8 device(s)): make sft.micro_batch_size a multiple of 8"
@@ -59,19 +56,19 @@ def test_rows_per_pass_must_split_over_data_times_fsdp():
     # tensor parallelism splits no rows: 6 rows over data 2 x fsdp 1 x tensor 4 fit
     fits = config(**{"sft.batch_size": 12, "sft.micro_batch_size": 6, "mesh.data": 2,
                      "mesh.fsdp": 1, "mesh.tensor": -1})  # fmt: skip
-    assert check_parallel_layout(fits, 8, rows_per_pass(fits, "sft"))["tensor"] == 4
+    assert fits.mesh.check_layout(8, fits.rows_per_pass("sft"))["tensor"] == 4
 
 
 def test_ppo_rows_are_the_micro_batch_or_else_the_mini_batch():
     ppo = config("ppo-lora-tiny")
     assert ppo.ppo.micro_batch_size is None
-    assert rows_per_pass(ppo, "ppo") == {"ppo.mini_batch_size": ppo.ppo.mini_batch_size}
+    assert ppo.rows_per_pass("ppo") == {"ppo.mini_batch_size": ppo.ppo.mini_batch_size}
     micro = config("ppo-lora-tiny", **{"ppo.micro_batch_size": 4})
-    assert rows_per_pass(micro, "ppo") == {"ppo.micro_batch_size": 4}
+    assert micro.rows_per_pass("ppo") == {"ppo.micro_batch_size": 4}
     with pytest.raises(ConfigError, match=r"ppo\.micro_batch_size=4 rows do not split over the 8"):
-        check_parallel_layout(micro, 8, rows_per_pass(micro, "ppo"))
-    check_parallel_layout(micro, 4, rows_per_pass(micro, "ppo"))
-    assert rows_per_pass(ppo, "eval") == {}
+        micro.mesh.check_layout(8, micro.rows_per_pass("ppo"))
+    micro.mesh.check_layout(4, micro.rows_per_pass("ppo"))
+    assert ppo.rows_per_pass("eval") == {}
 
 
 # A resume the checkpoints refuse, and a run already past its end: refused here, before
@@ -158,7 +155,13 @@ def _model_with_positions(tmp_path, positions: int) -> str:
 
 
 def test_context_longer_than_the_models_positions_is_refused_in_one_line(tmp_path):
-    from strop.preflight import check_context_length
+    from strop.io.model_spec import check_context_length as check_positions
+
+    def check_context_length(config, job, longest=None):  # as preflight and the loops call it
+        check_positions(
+            config.model.path, job, max_length=config.data.max_length,
+            max_new_tokens=config.generation.max_new_tokens, longest_prompt=longest,
+        )  # fmt: skip
 
     path = _model_with_positions(tmp_path, 64)
     limit = f"the model's max_position_embeddings=64 ({path}/config.json)"

@@ -13,10 +13,11 @@ import pytest
 from strop import rewards
 from strop.config import load_config
 from strop.data import Tokenizer
+from strop.data.prompts import record_columns
 from strop.data.sources import Example
 from strop.errors import ConfigError, DataError
 from strop.rewards import RewardError
-from strop.rl.prompts import PromptSet, record_columns
+from strop.rl.prompts import PromptSet
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
 SHORT = """

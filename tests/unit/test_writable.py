@@ -75,7 +75,7 @@ def test_export_and_plot_refuse_an_unwritable_out_first(unwritable, tmp_path):
 
 
 def test_a_job_refuses_an_unwritable_run_or_checkpoint_dir_before_it_starts(unwritable, tmp_path):
-    from strop.preflight import check_write_targets
+    from strop.io.run_lock import take
 
     run = f"run_dir={tmp_path / 'run'}"
     for overrides, key in (
@@ -84,7 +84,7 @@ def test_a_job_refuses_an_unwritable_run_or_checkpoint_dir_before_it_starts(unwr
     ):
         config = load_config("tiny", overrides)
         with pytest.raises(ConfigError, match=rf"^{key}.*: {REFUSAL}"):
-            check_write_targets(config, "sft")  # what holding_run_dir does first
+            take(config.run_dir, config.checkpoint_path())  # what holding_run_dir does
 
 
 @pytest.fixture
@@ -103,11 +103,11 @@ def test_wandb_online_without_a_login_is_refused_before_the_models_load(no_wandb
     """Before: ``wandb.init`` raised UsageError (a traceback, exit 1) after the models
     were built."""
     from strop.metrics.wandb_sink import require_wandb_login
-    from strop.preflight import check_write_targets
+    from strop.preflight import preflight
 
     config = load_config("tiny", [f"run_dir={no_wandb_login / 'run'}", "logging.wandb=true"])
     with pytest.raises(ConfigError, match=r"^logging\.wandb=true, but no W&B login was found"):
-        check_write_targets(config, "sft")
+        preflight(config, "sft", None)
     (no_wandb_login / "netrc").write_text("machine api.wandb.ai login user password k3y\n")
     require_wandb_login()  # `wandb login` wrote this
 

@@ -146,6 +146,18 @@ class Config(_Section):
         """Where the run's checkpoints go: ``checkpoint.dir``, else ``<run_dir>/checkpoints``."""
         return Path(self.checkpoint.dir or Path(self.run_dir) / "checkpoints")
 
+    def rows_per_pass(self, job: str) -> dict[str, int]:
+        """The keys that set how many rows one forward/backward pass of ``job`` holds
+        (what :meth:`MeshConfig.check_layout` checks); none for eval (generation batches
+        of any size run: rows shard where they divide)."""
+        if job == "sft":
+            return {"sft.micro_batch_size": self.sft.micro_batch_size}
+        if job == "ppo":
+            if self.ppo.micro_batch_size is None:
+                return {"ppo.mini_batch_size": self.ppo.mini_batch_size}
+            return {"ppo.micro_batch_size": self.ppo.micro_batch_size}
+        return {}
+
     def reference_adapter_path(self) -> str | None:
         """The frozen SFT adapter that is PPO's reference policy, if any (ARCHITECTURE
         invariant 6): ``ppo.reference_adapter``, else the ``lora.restore_path`` the run

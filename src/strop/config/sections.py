@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -313,6 +314,25 @@ class MeshConfig(_Section):
                 f"mesh sizes {shown} (product {fixed}{fill}) do not fit {num_devices} device(s): "
                 "make the product equal the device count, or set one axis to -1"
             )
+        return sizes
+
+    def check_layout(
+        self, num_devices: int, rows: Mapping[str, int] | None = None
+    ) -> dict[str, int]:
+        """Resolve the mesh over ``num_devices`` and check each of ``rows`` (config key ->
+        rows per forward/backward pass) splits over the data-parallel devices
+        (``data x fsdp``: both split the rows, tensor parallelism none); return the mesh
+        sizes. Raises :class:`ConfigError` naming the keys, their values and what would fit.
+        """
+        sizes = self.resolve(num_devices)  # mesh sizes that do not fit: ConfigError
+        parallel = sizes["data"] * sizes["fsdp"]
+        for key, count in (rows or {}).items():
+            if count % parallel:
+                raise ConfigError(
+                    f"{key}={count} rows do not split over the {parallel} data-parallel "
+                    f"devices (mesh data={sizes['data']} x fsdp={sizes['fsdp']} on "
+                    f"{num_devices} device(s)): make {key} a multiple of {parallel}"
+                )
         return sizes
 
 

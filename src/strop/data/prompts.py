@@ -15,16 +15,19 @@ them). A reward nobody can earn would otherwise train on 0.000 without a word.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from strop.data.sources import Example
 from strop.data.tokenizer import Tokenizer
 from strop.errors import DataError, StropError
 
 if TYPE_CHECKING:
+    from strop.config import DataConfig
     from strop.rewards import Reward
 
 logger = logging.getLogger(__name__)
+_dropped = logging.getLogger("strop.rl.prompts")  # PPO's line on prompts left out, as before
 
 
 def prompt_ids(example: Example, tokenizer: Tokenizer) -> list[int]:
@@ -111,3 +114,49 @@ def gold_answers(
             first.source, len(missing), len(examples), reward.name, lines,
         )  # fmt: skip
     return kept, golds
+
+
+# Passed positionally to every reward function; a record column of that name is not passed.
+_POSITIONAL = ("prompts", "completions")
+
+
+def record_columns(examples: Sequence[Example]) -> dict[str, list[Any]]:
+    """The columns reward functions get for ``examples``: every key of the records as read
+    (None where a record lacks it), aligned with ``examples``. ``answer`` is the record's
+    own ``answer`` if it has one, else its answer text (the completion, or a chat's last
+    assistant turn; "" if none); a component with a gold rule gets its extracted gold
+    there instead. Columns named ``prompts`` or ``completions`` are left out: those
+    arguments are the prompt texts and the responses."""
+    records = [example.columns or {} for example in examples]
+    keys = dict.fromkeys(key for record in records for key in record)
+    columns = {k: [r.get(k) for r in records] for k in keys if k not in _POSITIONAL}
+    columns["answer"] = [
+        r["answer"] if "answer" in r else (answer_text(e) or "")
+        for e, r in zip(examples, records, strict=True)
+    ]
+    return columns
+
+
+def within_max_length(
+    examples: list[Example], ids: list[list[int]], data: DataConfig
+) -> tuple[list[Example], list[list[int]]]:
+    """Drop (and log) prompts longer than ``data.max_length`` tokens, or with
+    ``data.truncation=error`` refuse the first one by file and line. A prompt is never cut:
+    half a question has no right answer to reward."""
+    kept = [i for i, prompt in enumerate(ids) if len(prompt) <= data.max_length]
+    if len(kept) == len(ids):
+        return examples, ids
+    long = [i for i in range(len(ids)) if len(ids[i]) > data.max_length]
+    first = examples[long[0]]
+    where = f"{first.source}:{first.line}: the prompt has {len(ids[long[0]])} tokens"
+    if data.truncation == "error":
+        raise DataError(
+            f"{where}, more than data.max_length={data.max_length}; raise data.max_length, or "
+            "set data.truncation to right or left to drop such prompts"
+        )
+    lines = ", ".join(str(examples[i].line) for i in long[:10]) + (", ..." * (len(long) > 10))
+    _dropped.warning(
+        "%s: dropped %d of %d prompts longer than data.max_length=%d tokens (lines %s)",
+        first.source, len(long), len(ids), data.max_length, lines,
+    )  # fmt: skip
+    return [examples[i] for i in kept], [ids[i] for i in kept]

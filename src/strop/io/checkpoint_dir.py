@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from strop.errors import CheckpointError
+from strop.errors import CheckpointError, ConfigError
 from strop.io.checksums import checksum_problem
 
 # Where each backend keeps a checkpoint's identity, relative to the step's directory
@@ -167,3 +167,28 @@ def _free_space(directory: Path) -> str:
     except OSError:
         return ""
     return f" ({stat.f_bavail * stat.f_frsize / 2**20:.0f} MiB free there)"
+
+
+def refuse_run_past_its_end(
+    directory: str | os.PathLike, backend: str, job: str, total: int, run_dir: str
+) -> None:
+    """Refuse (:class:`ConfigError`) a run whose newest checkpoint (of ``backend``, in
+    ``directory``) is past the ``total`` steps the config asks for: there is nothing to
+    train, and resuming would report a run of those steps that is not one (and drop the
+    records past them from ``metrics.jsonl``)."""
+    steps = backends_with_checkpoints(directory).get(backend)
+    if steps:
+        refuse_step_past_the_end(steps[-1], job, total, run_dir)
+
+
+def refuse_step_past_the_end(step: int, job: str, total: int, run_dir: str) -> None:
+    """Raise :class:`ConfigError` if checkpoint ``step`` is past ``job``'s ``total`` steps
+    (``ppo.steps`` or ``sft.steps``)."""
+    if step > total:
+        key, what = ("ppo.steps", "iteration") if job == "ppo" else ("sft.steps", "step")
+        raise ConfigError(
+            f"run_dir {run_dir} already holds checkpoint {what} {step}, past "
+            f"{key}={total}: nothing to train; raise {key} to continue the run, export it "
+            f"with `strop export {run_dir} --adapter --out DIR`, or give another "
+            "run_dir for a new run"
+        )

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from strop.errors import ModelError
+from strop.errors import ConfigError, ModelError
 from strop.io.untrusted import read_json
 
 CONFIG_FILE = "config.json"
@@ -190,3 +190,68 @@ def read_model_spec(path: str | os.PathLike) -> ModelSpec:
     if not isinstance(cfg, dict):
         raise ModelError(f"{config_path}: expected a JSON object")
     return ModelSpec.from_hf_config(cfg, source=str(config_path))
+
+
+def check_context_length(
+    model_path: str | None,
+    job: str,
+    *,
+    max_length: int,
+    max_new_tokens: int,
+    longest_prompt: int | None = None,
+) -> None:
+    """Refuse (:class:`ConfigError`) sequences longer than the model's positions
+    (``max_position_embeddings`` of ``model_path``'s config.json), which would otherwise
+    sample garbage without a word (or fail in vLLM after its load): SFT's ``max_length``
+    (``data.max_length``); for ``ppo`` and ``eval``, ``max_new_tokens``
+    (``generation.max_new_tokens``; at preflight, ``longest_prompt=None``) and then the
+    longest prompt read plus ``max_new_tokens`` (checked again once the prompts are read,
+    before the weights load)."""
+    if model_path is None or not (Path(model_path) / CONFIG_FILE).is_file():
+        return  # nothing to check against (yet): the load names what is missing
+    positions = read_model_spec(model_path).max_position_embeddings
+    limit = f"the model's max_position_embeddings={positions} ({model_path}/{CONFIG_FILE})"
+    if job == "sft":
+        if max_length > positions:
+            raise ConfigError(
+                f"data.max_length={max_length} is more than {limit}: "
+                f"lower data.max_length to at most {positions}"
+            )
+        return
+    new = max_new_tokens
+    if job not in ("ppo", "eval") or new + (longest_prompt or 1) <= positions:
+        return
+    if longest_prompt is None:
+        raise ConfigError(
+            f"generation.max_new_tokens={new} leaves no room for a prompt within {limit}: "
+            f"lower generation.max_new_tokens to at most {positions - 1}"
+        )
+    fix = f"lower generation.max_new_tokens to at most {max(positions - longest_prompt, 1)}"
+    if job == "ppo" and positions - new >= 1:  # data.max_length drops the longer prompts
+        fix += f", or data.max_length to {positions - new} to drop the longer prompts"
+    raise ConfigError(
+        f"the longest prompt ({longest_prompt} tokens) + generation.max_new_tokens={new} "
+        f"is more than {limit}: {fix}"
+    )
+
+
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as on the Hugging Face Hub
+
+
+def require_model_directory(path: str | None, setting: str) -> None:
+    """Refuse (:class:`ConfigError`) a model ``path`` (``setting``'s) that is no directory;
+    for one shaped like a Hugging Face Hub name (``Qwen/Qwen2.5-0.5B``), say how to download
+    it (strop downloads nothing). None passes: who needs the path says so."""
+    if path is None or Path(path).is_dir():
+        return
+    if _HUB_NAME.fullmatch(path):
+        local = f"models/{path.split('/')[1]}"
+        raise ConfigError(
+            f"{setting}={path}: no such directory; strop loads only local directories: "
+            f"download it first with `huggingface-cli download {path} --local-dir {local}` "
+            f"and set {setting}={local}"
+        )
+    raise ConfigError(
+        f"{setting}={path}: no such directory; give a Hugging Face checkpoint directory "
+        "(config.json, *.safetensors, tokenizer.json)"
+    )

@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar
 
 from strop.config import Config, LoraConfig
 from strop.errors import CheckpointError
+from strop.io.checkpoint_dir import newest_identity
 from strop.objectives.roles import RolePlan
 
 T = TypeVar("T")
@@ -64,22 +65,23 @@ def run_identity(model_path: str | os.PathLike, lora: LoraConfig, backend: str) 
     }
 
 
-def ppo_identity(
-    model_path: str | os.PathLike, lora: LoraConfig, backend: str, plan: RolePlan
+def checkpoint_identity(
+    model_path: str | os.PathLike, lora: LoraConfig, backend: str, plan: RolePlan | None
 ) -> dict[str, Any]:
-    """A PPO run's checkpoint identity: :func:`run_identity`, ``job: ppo`` and what
-    :meth:`RolePlan.identity` records of its roles (a critic-free run: ``critic: false``;
-    a critic on the actor's adapters: ``critic: shared_trunk``; an own critic: nothing,
-    as checkpoints were before either existed)."""
+    """What a run's checkpoints belong to: :func:`run_identity` (SFT: no ``plan``), and for
+    PPO ``job: ppo`` with what :meth:`RolePlan.identity` records of its roles (a critic-free
+    run: ``critic: false``; a critic on the actor's adapters: ``critic: shared_trunk``; an
+    own critic: nothing, as checkpoints were before either existed)."""
+    if plan is None:
+        return run_identity(model_path, lora, backend)
     return {**run_identity(model_path, lora, backend), "job": "ppo", **plan.identity()}
 
 
 def job_identity(config: Config, backend: str, job: Literal["sft", "ppo"]) -> dict[str, Any]:
-    """The identity of ``config``'s checkpoints of ``job`` on ``backend``:
-    :func:`run_identity` (SFT) or :func:`ppo_identity` (PPO, of ``config``'s role plan)."""
-    if job == "ppo":
-        return ppo_identity(config.model_path(), config.lora, backend, RolePlan.from_config(config))
-    return run_identity(config.model_path(), config.lora, backend)
+    """The identity of ``config``'s checkpoints of ``job`` on ``backend``
+    (:func:`checkpoint_identity`, of ``config``'s role plan for PPO)."""
+    plan = RolePlan.from_config(config) if job == "ppo" else None
+    return checkpoint_identity(config.model_path(), config.lora, backend, plan)
 
 
 def run_checkpoints(
@@ -147,3 +149,23 @@ def check_same_run(
             + "; ".join(diffs)
             + f". {advice}"
         )
+
+
+def check_checkpoint(
+    directory: str | os.PathLike,
+    backend: str,
+    model_path: str | os.PathLike,
+    lora: LoraConfig,
+    plan: RolePlan | None,
+    *,
+    advice: str = RESUME_ADVICE,
+) -> None:
+    """Refuse (:class:`CheckpointError`) a checkpoint directory whose newest checkpoint
+    another run wrote (another base model, LoRA shape, job or critic: its stored identity
+    against :func:`checkpoint_identity`): the check the backend repeats on restore, made
+    before anything loads or is written."""
+    newest = newest_identity(directory, backend)
+    if newest is not None:
+        step, stored = newest
+        current = checkpoint_identity(model_path, lora, backend, plan)
+        check_same_run(Path(directory) / str(step), stored, current, advice=advice)

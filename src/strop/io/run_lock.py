@@ -25,12 +25,26 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from strop.errors import ConfigError, RunDirInUseError
+from strop.io.writable import require_writable_dir, require_writable_parent
 
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".strop.lock"
 
 _held: dict[Path, tuple[int, int]] = {}  # lock path -> (file descriptor, nesting depth)
+
+
+def take(run_dir: str | os.PathLike, checkpoints: Path | None = None) -> None:
+    """Refuse, in one line (:mod:`strop.io.writable`), a run directory the job could not
+    write (metrics, eval results, W&B's files) and a training job's ``checkpoints``
+    directory, then take ``run_dir``'s lock (:func:`acquire`)."""
+    require_writable_dir(run_dir, "run_dir")
+    if checkpoints is not None:
+        if checkpoints.is_dir():
+            require_writable_dir(checkpoints, "checkpoint.dir")
+        else:  # made by the first save
+            require_writable_parent(checkpoints, "checkpoint.dir")
+    acquire(run_dir)
 
 
 def acquire(run_dir: str | os.PathLike) -> None:

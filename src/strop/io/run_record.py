@@ -51,13 +51,15 @@ def record_run(config: Config, job: str) -> None:
                 run_dir, CONFIG_FILE, "; ".join(changes),
             )  # fmt: skip
     write_text_atomically(run_dir / CONFIG_FILE, dump_config(config))
-    write_text_atomically(run_dir / VERSIONS_FILE, json.dumps(versions(config, job), indent=2))
+    write_text_atomically(
+        run_dir / VERSIONS_FILE, json.dumps(versions(config.backend, job), indent=2)
+    )
 
 
-def versions(config: Config, job: str) -> dict[str, Any]:
+def versions(backend: str, job: str) -> dict[str, Any]:
     """strop's, Python's and the backend packages' versions, with the job and its start."""
     packages = {}
-    for package in BACKEND_PACKAGES[config.backend]:
+    for package in BACKEND_PACKAGES[backend]:
         try:
             packages[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
@@ -67,7 +69,7 @@ def versions(config: Config, job: str) -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "strop": strop.__version__,
         "python": platform.python_version(),
-        "backend": config.backend,
+        "backend": backend,
         "packages": packages,
     }
 

@@ -36,7 +36,7 @@ every record's gold with ``extract`` before any model loads, refuse a record tha
 by file:line (a reward nobody can earn trains on zeros), and pass the extracted golds as the
 ``answer`` column. A reward registered without ``gold`` (``format``, most of your own) is
 never refused for its data; it gets the records' columns as they are, ``answer`` being the
-record's own or its answer text (see :func:`strop.rl.prompts.record_columns`).
+record's own or its answer text (see :func:`strop.data.prompts.record_columns`).
 """
 
 from __future__ import annotations

@@ -51,11 +51,11 @@ from strop.config import Config
 from strop.data import Tokenizer
 from strop.engines import RolloutEngine, rollout_engine
 from strop.generation import SamplingParams
+from strop.io.model_spec import check_context_length
 from strop.job import Job, RunResult, run_steps, training_job
 from strop.nonfinite import count_skipped, likely_causes
 from strop.objectives.ppo import SHARED_CRITIC_PREFIX
 from strop.objectives.roles import RolePlan
-from strop.preflight import check_context_length
 from strop.progress import RunProgress
 from strop.rewards.weighted import ScoredBatch
 from strop.rl import rollout_correction
@@ -87,16 +87,21 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
         build_model=partial(build_reward_model, config),
         limits=limits,
     )
+    plan = RolePlan.from_config(config)  # which roles the run has, and what trains
     figures = {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"}
-    with training_job(config, "ppo", config.ppo.steps, figures) as job:  # preflight first
+    with training_job(config, "ppo", config.ppo.steps, figures, plan) as job:  # preflight first
         try:
-            return _train(config, stop_after, job, reward)
+            return _train(config, stop_after, job, reward, plan)
         finally:
             reward.close()
 
 
 def _train(
-    config: Config, stop_after: int | None, job: Job, reward: rewards.WeightedReward
+    config: Config,
+    stop_after: int | None,
+    job: Job,
+    reward: rewards.WeightedReward,
+    plan: RolePlan,
 ) -> PpoResult:
     ppo, progress = config.ppo, job.progress
     progress.phase("reading the prompts")
@@ -108,17 +113,25 @@ def _train(
             config.data.eval_path, config, tokenizer, ppo.validation_size, reward=reward
         )
     longest = max(train.longest, validation.longest if validation is not None else 0)
-    check_context_length(config, "ppo", longest)  # before the weights load
+    check_context_length(  # before the weights load
+        config.model.path,
+        "ppo",
+        max_length=config.data.max_length,
+        max_new_tokens=config.generation.max_new_tokens,
+        longest_prompt=longest,
+    )
 
     reward.start()  # its worker imports the user's function while the models load
     progress.phase("loading the models")
     model = job.backend.build_actor_critic(
         config, total_updates=ppo.optimizer_updates(), checkpoint_dir=config.checkpoint_path(),
-        plan=RolePlan.from_config(config),
+        plan=plan,
     )  # fmt: skip
     model.expect_prompts(longest)  # what a backend that compiles each shape pads to
     with rollout_engine(config, model, max_prompt_tokens=longest) as rollouts:
-        loop = PpoLoop(config, model, rollouts, train, validation, tokenizer, reward, progress)
+        loop = PpoLoop(
+            config, model, rollouts, train, validation, tokenizer, reward, plan, progress
+        )
         run = run_steps(
             config, loop, job, total=ppo.steps, stop_after=stop_after, rollouts=rollouts
         )
@@ -158,13 +171,13 @@ class PpoLoop:
     validation: PromptSet | None
     tokenizer: Tokenizer
     reward: rewards.WeightedReward
+    plan: RolePlan  # the roles, as the model's
     progress: RunProgress | None = None
     skipped: dict[str, int] = field(default_factory=lambda: {"policy": 0, "critic": 0})
     always_written: tuple[str, ...] = ("validation/accuracy",)
     samples: list[dict[str, Any]] = field(default_factory=list)  # the last validation's
 
     def __post_init__(self) -> None:
-        self.plan = RolePlan.from_config(self.config)  # the roles, as the model's
         self.sampling = SamplingParams.from_config(self.config.generation)
         self.eos_ids = eos_ids(self.tokenizer, self.config.model.path)
 

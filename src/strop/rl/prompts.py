@@ -8,7 +8,7 @@ a component of ``ppo.reward`` that needs one is refused by file and line (skippe
 after the tokenizer loads and before any model does.
 
 What a reward function gets besides the prompts and completions (:meth:`PromptSet.reward_inputs`):
-every column of the records (:func:`record_columns`), and for each component with a gold
+every column of the records (:func:`~strop.data.prompts.record_columns`), and for each component with a gold
 rule its extracted golds as ``answer``.
 """
 
@@ -22,11 +22,10 @@ from typing import Any
 import numpy as np
 
 from strop import rewards
-from strop.config import Config, DataConfig
+from strop.config import Config
 from strop.data import Tokenizer, read_data_file
-from strop.data.prompts import answer_text, gold_answers, prompt_ids
-from strop.data.sources import Example
-from strop.errors import ConfigError, DataError
+from strop.data.prompts import gold_answers, prompt_ids, record_columns, within_max_length
+from strop.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +36,7 @@ class PromptSet:
 
     ``golds`` is the ``answer`` column of the reward's first component (its extracted gold,
     or the record's answer text); ``columns`` every column of the records
-    (:func:`record_columns`); ``golds_of`` the extracted golds of each component with a
+    (:func:`~strop.data.prompts.record_columns`); ``golds_of`` the extracted golds of each component with a
     gold rule, by component name.
     """
 
@@ -73,7 +72,7 @@ class PromptSet:
         if limit:
             examples = examples[:limit]
         ids = [prompt_ids(example, tokenizer) for example in examples]
-        examples, ids = _within_max_length(examples, ids, config.data)
+        examples, ids = within_max_length(examples, ids, config.data)
         if not examples:
             raise ConfigError(f"{path}: no prompts to train or validate on")
         columns = record_columns(examples)
@@ -119,49 +118,3 @@ class PromptSet:
             out.extend(int(i) for i in order[offset : offset + take])
             position += take
         return out
-
-
-# Passed positionally to every reward function; a record column of that name is not passed.
-_POSITIONAL = ("prompts", "completions")
-
-
-def record_columns(examples: Sequence[Example]) -> dict[str, list[Any]]:
-    """The columns reward functions get for ``examples``: every key of the records as read
-    (None where a record lacks it), aligned with ``examples``. ``answer`` is the record's
-    own ``answer`` if it has one, else its answer text (the completion, or a chat's last
-    assistant turn; "" if none); a component with a gold rule gets its extracted gold
-    there instead. Columns named ``prompts`` or ``completions`` are left out: those
-    arguments are the prompt texts and the responses."""
-    records = [example.columns or {} for example in examples]
-    keys = dict.fromkeys(key for record in records for key in record)
-    columns = {k: [r.get(k) for r in records] for k in keys if k not in _POSITIONAL}
-    columns["answer"] = [
-        r["answer"] if "answer" in r else (answer_text(e) or "")
-        for e, r in zip(examples, records, strict=True)
-    ]
-    return columns
-
-
-def _within_max_length(
-    examples: list[Example], ids: list[list[int]], data: DataConfig
-) -> tuple[list[Example], list[list[int]]]:
-    """Drop (and log) prompts longer than ``data.max_length`` tokens, or with
-    ``data.truncation=error`` refuse the first one by file and line. A prompt is never cut:
-    half a question has no right answer to reward."""
-    kept = [i for i, prompt in enumerate(ids) if len(prompt) <= data.max_length]
-    if len(kept) == len(ids):
-        return examples, ids
-    long = [i for i in range(len(ids)) if len(ids[i]) > data.max_length]
-    first = examples[long[0]]
-    where = f"{first.source}:{first.line}: the prompt has {len(ids[long[0]])} tokens"
-    if data.truncation == "error":
-        raise DataError(
-            f"{where}, more than data.max_length={data.max_length}; raise data.max_length, or "
-            "set data.truncation to right or left to drop such prompts"
-        )
-    lines = ", ".join(str(examples[i].line) for i in long[:10]) + (", ..." * (len(long) > 10))
-    logger.warning(
-        "%s: dropped %d of %d prompts longer than data.max_length=%d tokens (lines %s)",
-        first.source, len(long), len(ids), data.max_length, lines,
-    )  # fmt: skip
-    return [examples[i] for i in kept], [ids[i] for i in kept]
