@@ -14,7 +14,7 @@ which can be called once per episode). :func:`call_maybe_async` calls either kin
 
 :func:`load_environment` turns a reference into an instance:
 
-* a built-in name (``calculator``; see :data:`BUILTINS`);
+* a built-in name (``calculator``, ``python``; see :data:`BUILTINS`);
 * ``package.module:factory`` or ``path/to/file.py:factory`` (imported as
   :mod:`strop.references` imports rewards and losses): ``factory(**kwargs)`` must return an
   object with ``reset`` and ``step`` methods (a class is a factory too);
@@ -40,6 +40,7 @@ T = TypeVar("T")
 # Built-in environments: name -> "module:factory", imported when named.
 BUILTINS: dict[str, str] = {
     "calculator": "strop.agents.calculator:calculator_environment",
+    "python": "strop.agents.python_env:python_environment",
 }
 
 

@@ -12,7 +12,8 @@ positional-only parameters and types with no JSON schema. :attr:`Tool.schema` is
 not validate, a function that raises, a result that is not a ``str`` (``None``, a dict,
 bytes) and a call that runs past ``timeout_s`` each come back as a :class:`ToolOutcome`
 with ``error=True`` and a short message the model can read; long output is truncated to
-``max_output_chars``. Arguments are coerced as pydantic does in its lax mode (``"3"`` for an
+``max_output_chars``. A function that knows its call failed (a snippet that raised) returns
+a :class:`ToolOutcome` itself, ``error=True``: counted as a tool error, its text shown. Arguments are coerced as pydantic does in its lax mode (``"3"`` for an
 ``int`` is 3); unknown ones are refused.
 
 The timeout: Python cannot stop a thread, so an in-process call runs in a daemon worker
@@ -234,6 +235,9 @@ class Tool:
             said = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
             return self._error(f"{self.name} raised {said}")
         result = box.get("result")
+        if isinstance(result, ToolOutcome) and isinstance(result.text, str):
+            limit = self.max_output_chars
+            return ToolOutcome(self._truncated(result.text, limit), error=bool(result.error))
         if not isinstance(result, str):
             return self._error(f"{self.name} returned {type(result).__name__}, not text")
         return ToolOutcome(self._truncated(result, self.max_output_chars), error=False)
