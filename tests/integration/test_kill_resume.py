@@ -211,7 +211,7 @@ def _comparable(record: dict) -> dict:
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_ppo_sigkill_then_resume_gives_the_same_metrics(tmp_path, ppo_inputs, jax_cache, backend):
     """`strop ppo` (LoRA actor + critic, two optimizers, RNG and data position in the
-    checkpoint) killed 3 times: every iteration's metrics equal an uninterrupted run's."""
+    checkpoint) killed twice: every iteration's metrics equal an uninterrupted run's."""
     env = _env(jax_cache)
     common = [
         f"backend={backend}", "ppo.steps=8", "ppo.prompts_per_step=4",
@@ -227,7 +227,7 @@ def test_ppo_sigkill_then_resume_gives_the_same_metrics(tmp_path, ppo_inputs, ja
     run_dir = tmp_path / "killed"
     kills, mid_save, resumes = _kill_and_resume(
         [*PPO, f"run_dir={run_dir}", *common], env, run_dir / "checkpoints", backend,
-        3, MAX_DELAY_S[backend], random.Random(f"ppo-kill-{backend}"), tmp_path,
+        2, MAX_DELAY_S[backend], random.Random(f"ppo-kill-{backend}"), tmp_path,
     )  # fmt: skip
     print(f"ppo {backend}: {kills} kills, {mid_save} mid-save, {resumes} resumes")
     want = read_metrics(tmp_path / "straight" / "metrics.jsonl")
@@ -309,6 +309,8 @@ def test_a_failing_save_is_one_line_and_keeps_the_previous_checkpoint(
     if backend == "jax" and fault == "file-size-limit":
         assert "File too large" in line, line  # the OS error, as tensorstore reports it
     assert _complete_steps(checkpoints, backend) == [2]
+    if fault == "read-only-dir":
+        return  # refused before any work: the first run's checkpoint is as it left it
 
     resumed = subprocess.run(
         [*cmd, "sft.steps=4", *sum_inputs], env=env, capture_output=True, text=True

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.integration.test_ppo_run import BACKENDS, task  # noqa: F401 (a fixture)
+from tests.integration.test_ppo_run import task  # noqa: F401 (a fixture)
 
 REWARD_FILE = '''
 def digits(prompts, completions, answer, question, **columns):
@@ -54,8 +54,9 @@ def strop(args, cwd):
 ESTIMATORS = {"gae": (), "grpo": ("ppo.advantage_estimator=grpo", "ppo.kl_in_reward=false")}
 
 
-@pytest.mark.parametrize("estimator", ESTIMATORS)
-@pytest.mark.parametrize("backend", BACKENDS)
+# The file's function runs in the core's reward worker whatever the backend and estimator:
+# each backend with one estimator, the other half of the cross (make test's time, issue 34).
+@pytest.mark.parametrize(("backend", "estimator"), [("jax", "gae"), ("torch", "grpo")])
 def test_a_reward_from_a_file_drives_ppo_through_the_cli(task, tmp_path, backend, estimator):  # noqa: F811
     (tmp_path / "my_reward.py").write_text(REWARD_FILE)
     run_dir = tmp_path / "run"

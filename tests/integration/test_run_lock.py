@@ -1,6 +1,7 @@
 """One job per run directory, with real `strop` processes.
 
-A second job on a run directory another job holds is refused at once (exit 2, one line
+A second job on a run directory another job holds (a process holding the lock as a job
+does) is refused at once (exit 2, one line
 naming the holder) before it loads anything; a job killed with SIGKILL leaves its lock
 file behind, and the next job takes the directory over and says whose it was.
 """
@@ -18,6 +19,14 @@ import pytest
 from strop.io import run_lock
 
 STROP = [sys.executable, "-m", "strop"]
+HOLDER = """
+import sys, time
+from pathlib import Path
+from strop.io import run_lock
+Path(sys.argv[1]).mkdir(parents=True, exist_ok=True)
+with run_lock.holding(sys.argv[1]):
+    time.sleep(600)
+"""
 
 
 def _env() -> dict[str, str]:
@@ -47,8 +56,10 @@ def test_a_second_job_is_refused_and_a_killed_jobs_lock_is_taken_over(sum_inputs
     lock = run_dir / run_lock.LOCK_FILE
     common = ["sft", "tiny", "backend=torch", *sum_inputs, f"run_dir={run_dir}",
               "logging.tensorboard=false", "sft.batch_size=4", "sft.micro_batch_size=4"]  # fmt: skip
+    # The first job holds the directory as every job does (run_lock.holding) and then idles:
+    # a training job here would only compete for the core with the two real ones below.
     first = subprocess.Popen(
-        [*STROP, *common, "sft.steps=100000", "checkpoint.every_steps=100000"],
+        [sys.executable, "-c", HOLDER, str(run_dir)],
         env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
