@@ -14,8 +14,9 @@ VLLM_STAMP  := $(VLLM_VENV)/.strop-installed
 VLLM_ENGINE := $(VLLM_VENV)/.vllm-installed
 PYTEST_ARGS ?=
 # `make test` leaves out the full-length runs marked `acceptance` (the 60-iteration demos,
-# vLLM's demo beside the native one, repeated kills, SFT over two JAX processes: about a
-# third of the suite's CPU time); `make test-acceptance` runs just those.
+# vLLM's demo beside the native one, repeated kills, SFT and PPO over two JAX processes,
+# the demo under torchrun, PPO on vLLM under torchrun: over a third of the suite's CPU
+# time); `make test-acceptance` runs just those.
 TIER ?= -m "not acceptance"
 # No --no-compile: with PYTHONDONTWRITEBYTECODE set (as on our CI machines) Python never
 # writes the bytecode pip skipped, and every process compiles torch from source again.
@@ -23,6 +24,9 @@ PIP_INSTALL := -m pip install --quiet
 # The main suite runs on every usable core, one pytest-xdist worker per core (each pinned
 # to its own: tests/conftest.py), longest tests first; worksteal keeps both busy to the end.
 PARALLEL_TESTS ?= -n auto --dist worksteal
+# vLLM's tests too, a file per worker: test_vllm_ppo.py's runs share a module fixture, and a
+# vLLM engine spends much of its start-up in one thread (4:14 -> about 2 min, issue 34).
+PARALLEL_VLLM_TESTS ?= -n auto --dist loadfile
 
 .PHONY: install install-vllm test test-acceptance test-vllm lint format demo clean
 
@@ -71,7 +75,7 @@ test:
 	@$(MAKE) --no-print-directory -j2 install install-vllm
 	@$(MAKE) --no-print-directory lint
 	$(BIN)/pytest $(PARALLEL_TESTS) $(TIER) $(PYTEST_ARGS)
-	$(VLLM_BIN)/pytest tests/vllm_engine $(TIER) $(PYTEST_ARGS)
+	$(VLLM_BIN)/pytest tests/vllm_engine $(PARALLEL_VLLM_TESTS) $(TIER) $(PYTEST_ARGS)
 
 # The full-length runs `make test` leaves out (about 15 minutes on 2 cores); their
 # figures go to docs/benchmarks.md when an issue that may move them closes.
@@ -80,7 +84,7 @@ test-acceptance:
 
 # Only the vLLM engine's tests (in .venv-vllm).
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/pytest tests/vllm_engine $(TIER) $(PYTEST_ARGS)
+	$(VLLM_BIN)/pytest tests/vllm_engine $(PARALLEL_VLLM_TESTS) $(TIER) $(PYTEST_ARGS)
 
 # The main job on the built-in default: LoRA-PPO on the shipped tiny math model (CPU, JAX).
 demo: $(DEMO_STAMP)

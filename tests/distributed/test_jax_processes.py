@@ -108,7 +108,7 @@ def _adapters_close(left: Path, right: Path, atol: float) -> None:
             _close(x, y, module, atol=atol)
 
 
-@pytest.mark.acceptance  # make test-acceptance; make test runs PPO over two JAX processes
+@pytest.mark.acceptance  # make test-acceptance (three JAX processes' start-up and compiles)
 def test_sft_over_two_jax_processes_equals_one(tmp_path):
     from strop.data.synthetic import write_sum_problems
     from strop.io.tiny import make_tiny_checkpoint
@@ -150,6 +150,7 @@ def test_sft_over_two_jax_processes_equals_one(tmp_path):
     _adapters_close(exported, tmp_path / "two" / "adapter", atol=0.0)
 
 
+@pytest.mark.acceptance  # make test-acceptance: the suite's longest test (94 s of make test's 16 min)
 def test_ppo_over_two_jax_processes_equals_one(tmp_path):
     write_addition_task(tmp_path)
     recipe = [

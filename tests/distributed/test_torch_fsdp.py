@@ -230,6 +230,7 @@ def test_strop_ppo_under_torchrun_equals_a_single_process(tmp_path):
         _close(two[module][1], b, module, atol=1e-5)
 
 
+@pytest.mark.acceptance  # make test-acceptance: the demo's two evaluations and PPO, on two ranks
 def test_strop_demo_under_torchrun_writes_each_output_once(tmp_path):
     """The demo's data splits (written before PPO), the actor's adapter and the plot
     (after it): rank 0 alone writes each, and no rank returns before they exist."""

@@ -51,9 +51,19 @@ def rollouts(vocab: int, seed: int = 0, copies: int = 1) -> dict[str, np.ndarray
     return {"input_ids": ids, "attention_mask": attention, "response_mask": response}
 
 
-@pytest.mark.parametrize("width", [1, 2], ids=["bins-as-wide", "bins-twice-as-wide"])
-@pytest.mark.parametrize("copies", [1, 4], ids=["distinct-prompts", "shared-prompts"])
-@pytest.mark.parametrize("backend", ["jax", "torch"])
+# torch takes every combination of shared prompts and bin width; JAX, whose case costs its
+# compiles twice over, the two that differ in both (the packing plan is the core's, tested
+# on both backends; make test's time, issue 34).
+PACKING_CASES = [
+    pytest.param(backend, copies, width, id=f"{backend}-{prompts}-{bins}")
+    for backend in ("jax", "torch")
+    for copies, prompts in ((1, "distinct-prompts"), (4, "shared-prompts"))
+    for width, bins in ((1, "bins-as-wide"), (2, "bins-twice-as-wide"))
+    if backend == "torch" or (copies == 1) == (width == 1)
+]
+
+
+@pytest.mark.parametrize(("backend", "copies", "width"), PACKING_CASES)
 def test_packed_rows_compute_what_the_rows_do_unpacked(tiny_model_dir, backend, copies, width):
     model = tiny_model_dir("qwen2")
     overrides = (

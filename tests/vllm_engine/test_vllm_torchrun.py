@@ -14,6 +14,7 @@ from tests.distributed.test_torch_fsdp import _close, _metric_lines, _run_two_ra
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.acceptance  # make test-acceptance: three vLLM engines in turn, over a minute
 def test_strop_ppo_on_vllm_under_torchrun_equals_a_single_process(tmp_path):
     paths = write_splits(tmp_path / "data", seed=0, n_train=32, n_validation=8)
     overrides = [
