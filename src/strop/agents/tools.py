@@ -58,28 +58,19 @@ class ToolOutcome:
     error: bool = False
 
 
+@dataclass(repr=False)
 class Tool:
     """A callable tool: ``name``, ``description``, ``parameters`` (a JSON schema object),
-    the function, and the limits of a call. Build one with :meth:`from_function`."""
+    the function, the pydantic model its arguments are validated with, and the limits of a
+    call. Build one with :meth:`from_function`."""
 
-    def __init__(
-        self,
-        function: Callable[..., Any],
-        name: str,
-        description: str,
-        arguments_model: type[pydantic.BaseModel],
-        parameters: dict[str, Any],
-        *,
-        timeout_s: float | None = DEFAULT_TIMEOUT_S,
-        max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
-    ) -> None:
-        self.function = function
-        self.name = name
-        self.description = description
-        self.parameters = parameters
-        self.timeout_s = timeout_s
-        self.max_output_chars = max_output_chars
-        self._model = arguments_model
+    function: Callable[..., Any]
+    name: str
+    description: str
+    arguments_model: type[pydantic.BaseModel]
+    parameters: dict[str, Any]
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
+    max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS
 
     def __repr__(self) -> str:
         return f"Tool({self.name!r})"
@@ -192,7 +183,7 @@ class Tool:
         if not isinstance(arguments, Mapping):
             return f"the arguments must be a JSON object, got {type(arguments).__name__}"
         try:
-            parsed = self._model.model_validate(dict(arguments))
+            parsed = self.arguments_model.model_validate(dict(arguments))
         except pydantic.ValidationError as exc:
             problems = []
             for err in exc.errors()[:5]:
