@@ -128,5 +128,6 @@ def preflight(
     check_context_length(
         config.model.path, job, max_length=config.data.max_length,
         max_new_tokens=config.generation.max_new_tokens,
+        max_episode_tokens=config.env.max_episode_tokens if config.env.enabled else None,
     )  # fmt: skip
     return backend
