@@ -127,7 +127,7 @@ def test_ppo_trains_on_episodes_and_resumes_exactly(
         (("env.name=calculator",), "set ppo.reward=none"),  # the recipe sets ppo.reward
         (
             ("env.name=calculator", "ppo.reward=none", "env.args={turns: 2}"),
-            "error: environment 'calculator': calculator_environment(...) failed: ",
+            "error: env.name: environment 'calculator': calculator_environment(...) failed: ",
         ),
     ],
     ids=["missing-file", "missing-factory", "unknown-built-in", "reward-too", "bad-args"],

@@ -1,6 +1,7 @@
 """The ``env`` config section (multi-turn episodes in ``strop ppo``): its defaults, what it
-refuses in one line, the environment reference resolved when the config loads, and the
-context-length check against ``env.max_episode_tokens``."""
+refuses in one line when it loads, the environment reference imported and its factory built
+at preflight (``check_environment``), and the context-length check against
+``env.max_episode_tokens``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import strop
 from strop.config import Config, dump_config, load_config
 from strop.errors import ConfigError
 from strop.io.model_spec import check_context_length
+from strop.preflight import check_environment
 
 TINY_MATH = str(Path(strop.__file__).parent / "assets" / "tiny-math")  # 256 positions
 
@@ -27,6 +29,11 @@ class TwoTurns:
 
 def make(**kwargs):
     return TwoTurns()
+
+
+class Broken:
+    def reset(self, record):
+        return []
 """
 
 
@@ -64,26 +71,37 @@ def test_an_environment_scores_the_episodes_and_the_config_round_trips(tmp_path)
         (["env.max_error_fraction=1.5"], "env.max_error_fraction: Input should be less than"),
         (["env.args=3"], "env.args: Input should be a valid dictionary"),
         (["env.nmae=calculator"], "did you mean 'env.name'?"),
-        (["env.name=calculater"], "unknown built-in environment; the built-in ones are"),
-        (["env.name=nothere.py:make"], "nothere.py does not exist"),
-        (["env.name=envs.py:mak"], "did you mean 'make'?"),
-        (["env.name=no_such_pkg.mod:make"], "no module named 'no_such_pkg'"),
-        (["env.name=verifiers:wordle"], "verifiers environments are not supported yet"),
     ],
 )
-def test_bad_env_settings_are_one_line(tmp_path, monkeypatch, overrides, said) -> None:
-    (tmp_path / "envs.py").write_text(ENV_FILE)
-    monkeypatch.chdir(tmp_path)
+def test_bad_env_settings_are_one_line(overrides, said) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     message = str(info.value)
     assert "\n" not in message and said in message, message
 
 
-def test_a_file_environment_is_resolved_when_the_config_loads(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    ("name", "args", "said"),
+    [
+        ("calculater", {}, "unknown built-in environment; the built-in ones are calculator"),
+        ("nothere.py:make", {}, "nothere.py does not exist"),
+        ("envs.py:mak", {}, "did you mean 'make'?"),
+        ("no_such_pkg.mod:make", {}, "no module named 'no_such_pkg'"),
+        ("verifiers:wordle", {}, "verifiers environments are not supported yet"),
+        ("calculator", {"turns": 2}, "calculator_environment(...) failed: "),
+        ("envs.py:Broken", {}, "which has no step method"),
+    ],
+)
+def test_an_environment_that_cannot_be_built_is_one_line(tmp_path, monkeypatch, name, args, said):
     (tmp_path / "envs.py").write_text(ENV_FILE)
     monkeypatch.chdir(tmp_path)
-    assert load_config(None, ["env.name=envs.py:make"]).env.name == "envs.py:make"
+    with pytest.raises(ConfigError) as info:
+        check_environment(name, args)
+    message = str(info.value)
+    assert message.startswith(f"env.name: environment {name!r}: ") and "\n" not in message
+    assert said in message, message
+    check_environment("envs.py:make", {"level": 3})  # the factory takes any keywords
+    check_environment("calculator", {"max_turns": 2})
 
 
 def test_context_length_is_checked_against_the_episode_budget() -> None:

@@ -21,14 +21,15 @@ class EnvConfig(_Section):
         min_length=1,
         description="The environment `strop ppo` plays episodes in: none (single-turn "
         "completions, as without this section), a built-in (calculator, python), "
-        "package.module:factory or path/to/file.py:factory; imported when the config loads. "
+        "package.module:factory or path/to/file.py:factory; imported, and its factory called "
+        "once with env.args, at preflight (a mistake: one line, before anything loads). "
         "Its reward parts, summed, are each episode's reward (ppo.reward must be none).",
     )
     args: dict[str, Any] = Field(
         default_factory=dict,
         description="Keyword arguments of the environment's factory (e.g. "
-        "{max_turns: 2, system_prompt: null} for calculator); the factory is called once "
-        "with them before any model loads, then once per episode.",
+        "{max_turns: 2, system_prompt: null} for calculator), at preflight and for each "
+        "episode.",
     )
     max_turns: int = Field(
         4,
@@ -59,17 +60,8 @@ class EnvConfig(_Section):
 
     @field_validator("name")
     @classmethod
-    def _resolvable(cls, value: str) -> str:
-        """A reference that names no factory is refused here, before anything loads."""
-        if value.strip() == NONE:
-            return NONE
-        from strop.agents.environment import resolve_environment
-
-        try:
-            resolve_environment(value)
-        except Exception as exc:  # EnvironmentLoadError (one line): pydantic reports it
-            raise ValueError(str(exc)) from None
-        return value
+    def _none(cls, value: str) -> str:
+        return NONE if value.strip() == NONE else value
 
     @property
     def enabled(self) -> bool:

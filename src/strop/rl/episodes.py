@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from strop.agents.environment import load_environment, resolve_environment
+from strop.agents.environment import resolve_environment
 from strop.agents.episode import EpisodeColumns
 from strop.agents.rollout import (
     EpisodeOutcome,
@@ -86,14 +86,12 @@ class Episodes:
     def from_config(
         cls, config: Config, tokenizer: Tokenizer, eos_ids: Sequence[int]
     ) -> Episodes | None:
-        """The run's episodes, None without ``env.name``. The factory is called once with
-        ``env.args`` here (before any model loads), so that arguments it refuses are one
-        line (:class:`~strop.agents.environment.EnvironmentLoadError`) and not a failure
-        of every episode; a model without a chat template is refused too."""
+        """The run's episodes, None without ``env.name`` (whose factory preflight built
+        once: :func:`strop.preflight.check_environment`); a model without a chat template
+        is refused (:class:`ConfigError`), before any model loads."""
         env = config.env
         if not env.enabled:
             return None
-        load_environment(env.name, **env.args)
         if tokenizer.chat_template is None:
             raise ConfigError(
                 f"env.name={env.name}: episodes are rendered with the model's chat template, "
