@@ -47,7 +47,9 @@ ENV_METRICS = {
     "env/turns", "env/tool_calls", "env/tool_errors", "env/truncated", "env/errors",
     "env/episode_tokens", "reward/correct", "reward/digits", "train/reward",
 }  # fmt: skip
-ESTIMATORS = {"gae": (), "grpo": ("ppo.advantage_estimator=grpo",)}
+# GAE with the sampler's log-probabilities as the old ones, GRPO with them recomputed: either
+# way they must line up with the trainer's over the episode, holes and all.
+ESTIMATORS = {"gae": ("ppo.old_logprobs=sampler",), "grpo": ("ppo.advantage_estimator=grpo",)}
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +98,10 @@ def test_ppo_trains_on_episodes_and_resumes_exactly(
         assert record["env/errors"] == 0.0 and record["env/truncated"] == 0.0
         assert not [key for key in record if key in ("reward/calls", "reward/items")]
     assert "validation/accuracy" in written[0] and "validation/accuracy" in written[-1]
+    if estimator == "grpo":  # before the first update, the sampler's = the trainer's
+        assert abs(written[1]["token_mult_prob_error"] - 1.0) < 1e-4
+    else:  # measured on the first update, whose policy is still the sampler's
+        assert written[1]["mismatch/abs_logprob_diff_max"] < 1e-3
     logged = json.loads((tmp_path / "straight" / "samples.jsonl").read_text().splitlines()[0])
     assert "Check it." in logged["response"]
     # The environment's turn is a hole in each row's response mask: context, not a target.
@@ -113,9 +119,7 @@ def test_ppo_trains_on_episodes_and_resumes_exactly(
     run_ppo(config, stop_after=1)
     resumed = run_ppo(config)
     assert resumed.resumed_from == 1
-    assert [comparable(r) for r in resumed.history] == [
-        comparable(r) for r in straight.history[1:]
-    ]
+    assert [comparable(r) for r in resumed.history] == [comparable(r) for r in straight.history[1:]]
 
 
 @pytest.mark.parametrize(
