@@ -114,3 +114,10 @@ def test_context_length_is_checked_against_the_episode_budget() -> None:
         check_context_length(TINY_MATH, "ppo", **check, max_episode_tokens=257)
     assert str(info.value).startswith("env.max_episode_tokens=257 is more than the model's ")
     assert "lower env.max_episode_tokens to at most 256" in str(info.value)
+
+
+def test_strop_eval_refuses_an_environment_before_anything_loads() -> None:
+    from strop.evaluation import run_eval
+
+    with pytest.raises(ConfigError, match="strop eval does not play episodes yet"):
+        run_eval(load_config(None, ["env.name=calculator"]))
