@@ -85,6 +85,11 @@ def _config_with_adapter(config: Config) -> Config:
 def run_eval(config: Config) -> EvalResult:
     """Evaluate ``config.model.path`` (plus ``eval.adapter``) on ``eval.path``."""
     path = config.eval.path or config.data.eval_path
+    if config.env.enabled:
+        raise ConfigError(
+            f"env.name={config.env.name}: strop eval does not play episodes yet; an agent's "
+            "accuracy is strop ppo's validation/accuracy (ppo.validate_every)"
+        )
     if config.model.path is None or path is None:
         raise ConfigError("strop eval needs model.path and eval.path (or data.eval_path)")
     limits = rewards.RewardLimits.of(config.eval, "eval")  # a deadline: user functions in a worker

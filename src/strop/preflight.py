@@ -3,7 +3,8 @@
 :func:`preflight` is the first thing ``strop sft``, ``ppo`` and ``eval`` do after the
 config validates. In this order, it refuses a launch the backend cannot serve
 (``torchrun`` with the JAX backend), what the run's rollout engine cannot do
-(:func:`~strop.engines.check_engine`), a checkpoint directory another backend wrote
+(:func:`~strop.engines.check_engine`), a PPO run's environment that cannot be built
+(:func:`check_environment`), a checkpoint directory another backend wrote
 (:func:`~strop.io.checkpoint_dir.refuse_other_backends_checkpoints`); then, with the
 backend's device count, a mesh or batch layout that does not fit the devices
 (:meth:`~strop.config.MeshConfig.check_layout` of :meth:`~strop.config.Config.rows_per_pass`);
@@ -37,10 +38,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from strop.backends import get_backend
 from strop.config import Config
@@ -87,6 +88,19 @@ def refuse_launcher_of_another_backend(config: Config) -> None:
         )
 
 
+def check_environment(name: str, args: Mapping[str, Any]) -> None:
+    """``env.name`` imported and its factory called once with ``env.args`` (the environment
+    then dropped), so that a missing file, module or factory, or arguments the factory
+    refuses, are one line (:class:`~strop.agents.environment.EnvironmentLoadError`) before
+    anything loads, not a failure of every episode at the first iteration."""
+    from strop.agents.environment import EnvironmentLoadError, load_environment
+
+    try:
+        load_environment(name, **args)
+    except EnvironmentLoadError as exc:
+        raise EnvironmentLoadError(f"env.name: {exc}") from None
+
+
 def preflight(
     config: Config,
     job: str,
@@ -111,6 +125,8 @@ def preflight(
     refuse_launcher_of_another_backend(config)
     if not exporting:  # an export samples nothing: a vLLM run exports without vLLM
         check_engine(config, job)
+        if job == "ppo" and config.env.enabled:
+            check_environment(config.env.name, config.env.args)
     if checkpoint_dir is not None:
         refuse_other_backends_checkpoints(checkpoint_dir, config.backend)
     backend = get_backend(config.backend)  # the one call of a command
@@ -128,5 +144,6 @@ def preflight(
     check_context_length(
         config.model.path, job, max_length=config.data.max_length,
         max_new_tokens=config.generation.max_new_tokens,
+        max_episode_tokens=config.env.max_episode_tokens if config.env.enabled else None,
     )  # fmt: skip
     return backend

@@ -13,6 +13,7 @@ from typing import Any, Literal, Self
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from strop.config.env import EnvConfig
 from strop.config.ppo import CriticConfig, PpoConfig, RewardTerm
 from strop.config.sections import (
     DEFAULT_TARGET_MODULES,
@@ -44,6 +45,7 @@ __all__ = [
     "Config",
     "CriticConfig",
     "DataConfig",
+    "EnvConfig",
     "EvalConfig",
     "GenerationConfig",
     "LoggingConfig",
@@ -85,6 +87,9 @@ class Config(_Section):
     ppo: PpoConfig = Field(default_factory=PpoConfig, description="PPO loop.")
     critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO value model.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Sampling.")
+    env: EnvConfig = Field(
+        default_factory=EnvConfig, description="Multi-turn episodes in an environment (PPO)."
+    )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="`strop eval`.")
     mesh: MeshConfig = Field(default_factory=MeshConfig, description="Device mesh.")
     checkpoint: CheckpointConfig = Field(
@@ -130,10 +135,43 @@ class Config(_Section):
                 "alone first, which critic.shared_trunk=true (one update for both) cannot",
             ),
         )
-        for conflict, message in conflicts:
+        for conflict, message in (*conflicts, *self._episode_conflicts()):
             if conflict:
                 raise ValueError(message)
+        if self.env.enabled:  # the environment's reward parts score the episodes
+            self.ppo.__dict__["reward"] = "none"  # unset: not in fields_set, as dumped
         return self
+
+    def _episode_conflicts(self) -> tuple[tuple[bool, str], ...]:
+        """What ``env.name`` (multi-turn episodes) does not go with, yet or at all."""
+        env, ppo = self.env, self.ppo
+        if not env.enabled:
+            return (
+                (
+                    ppo.reward == "none",
+                    "ppo.reward=none leaves nothing to score single-turn responses: it goes "
+                    "with env.name (an environment's reward parts score its episodes)",
+                ),
+            )
+        return (
+            (
+                "reward" in ppo.model_fields_set and ppo.reward != "none",
+                f"ppo.reward ({ppo.reward!r}) scores single-turn responses; with env.name "
+                f"({env.name}) the environment's reward parts score each episode: set "
+                "ppo.reward=none",
+            ),
+            (
+                self.generation.engine != "native",
+                f"env.name ({env.name}) with generation.engine={self.generation.engine}: "
+                "episodes run on the native samplers only for now",
+            ),
+            (
+                ppo.overlong == "penalty",
+                "ppo.overlong=penalty penalises single-turn responses by length; with env.name "
+                f"({env.name}) use ppo.overlong=mask or keep (an episode cut by "
+                "env.max_turns or env.max_episode_tokens is truncated)",
+            ),
+        )
 
     def model_path(self) -> str:
         """``model.path``, which building a trainable model needs (a ``ConfigError`` if

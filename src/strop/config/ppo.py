@@ -137,7 +137,8 @@ class PpoConfig(_Section):
     reward: str | Annotated[list[RewardTerm], Field(min_length=1)] = Field(
         "gsm8k",
         description="A registered reward (gsm8k, math, format), package.module:function, "
-        "path/to/file.py:function, or a list of {reward, weight, name} summed with weights.",
+        "path/to/file.py:function, or a list of {reward, weight, name} summed with weights; "
+        "none with env.name (the environment's reward parts score each episode; unset, it is none there).",
     )
     reward_timeout_s: float | None = Field(
         300.0,

@@ -199,6 +199,7 @@ def check_context_length(
     max_length: int,
     max_new_tokens: int,
     longest_prompt: int | None = None,
+    max_episode_tokens: int | None = None,
 ) -> None:
     """Refuse (:class:`ConfigError`) sequences longer than the model's positions
     (``max_position_embeddings`` of ``model_path``'s config.json), which would otherwise
@@ -206,7 +207,9 @@ def check_context_length(
     (``data.max_length``); for ``ppo`` and ``eval``, ``max_new_tokens``
     (``generation.max_new_tokens``; at preflight, ``longest_prompt=None``) and then the
     longest prompt read plus ``max_new_tokens`` (checked again once the prompts are read,
-    before the weights load)."""
+    before the weights load). A PPO run that plays episodes (``max_episode_tokens``:
+    ``env.max_episode_tokens``, prompt and every turn included) checks that instead: a
+    turn samples no further than its episode's budget."""
     if model_path is None or not (Path(model_path) / CONFIG_FILE).is_file():
         return  # nothing to check against (yet): the load names what is missing
     positions = read_model_spec(model_path).max_position_embeddings
@@ -216,6 +219,13 @@ def check_context_length(
             raise ConfigError(
                 f"data.max_length={max_length} is more than {limit}: "
                 f"lower data.max_length to at most {positions}"
+            )
+        return
+    if job == "ppo" and max_episode_tokens is not None:
+        if max_episode_tokens > positions:
+            raise ConfigError(
+                f"env.max_episode_tokens={max_episode_tokens} is more than {limit}: lower "
+                f"env.max_episode_tokens to at most {positions}"
             )
         return
     new = max_new_tokens

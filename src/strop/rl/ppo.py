@@ -22,6 +22,9 @@ Per iteration (``ppo.steps`` of them):
 6. metrics, greedy validation on held-out prompts every ``ppo.validate_every``
    iterations, and a checkpoint of actor and critic every ``checkpoint.every_steps``.
 
+With ``env.name`` steps 1-2 play multi-turn episodes in an environment, scored by its reward
+parts (:mod:`strop.rl.episodes`); the rest is the same, on the episodes' sampled tokens.
+
 Every random choice is seeded from ``(seed, step)``, so a run killed and resumed from its
 latest checkpoint computes what an uninterrupted run would.
 
@@ -57,9 +60,9 @@ from strop.nonfinite import count_skipped, likely_causes
 from strop.objectives.ppo import SHARED_CRITIC_PREFIX
 from strop.objectives.roles import RolePlan
 from strop.progress import RunProgress
-from strop.rewards.weighted import ScoredBatch
 from strop.rl import rollout_correction
 from strop.rl.checks import check_ppo_config
+from strop.rl.episodes import Episodes, Sample
 from strop.rl.experience import build_experience, minibatches
 from strop.rl.overlong import length_penalty, without_truncated
 from strop.rl.prompts import PromptSet
@@ -80,32 +83,31 @@ class PpoResult(RunResult):
 def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     """Train for ``ppo.steps`` iterations (or until ``stop_after``), resuming if possible."""
     check_ppo_config(config)
-    limits = rewards.RewardLimits.of(config.ppo, "ppo")  # a deadline: user functions in a worker
-    reward = rewards.resolve(
-        config.ppo.reward,
-        setting="ppo.reward",
-        build_model=partial(build_reward_model, config),
-        limits=limits,
-    )
+    reward = None  # with env.name the environment's reward parts score the episodes
+    if not config.env.enabled:
+        limits = rewards.RewardLimits.of(config.ppo, "ppo")  # a deadline: a worker's
+        reward = rewards.resolve(
+            config.ppo.reward, setting="ppo.reward",
+            build_model=partial(build_reward_model, config), limits=limits,
+        )  # fmt: skip
     plan = RolePlan.from_config(config)  # which roles the run has, and what trains
     figures = {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"}
     with training_job(config, "ppo", config.ppo.steps, figures, plan) as job:  # preflight first
         try:
             return _train(config, stop_after, job, reward, plan)
         finally:
-            reward.close()
+            if reward is not None:
+                reward.close()
 
 
 def _train(
-    config: Config,
-    stop_after: int | None,
-    job: Job,
-    reward: rewards.WeightedReward,
+    config: Config, stop_after: int | None, job: Job, reward: rewards.WeightedReward | None,
     plan: RolePlan,
-) -> PpoResult:
+) -> PpoResult:  # fmt: skip
     ppo, progress = config.ppo, job.progress
     progress.phase("reading the prompts")
     tokenizer = Tokenizer.from_pretrained(config.model.path)
+    episodes = Episodes.from_config(config, tokenizer, eos_ids(tokenizer, config.model.path))
     train = PromptSet.read(config.data.train_path, config, tokenizer, reward=reward)
     validation = None
     if config.data.eval_path and ppo.validate_every:
@@ -114,14 +116,14 @@ def _train(
         )
     longest = max(train.longest, validation.longest if validation is not None else 0)
     check_context_length(  # before the weights load
-        config.model.path,
-        "ppo",
-        max_length=config.data.max_length,
-        max_new_tokens=config.generation.max_new_tokens,
-        longest_prompt=longest,
-    )
-
-    reward.start()  # its worker imports the user's function while the models load
+        config.model.path, "ppo", max_length=config.data.max_length,
+        max_new_tokens=config.generation.max_new_tokens, longest_prompt=longest,
+        max_episode_tokens=config.env.max_episode_tokens if episodes else None,
+    )  # fmt: skip
+    if episodes is not None:  # a turn is sampled after up to env.max_episode_tokens - 1
+        longest = episodes.longest_prefix
+    elif reward is not None:
+        reward.start()  # its worker imports the user's function while the models load
     progress.phase("loading the models")
     model = job.backend.build_actor_critic(
         config, total_updates=ppo.optimizer_updates(), checkpoint_dir=config.checkpoint_path(),
@@ -130,8 +132,9 @@ def _train(
     model.expect_prompts(longest)  # what a backend that compiles each shape pads to
     with rollout_engine(config, model, max_prompt_tokens=longest) as rollouts:
         loop = PpoLoop(
-            config, model, rollouts, train, validation, tokenizer, reward, plan, progress
-        )
+            config, model, rollouts, train, validation, tokenizer, reward, plan, progress,
+            episodes=episodes,
+        )  # fmt: skip
         run = run_steps(
             config, loop, job, total=ppo.steps, stop_after=stop_after, rollouts=rollouts
         )
@@ -139,18 +142,6 @@ def _train(
         run_dir=Path(config.run_dir), final_step=run.end, resumed_from=run.resumed_from,
         export_path=run.export_path, is_main=model.is_main, history=run.records,
     )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class _Sample:
-    """An iteration's responses and their scores (``task_scores``: the reward's;
-    ``penalty``: the overlong penalty, zeros without one)."""
-
-    rollout: Rollout
-    scored: ScoredBatch
-    task_scores: np.ndarray
-    penalty: np.ndarray
-    truncated: np.ndarray
 
 
 @dataclass
@@ -162,6 +153,7 @@ class PpoLoop:
     NaN/Inf (``train.skip_nonfinite``; without it the engine raises
     :class:`~strop.errors.NonFiniteError`), per role, cumulative over the run (resumes
     included): the metrics ``policy/nonfinite_skipped`` and ``critic/nonfinite_skipped``.
+    With ``episodes`` (``env.name``) it plays episodes instead, and ``reward`` is None.
     """
 
     config: Config
@@ -170,9 +162,10 @@ class PpoLoop:
     train: PromptSet
     validation: PromptSet | None
     tokenizer: Tokenizer
-    reward: rewards.WeightedReward
+    reward: rewards.WeightedReward | None
     plan: RolePlan  # the roles, as the model's
     progress: RunProgress | None = None
+    episodes: Episodes | None = None
     skipped: dict[str, int] = field(default_factory=lambda: {"policy": 0, "critic": 0})
     always_written: tuple[str, ...] = ("validation/accuracy",)
     samples: list[dict[str, Any]] = field(default_factory=list)  # the last validation's
@@ -180,6 +173,8 @@ class PpoLoop:
     def __post_init__(self) -> None:
         self.sampling = SamplingParams.from_config(self.config.generation)
         self.eos_ids = eos_ids(self.tokenizer, self.config.model.path)
+        env = self.config.env  # seq_mean_token_sum_norm's horizon: a response's (episode's)
+        self.horizon = env.max_episode_tokens if self.episodes else self.sampling.max_new_tokens
 
     # run_steps' side (strop.job.Steps) ---------------------------------------------------
 
@@ -208,10 +203,8 @@ class PpoLoop:
 
     def iteration(self, step: int) -> dict[str, float]:
         """Run iteration ``step`` (0-based) and return its metrics."""
-        ppo = self.config.ppo
         self._timings: dict[str, float] = {}
         began = time.perf_counter()
-        before = self.reward.stats
         sample = self._sample(step)
         arrays, stats = self._experience(sample)
         updates = self._update(step, arrays, sample.task_scores + sample.penalty)
@@ -219,11 +212,6 @@ class PpoLoop:
         rollout, skipped = sample.rollout, self.skipped
         return {
             "train/reward": float(sample.task_scores.mean()),
-            **(
-                {"train/overlong_penalty": float(sample.penalty.mean())}
-                if ppo.overlong == "penalty"
-                else {}
-            ),
             "train/response_length": float(rollout.lengths.mean()),
             "train/stopped_fraction": float(np.mean([r == "stop" for r in rollout.finish_reasons])),
             "train/truncated_fraction": float(sample.truncated.mean()),
@@ -234,8 +222,8 @@ class PpoLoop:
             **self._timings,
             "timing/step": seconds,
             "throughput/tokens_per_s": float(rollout.lengths.sum()) / seconds,
-            **sample.scored.metrics(),  # reward/<name>: each component's mean score
-            **(self.reward.stats - before).as_metrics(),
+            **sample.scored.metrics(),  # reward/<name>: each component's (part's) mean score
+            **sample.metrics,  # the reward's counters, or the episodes' env/*
         }
 
     def _timed(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -245,16 +233,19 @@ class PpoLoop:
         self._timings[key] = self._timings.get(key, 0.0) + time.perf_counter() - began
         return out
 
-    def _sample(self, step: int) -> _Sample:
-        """Draw the iteration's prompts, sample responses and score them."""
+    def _sample(self, step: int) -> Sample:
+        """Draw the iteration's prompts, sample responses (play episodes) and score them."""
         ppo, train, sampling = self.config.ppo, self.train, self.sampling
         chosen = train.draw(step, ppo.prompts_per_step, self.config.seed)
         rows = [i for i in chosen for _ in range(ppo.num_generations_per_prompt)]
-        prompts = [train.ids[i] for i in rows]
+        seed, prompts = _seed(self.config.seed, step), [train.ids[i] for i in rows]
+        if self.episodes is not None:  # timing/generate: the episodes, environment included
+            play = self.episodes.sample
+            return self._timed("generate", play, self.rollouts, train.records(rows), sampling, seed)
+        before = self.reward.stats
         generation = self._timed(
-            "generate", self.rollouts.generate, prompts, sampling,
-            seed=_seed(self.config.seed, step), eos_ids=self.eos_ids,
-            pad_id=self.tokenizer.pad_token_id, tokenizer=self.tokenizer,
+            "generate", self.rollouts.generate, prompts, sampling, seed=seed,
+            eos_ids=self.eos_ids, pad_id=self.tokenizer.pad_token_id, tokenizer=self.tokenizer,
         )  # fmt: skip
         rollout = Rollout.from_generation(prompts, generation, self.tokenizer)
         texts, columns, golds = train.reward_inputs(rows)
@@ -269,28 +260,30 @@ class PpoLoop:
                 rollout.lengths, sampling.max_new_tokens, ppo.overlong_buffer,
                 ppo.overlong_penalty, truncated=truncated,
             )  # fmt: skip
-        return _Sample(rollout, scored, task_scores, penalty, truncated)
+        counters, no_loss = (self.reward.stats - before).as_metrics(), np.zeros_like(truncated)
+        if ppo.overlong == "penalty":
+            counters["train/overlong_penalty"] = float(penalty.mean())
+        return Sample(rollout, scored, task_scores, penalty, truncated, no_loss, counters)
 
-    def _experience(self, sample: _Sample) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    def _experience(self, sample: Sample) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """The forwards the estimator needs, then advantages and returns: the update
         arrays and their statistics (with the sampler/trainer gap when both exist)."""
         ppo, engine, rollout = self.config.ppo, self.model, sample.rollout
         batch = rollout.teacher_forcing_batch(self.tokenizer.pad_token_id)
         sampled = rollout.align(rollout.logprobs)  # the sampler's log-probabilities
-        if ppo.old_logprobs == "sampler":
-            old = sampled
-        else:
-            old = self._timed("logprobs", engine.logprobs, batch)
+        recompute = ppo.old_logprobs == "recompute"
+        old = self._timed("logprobs", engine.logprobs, batch) if recompute else sampled
         ref = None  # with no KL in the reward or the loss, and none to report: not computed
         if self.plan.reference_forward:
             ref = self._timed("logprobs", engine.logprobs, batch, reference=True)
         values = self._timed("values", engine.values, batch) if self.plan.has_critic else None
         scores = sample.task_scores + sample.penalty
         arrays, stats = build_experience(batch, scores, old, ref, values, ppo)
-        if ppo.overlong == "mask":
-            arrays = without_truncated(arrays, sample.truncated)
+        dropped = sample.no_loss | (sample.truncated & (ppo.overlong == "mask"))
+        if dropped.any():  # in the baselines, out of the losses
+            arrays = without_truncated(arrays, dropped)
         gap = {}  # with old_logprobs=sampler the first update measures it (_update)
-        if ppo.old_logprobs == "recompute":
+        if recompute:
             arrays, gap = rollout_correction.correct(arrays, old, sampled, ppo)
         return arrays, {**gap, **stats}
 
@@ -330,8 +323,8 @@ class PpoLoop:
         for epoch in range(ppo.ppo_epochs):
             rng = np.random.default_rng([self.config.seed, step, epoch])
             minis = minibatches(
-                arrays, ppo.mini_batch_size, ppo.loss_aggregation, rng,
-                self.sampling.max_new_tokens, ppo.mini_batch_group,
+                arrays, ppo.mini_batch_size, ppo.loss_aggregation, rng, self.horizon,
+                ppo.mini_batch_group,
             )  # fmt: skip
             for index, mini in enumerate(minis):
                 trained = self._timed("train", self._train, roles, mini, micro_batches)
@@ -358,32 +351,42 @@ class PpoLoop:
 
     def validate(self) -> float:
         """Greedy accuracy of the actor on the validation prompts: the share whose response
-        scores >= 1 on the first component of the reward (unweighted)."""
+        scores >= 1 on the first component of the reward (unweighted); with ``env.name``,
+        whose episode's reward (its environment's parts summed) is >= 1."""
         if self.progress is not None:
             self.progress.phase("validating")
-        prompts, sampling = self.validation, self.sampling
+        prompts, sampling, seed = self.validation, self.sampling, self.config.seed
         greedy = SamplingParams(
             max_new_tokens=sampling.max_new_tokens, temperature=0.0,
             stop_strings=sampling.stop_strings,
         )  # fmt: skip
+        play = self._validate_rows
+        if self.episodes is not None:
+            play = partial(self.episodes.validate, self.rollouts, prompts, seed=seed)
         size = self.config.ppo.rollouts_per_step
         correct, self.samples = 0, []
         for begin in range(0, len(prompts), size):
             rows = range(begin, min(begin + size, len(prompts)))
-            asked, columns, golds = prompts.reward_inputs(rows)
-
-            def score(texts, asked=asked, columns=columns, golds=golds):
-                return self.reward.score(asked, texts, columns, golds, primary_only=True).total
-
-            scored = sample_and_score(
-                self.rollouts, [prompts.ids[i] for i in rows], greedy, score, seed=self.config.seed,
-                eos_ids=self.eos_ids, tokenizer=self.tokenizer,
-            )  # fmt: skip
-            correct += sum(value >= 1.0 for value in scored.scores)
-            wanted = self.config.logging.samples - len(self.samples)
-            golds = [prompts.golds[i] for i in rows]
-            self.samples += sample_records(asked, scored, golds, wanted)
+            found, samples = play(rows, greedy, self.config.logging.samples - len(self.samples))
+            correct, self.samples = correct + found, self.samples + samples
         return correct / len(prompts)
+
+    def _validate_rows(
+        self, rows: range, greedy: SamplingParams, wanted: int
+    ) -> tuple[int, list[dict[str, Any]]]:
+        """Single-turn validation of ``rows``: how many are correct, and ``wanted`` samples."""
+        prompts = self.validation
+        asked, columns, golds = prompts.reward_inputs(rows)
+
+        def score(texts: list[str]) -> list[float]:
+            return self.reward.score(asked, texts, columns, golds, primary_only=True).total
+
+        scored = sample_and_score(
+            self.rollouts, [prompts.ids[i] for i in rows], greedy, score, seed=self.config.seed,
+            eos_ids=self.eos_ids, tokenizer=self.tokenizer,
+        )  # fmt: skip
+        found = sum(value >= 1.0 for value in scored.scores)
+        return found, sample_records(asked, scored, [prompts.golds[i] for i in rows], wanted)
 
     def take_samples(self) -> list[dict[str, Any]]:
         """The last validation's sample records (``logging.samples`` of them), once."""

@@ -55,12 +55,15 @@ class PromptSet:
         limit: int = 0,
         reward: rewards.WeightedReward | None = None,
     ) -> PromptSet:
-        """Read ``path`` for ``reward`` (default: ``ppo.reward`` resolved)."""
-        if reward is None:
+        """Read ``path`` for ``reward`` (default: ``ppo.reward`` resolved); with ``env.name``
+        no reward: the records go to the environment as they are (``golds``: their
+        ``answer`` column, for the logged samples)."""
+        episodes = config.env.enabled
+        if reward is None and not episodes:
             reward = rewards.resolve(config.ppo.reward, setting="ppo.reward")
         examples, _ = read_data_file(path, config.data)
         golds_of: dict[str, dict[int, str]] = {}  # component -> id(example) -> gold
-        for component in reward.components:
+        for component in reward.components if reward is not None else ():
             if component.reward.gold is not None or component is reward.primary:
                 examples, golds = gold_answers(
                     examples,
@@ -76,12 +79,15 @@ class PromptSet:
         if not examples:
             raise ConfigError(f"{path}: no prompts to train or validate on")
         columns = record_columns(examples)
+        texts = [example.prompt or "" for example in examples]
+        if reward is None:
+            return cls(ids, [str(a) for a in columns["answer"]], texts, columns)
         reward.check_call(columns)
         with_gold = [c.name for c in reward.components if c.reward.gold is not None]
         return cls(
             ids=ids,
             golds=[golds_of[reward.primary.name][id(example)] for example in examples],
-            texts=[example.prompt or "" for example in examples],
+            texts=texts,
             columns=columns,
             golds_of={name: [golds_of[name][id(e)] for e in examples] for name in with_gold},
         )
@@ -105,6 +111,11 @@ class PromptSet:
             {key: [values[i] for i in rows] for key, values in columns.items()},
             {name: [golds[i] for i in rows] for name, golds in self.golds_of.items()},
         )
+
+    def records(self, rows: Sequence[int]) -> list[dict[str, Any]]:
+        """The records of ``rows`` as read (every column; ``answer`` as rewards get it):
+        what an environment's ``reset`` gets."""
+        return [{key: values[i] for key, values in self.columns.items()} for i in rows]
 
     def draw(self, step: int, count: int, seed: int) -> list[int]:
         """Indices of the ``count`` prompts of iteration ``step``: consecutive slices of a

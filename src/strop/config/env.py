@@ -1,0 +1,69 @@
+"""The ``env`` section: the environment ``strop ppo`` plays multi-turn episodes in
+(:mod:`strop.agents`; docs/agents.md). ``env.name: none`` (the default) keeps single-turn
+completions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from strop.config.sections import _Section
+
+NONE = "none"
+
+
+class EnvConfig(_Section):
+    """Multi-turn episodes: which environment, and how far an episode may go."""
+
+    name: str = Field(
+        NONE,
+        min_length=1,
+        description="The environment `strop ppo` plays episodes in: none (single-turn "
+        "completions, as without this section), a built-in (calculator, python), "
+        "package.module:factory or path/to/file.py:factory; imported, and its factory called "
+        "once with env.args, at preflight (a mistake: one line, before anything loads). "
+        "Its reward parts, summed, are each episode's reward (ppo.reward must be none).",
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the environment's factory (e.g. "
+        "{max_turns: 2, system_prompt: null} for calculator), at preflight and for each "
+        "episode.",
+    )
+    max_turns: int = Field(
+        4,
+        gt=0,
+        description="The most model turns in an episode (the environment may end it sooner).",
+    )
+    max_episode_tokens: int = Field(
+        1024,
+        gt=0,
+        description="The most tokens in an episode, its opening messages included; "
+        "generation.max_new_tokens is the most one turn samples. Within the model's "
+        "max_position_embeddings.",
+    )
+    step_timeout_s: float | None = Field(
+        60.0,
+        gt=0,
+        description="Deadline of one reset or step of the environment; past it the episode "
+        "fails (reward 0, counted in env/errors). null: no deadline.",
+    )
+    max_error_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Stop the run when more than this share of one batch's episodes fail in "
+        "the environment (it raised, returned something wrong, ran past step_timeout_s); "
+        "a failed episode scores 0 and carries no loss weight. 1 = never stop.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _none(cls, value: str) -> str:
+        return NONE if value.strip() == NONE else value
+
+    @property
+    def enabled(self) -> bool:
+        """Whether runs play episodes (``name`` is not ``none``)."""
+        return self.name != NONE

@@ -1,0 +1,221 @@
+"""Multi-turn episodes in the PPO loop (``env.name``; :mod:`strop.agents`, docs/agents.md).
+
+With an environment, an iteration's records are played as episodes instead of sampled as
+single completions (:meth:`Episodes.sample`): ``ppo.num_generations_per_prompt`` episodes
+per record, side by side (a group, for the grouped estimators), through
+:func:`~strop.agents.rollout.run_episodes` over the rollout engine's ``generate``
+(:func:`~strop.agents.rollout.sampler_generate`: every turn re-prefills the episode so
+far, its n-th call seeded ``seed + n``, so an iteration's seed gives its episodes, resumes
+included). The episodes are laid out by :meth:`Rollout.from_episodes
+<strop.rl.rollout.Rollout.from_episodes>`: environment and tool tokens are holes in the
+response mask (context, never a target). Each episode's score is its environment's reward
+parts summed over its turns; each part is logged as ``reward/<part>``, with
+:func:`~strop.agents.rollout.episode_metrics`' ``env/*``.
+
+An episode with no sampled token (its environment failed before the first turn, or its
+opening messages filled ``env.max_episode_tokens``) keeps its row, as a placeholder of one
+token; it and every episode its environment failed score 0 (in their group's baseline) and
+carry no loss weight (:attr:`Sample.no_loss`): the failure is the environment's, not the
+policy's.
+
+Validation (:meth:`Episodes.validate`) plays one episode per record at the validation
+sampling settings; an episode is correct when its reward (the parts summed) is >= 1, as a
+single-turn response is when it scores >= 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from strop.agents.environment import resolve_environment
+from strop.agents.episode import EpisodeColumns
+from strop.agents.rollout import (
+    EpisodeOutcome,
+    RolloutLimits,
+    episode_metrics,
+    run_episodes,
+    sampler_generate,
+)
+from strop.config import Config
+from strop.data import Tokenizer
+from strop.errors import ConfigError
+from strop.generation import Decoding, SamplingParams
+from strop.rewards import extract_answer
+from strop.rewards.weighted import ScoredBatch
+from strop.rl.prompts import PromptSet
+from strop.rl.rollout import Rollout
+
+
+@dataclass(frozen=True)
+class Sample:
+    """An iteration's rollouts and their scores.
+
+    ``task_scores``: the reward's (single-turn) or the episodes' reward parts summed;
+    ``penalty``: the overlong penalty, zeros without one; ``truncated``: rows cut by a
+    limit; ``no_loss``: rows that carry no loss weight (an episode its environment failed);
+    ``metrics``: the reward's counters (single-turn) or the episodes' ``env/*``.
+    """
+
+    rollout: Rollout
+    scored: ScoredBatch
+    task_scores: np.ndarray
+    penalty: np.ndarray
+    truncated: np.ndarray
+    no_loss: np.ndarray
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Episodes:
+    """A run's environment (``env.*``) and how its episodes are played and laid out."""
+
+    factory: Callable[[], Any]  # one environment per episode, with env.args
+    name: str
+    limits: RolloutLimits
+    tokenizer: Tokenizer
+    eos_ids: tuple[int, ...]
+    bucket_rows: bool = False  # a sampler that compiles each shape (JAX): rows in buckets
+
+    @classmethod
+    def from_config(
+        cls, config: Config, tokenizer: Tokenizer, eos_ids: Sequence[int]
+    ) -> Episodes | None:
+        """The run's episodes, None without ``env.name`` (whose factory preflight built
+        once: :func:`strop.preflight.check_environment`); a model without a chat template
+        is refused (:class:`ConfigError`), before any model loads."""
+        env = config.env
+        if not env.enabled:
+            return None
+        if tokenizer.chat_template is None:
+            raise ConfigError(
+                f"env.name={env.name}: episodes are rendered with the model's chat template, "
+                f"and {config.model.path} has none (chat_template in tokenizer_config.json "
+                "or chat_template.jinja)"
+            )
+        limits = RolloutLimits(
+            max_turns=env.max_turns,
+            max_episode_tokens=env.max_episode_tokens,
+            max_new_tokens=config.generation.max_new_tokens,
+            step_timeout_s=env.step_timeout_s,
+            max_error_fraction=env.max_error_fraction,
+        )
+        factory = partial(resolve_environment(env.name), **env.args)
+        stops = tuple(int(i) for i in eos_ids)
+        return cls(factory, env.name, limits, tokenizer, stops, config.backend == "jax")
+
+    @property
+    def longest_prefix(self) -> int:
+        """The most tokens a turn is sampled after (what a sampler that compiles each
+        shape pads its prompts to): an episode with no room for another token has ended."""
+        return max(self.limits.max_episode_tokens - 1, 1)
+
+    def play(
+        self, sampler: Any, records: list[dict[str, Any]], params: SamplingParams, seed: int
+    ) -> list[EpisodeOutcome]:
+        """One episode per record on ``sampler`` (its ``generate``), in the records' order.
+
+        Every turn is sampled up to ``generation.max_new_tokens`` (each row is cut at its
+        episode's budget), so that a sampler that compiles each shape compiles one; with
+        ``bucket_rows`` the rows are padded up to a power of two (at most the batch) with
+        copies of the last one (dropped), so that it compiles once per bucket, not per
+        number of episodes still running."""
+        decoding = Decoding(seed, self.eos_ids, self.tokenizer.pad_token_id, self.tokenizer)
+        inner = sampler_generate(sampler, params, decoding)
+        width = self.limits.max_new_tokens
+
+        def generate(prefixes: list[list[int]], _budget: int) -> list[Any]:
+            n = len(prefixes)
+            rows = min(1 << (n - 1).bit_length(), len(records)) if self.bucket_rows else n
+            return inner(prefixes + [prefixes[-1]] * (rows - n), width)[:n]
+
+        return run_episodes(
+            records, self.factory, self.tokenizer, generate, self.limits,
+            name=self.name, stop_ids=self.eos_ids,
+        )  # fmt: skip
+
+    def layout(self, outcomes: Sequence[EpisodeOutcome]) -> tuple[Rollout, np.ndarray]:
+        """The episodes as one rollout, a placeholder row for each with no sampled token;
+        and ``no_loss``: the rows of those and of every episode whose environment failed."""
+        items: list[Any] = []
+        no_loss = []
+        for outcome in outcomes:
+            started = outcome.episode is not None and any(outcome.episode.sampled)
+            placeholder = _Placeholder([self.tokenizer.pad_token_id, self.eos_ids[0]])
+            items.append(outcome if started else placeholder)
+            no_loss.append(not started or outcome.error is not None)
+        return Rollout.from_episodes(items, self.tokenizer), np.asarray(no_loss, dtype=bool)
+
+    def sample(
+        self, sampler: Any, records: list[dict[str, Any]], params: SamplingParams, seed: int
+    ) -> Sample:
+        """An iteration's episodes, laid out and scored (see the module docstring)."""
+        outcomes = self.play(sampler, records, params, seed)
+        rollout, no_loss = self.layout(outcomes)
+        parts = sorted({part for outcome in outcomes for part in outcome.rewards})
+        scored = ScoredBatch(
+            total=[math.fsum(outcome.rewards.values()) for outcome in outcomes],
+            parts={part: [o.rewards.get(part, 0.0) for o in outcomes] for part in parts},
+        )
+        return Sample(
+            rollout=rollout,
+            scored=scored,
+            task_scores=np.asarray(scored.total, dtype=np.float64),
+            penalty=np.zeros(len(outcomes)),
+            truncated=np.asarray([outcome.truncated for outcome in outcomes], dtype=bool),
+            no_loss=no_loss,
+            metrics=episode_metrics(outcomes),
+        )
+
+    def validate(
+        self,
+        sampler: Any,
+        prompts: PromptSet,
+        rows: Sequence[int],
+        params: SamplingParams,
+        wanted: int,
+        *,
+        seed: int,
+    ) -> tuple[int, list[dict[str, Any]]]:
+        """One episode per record of ``rows``: how many are correct (reward >= 1), and the
+        first ``wanted`` as the samples a validation logs (the opening, the rest of the
+        episode with its chat markers, the answer extracted from the last turn, the
+        record's answer, the reward)."""
+        outcomes = self.play(sampler, prompts.records(rows), params, seed)
+        totals = [math.fsum(outcome.rewards.values()) for outcome in outcomes]
+        rollout, _ = self.layout(outcomes)
+        decode = partial(self.tokenizer.decode, skip_special_tokens=False)
+        samples = [
+            {
+                "prompt": decode(rollout.prompt_ids[k]),
+                "response": decode(rollout.response_ids[k, : rollout.lengths[k]].tolist()),
+                "extracted": extract_answer(rollout.response_texts[k]),
+                "gold": prompts.golds[row],
+                "reward": totals[k],
+            }
+            for k, row in enumerate(list(rows)[: max(wanted, 0)])
+        ]
+        return sum(total >= 1.0 for total in totals), samples
+
+
+@dataclass(frozen=True)
+class _Placeholder:
+    """The row of an episode with no sampled token: a one-token prompt and one token with
+    no loss weight (:meth:`Episodes.layout` marks it ``no_loss``)."""
+
+    ids: list[int]
+
+    @property
+    def turns(self) -> list[tuple[int, int]]:
+        return [(len(self.ids) - 1, len(self.ids))]
+
+    def columns(self) -> EpisodeColumns:
+        n = len(self.ids)
+        sampled = np.zeros(n, dtype=np.int8)
+        sampled[-1] = 1
+        return EpisodeColumns(np.asarray(self.ids, np.int32), sampled, np.zeros(n, np.float32))

@@ -1,0 +1,123 @@
+"""The ``env`` config section (multi-turn episodes in ``strop ppo``): its defaults, what it
+refuses in one line when it loads, the environment reference imported and its factory built
+at preflight (``check_environment``), and the context-length check against
+``env.max_episode_tokens``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+import strop
+from strop.config import Config, dump_config, load_config
+from strop.errors import ConfigError
+from strop.io.model_spec import check_context_length
+from strop.preflight import check_environment
+
+TINY_MATH = str(Path(strop.__file__).parent / "assets" / "tiny-math")  # 256 positions
+
+ENV_FILE = """
+class TwoTurns:
+    def reset(self, record):
+        return [{"role": "user", "content": record["question"]}]
+
+    def step(self, messages):
+        return None
+
+
+def make(**kwargs):
+    return TwoTurns()
+
+
+class Broken:
+    def reset(self, record):
+        return []
+"""
+
+
+def test_defaults_keep_single_turn_runs_as_they_were() -> None:
+    config = Config()
+    env = config.env
+    assert (env.name, env.args, env.enabled) == ("none", {}, False)
+    assert (env.max_turns, env.max_episode_tokens) == (4, 1024)
+    assert (env.step_timeout_s, env.max_error_fraction) == (60.0, 0.5)
+    assert config.ppo.reward == "gsm8k"
+
+
+def test_an_environment_scores_the_episodes_and_the_config_round_trips(tmp_path) -> None:
+    config = load_config(None, ["env.name=calculator", "env.args={max_turns: 2}"])
+    assert config.env.enabled and config.env.args == {"max_turns": 2}
+    assert config.ppo.reward == "none"  # unset: the environment's reward parts score
+    again = tmp_path / "config.yaml"  # what a run writes, and `strop export` reads back
+    again.write_text(dump_config(config))
+    assert load_config(again).model_dump() == config.model_dump()
+    assert yaml.safe_load(dump_config(config))["env"]["name"] == "calculator"
+    explicit = load_config(None, ["env.name=calculator", "ppo.reward=none"])
+    assert explicit.ppo.reward == "none"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (["env.name=calculator", "ppo.reward=gsm8k"], "set ppo.reward=none"),
+        (["ppo.reward=none"], "ppo.reward=none leaves nothing to score"),
+        (["env.name=calculator", "generation.engine=vllm"], "native samplers only for now"),
+        (["env.name=calculator", "ppo.overlong=penalty"], "use ppo.overlong=mask or keep"),
+        (["env.max_turns=0"], "env.max_turns: Input should be greater than 0"),
+        (["env.max_episode_tokens=-4"], "env.max_episode_tokens: Input should be greater than 0"),
+        (["env.step_timeout_s=nan"], "env.step_timeout_s: Input should be a finite number"),
+        (["env.max_error_fraction=1.5"], "env.max_error_fraction: Input should be less than"),
+        (["env.args=3"], "env.args: Input should be a valid dictionary"),
+        (["env.nmae=calculator"], "did you mean 'env.name'?"),
+    ],
+)
+def test_bad_env_settings_are_one_line(overrides, said) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    message = str(info.value)
+    assert "\n" not in message and said in message, message
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "said"),
+    [
+        ("calculater", {}, "unknown built-in environment; the built-in ones are calculator"),
+        ("nothere.py:make", {}, "nothere.py does not exist"),
+        ("envs.py:mak", {}, "did you mean 'make'?"),
+        ("no_such_pkg.mod:make", {}, "no module named 'no_such_pkg'"),
+        ("verifiers:wordle", {}, "verifiers environments are not supported yet"),
+        ("calculator", {"turns": 2}, "calculator_environment(...) failed: "),
+        ("envs.py:Broken", {}, "which has no step method"),
+    ],
+)
+def test_an_environment_that_cannot_be_built_is_one_line(tmp_path, monkeypatch, name, args, said):
+    (tmp_path / "envs.py").write_text(ENV_FILE)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        check_environment(name, args)
+    message = str(info.value)
+    assert message.startswith(f"env.name: environment {name!r}: ") and "\n" not in message
+    assert said in message, message
+    check_environment("envs.py:make", {"level": 3})  # the factory takes any keywords
+    check_environment("calculator", {"max_turns": 2})
+
+
+def test_context_length_is_checked_against_the_episode_budget() -> None:
+    check = {"max_length": 512, "max_new_tokens": 300}  # one turn; an episode holds several
+    with pytest.raises(ConfigError, match=r"generation\.max_new_tokens=300 leaves no room"):
+        check_context_length(TINY_MATH, "ppo", **check)
+    check_context_length(TINY_MATH, "ppo", **check, max_episode_tokens=256)
+    check_context_length(TINY_MATH, "ppo", **check, longest_prompt=60, max_episode_tokens=256)
+    with pytest.raises(ConfigError) as info:
+        check_context_length(TINY_MATH, "ppo", **check, max_episode_tokens=257)
+    assert str(info.value).startswith("env.max_episode_tokens=257 is more than the model's ")
+    assert "lower env.max_episode_tokens to at most 256" in str(info.value)
+
+
+def test_strop_eval_refuses_an_environment_before_anything_loads() -> None:
+    from strop.evaluation import run_eval
+
+    with pytest.raises(ConfigError, match="strop eval does not play episodes yet"):
+        run_eval(load_config(None, ["env.name=calculator"]))

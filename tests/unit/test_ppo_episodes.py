@@ -1,0 +1,131 @@
+"""strop.rl.episodes: what the PPO loop does with ``env.name``, on a scripted sampler (the
+tiny tokenizer, the real Qwen2.5-Instruct template): episodes played in one generate call
+per round at one shape, laid out with holes, scored by their reward parts; an episode its
+environment failed keeps a placeholder row with no loss weight; validation's count and
+samples."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from strop.agents import rollout as agents_rollout
+from strop.agents.calculator import calculator_environment
+from strop.agents.rollout import RolloutLimits
+from strop.config import load_config
+from strop.errors import ConfigError
+from strop.generation import SamplingParams
+from strop.rl.episodes import Episodes
+from strop.rl.prompts import PromptSet
+from tests.unit.test_agents_rollout import RECORDS, SCRIPTS, Scripted, tok  # noqa: F401
+
+
+class Flaky:
+    """The calculator, except that ``reset`` raises for a record marked ``boom``."""
+
+    def __init__(self) -> None:
+        self.inner = calculator_environment()
+        self.tool_schemas = self.inner.tool_schemas
+
+    def reset(self, record):
+        if record.get("boom"):
+            raise RuntimeError("no such level")
+        return self.inner.reset(record)
+
+    def step(self, messages):
+        return self.inner.step(messages)
+
+
+class ScriptedSampler:
+    """A sampler (``generate(prompts, params, **decoding)``) over :class:`Scripted`; records
+    each call's rows, max_new_tokens and seed."""
+
+    def __init__(self, tok):  # noqa: F811
+        self.scripted, self.calls = Scripted(tok, SCRIPTS), []
+
+    def generate(self, prompts, params, *, seed, eos_ids, pad_id, tokenizer=None):
+        self.calls.append((len(prompts), params.max_new_tokens, seed))
+        turns = self.scripted(prompts, params.max_new_tokens)
+        width = max(len(t.ids) for t in turns)
+        tokens = np.full((len(turns), width), pad_id, np.int32)
+        logprobs = np.zeros((len(turns), width), np.float32)
+        for row, turn in enumerate(turns):
+            tokens[row, : len(turn.ids)], logprobs[row, : len(turn.ids)] = turn.ids, turn.logprobs
+        lengths = np.asarray([len(t.ids) for t in turns])
+        return SimpleNamespace(
+            tokens=tokens, logprobs=logprobs, lengths=lengths,
+            finish_reasons=[t.finish for t in turns],
+        )  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(agents_rollout, "_WARNED", set())
+
+
+def episodes_of(tok, factory=Flaky, bucket_rows=True):  # noqa: F811
+    limits = RolloutLimits(max_turns=4, max_new_tokens=64, max_episode_tokens=2048)
+    return Episodes(factory, "flaky", limits, tok, (tok.eos_token_id,), bucket_rows)
+
+
+def test_an_iteration_plays_episodes_at_one_shape_and_scores_their_parts(tok) -> None:  # noqa: F811
+    records = [*RECORDS, {"question": "What is 3 + 4?", "answer": "7", "boom": True}]
+    sampler = ScriptedSampler(tok)
+    params = SamplingParams(max_new_tokens=64, temperature=1.0)
+    sample = episodes_of(tok).sample(sampler, records, params, seed=11)
+    # One generate call per round, every one at the per-turn limit (one compiled shape),
+    # rows padded to a power of two (at most the batch): 3 running of 4 -> 4; 2; 1.
+    assert sampler.calls == [(4, 64, 11), (2, 64, 12), (1, 64, 13)]
+    rollout = sample.rollout
+    assert len(rollout) == 4
+    np.testing.assert_array_equal(sample.task_scores, [1.0, 1.0, 1.0, 0.0])
+    assert sample.scored.parts == {"correct": [1.0, 1.0, 1.0, 0.0]}
+    np.testing.assert_array_equal(sample.no_loss, [False, False, False, True])
+    np.testing.assert_array_equal(sample.truncated, [False] * 4)
+    # Environment tokens are holes in the mask; the tool's answer is in the first one.
+    for row, turns in enumerate(len(SCRIPTS[r["question"]]) for r in RECORDS):
+        mask = rollout.response_mask[row, : rollout.lengths[row]]
+        assert (np.diff(mask) > 0).sum() == turns - 1
+    n = rollout.lengths[0]
+    hole = rollout.response_ids[0, :n][rollout.response_mask[0, :n] == 0]
+    assert "56088" in tok.decode(hole.tolist())
+    # The failed episode's row: a one-token prompt and one token, out of every loss.
+    assert rollout.prompt_ids[3] == [tok.pad_token_id] and rollout.lengths[3] == 1
+    assert rollout.response_ids[3, 0] == tok.eos_token_id
+    metrics = sample.metrics
+    assert metrics["env/errors"] == 0.25 and metrics["env/turns"] == pytest.approx(6 / 4)
+    assert metrics["env/tool_calls"] == pytest.approx(3 / 4)
+    assert metrics["reward/correct"] == 0.75
+    assert {"env/tool_errors", "env/truncated", "env/episode_tokens"} <= metrics.keys()
+    # Without row buckets (torch) the rows are the running episodes'.
+    plain = ScriptedSampler(tok)
+    episodes_of(tok, bucket_rows=False).sample(plain, records, params, seed=11)
+    assert [rows for rows, _, _ in plain.calls] == [3, 2, 1]
+
+
+def test_validation_counts_episodes_whose_reward_is_one(tok) -> None:  # noqa: F811
+    records = [dict(r) for r in RECORDS]
+    records[2]["answer"] = "135"  # its episode answers 134
+    columns = {key: [r[key] for r in records] for key in ("question", "answer")}
+    prompts = PromptSet([[1]] * 3, columns["answer"], ["q"] * 3, columns)
+    greedy = SamplingParams(max_new_tokens=64, temperature=0.0)
+    found, samples = episodes_of(tok, calculator_environment).validate(
+        ScriptedSampler(tok), prompts, range(3), greedy, 2, seed=0
+    )
+    assert found == 2 and len(samples) == 2
+    assert samples[0]["gold"] == "56088" and samples[0]["reward"] == 1.0
+    assert samples[0]["extracted"] == "56088"
+    assert "What is 123 * 456?" in samples[0]["prompt"]
+    assert "<tool_call>" in samples[0]["response"] and "56088" in samples[0]["response"]
+
+
+def test_the_run_s_episodes_come_from_the_config_and_need_a_chat_template(tok) -> None:  # noqa: F811
+    config = load_config(None, ["env.name=calculator", "env.args={max_turns: 2}"])
+    episodes = Episodes.from_config(config, tok, [tok.eos_token_id])
+    assert episodes.factory().max_turns == 2 and episodes.longest_prefix == 1023
+    assert Episodes.from_config(load_config(None, []), tok, [0]) is None
+    no_template = SimpleNamespace(chat_template=None)
+    with pytest.raises(ConfigError, match="rendered with the model's chat template"):
+        Episodes.from_config(config, no_template, [0])
