@@ -370,9 +370,9 @@ turn against the record's gold). An episode of the model, rendered:
 ## Chat template and tool format
 
 `tokenizer_config.json`'s `chat_template` is a short Qwen2.5-style template: ChatML turns
-(`<|im_start|>role\n...<|im_end|>\n`), the tools as one `name(parameters): description` line
+(`<|im_start|>role\\n...<|im_end|>\\n`), the tools as one `name(parameters): description` line
 each in the system turn (`tools=` of `apply_chat_template`), an assistant's `tool_calls`
-written as Qwen2.5 writes them (`<tool_call>\n{{"name": ..., "arguments": {{...}}}}\n</tool_call>`:
+written as Qwen2.5 writes them (`<tool_call>\\n{{"name": ..., "arguments": {{...}}}}\\n</tool_call>`:
 the `hermes` format of `strop.agents.tool_calls`, which `detect_format` reads off the
 template), and a tool result as a `tool` turn. `<tool_call>` and `</tool_call>` are single
 (non-special) tokens, as in Qwen2.5. EOS is `<|im_end|>`, pad `<|endoftext|>`. The system prompt
@@ -402,10 +402,12 @@ phrasings ("What is ...?", "Calculate ...", the boxes word problem) and for only
 {rates["casual"]:.0%} in the casual ones ("Work out ...", "How much is ...?", "Find ...",
 the bags word problem); otherwise the demonstration answers at once with a guess, the
 right answer with its last two digits made up (never right). {f.get("tool_share", 0):.0%} of
-the demonstrations use the tool. The model imitates this: it calls the tool where the
-annotator did and guesses elsewhere, and its guesses are wrong; when it calls the tool it is
-almost always right. At temperature 1 it still calls the tool for some casual questions,
-which is the signal a correctness reward uses to make it call the tool everywhere.
+the demonstrations use the tool. The model imitates this: greedy, it calls the tool for
+{pct(g["careful_call_rate"])} of the careful and {pct(g["casual_call_rate"])} of the casual
+questions, and is right {pct(g["accuracy_with_tool"])} of the time when it calls the tool,
+{pct(g["accuracy_without_tool"])} when it does not. At temperature 1 it calls the tool for
+{pct(t["casual_call_rate"])} of the casual questions: the exploration a correctness reward
+needs to make it call the tool everywhere (ceiling: about the accuracy with the tool).
 
 ## How it was made
 

@@ -51,7 +51,7 @@ def test_problems_are_products_with_the_right_gold(tmp_path) -> None:
 
 
 def test_demonstrations_call_the_tool_by_phrasing_and_guess_wrong_otherwise() -> None:
-    problems = make_calc_problems(2000, 2)
+    problems = make_calc_problems(1000, 2)
     rng = np.random.default_rng(0)
     used = {True: [], False: []}
     for problem in problems:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -136,10 +137,10 @@ def demonstration(
 ) -> dict[str, Any]:
     """A chat record (``messages``, ``tools``) that solves ``problem`` with the calculator
     tool or guesses (see the module docstring)."""
-    from strop.agents.calculator import calculate, calculator_environment
+    from strop.agents.calculator import calculate
 
     rates = {**TOOL_RATES, **(tool_rates or {})}
-    env = calculator_environment()
+    env = _environment()
     messages: list[dict[str, Any]] = env.reset(problem.to_record())
     if rng.random() < rates["careful" if problem.careful else "casual"]:
         call = {"name": "calculate", "arguments": {"expression": problem.expression}}
@@ -153,6 +154,14 @@ def demonstration(
     else:
         messages.append({"role": "assistant", "content": f"#### {guess(problem.value, rng)}"})
     return {"messages": messages, "tools": env.tool_schemas}
+
+
+@cache
+def _environment() -> Any:
+    """One calculator environment to open demonstrations with (making one builds its tool)."""
+    from strop.agents.calculator import calculator_environment
+
+    return calculator_environment()
 
 
 def write_calc_splits(
