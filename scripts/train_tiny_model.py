@@ -63,10 +63,20 @@ CURVE = {500: 0.090, 1000: 0.230, 1500: 0.363, 2000: 0.449, 2500: 0.445, 3000: 0
 PROMPT_TEMPLATE = "Question: {question}\nAnswer:"  # strop's default data.prompt_template
 
 
-def build_tokenizer(texts: list[str], directory: Path) -> tuple[int, dict[str, int]]:
+def build_tokenizer(
+    texts: list[str],
+    directory: Path,
+    *,
+    vocab_size: int = VOCAB_SIZE,
+    chat_template: str | None = None,
+    max_length: int = MODEL["max_position_embeddings"],
+    added_tokens: tuple[str, ...] = (),
+) -> tuple[int, dict[str, int]]:
     """Train the tokenizer on ``texts`` and save it into ``directory``; return its size
-    (special tokens included) and the ids of the special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    (special tokens included) and the ids of the special tokens. ``chat_template``
+    defaults to ChatML; ``added_tokens`` are added whole, as non-special tokens (as
+    Qwen2.5 has ``<tool_call>``)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from strop.io.tiny import CHATML_TEMPLATE, SPECIAL_TOKENS
 
@@ -79,28 +89,32 @@ def build_tokenizer(texts: list[str], directory: Path) -> tuple[int, dict[str, i
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
-        "model_max_length": MODEL["max_position_embeddings"],
-        "chat_template": CHATML_TEMPLATE,
+        "model_max_length": max_length,
+        "chat_template": CHATML_TEMPLATE if chat_template is None else chat_template,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     special = {name: tokenizer.token_to_id(name) for name in SPECIAL_TOKENS}
     return tokenizer.get_vocab_size(with_added_tokens=True), special
 
 
-def build_random_model(directory: Path, vocab_size: int, special: dict[str, int], seed: int):
-    """A random-init Qwen2 (transformers' own init, seeded) saved into ``directory``."""
+def build_random_model(
+    directory: Path, vocab_size: int, special: dict[str, int], seed: int, model: dict = MODEL
+):
+    """A random-init Qwen2 (transformers' own init, seeded) of the size ``model`` says,
+    saved into ``directory``."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -109,7 +123,7 @@ def build_random_model(directory: Path, vocab_size: int, special: dict[str, int]
         eos_token_id=special["<|im_end|>"],
         pad_token_id=special["<|endoftext|>"],
         bos_token_id=None,
-        **MODEL,
+        **model,
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)

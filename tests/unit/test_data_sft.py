@@ -87,6 +87,31 @@ def test_chat_loss_is_on_assistant_turns_only(tok) -> None:
     assert example.loss_mask[0] == 0
 
 
+def test_tool_chat_trains_on_calls_and_answers_not_on_results(tmp_path: Path) -> None:
+    """A record with tool_calls, a tool turn and tools (OpenAI / HF format) is rendered by
+    the real Qwen2.5 template with tools=; loss on the call and the answer only."""
+    from tests.chat_templates import save_chat_tokenizer
+
+    tok = Tokenizer.from_pretrained(save_chat_tokenizer(tmp_path / "qwen", "qwen2.5"))
+    tool = {"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}  # fmt: skip
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    chat = [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "assistant", "content": "It is 5."},
+    ]
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps({"messages": chat, "tools": [tool]}) + "\n")
+    [example], _ = load_sft_examples(path, DataConfig(max_length=1024), tok)
+    call_text = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    assert runs(tok, example) == [call_text + "<|im_end|>\n", "It is 5.<|im_end|>\n"]
+    text = tok.decode(example.input_ids)
+    assert '"description": "Add two numbers."' in text  # the tools reached the template
+    assert "<tool_response>\n5\n</tool_response>" in text
+
+
 def test_chat_template_that_rewrites_earlier_turns_is_rejected(tmp_path: Path) -> None:
     template = (
         "{% for m in messages %}{% if loop.last %}LAST {% endif %}{{ m.content }}\n{% endfor %}"

@@ -87,7 +87,29 @@ BAD_LINES = [
     ('{"messages": "hi"}', "messages", "'messages' must be a list, got string"),
     ('{"messages": []}', "messages", "'messages' is empty"),
     ('{"messages": [{"role": "user"}]}', "messages", "messages[0] is missing field 'content'"),
-    ('{"messages": [{"role": "tool", "content": "x"}]}', "messages", "messages[0].role is 'tool'"),
+    (
+        '{"messages": [{"role": "robot", "content": "x"}]}',
+        "messages",
+        "messages[0].role is 'robot'",
+    ),
+    ('{"messages": [{"role": "tool", "content": "x"}]}', "messages", "messages[0] is a tool turn"),
+    (
+        '{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": 3}]}',
+        "messages",
+        "messages[1].tool_calls must be a non-empty list, got number",
+    ),
+    (
+        '{"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {}}]}]}',
+        "messages",
+        "messages[0] is a user turn with tool_calls",
+    ),
+    (
+        '{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": '
+        '[{"type": "function", "function": {"name": "f", "arguments": "{x"}}]}]}',
+        "messages",
+        "messages[1].tool_calls[0].function.arguments is not valid JSON",
+    ),
+    ('{"messages": [{"role": "user", "content": "x"}], "tools": {}}', "messages", "'tools' must"),
     (
         '{"messages": [{"role": "assistant", "content": "x"}]}',
         "messages",

@@ -39,7 +39,7 @@ def prompt_ids(example: Example, tokenizer: Tokenizer) -> list[int]:
         if not turns:
             raise DataError(f"{example.source}:{example.line}: the chat has no prompt turns")
         try:
-            text = tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(turns, True, example.tools)
         except StropError as e:  # no template (ModelError), a template failure (DataError)
             raise type(e)(f"{example.source}:{example.line}: {e}") from None
         return tokenizer.encode(text)

@@ -13,7 +13,9 @@ means ``x_t`` is a target, predicted from the logits at position ``t - 1``. So
   content and the template's end-of-turn text, e.g. ``"...<|im_end|>\\n"``) gets loss, the
   rest does not. No EOS is appended: the template's end-of-turn token is what the model
   learns to stop with. Templates that rewrite earlier turns when the chat grows (so a
-  prefix's rendering is not a prefix of the whole) are rejected.
+  prefix's rendering is not a prefix of the whole) are rejected. Tool use trains the same
+  way: an assistant turn's ``tool_calls`` are rendered by the template (with the record's
+  ``tools``) and get loss, ``tool`` turns (results) do not.
 
 Every segment is tokenized on its own and the ids concatenated: that sequence, not a
 re-tokenization of the joined text, is what is trained on, so the mask boundary is exact.
@@ -130,7 +132,7 @@ def _plan(example: Example, tokenizer: Tokenizer) -> tuple[list[int], list[Segme
 def chat_segments(example: Example, tokenizer: Tokenizer) -> list[Segment]:
     """The rendered chat of ``example.messages`` cut into (text, 1 for assistant turns else
     0) pieces whose concatenation is the whole rendered chat."""
-    messages = example.messages or ()
+    messages, tools = example.messages or (), example.tools
     where = f"{example.source}:{example.line}"
     if not any(message["role"] == "assistant" for message in messages):
         raise DataError(
@@ -140,7 +142,7 @@ def chat_segments(example: Example, tokenizer: Tokenizer) -> list[Segment]:
 
     def render(upto: int, generation_prompt: bool) -> str:
         try:
-            return tokenizer.apply_chat_template(messages[:upto], generation_prompt)
+            return tokenizer.apply_chat_template(messages[:upto], generation_prompt, tools)
         except StropError as e:  # template failures (DataError), no template (ModelError)
             raise type(e)(f"{where}: {e}") from None
 

@@ -5,7 +5,12 @@ A data path is a JSONL file (one JSON object per line; blank lines are ignored),
 ``datasets.save_to_disk``, or a ``.json`` file holding one array of objects. Formats:
 
 - ``prompt_completion``: ``{"prompt": str, "completion": str}``
-- ``messages``: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``
+- ``messages``: ``{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str},
+  ...], "tools": [...]}``. Tool use in the OpenAI / Hugging Face chat format: an assistant
+  turn may carry ``tool_calls`` (``[{"type": "function", "function": {"name": str,
+  "arguments": {...}}}]``; its ``content`` may then be empty or null), a ``tool`` turn
+  (the result) a ``name``; the optional ``tools`` (JSON-schema dicts) go to the chat
+  template as ``tools=``, as ``transformers``' ``apply_chat_template`` takes them.
 - ``gsm8k``: ``{"question": str, "answer": str}``; the answer ends with ``#### <number>``.
   The prompt is ``prompt_template`` with ``{question}`` replaced; the completion is
   ``" " + answer`` and ``reference`` is the text after ``#### ``.
@@ -43,7 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Format = Literal["prompt_completion", "messages", "gsm8k", "keys"]
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 GSM8K_MARKER = "#### "
 DEFAULT_PROMPT_TEMPLATE = "Question: {question}\nAnswer:"
 DEFAULT_MAX_RECORD_BYTES = 4 << 20
@@ -54,7 +59,8 @@ class Example:
     """One record: ``prompt`` + ``completion`` text, or a chat in ``messages``.
 
     ``source`` and ``line`` (1-based) say where it came from; ``reference`` is the final
-    answer of a gsm8k record (for rewards and accuracy), else None. ``columns`` is the
+    answer of a gsm8k record (for rewards and accuracy), else None; ``tools`` are a chat's
+    tool schemas (the chat template's ``tools=``), else None. ``columns`` is the
     record as read (every key of its JSON object), which reward functions receive.
     """
 
@@ -62,8 +68,9 @@ class Example:
     line: int
     prompt: str | None = None
     completion: str | None = None
-    messages: tuple[dict[str, str], ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
     reference: str | None = None
+    tools: tuple[dict[str, Any], ...] | None = None
     columns: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
 
@@ -215,6 +222,7 @@ def _check_size(example: Example, max_record_bytes: int) -> None:
     """A table row's text over the cap is a bad row, as an over-long JSONL line is."""
     texts = [example.prompt or "", example.completion or ""]
     texts += [turn["content"] for turn in example.messages or ()]
+    texts += [json.dumps(turn.get("tool_calls", "")) for turn in example.messages or ()]
     size = sum(len(text.encode("utf-8")) for text in texts)
     if size > max_record_bytes:
         raise _BadLine(
@@ -287,7 +295,7 @@ def _to_example(
             raise _BadLine(f"gsm8k answer has nothing after '{GSM8K_MARKER}'")
         prompt = prompt_template.replace("{question}", question)
         return Example(source, line, prompt=prompt, completion=" " + answer, reference=reference)
-    return Example(source, line, messages=_messages(record))
+    return Example(source, line, messages=_messages(record), tools=_tools(record))
 
 
 def _keyed_example(
@@ -333,7 +341,7 @@ def _text(record: dict[str, Any], key: str) -> str:
     return value
 
 
-def _messages(record: dict[str, Any], name: str = "messages") -> tuple[dict[str, str], ...]:
+def _messages(record: dict[str, Any], name: str = "messages") -> tuple[dict[str, Any], ...]:
     if name not in record:
         raise _BadLine(f"missing field '{name}'")
     messages = record[name]
@@ -345,6 +353,9 @@ def _messages(record: dict[str, Any], name: str = "messages") -> tuple[dict[str,
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise _BadLine(f"{name}[{i}] must be an object, got {_kind(message)}")
+        calls = message.get("tool_calls")
+        if calls is not None and message.get("role") == "assistant":
+            message = {"content": "", **{k: v for k, v in message.items() if v is not None}}
         for key in ("role", "content"):
             if key not in message:
                 raise _BadLine(f"{name}[{i}] is missing field '{key}'")
@@ -352,10 +363,56 @@ def _messages(record: dict[str, Any], name: str = "messages") -> tuple[dict[str,
                 raise _BadLine(f"{name}[{i}].{key} must be a string, got {_kind(message[key])}")
         if message["role"] not in ROLES:
             raise _BadLine(f"{name}[{i}].role is {message['role']!r}; expected one of {ROLES}")
-        out.append({"role": message["role"], "content": message["content"]})
-    if out[0]["role"] == "assistant":
-        raise _BadLine(f"{name}[0] is an assistant turn; a chat starts with a system or user turn")
+        turn: dict[str, Any] = {"role": message["role"], "content": message["content"]}
+        if calls is not None:
+            turn["tool_calls"] = _tool_calls(calls, f"{name}[{i}]", message["role"])
+        if message["role"] == "tool" and message.get("name") is not None:
+            if not isinstance(message["name"], str):
+                raise _BadLine(f"{name}[{i}].name must be a string, got {_kind(message['name'])}")
+            turn["name"] = message["name"]
+        out.append(turn)
+    if out[0]["role"] in ("assistant", "tool"):
+        article = "an" if out[0]["role"] == "assistant" else "a"
+        raise _BadLine(
+            f"{name}[0] is {article} {out[0]['role']} turn; a chat starts with a system or "
+            "user turn"
+        )
     return tuple(out)
+
+
+def _tool_calls(calls: Any, where: str, role: str) -> list[dict[str, Any]]:
+    """An assistant turn's ``tool_calls`` in the OpenAI format, arguments as a dict (a JSON
+    string of an object is read into one, as chat templates render dicts)."""
+    if role != "assistant":
+        raise _BadLine(f"{where} is a {role} turn with tool_calls; only assistant turns call tools")
+    if not isinstance(calls, list) or not calls:
+        raise _BadLine(f"{where}.tool_calls must be a non-empty list, got {_kind(calls)}")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _BadLine(f'{at} must be {{"type": "function", "function": {{"name": str, ...}}}}')
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                raise _BadLine(f"{at}.function.arguments is not valid JSON") from None
+        if not isinstance(arguments, dict):
+            raise _BadLine(f"{at}.function.arguments must be an object, got {_kind(arguments)}")
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
+def _tools(record: dict[str, Any]) -> tuple[dict[str, Any], ...] | None:
+    """A chat record's ``tools`` (JSON-schema dicts for the template), None when absent."""
+    tools = record.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise _BadLine(f"field 'tools' must be a list of objects, got {_kind(tools)}")
+    return tuple(tools)
 
 
 def _kind(value: Any) -> str:
