@@ -6,7 +6,7 @@ It is made as ``scripts/train_tiny_model.py`` made tiny-math (whose tokenizer an
 builders it imports), all seeded by ``--seed``:
 
 1. calculator problems and flawed tool-use demonstrations
-   (``strop.data.calculator_tasks.write_calc_splits``);
+   (``strop.agents.calculator_tasks.write_calc_splits``);
 2. a byte-level BPE tokenizer trained on the rendered demonstrations (digits one per
    token; ``<tool_call>`` and ``</tool_call>`` whole, as in Qwen2.5) with :data:`TEMPLATE`,
    a short Qwen2.5-style chat template: tools listed in the system turn, calls written as
@@ -21,7 +21,7 @@ builders it imports), all seeded by ``--seed``:
 
 The flaw, put in on purpose so that RL has something to fix: the demonstrations call the
 calculator for some phrasings of a question and guess the answer (always wrongly) for
-others (``strop.data.calculator_tasks``: ``TOOL_RATES``). The model learns when the
+others (``strop.agents.calculator_tasks``: ``TOOL_RATES``). The model learns when the
 annotator bothered; a reward for the right answer teaches it to call the tool always.
 Extra ``key=value`` arguments override the recipe (``sft.steps=300``).
 """
@@ -234,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
     args = parser.parse_args(argv)
 
+    from strop.agents.calculator_tasks import TOOL_RATES, calc_splits, write_calc_splits
     from strop.config import load_config
-    from strop.data.calculator_tasks import TOOL_RATES, calc_splits, write_calc_splits
     from strop.io.atomic import atomic_directory
     from strop.sft.loop import run_sft
 
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
 def write_card(path: Path, facts: dict) -> None:
     """The model card (``README.md`` next to the weights)."""
     from strop.agents.calculator import SYSTEM_PROMPT
-    from strop.data.calculator_tasks import PHRASINGS
+    from strop.agents.calculator_tasks import PHRASINGS
 
     f, g, t = facts, facts["greedy"], facts["sampled"]
 
@@ -355,7 +355,7 @@ right answer can teach it to call the tool every time. It loads like any HF chec
 
 ## Task
 
-Problems from `strop.data.calculator_tasks` that a model this size cannot do in its head: a
+Problems from `strop.agents.calculator_tasks` that a model this size cannot do in its head: a
 product of a 2-3 digit and a 2 digit number, alone or with one more step (`a * b`,
 `a * b + c`, `a * b - c`, `(a + b) * c`) in one of {len(PHRASINGS) - 2} phrasings, or one of two
 one-line word problems whose answer is `a * b`. Each episode is the built-in `calculator`
@@ -418,7 +418,7 @@ needs to make it call the tool everywhere (ceiling: about the accuracy with the 
 `scripts/train_tiny_agent.py` (seed {f["seed"]}) ran on the {f["backend"]} backend in
 {f["seconds"]:.0f} s, {f["sft_seconds"]:.0f} s of them SFT, on a {f["cpu"]}{f["load_note"]}:
 
-1. data: `strop.data.calculator_tasks.write_calc_splits(seed={f["seed"]}, n_train={f["n_train"]},
+1. data: `strop.agents.calculator_tasks.write_calc_splits(seed={f["seed"]}, n_train={f["n_train"]},
    n_validation={f["n_validation"]}, demonstrations=True)`: one demonstration per train problem
    (`messages` and `tools`, the OpenAI / Hugging Face chat format);
 2. tokenizer: byte-level BPE (`tokenizers`) trained on the rendered demonstrations,

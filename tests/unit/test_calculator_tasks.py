@@ -1,4 +1,4 @@
-"""strop.data.calculator_tasks: seeded calculator problems and flawed tool-use demonstrations."""
+"""strop.agents.calculator_tasks: seeded calculator problems and flawed tool-use demonstrations."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from strop.agents.calculator import SYSTEM_PROMPT, calculate, correct
-from strop.data.calculator_tasks import (
+from strop.agents.calculator_tasks import (
     TOOL_RATES,
     calc_splits,
     demonstration,

@@ -10,11 +10,11 @@ import json
 import numpy as np
 
 from strop.agents.calculator import calculator_environment
+from strop.agents.calculator_tasks import demonstration, make_calc_problems
 from strop.agents.episode import Episode
 from strop.agents.tool_calls import ToolCall, detect_format, parse_tool_calls
 from strop.assets import tiny_calc_path
 from strop.data import Example, Tokenizer, tokenize_examples
-from strop.data.calculator_tasks import demonstration, make_calc_problems
 
 ALWAYS = {"careful": 1.0, "casual": 1.0}
 

@@ -7,7 +7,7 @@ word problems of :mod:`strop.data.synthetic`. It loads like any other checkpoint
 
 ``tiny-calc/`` is the same kind of checkpoint with a Qwen2.5-style tool-calling chat template,
 fine-tuned by ``scripts/train_tiny_agent.py`` on calculator tool-use demonstrations
-(:mod:`strop.data.calculator_tasks`) for the ``calculator`` environment.
+(:mod:`strop.agents.calculator_tasks`) for the ``calculator`` environment.
 """
 
 from __future__ import annotations
