@@ -37,27 +37,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_tiny_model import (
+    ASSET_FILES,
     _cpu_name,
     _load_note,
     build_random_model,
     build_tokenizer,
 )
+from train_tiny_model import (
+    MODEL as TINY_MATH_MODEL,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSET_DIR = ROOT / "src" / "strop" / "assets" / "tiny-calc"
 RECIPE = "sft-tiny-calc"
-ASSET_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-MODEL = {
-    "hidden_size": 128,
-    "intermediate_size": 384,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
+MODEL = {**TINY_MATH_MODEL, "max_position_embeddings": 512}  # tiny-math's, longer chats
 VOCAB_SIZE = 512
 ADDED_TOKENS = ("<tool_call>", "</tool_call>")
 N_TRAIN = 16000
