@@ -28,22 +28,15 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from strop.data import tables
 from strop.data.chat_records import _BadLine, _kind, _messages, _tools
-from strop.data.sources import (
-    DEFAULT_MAX_RECORD_BYTES,
-    ReadStats,
-    _jsonl_records,
-    _open_jsonl,
-    _text,
-)
+from strop.data.record_files import check_text_size, read_records
+from strop.data.sources import DEFAULT_MAX_RECORD_BYTES, ReadStats, _text
 from strop.data.tokenizer import Tokenizer
 from strop.errors import DataError, StropError
 
@@ -116,45 +109,25 @@ def read_preferences(
     ``path:line`` (``path:row``), or with ``skip_bad_lines`` is skipped and counted."""
     path = Path(path)
     keys = (prompt_key, chosen_key, rejected_key)
-    table = tables.is_table(path)
-    if table:
-        columns, _, rows = tables.read_rows(path)
-        missing = [key for key in keys[1:] if columns and key not in columns]
-        if missing:
-            raise DataError(
-                f"{path}: no column '{missing[0]}'; its columns are {', '.join(columns)}"
-            )
-        numbered: Iterator[tuple[int, Any]] = enumerate(rows, start=1)
-    else:
-        numbered = _jsonl_records(_open_jsonl(path), max_record_bytes)
-    unit = "row" if table else "line"
-    examples: list[PreferenceExample] = []
-    skipped, first_bad = 0, ""
-    for number, record in numbered:
-        try:
-            if isinstance(record, _BadLine):
-                raise record
-            if record is None and not table:
-                continue  # blank line
-            if not isinstance(record, dict):
-                raise _BadLine(f"expected a JSON object, got {_kind(record)}")
-            example = _to_pair(record, str(path), number, keys)
-            if table:
-                _check_size(example, max_record_bytes)
-            examples.append(example)
-        except _BadLine as e:
-            where = f"{path}:{number}: {e}"
-            if not skip_bad_lines:
-                raise DataError(
-                    f"{where}; fix the {unit}, or set data.skip_bad_lines=true to skip bad {unit}s"
-                ) from None
-            skipped += 1
-            first_bad = first_bad or where
+
+    def convert(record: dict[str, Any], number: int, table: bool) -> PreferenceExample:
+        example = _to_pair(record, str(path), number, keys)
+        if table:
+            _check_size(example, max_record_bytes)
+        return example
+
+    read = read_records(
+        path, convert, columns=dict.fromkeys(keys[1:]), skip_bad_lines=skip_bad_lines,
+        max_record_bytes=max_record_bytes,
+    )  # fmt: skip
+    examples, skipped = read.items, read.skipped
     if not examples:
-        what = f"all {skipped} {unit}(s) are bad (first: {first_bad})" if skipped else "it is empty"
+        what = (
+            f"all {skipped} {read.unit}(s) are bad (first: {read.first_bad})"
+            if skipped
+            else "it is empty"
+        )
         raise DataError(f"no preference pairs in {path}: {what}")
-    if skipped:
-        logger.warning("skipped %d bad %s(s) in %s (first: %s)", skipped, unit, path, first_bad)
     return examples, ReadStats(str(path), "preferences", len(examples), skipped)  # type: ignore[arg-type]
 
 
@@ -229,13 +202,7 @@ def _check_answers(chosen: str, rejected: str, keys: tuple[str, str, str]) -> No
 
 def _check_size(example: PreferenceExample, max_record_bytes: int) -> None:
     texts = [example.prompt or "", example.chosen, example.rejected]
-    texts += [json.dumps(turn) for turn in example.messages or ()]
-    size = sum(len(text.encode("utf-8")) for text in texts)
-    if size > max_record_bytes:
-        raise _BadLine(
-            f"the record's text is {size:,} bytes, over data.max_record_bytes="
-            f"{max_record_bytes}; split it or raise the cap"
-        )
+    check_text_size(texts + [json.dumps(turn) for turn in example.messages or ()], max_record_bytes)
 
 
 def tokenize_preferences(
