@@ -87,7 +87,7 @@ def test_bad_env_settings_are_one_line(overrides, said) -> None:
         ("nothere.py:make", {}, "nothere.py does not exist"),
         ("envs.py:mak", {}, "did you mean 'make'?"),
         ("no_such_pkg.mod:make", {}, "no module named 'no_such_pkg'"),
-        ("verifiers:wordle", {}, "verifiers environments are not supported yet"),
+        ("verifiers:wordle", {}, "no module named 'wordle' on the Python path"),
         ("calculator", {"turns": 2}, "calculator_environment(...) failed: "),
         ("envs.py:Broken", {}, "which has no step method"),
     ],
