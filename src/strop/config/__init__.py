@@ -161,6 +161,12 @@ class Config(_Section):
                 "ppo.reward=none",
             ),
             (
+                self.eval.reward != EvalConfig.model_fields["reward"].default,  # dumped too
+                f"eval.reward ({self.eval.reward!r}) scores single-turn responses; with "
+                f"env.name ({env.name}) strop eval scores each episode by the environment's "
+                "reward parts: leave eval.reward unset",
+            ),
+            (
                 self.generation.engine != "native",
                 f"env.name ({env.name}) with generation.engine={self.generation.engine}: "
                 "episodes run on the native samplers only for now",

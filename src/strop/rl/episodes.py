@@ -172,20 +172,18 @@ class Episodes:
             metrics=episode_metrics(outcomes),
         )
 
-    def validate(
+    def judge(
         self,
         sampler: Any,
         prompts: PromptSet,
         rows: Sequence[int],
         params: SamplingParams,
-        wanted: int,
         *,
         seed: int,
-    ) -> tuple[int, list[dict[str, Any]]]:
-        """One episode per record of ``rows``: how many are correct (reward >= 1), and the
-        first ``wanted`` as the samples a validation logs (the opening, the rest of the
-        episode with its chat markers, the answer extracted from the last turn, the
-        record's answer, the reward)."""
+    ) -> Judged:
+        """One episode per record of ``rows`` (a row may repeat: one episode each), each
+        scored as validation scores it: correct when its reward (the parts summed) is >= 1.
+        What :meth:`validate` and ``strop eval`` both count."""
         outcomes = self.play(sampler, prompts.records(rows), params, seed)
         totals = [math.fsum(outcome.rewards.values()) for outcome in outcomes]
         rollout, _ = self.layout(outcomes)
@@ -198,9 +196,36 @@ class Episodes:
                 "gold": prompts.golds[row],
                 "reward": totals[k],
             }
-            for k, row in enumerate(list(rows)[: max(wanted, 0)])
+            for k, row in enumerate(rows)
         ]
-        return sum(total >= 1.0 for total in totals), samples
+        return Judged(outcomes, [total >= 1.0 for total in totals], samples)
+
+    def validate(
+        self,
+        sampler: Any,
+        prompts: PromptSet,
+        rows: Sequence[int],
+        params: SamplingParams,
+        wanted: int,
+        *,
+        seed: int,
+    ) -> tuple[int, list[dict[str, Any]]]:
+        """One episode per record of ``rows`` (:meth:`judge`): how many are correct, and
+        the first ``wanted`` as the samples a validation logs (the opening, the rest of the
+        episode with its chat markers, the answer extracted from the last turn, the
+        record's answer, the reward)."""
+        judged = self.judge(sampler, prompts, rows, params, seed=seed)
+        return sum(judged.correct), judged.samples[: max(wanted, 0)]
+
+
+@dataclass(frozen=True)
+class Judged:
+    """Episodes played for validation or ``strop eval``, in their rows' order: the outcomes,
+    whether each is correct (reward >= 1), and each as a sample record."""
+
+    outcomes: list[EpisodeOutcome]
+    correct: list[bool]
+    samples: list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
