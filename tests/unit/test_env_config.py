@@ -56,6 +56,8 @@ def test_an_environment_scores_the_episodes_and_the_config_round_trips(tmp_path)
     assert yaml.safe_load(dump_config(config))["env"]["name"] == "calculator"
     explicit = load_config(None, ["env.name=calculator", "ppo.reward=none"])
     assert explicit.ppo.reward == "none"
+    served = load_config(None, ["env.name=calculator", "generation.engine=vllm"])
+    assert served.generation.engine == "vllm"  # episodes on vLLM (tests/vllm_engine)
 
 
 @pytest.mark.parametrize(
@@ -63,7 +65,7 @@ def test_an_environment_scores_the_episodes_and_the_config_round_trips(tmp_path)
     [
         (["env.name=calculator", "ppo.reward=gsm8k"], "set ppo.reward=none"),
         (["ppo.reward=none"], "ppo.reward=none leaves nothing to score"),
-        (["env.name=calculator", "generation.engine=vllm"], "native samplers only for now"),
+        (["env.name=calculator", "eval.reward=math"], "leave eval.reward unset"),
         (["env.name=calculator", "ppo.overlong=penalty"], "use ppo.overlong=mask or keep"),
         (["env.max_turns=0"], "env.max_turns: Input should be greater than 0"),
         (["env.max_episode_tokens=-4"], "env.max_episode_tokens: Input should be greater than 0"),

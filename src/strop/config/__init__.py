@@ -167,11 +167,6 @@ class Config(_Section):
                 "reward parts: leave eval.reward unset",
             ),
             (
-                self.generation.engine != "native",
-                f"env.name ({env.name}) with generation.engine={self.generation.engine}: "
-                "episodes run on the native samplers only for now",
-            ),
-            (
                 ppo.overlong == "penalty",
                 "ppo.overlong=penalty penalises single-turn responses by length; with env.name "
                 f"({env.name}) use ppo.overlong=mask or keep (an episode cut by "
