@@ -88,7 +88,7 @@ class Config(_Section):
     critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO value model.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Sampling.")
     env: EnvConfig = Field(
-        default_factory=EnvConfig, description="Multi-turn episodes in an environment (PPO)."
+        default_factory=EnvConfig, description="Multi-turn episodes in an environment (PPO, eval)."
     )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="`strop eval`.")
     mesh: MeshConfig = Field(default_factory=MeshConfig, description="Device mesh.")
