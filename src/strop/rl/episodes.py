@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -124,7 +125,8 @@ class Episodes:
         episode's budget), so that a sampler that compiles each shape compiles one; with
         ``bucket_rows`` the rows are padded up to a power of two (at most the batch) with
         copies of the last one (dropped), so that it compiles once per bucket, not per
-        number of episodes still running."""
+        number of episodes still running. A sampler with an ``awake()`` context (vLLM's
+        engine) is held awake for all the rounds."""
         decoding = Decoding(seed, self.eos_ids, self.tokenizer.pad_token_id, self.tokenizer)
         inner = sampler_generate(sampler, params, decoding)
         width = self.limits.max_new_tokens
@@ -134,10 +136,13 @@ class Episodes:
             rows = min(1 << (n - 1).bit_length(), len(records)) if self.bucket_rows else n
             return inner(prefixes + [prefixes[-1]] * (rows - n), width)[:n]
 
-        return run_episodes(
-            records, self.factory, self.tokenizer, generate, self.limits,
-            name=self.name, stop_ids=self.eos_ids,
-        )  # fmt: skip
+        # an engine that sleeps between calls (vLLM's vllm_sleep) stays up for the episodes
+        awake = getattr(sampler, "awake", None)
+        with awake() if awake is not None else nullcontext():
+            return run_episodes(
+                records, self.factory, self.tokenizer, generate, self.limits,
+                name=self.name, stop_ids=self.eos_ids,
+            )  # fmt: skip
 
     def layout(self, outcomes: Sequence[EpisodeOutcome]) -> tuple[Rollout, np.ndarray]:
         """The episodes as one rollout, a placeholder row for each with no sampled token;
