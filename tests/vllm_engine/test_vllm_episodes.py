@@ -1,12 +1,13 @@
 """Multi-turn episodes (``env.name``) on ``generation.engine=vllm``: `strop ppo` (torch)
 trains on calculator episodes sampled by vLLM, the engine syncs the actor's adapter before
-each iteration's episodes, and vLLM's greedy turns (token ids, continued from each
-episode's ids of different lengths) equal the native sampler's on the same weights.
+each iteration's episodes, vLLM's greedy turns (token ids, continued from each episode's
+ids of different lengths) equal the native sampler's on the same weights, and `strop eval`
+on vLLM with the run's adapter counts those episodes.
 
 An episode budget of the model's whole context (512 positions): vLLM's ``max_model_len`` is
 the budget, not the longest prefix + ``generation.max_new_tokens`` (past the model's
-positions, which vLLM refuses). One vLLM engine for the whole file (its start-up is most of
-the time): the PPO run's, kept open after the run for the comparison."""
+positions, which vLLM refuses). The PPO run's engine is kept open after the run for the
+comparison (its start-up is most of the time); eval builds its own."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from strop.config import load_config
 from strop.data import Tokenizer
 from strop.engines.vllm import VllmEngine
 from strop.engines.vllm_sync import VllmRollouts
+from strop.evaluation import run_eval
 from strop.generation import SamplingParams
 from strop.metrics.sinks import read_metrics
 from strop.rl.episodes import Episodes
@@ -110,3 +112,21 @@ def test_ppo_on_vllm_episodes_syncs_before_each_iteration_and_greedy_turns_are_n
             assert np.abs(a.logprobs[mask] - b.logprobs[mask]).max() < LOGPROB_BOUND
     finally:
         close(rollouts)
+
+    # strop eval with env.name on vLLM (its own engine) and the run's adapter: the episodes
+    # above, counted as validation counts them
+    monkeypatch.setattr(VllmRollouts, "close", close)
+    summary = run_eval(
+        load_config(
+            "tiny",
+            [
+                f"model.path={tiny_calc_path()}", f"eval.path={data['validation']}",
+                f"eval.adapter={tmp_path / 'run' / 'adapter'}", f"run_dir={tmp_path / 'eval'}",
+                "backend=torch", "generation.engine=vllm", "generation.vllm_memory_fraction=0.1",
+                "env.name=calculator", "env.max_episode_tokens=512", "generation.max_new_tokens=40",
+            ],
+        )
+    )  # fmt: skip
+    assert summary.accuracy == sum(sum(o.rewards.values()) >= 1 for o in native) / len(cases)
+    assert summary.metrics["env/turns"] == sum(o.turns for o in native) / len(cases)
+    assert summary.metrics["env/episode_tokens"] == sum(len(o.episode) for o in native) / len(cases)
