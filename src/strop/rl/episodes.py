@@ -18,9 +18,11 @@ token; it and every episode its environment failed score 0 (in their group's bas
 carry no loss weight (:attr:`Sample.no_loss`): the failure is the environment's, not the
 policy's.
 
-Validation (:meth:`Episodes.validate`) plays one episode per record at the validation
+Validation (:meth:`Episodes.validate`) and ``strop eval`` with ``env.name``
+(:mod:`strop.evaluation`) play one episode per record (:meth:`Episodes.judge`) at their
 sampling settings; an episode is correct when its reward (the parts summed) is >= 1, as a
-single-turn response is when it scores >= 1.
+single-turn response is when it scores >= 1. A sampler with an ``awake()`` context (vLLM's
+engine, which may sleep between calls) is held awake for an iteration's rounds.
 """
 
 from __future__ import annotations
