@@ -125,7 +125,7 @@ def preflight(
     refuse_launcher_of_another_backend(config)
     if not exporting:  # an export samples nothing: a vLLM run exports without vLLM
         check_engine(config, job)
-        if job == "ppo" and config.env.enabled:
+        if job in ("ppo", "eval") and config.env.enabled:
             check_environment(config.env.name, config.env.args)
     if checkpoint_dir is not None:
         refuse_other_backends_checkpoints(checkpoint_dir, config.backend)

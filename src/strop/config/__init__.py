@@ -86,7 +86,7 @@ class Config(_Section):
     ppo: PpoConfig = _section(PpoConfig, "PPO loop.")
     critic: CriticConfig = _section(CriticConfig, "PPO value model.")
     generation: GenerationConfig = _section(GenerationConfig, "Sampling.")
-    env: EnvConfig = _section(EnvConfig, "Multi-turn episodes in an environment (PPO).")
+    env: EnvConfig = _section(EnvConfig, "Multi-turn episodes in an environment (PPO, eval).")
     eval: EvalConfig = _section(EvalConfig, "`strop eval`.")
     mesh: MeshConfig = _section(MeshConfig, "Device mesh.")
     checkpoint: CheckpointConfig = _section(CheckpointConfig, "Checkpointing.")
@@ -156,9 +156,10 @@ class Config(_Section):
                 "ppo.reward=none",
             ),
             (
-                self.generation.engine != "native",
-                f"env.name ({env.name}) with generation.engine={self.generation.engine}: "
-                "episodes run on the native samplers only for now",
+                self.eval.reward != EvalConfig.model_fields["reward"].default,  # dumped too
+                f"eval.reward ({self.eval.reward!r}) scores single-turn responses; with "
+                f"env.name ({env.name}) strop eval scores each episode by the environment's "
+                "reward parts: leave eval.reward unset",
             ),
             (
                 ppo.overlong == "penalty",
