@@ -105,7 +105,9 @@ class JaxContinuation:
         steps = params.max_new_tokens
         span = width + steps - 1  # the cache's slots per row, as re-prefill's
         reused = [max(0, min(int(c), len(p) - 1)) for c, p in zip(cached, prefixes, strict=True)]
-        chunk = min(width, prompt_bucket(max(len(p) - c for p, c in zip(prefixes, reused))))
+        chunk = min(
+            width, prompt_bucket(max(len(p) - c for p, c in zip(prefixes, reused, strict=True)))
+        )
         store = self._store_for(model, max(max(slots, default=-1) + 1, batch), span, mesh, shards)
         rows = store.layers[0][0].shape[0]
 
@@ -156,9 +158,7 @@ class JaxContinuation:
             tokens, logprobs, out_lengths, reasons, params, decoding.tokenizer, decoding.pad_id
         )
 
-    def _store_for(
-        self, model: CausalLM, rows: int, span: int, mesh: Mesh, shards: int
-    ) -> KVCache:
+    def _store_for(self, model: CausalLM, rows: int, span: int, mesh: Mesh, shards: int) -> KVCache:
         """The store, grown (zeros) to at least ``rows`` slots of ``span`` columns."""
         rows = math.ceil(rows / shards) * shards
         if self.store is None:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from strop.backends.torch.checkpoint import TrainCheckpoints
+from strop.backends.torch.continuation import TorchContinuation
 from strop.backends.torch.fsdp import all_gather_rows, place, shard_module, write_once
 from strop.backends.torch.generate import generate, sampler_keywords
 from strop.backends.torch.handle import export_merged, merged_weights
@@ -252,6 +253,20 @@ class TorchActorCritic(Sampler):
                 self.config.generation, decoding, loaded.model, self.widths.prompt
             )
             return generate(loaded.model, prompts, params, **keywords)
+
+    def start_session(self, decoding: Decoding) -> TorchContinuation:
+        """The actor's sampler keeping its KV cache across calls (:mod:`strop.agents.continuation`)."""
+
+        @contextlib.contextmanager
+        def scope() -> Iterator[tuple[nn.Module, dict[str, Any]]]:
+            with self._role("actor") as loaded, loaded.autocast():
+                generation = self.config.generation
+                yield (
+                    loaded.model,
+                    sampler_keywords(generation, decoding, loaded.model, self.widths.prompt),
+                )
+
+        return TorchContinuation(scope, decoding)
 
     def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:
         temperature = self.policy_objective.temperature
