@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from strop.agents.environment import StepResult
-from strop.io.tiny import make_tiny_checkpoint
 from strop.config import load_config
 from strop.data import Tokenizer
 from strop.engines import NativeEngine
 from strop.generation import SamplingParams
+from strop.io.tiny import make_tiny_checkpoint
 from strop.rl.episodes import Episodes
 
 
