@@ -230,7 +230,7 @@ class JaxActorCritic(Sampler):
         )  # fmt: skip
 
     def start_session(self, decoding: Decoding) -> JaxContinuation:
-        """The actor's sampler keeping its KV cache across calls (:mod:`strop.agents.continuation`)."""
+        """The actor's sampler keeping its KV cache across calls (agents/continuation.py)."""
         columns = self.widths.prompt
         return JaxContinuation(self.actor_module, decoding, prompt_columns=columns, mesh=self.mesh)
 
