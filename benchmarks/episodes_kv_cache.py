@@ -79,7 +79,7 @@ def run(backend: str, args: argparse.Namespace) -> list[list[str]]:
         began = time.perf_counter()
         mode.play(engine, records, params, seed=0)
         warm = time.perf_counter() - began
-        compiles = _traces(backend) - traces if traces is not None else None
+        compiles = _delta(traces, _traces(backend)) if traces is not None else None
         times = []
         for _ in range(args.repeats):
             began = time.perf_counter()
@@ -91,7 +91,7 @@ def run(backend: str, args: argparse.Namespace) -> list[list[str]]:
         turns = sum(o.turns for o in outcomes) / len(outcomes)
         rows.append([
             backend, "continue (kv_cache)" if kv_cache else "re-prefill", f"{warm:.2f}",
-            "-" if compiles is None else str(compiles), f"{sum(times) / len(times):.3f}",
+            "-" if compiles is None else compiles, f"{sum(times) / len(times):.3f}",
             f"{turns:.1f}", str(sampled), str(total),
         ])  # fmt: skip
     same = played[False] == played[True]
@@ -100,13 +100,23 @@ def run(backend: str, args: argparse.Namespace) -> list[list[str]]:
     return rows
 
 
-def _traces(backend: str) -> int | None:
+def _traces(backend: str) -> dict[str, int] | None:
+    """JAX's traces (= compiles) so far, by program."""
     if backend != "jax":
         return None
     from strop.backends.jax.continuation import CONTINUATION_TRACES
     from strop.backends.jax.generate import TRACES
 
-    return TRACES.prefill + TRACES.decode + CONTINUATION_TRACES.prefill + CONTINUATION_TRACES.store
+    return {
+        "prefill": TRACES.prefill, "decode": TRACES.decode,
+        "chunk prefill": CONTINUATION_TRACES.prefill, "store": CONTINUATION_TRACES.store,
+    }  # fmt: skip
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> str:
+    counts = {name: after[name] - before[name] for name in after}
+    parts = ", ".join(f"{name} {n}" for name, n in counts.items() if n)
+    return f"{sum(counts.values())} ({parts})" if parts else "0"
 
 
 def main() -> None:

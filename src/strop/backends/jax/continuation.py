@@ -159,17 +159,19 @@ class JaxContinuation:
         )
 
     def _store_for(self, model: CausalLM, rows: int, span: int, mesh: Mesh, shards: int) -> KVCache:
-        """The store, grown (zeros) to at least ``rows`` slots of ``span`` columns."""
+        """The store, grown (zeros) to at least ``rows`` slots of ``span`` columns (its index
+        replicated on the mesh, as :func:`_keep` returns it: one trace for both)."""
         rows = math.ceil(rows / shards) * shards
+        index = jax.device_put(np.int32(0), NamedSharding(mesh, PartitionSpec()))
         if self.store is None:
-            return _constrain_cache(model.init_cache(rows, span), mesh)
+            return _constrain_cache(model.init_cache(rows, span)._replace(index=index), mesh)
         have_rows, have_span = self.store.mask.shape
         if have_rows >= rows and have_span >= span:
             return self.store
         grow = ((0, max(rows - have_rows, 0)), (0, max(span - have_span, 0)), (0, 0), (0, 0))
         layers = tuple((jnp.pad(k, grow), jnp.pad(v, grow)) for k, v in self.store.layers)
         mask = jnp.zeros((have_rows + grow[0][1], have_span + grow[1][1]), jnp.bool_)
-        return _constrain_cache(KVCache(layers, mask, self.store.index), mesh)
+        return _constrain_cache(KVCache(layers, mask, index), mesh)
 
 
 def _shift_rows(rows: jax.Array, starts: jax.Array, width: int) -> jax.Array:
