@@ -104,7 +104,10 @@ class JaxContinuation:
         width = columns if columns is not None and columns >= longest else prompt_bucket(longest)
         steps = params.max_new_tokens
         span = width + steps - 1  # the cache's slots per row, as re-prefill's
-        reused = [max(0, min(int(c), len(p) - 1)) for c, p in zip(cached, prefixes, strict=True)]
+        reused = [  # nothing before the first call, nor without a slot
+            max(0, min(int(c), len(p) - 1)) if self.store is not None and s >= 0 else 0
+            for c, p, s in zip(cached, prefixes, slots, strict=True)
+        ]
         chunk = min(
             width, prompt_bucket(max(len(p) - c for p, c in zip(prefixes, reused, strict=True)))
         )
