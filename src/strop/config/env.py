@@ -50,6 +50,13 @@ class EnvConfig(_Section):
         description="Deadline of one reset or step of the environment; past it the episode "
         "fails (reward 0, counted in env/errors). null: no deadline.",
     )
+    kv_cache: bool = Field(
+        True,
+        description="The native samplers (JAX, torch) continue each episode from the KV "
+        "cache of its previous turn, prefilling only the new tokens (the last sampled one and "
+        "the environment's messages); false: every turn re-prefills the whole episode. Both "
+        "sample the same tokens.",
+    )
     max_error_fraction: float = Field(
         0.5,
         ge=0,

@@ -57,6 +57,11 @@ class NativeEngine(Sampler):
     ) -> Generation:
         return self.model.sample(prompts, params, decoding)
 
+    def __getattr__(self, name: str) -> Any:
+        if name == "start_session":  # the model's, where it keeps KV caches across calls
+            return getattr(self.model, name)
+        raise AttributeError(name)
+
     def mark_stale(self) -> None:
         pass
 

@@ -4,9 +4,10 @@ With an environment, an iteration's records are played as episodes instead of sa
 single completions (:meth:`Episodes.sample`): ``ppo.num_generations_per_prompt`` episodes
 per record, side by side (a group, for the grouped estimators), through
 :func:`~strop.agents.rollout.run_episodes` over the rollout engine's ``generate``
-(:func:`~strop.agents.rollout.sampler_generate`: every turn re-prefills the episode so
-far, its n-th call seeded ``seed + n``, so an iteration's seed gives its episodes, resumes
-included). The episodes are laid out by :meth:`Rollout.from_episodes
+(:func:`~strop.agents.continuation.continuation_generate`: with ``env.kv_cache`` each turn
+continues from the KV cache of the episode's previous turn, else re-prefills the episode so
+far, the same tokens either way; its n-th call seeded ``seed + n``, so an iteration's seed
+gives its episodes, resumes included). The episodes are laid out by :meth:`Rollout.from_episodes
 <strop.rl.rollout.Rollout.from_episodes>`: environment and tool tokens are holes in the
 response mask (context, never a target). Each episode's score is its environment's reward
 parts summed over its turns; each part is logged as ``reward/<part>``, with
@@ -36,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from strop.agents.continuation import continuation_generate
 from strop.agents.environment import resolve_environment
 from strop.agents.episode import EpisodeColumns
 from strop.agents.rollout import (
@@ -43,7 +45,6 @@ from strop.agents.rollout import (
     RolloutLimits,
     episode_metrics,
     run_episodes,
-    sampler_generate,
 )
 from strop.config import Config
 from strop.data import Tokenizer
@@ -84,6 +85,7 @@ class Episodes:
     tokenizer: Tokenizer
     eos_ids: tuple[int, ...]
     bucket_rows: bool = False  # a sampler that compiles each shape (JAX): rows in buckets
+    kv_cache: bool = True  # env.kv_cache: continue from the previous turn's cache
 
     @classmethod
     def from_config(
@@ -110,7 +112,8 @@ class Episodes:
         )
         factory = partial(resolve_environment(env.name), **env.args)
         stops = tuple(int(i) for i in eos_ids)
-        return cls(factory, env.name, limits, tokenizer, stops, config.backend == "jax")
+        jax = config.backend == "jax"
+        return cls(factory, env.name, limits, tokenizer, stops, jax, env.kv_cache)
 
     @property
     def longest_prefix(self) -> int:
@@ -130,7 +133,7 @@ class Episodes:
         number of episodes still running. A sampler with an ``awake()`` context (vLLM's
         engine) is held awake for all the rounds."""
         decoding = Decoding(seed, self.eos_ids, self.tokenizer.pad_token_id, self.tokenizer)
-        inner = sampler_generate(sampler, params, decoding)
+        inner = continuation_generate(sampler, params, decoding, kv_cache=self.kv_cache)
         width = self.limits.max_new_tokens
 
         def generate(prefixes: list[list[int]], _budget: int) -> list[Any]:

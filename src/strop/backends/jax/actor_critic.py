@@ -32,6 +32,7 @@ from flax import nnx
 
 from strop.backends.jax import ppo_steps
 from strop.backends.jax.checkpoint import TrainCheckpoints
+from strop.backends.jax.continuation import JaxContinuation
 from strop.backends.jax.generate import generate
 from strop.backends.jax.lora import (
     adapter_weights,
@@ -227,6 +228,11 @@ class JaxActorCritic(Sampler):
             self.actor_module(), prompts, params, **decoding.keywords(),
             prompt_columns=self.widths.prompt,
         )  # fmt: skip
+
+    def start_session(self, decoding: Decoding) -> JaxContinuation:
+        """The actor's sampler keeping its KV cache across calls (agents/continuation.py)."""
+        columns = self.widths.prompt
+        return JaxContinuation(self.actor_module, decoding, prompt_columns=columns, mesh=self.mesh)
 
     def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:
         """``[B, L]`` ``log pi(x_t | x_<t)`` at the rollout temperature, of the actor or the

@@ -96,6 +96,13 @@ class JaxPolicy(Sampler):
         """Sample with the current weights (adapters included): :meth:`Sampler.generate`."""
         return generate(self.model, prompts, params, **decoding.keywords())
 
+    def start_session(self, decoding: Decoding) -> Any:
+        """A sampling session that keeps its KV cache across calls (multi-turn episodes:
+        :mod:`strop.agents.continuation`)."""
+        from strop.backends.jax.continuation import JaxContinuation
+
+        return JaxContinuation(lambda: self.model, decoding, mesh=self.mesh)
+
     # checkpoints -------------------------------------------------------------------------
 
     def latest_checkpoint(self) -> int | None:

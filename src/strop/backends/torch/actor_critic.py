@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from strop.backends.torch.checkpoint import TrainCheckpoints
+from strop.backends.torch.continuation import TorchContinuation
 from strop.backends.torch.fsdp import all_gather_rows, place, shard_module, write_once
 from strop.backends.torch.generate import generate, sampler_keywords
 from strop.backends.torch.handle import export_merged, merged_weights
@@ -245,13 +246,23 @@ class TorchActorCritic(Sampler):
     def sample(
         self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
     ) -> Generation:
-        """Sample from the actor (:meth:`Sampler.generate`; a compiled decode step,
-        ``generation.compile``, at the run's prompt width: :meth:`expect_prompts`)."""
+        with self._sampling(decoding) as (model, keywords):
+            return generate(model, prompts, params, **keywords)
+
+    def start_session(self, decoding: Decoding) -> TorchContinuation:
+        """The actor's sampler keeping its KV cache across calls (agents/continuation.py)."""
+        return TorchContinuation(partial(self._sampling, decoding), decoding)
+
+    @contextlib.contextmanager
+    def _sampling(self, decoding: Decoding) -> Iterator[tuple[nn.Module, dict[str, Any]]]:
+        """The actor and generate's keywords: a compiled decode step (``generation.compile``)
+        at the run's prompt width (:meth:`expect_prompts`)."""
         with self._role("actor") as loaded, loaded.autocast():
-            keywords = sampler_keywords(
-                self.config.generation, decoding, loaded.model, self.widths.prompt
+            widths = self.widths.prompt
+            yield (
+                loaded.model,
+                sampler_keywords(self.config.generation, decoding, loaded.model, widths),
             )
-            return generate(loaded.model, prompts, params, **keywords)
 
     def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:
         temperature = self.policy_objective.temperature

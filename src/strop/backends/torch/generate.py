@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 
 import numpy as np
@@ -132,16 +132,29 @@ def generate(
       A :class:`~strop.generation.Generation` of numpy arrays, ``len(prompts)`` rows.
     """
     check_generate_args(prompts, params, tokenizer)
+    decoding = Decoding(seed, tuple(eos_ids), pad_id, tokenizer)
+    return run_sampling(
+        model, params, decoding,
+        lambda device: _sample_loop(
+            model, prompts, params, decoding, device, compile_mode, prompt_columns
+        ),
+    )  # fmt: skip
+
+
+def run_sampling(
+    model: torch.nn.Module, params: SamplingParams, decoding: Decoding,
+    loop: Callable[[torch.device], tuple[torch.Tensor, ...]],
+) -> Generation:  # fmt: skip
+    """``loop(device)`` (:func:`_sample_loop`'s results) with ``model`` in eval mode, under
+    ``torch.inference_mode()`` (``no_grad`` and its weights gathered when FSDP2-sharded),
+    as a :class:`~strop.generation.Generation` (stop strings applied)."""
     device = next(model.parameters()).device
     sharded = is_sharded(model)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad() if sharded else torch.inference_mode(), unsharded(model):
-            decoding = Decoding(seed, tuple(eos_ids), pad_id)
-            tokens, logprobs, lengths, hit_eos = _sample_loop(
-                model, prompts, params, decoding, device, compile_mode, prompt_columns
-            )
+            tokens, logprobs, lengths, hit_eos = loop(device)
     finally:
         model.train(was_training)
 
@@ -149,6 +162,7 @@ def generate(
     logprobs_np = logprobs.cpu().numpy().astype(np.float32)
     lengths_np = lengths.cpu().numpy().astype(np.int32)
     reasons: list[FinishReason] = ["stop" if hit else "length" for hit in hit_eos.tolist()]
+    tokenizer, pad_id = decoding.tokenizer, decoding.pad_id
     return finished(tokens_np, logprobs_np, lengths_np, reasons, params, tokenizer, pad_id)
 
 
@@ -186,7 +200,7 @@ def _sample_loop(
     ``lengths [B]`` and ``hit_eos [B]`` (whether the row ended with an EOS).
     """
     batch, steps = len(prompts), params.max_new_tokens
-    pad_id, seed, eos_ids = decoding.pad_id, decoding.seed, decoding.eos_ids
+    pad_id, seed = decoding.pad_id, decoding.seed
     longest = max(prompt_columns or 0, *(len(p) for p in prompts))
     width = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
     prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
@@ -204,16 +218,6 @@ def _sample_loop(
     uniforms = None  # [B, N] float64: each row's draw at each step (row_uniforms)
     if not params.greedy:
         uniforms = torch.from_numpy(row_uniforms(prompts, seed, steps)).to(device)
-    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
-    step_forward = _DecodeStep(compile_mode, device)
-    check_every = 1 if device.type == "cpu" else DONE_CHECK_EVERY
-
-    tokens = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
-    logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)
-    lengths = torch.full((batch,), steps, dtype=torch.long, device=device)
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    positions = prompt_lengths[:, None].clone()  # position of the token fed at the next step
-
     keyword = _cache_keyword(model)
     # a prompt's rollouts side by side: prefill it once, then copy its cache to its rows
     repeats = prompt_repeats(prompts)
@@ -224,6 +228,32 @@ def _sample_loop(
     if repeats > 1:
         _repeat_rows(kv_cache, repeats)
         logits = logits.repeat_interleave(repeats, 0)
+    positions = prompt_lengths[:, None].clone()  # position of the token fed at the next step
+    return _decode_loop(
+        model, kv_cache, logits, positions, attention_mask, params, uniforms, decoding,
+        compile_mode,
+    )  # fmt: skip
+
+
+def _decode_loop(
+    model: torch.nn.Module, kv_cache: StaticCache, logits: torch.Tensor, positions: torch.Tensor,
+    attention_mask: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None,
+    decoding: Decoding, compile_mode: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Sample from the prefill's last ``logits [B, V]``, then decode step by step into
+    ``kv_cache`` (``positions [B, 1]``: of the token fed at the next step; ``uniforms``:
+    each row's draws, None when greedy); :func:`_sample_loop`'s results."""
+    batch, steps, device = len(logits), params.max_new_tokens, logits.device
+    pad_id = decoding.pad_id
+    eos = torch.tensor(list(decoding.eos_ids), dtype=torch.long, device=device)
+    step_forward = _DecodeStep(compile_mode, device)
+    check_every = 1 if device.type == "cpu" else DONE_CHECK_EVERY
+    keyword = _cache_keyword(model)
+
+    tokens = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)
+    lengths = torch.full((batch,), steps, dtype=torch.long, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
     for t in range(steps):
         token, logprob = sample_token(logits, params, None if uniforms is None else uniforms[:, t])
         token = token.masked_fill(done, pad_id)

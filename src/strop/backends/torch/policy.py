@@ -6,6 +6,7 @@ backend-neutral loops drive either without a branch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from functools import partial
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from strop.backends.torch.checkpoint import TrainCheckpoints
+from strop.backends.torch.continuation import TorchContinuation
 from strop.backends.torch.fsdp import place, write_once
 from strop.backends.torch.generate import generate, sampler_keywords
 from strop.backends.torch.handle import export_merged, merged_weights
@@ -92,6 +94,16 @@ class TorchPolicy(Sampler):
         with self.loaded.autocast():
             keywords = sampler_keywords(self.config.generation, decoding, self.model)
             return generate(self.model, prompts, params, **keywords)
+
+    def start_session(self, decoding: Decoding) -> TorchContinuation:
+        """A sampler keeping its KV cache across calls (:mod:`strop.agents.continuation`)."""
+
+        @contextlib.contextmanager
+        def scope() -> Iterator[tuple[torch.nn.Module, dict[str, Any]]]:
+            with self.loaded.autocast():
+                yield self.model, sampler_keywords(self.config.generation, decoding, self.model)
+
+        return TorchContinuation(scope, decoding)
 
     # checkpoints -------------------------------------------------------------------------
 
