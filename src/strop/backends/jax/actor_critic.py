@@ -44,9 +44,10 @@ from strop.backends.jax.lora import (
 )
 from strop.backends.jax.sharding import (
     BATCH_AXES,
-    batch_sharding,
+    host_floats,
     is_main_process,
     make_mesh,
+    put_rows,
     to_host,
     write_once,
 )
@@ -165,12 +166,7 @@ class JaxActorCritic(Sampler):
         return {"actor": self.actor, "head": self.head}
 
     def _put(self, batch: dict[str, np.ndarray], names: Sequence[str]) -> dict[str, jax.Array]:
-        return {
-            name: jax.device_put(
-                np.asarray(batch[name]), batch_sharding(batch[name].shape, self.mesh)
-            )
-            for name in names
-        }
+        return {name: put_rows(batch[name], self.mesh) for name in names}
 
     def _packing(self, batch: dict[str, np.ndarray], micro_batches: int) -> packing.Packing | None:
         """How ``ppo.pack`` packs these rows (:mod:`strop.batch.packing`): into a bin count
@@ -231,8 +227,9 @@ class JaxActorCritic(Sampler):
 
     def start_session(self, decoding: Decoding) -> JaxContinuation:
         """The actor's sampler keeping its KV cache across calls (agents/continuation.py)."""
-        columns = self.widths.prompt
-        return JaxContinuation(self.actor_module, decoding, prompt_columns=columns, mesh=self.mesh)
+        return JaxContinuation(
+            self.actor_module, decoding, prompt_columns=self.widths.prompt, mesh=self.mesh
+        )
 
     def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:
         """``[B, L]`` ``log pi(x_t | x_<t)`` at the rollout temperature, of the actor or the
@@ -285,12 +282,12 @@ class JaxActorCritic(Sampler):
                 self._shared(), self.actor_opt, self.frozen, arrays
             )
             self.actor, self.head = shared["actor"], shared["head"]
-            return _host(stats)
+            return host_floats(stats)
         (arrays,) = self._arrays(batch, micro_batches, self.policy_objective.batch_names)
         self.actor, self.actor_opt, stats = self._policy_update(
             self.actor, self.actor_opt, self.frozen, arrays
         )
-        return _host(stats)
+        return host_floats(stats)
 
     def train_critic(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
         """One critic update over the mini-batch ``batch``."""
@@ -298,7 +295,7 @@ class JaxActorCritic(Sampler):
         self.critic, self.critic_opt, stats = self._critic_update(
             self.critic, self.critic_opt, self.critic_frozen, arrays
         )
-        return _host(stats)
+        return host_floats(stats)
 
     def train_critic_and_policy(
         self, batch: dict[str, np.ndarray], micro_batches: int
@@ -312,7 +309,7 @@ class JaxActorCritic(Sampler):
                 self.actor, self.actor_opt, self.frozen, policy,
             )
         )  # fmt: skip
-        return _host(critic_stats), _host(stats)
+        return host_floats(critic_stats), host_floats(stats)
 
     # checkpoints -------------------------------------------------------------------------
 
@@ -400,7 +397,3 @@ class JaxActorCritic(Sampler):
             path, partial(adapter_weights, self.actor_module()), self.config.lora,
             base_model=self.config.model.path, write_once=write_once, overwrite=overwrite,
         )  # fmt: skip
-
-
-def _host(stats: dict[str, jax.Array]) -> dict[str, float]:
-    return {name: float(value) for name, value in jax.device_get(stats).items()}

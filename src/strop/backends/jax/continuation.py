@@ -42,7 +42,7 @@ from strop.backends.jax.generate import (
 )
 from strop.backends.jax.model import CausalLM, KVCache
 from strop.backends.jax.sampling import Sampling, sample_token
-from strop.backends.jax.sharding import batch_sharding, inference_layout, to_host
+from strop.backends.jax.sharding import inference_layout, put_rows, to_host
 from strop.generation import (
     Decoding,
     FinishReason,
@@ -133,7 +133,7 @@ class JaxContinuation:
         held = (column >= offsets[:, None]) & (column < width - chunk)  # cached ids' columns
 
         def put(array: np.ndarray) -> jax.Array:
-            return jax.device_put(array, batch_sharding(array.shape, mesh))
+            return put_rows(array, mesh)
 
         replicated = NamedSharding(mesh, PartitionSpec())
         eos = jax.device_put(_eos_array(decoding.eos_ids), replicated)

@@ -68,6 +68,7 @@ from strop.backends.jax.sharding import (
     inference_layout,
     logical_to_sharding,
     make_mesh,
+    put_rows,
     to_host,
 )
 from strop.generation import (
@@ -149,7 +150,7 @@ def generate(
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def put(rows: np.ndarray) -> jax.Array:
-        return jax.device_put(rows, batch_sharding(rows.shape, mesh))
+        return put_rows(rows, mesh)
 
     eos = jax.device_put(_eos_array(eos_ids), replicated)
     pad = jax.device_put(np.int32(pad_id), replicated)

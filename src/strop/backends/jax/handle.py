@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from strop.backends.base import ModelHandle
 from strop.backends.jax.model import CausalLM
-from strop.backends.jax.sharding import batch_sharding, make_mesh, to_host
+from strop.backends.jax.sharding import make_mesh, put_rows, to_host
 from strop.backends.jax.weights import load_hf_model, save_hf_model
 from strop.io.model_spec import ModelSpec
 
@@ -38,7 +38,7 @@ class JaxModelHandle(ModelHandle):
         return self.model.spec
 
     def _put(self, array: np.ndarray) -> jax.Array:
-        return jax.device_put(array, batch_sharding(array.shape, self.mesh))
+        return put_rows(array, self.mesh)
 
     def forward(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Float32 logits of checked arrays (:meth:`ModelHandle.logits`), on the mesh."""

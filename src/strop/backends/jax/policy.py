@@ -12,7 +12,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -26,7 +25,12 @@ from strop.backends.jax.lora import (
     trainable_filter,
     with_adapters_merged,
 )
-from strop.backends.jax.sharding import batch_sharding, is_main_process, make_mesh, write_once
+from strop.backends.jax.sharding import (
+    is_main_process,
+    make_mesh,
+    put_rows,
+    write_once,
+)
 from strop.backends.jax.train import Trainer, token_loss_sum
 from strop.backends.jax.weights import hf_weights, load_hf_model, save_hf_model
 from strop.config import Config
@@ -79,12 +83,8 @@ class JaxPolicy(Sampler):
 
     def eval_loss(self, batch: dict[str, np.ndarray]) -> tuple[float, float]:
         """(summed loss, target-token count) of a batch, without training."""
-        arrays = {
-            name: jax.device_put(
-                np.asarray(batch[name]), batch_sharding(batch[name].shape, self.mesh)
-            )
-            for name in ("input_ids", "attention_mask", "loss_mask")
-        }
+        names = ("input_ids", "attention_mask", "loss_mask")
+        arrays = {name: put_rows(batch[name], self.mesh) for name in names}
         total, count = _loss_sum(
             self.model, arrays["input_ids"], arrays["attention_mask"], arrays["loss_mask"]
         )

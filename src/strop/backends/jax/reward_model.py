@@ -22,7 +22,12 @@ import numpy as np
 from flax import nnx
 
 from strop.backends.jax.model import CausalLM
-from strop.backends.jax.sharding import batch_sharding, logical_to_sharding, make_mesh, to_host
+from strop.backends.jax.sharding import (
+    logical_to_sharding,
+    make_mesh,
+    put_rows,
+    to_host,
+)
 from strop.backends.jax.weights import place_weights, weight_bindings
 from strop.batch.reward_rows import encode_pairs, pooled_index, right_padded
 from strop.data import Tokenizer
@@ -93,7 +98,7 @@ class JaxRewardModel:
             index = np.zeros(self.rows, np.int32)
             index[: len(chunk)] = [pooled_index(r, self.pad_id) for r in chunk]
             arrays = [ids, mask, index]
-            placed = [jax.device_put(a, batch_sharding(a.shape, self.mesh)) for a in arrays]
+            placed = [put_rows(a, self.mesh) for a in arrays]
             scores = to_host(_scores(self.model, *placed))
             out[begin : begin + len(chunk)] = scores[: len(chunk)]
         return out

@@ -87,6 +87,11 @@ def to_host(array: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
+def host_floats(stats: dict[str, jax.Array]) -> dict[str, float]:
+    """A step's scalar statistics as Python floats."""
+    return {name: float(value) for name, value in jax.device_get(stats).items()}
+
+
 def is_main_process() -> bool:
     """Process 0 writes files, logs and progress bars."""
     return jax.process_index() == 0
@@ -218,6 +223,11 @@ def logical_to_sharding(
 def batch_sharding(shape: Sequence[int], mesh: Mesh) -> NamedSharding:
     """Sharding for a ``[B, ...]`` batch array: B over ``data`` x ``fsdp`` where it divides."""
     return logical_to_sharding(("batch",) + (None,) * (len(shape) - 1), shape, mesh)
+
+
+def put_rows(array: np.ndarray, mesh: Mesh) -> jax.Array:
+    """A host ``[B, ...]`` array on ``mesh``, its rows split as :func:`batch_sharding` says."""
+    return jax.device_put(np.asarray(array), batch_sharding(np.shape(array), mesh))
 
 
 BATCH_AXES = ("data", "fsdp")

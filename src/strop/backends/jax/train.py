@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from strop.backends.jax.model import CausalLM
-from strop.backends.jax.sharding import logical_to_partition_spec
+from strop.backends.jax.sharding import host_floats, logical_to_partition_spec
 from strop.config import OptimConfig
 from strop.errors import ConfigError
 from strop.objectives.losses import MAX_STATS
@@ -323,5 +323,5 @@ class Trainer:
         _, params, frozen = nnx.split(self.model, self.trainable, ...)
         params, self.opt_state, stats = self._update(params, self.opt_state, frozen, arrays)
         nnx.update(self.model, params)
-        metrics = {name: float(value) for name, value in jax.device_get(stats).items()}
+        metrics = host_floats(stats)
         return {**metrics, "tokens": target_tokens(batch["loss_mask"])}

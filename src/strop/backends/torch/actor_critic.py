@@ -191,9 +191,7 @@ class TorchActorCritic(Sampler):
             bin_width=rows.pack_width, **packing.shared_prompts(batch, rows.share_prompts),
         )  # fmt: skip
 
-    def _packed(
-        self, batch: dict[str, np.ndarray], names: Sequence[str], micro_batches: int
-    ) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
+    def _packed(self, batch: dict[str, np.ndarray], names: Sequence[str], micro_batches: int):
         """An update's arrays, packed when ``ppo.pack`` saves rows, and the names to read."""
         return packing.packed(batch, names, self._packing(batch, micro_batches))
 
@@ -258,11 +256,8 @@ class TorchActorCritic(Sampler):
         """The actor and generate's keywords: a compiled decode step (``generation.compile``)
         at the run's prompt width (:meth:`expect_prompts`)."""
         with self._role("actor") as loaded, loaded.autocast():
-            widths = self.widths.prompt
-            yield (
-                loaded.model,
-                sampler_keywords(self.config.generation, decoding, loaded.model, widths),
-            )
+            model, generation = loaded.model, self.config.generation
+            yield model, sampler_keywords(generation, decoding, model, self.widths.prompt)
 
     def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:
         temperature = self.policy_objective.temperature
