@@ -38,6 +38,14 @@ on strop's torch backend against TRL 1.16's ``GRPOTrainer`` (its own venv,
 
     .venv/bin/python benchmarks/peers.py --setup --grpo   # benchmarks/.venvs/trl-grpo
     .venv/bin/python benchmarks/peers.py --grpo [--iterations 8] [--rounds 2]
+
+``--agent``: the multi-turn job (``benchmarks/peers_agent.py``): the same GRPO shape on the
+``calculator`` environment with the shipped tiny tool-calling model, strop's torch backend
+(``env.name=calculator``) against TRL 1.16's ``GRPOTrainer`` with ``tools=`` (the
+TRL GRPO venv; script ``benchmarks/peers/trl_grpo_agent.py``)::
+
+    .venv/bin/python benchmarks/peers.py --setup --grpo   # the same venv
+    .venv/bin/python benchmarks/peers.py --agent [--iterations 4] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks import peers_agent  # noqa: E402
 from benchmarks.report import cpu_name, print_table  # noqa: E402
 
 PEERS_DIR = REPO / "benchmarks" / "peers"
@@ -69,9 +78,10 @@ REQUIREMENTS = {
     "tunix": [["google-tunix==0.1.7"]],
     "trl-grpo": [["torch==2.13.0"], ["trl==1.16.0", "peft==0.21.2"]],
 }
+VENV_OF = {peers_agent.PEER: "trl-grpo"}  # a peer that runs in another's venv
 SYSTEMS = (
     "strop-torch", "strop-torch-shared", "trl", "strop-jax", "strop-jax-shared", "tunix",
-    "trl-grpo",
+    "trl-grpo", peers_agent.PEER,
 )  # fmt: skip
 PAIRS = (
     ("strop-torch", "trl"),
@@ -79,6 +89,7 @@ PAIRS = (
     ("strop-jax", "tunix"),
     ("strop-jax-shared", "tunix"),
     ("strop-torch", "trl-grpo"),
+    ("strop-torch", peers_agent.PEER),
 )
 # strop-*-shared: the same job with critic.shared_trunk=true (the value head on the
 # actor's adapters, one update per mini-batch for both losses)
@@ -88,7 +99,11 @@ SHARED_TRUNK = ["critic.shared_trunk=true"]
 VARIANT = "+"
 PPO_SYSTEMS = ("strop-torch", "trl", "strop-jax", "tunix")
 GRPO_SYSTEMS = ("strop-torch", "trl-grpo")
-SCRIPTS = {"trl": "trl_ppo.py", "tunix": "tunix_ppo.py", "trl-grpo": "trl_grpo.py"}
+AGENT_SYSTEMS = ("strop-torch", peers_agent.PEER)
+SCRIPTS = {
+    "trl": "trl_ppo.py", "tunix": "tunix_ppo.py", "trl-grpo": "trl_grpo.py",
+    peers_agent.PEER: peers_agent.SCRIPT,
+}  # fmt: skip
 GRPO = ["ppo.advantage_estimator=grpo"]
 N_TRAIN, N_VALIDATION = 2000, 256  # strop.demo's split sizes
 PHASES = ("generate", "reward", "logprobs", "values", "train")
@@ -242,7 +257,10 @@ def differences(config) -> dict[str, list[str]]:
         f"generation: transformers generate() (dynamic KV cache), all {rollouts} in one batch, "
         "prompts left-padded to the batch's longest",
     ]
-    return {"trl": trl, "tunix": tunix, "trl-grpo": trl_grpo}
+    return {
+        "trl": trl, "tunix": tunix, "trl-grpo": trl_grpo,
+        peers_agent.PEER: peers_agent.differences(config),
+    }  # fmt: skip
 
 
 # ---------------------------------------------------------------- setup
@@ -272,10 +290,17 @@ def setup(peers: list[str]) -> None:
 
 
 def strop_child(
-    backend: str, data: Path, run_dir: Path, iterations: int, seed: int, grpo: bool = False
+    backend: str,
+    data: Path,
+    run_dir: Path,
+    iterations: int,
+    seed: int,
+    grpo: bool = False,
+    agent: bool = False,
 ) -> None:
     """Run strop's PPO (the `strop ppo` code path) with the demo recipe (``grpo``: with
-    GRPO advantages, no critic; ``backend`` may carry a variant's overrides); print RESULT."""
+    GRPO advantages, no critic; ``agent``: GRPO on calculator episodes with tiny-calc;
+    ``backend`` may carry a variant's overrides); print RESULT."""  # fmt: skip
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     backend, _, variant = backend.partition(VARIANT)
     shared = backend.endswith("-shared")
@@ -291,7 +316,7 @@ def strop_child(
     config = load_config(
         "demo",
         [
-            f"model.path={tiny_math_path()}",
+            f"model.path={peers_agent.tiny_calc() if agent else tiny_math_path()}",
             f"data.train_path={data / 'train.jsonl'}",
             f"data.eval_path={data / 'validation.jsonl'}",
             f"run_dir={run_dir}",
@@ -302,6 +327,7 @@ def strop_child(
             "checkpoint.every_steps=100000",
             "logging.tensorboard=false",
             *(GRPO if grpo else []),
+            *(peers_agent.OVERRIDES if agent else []),
             *(SHARED_TRUNK if shared else []),
             *(variant.split(",") if variant else []),
         ],
@@ -316,6 +342,9 @@ def strop_child(
             for phase in PHASES
         },
     }
+    if agent:
+        result["turns"] = [r["env/turns"] for r in history]
+        result["tool_calls"] = [r["env/tool_calls"] for r in history]
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -323,19 +352,22 @@ def strop_child(
 
 
 def command_for(
-    system: str, data: Path, work: Path, iterations: int, seed: int, job: dict, grpo: bool
-) -> list[str]:
+    system: str, data: Path, work: Path, iterations: int, seed: int, job: dict, grpo: bool,
+    agent: bool = False,
+) -> list[str]:  # fmt: skip
     if system.startswith("strop-"):
         backend = system.removeprefix("strop-")  # torch or jax, maybe with -shared
         return [sys.executable, __file__, "--child", backend, "--data", str(data),
                 "--run-dir", str(work / f"{system}-{os.urandom(4).hex()}"),
                 "--iterations", str(iterations), "--seed", str(seed),
-                *(["--grpo"] if grpo else [])]  # fmt: skip
-    python = VENVS / system / "bin" / "python"
+                *(["--grpo"] if grpo else []), *(["--agent"] if agent else [])]  # fmt: skip
+    python = VENVS / VENV_OF.get(system, system) / "bin" / "python"
     script = PEERS_DIR / SCRIPTS[system]
-    return [str(python), str(script), "--model", str(tiny_math()), "--train",
+    model = peers_agent.tiny_calc() if agent else tiny_math()
+    return [str(python), str(script), "--model", str(model), "--train",
             str(data / "train.jsonl"), "--iterations", str(iterations), "--seed", str(seed),
-            "--job", json.dumps(job)]  # fmt: skip
+            "--job", json.dumps(job),
+            *(["--strop-src", str(REPO / "src")] if agent else [])]  # fmt: skip
 
 
 def tiny_math() -> Path:
@@ -542,6 +574,12 @@ def main() -> None:
         help="GRPO: strop-torch (advantage_estimator=grpo) vs TRL's GRPOTrainer",
     )
     parser.add_argument(
+        "--agent",
+        action="store_true",
+        help="multi-turn GRPO on calculator episodes: strop-torch (env.name=calculator) vs "
+        "TRL's GRPOTrainer with tools= (the --grpo venv)",
+    )
+    parser.add_argument(
         "--systems", nargs="+", type=system_name,
         help=f"of {', '.join(SYSTEMS)}; a strop one may end in +key=value,... "
         "(the same job with those overrides); default: the mode's",
@@ -553,25 +591,44 @@ def main() -> None:
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.setup:
-        setup(["trl-grpo"] if args.grpo else [p for p in REQUIREMENTS if p != "trl-grpo"])
+        grpo = args.grpo or args.agent
+        setup(["trl-grpo"] if grpo else [p for p in REQUIREMENTS if p != "trl-grpo"])
         return
     if args.child:
         strop_child(
-            args.child, Path(args.data), Path(args.run_dir), args.iterations, args.seed, args.grpo
-        )
+            args.child, Path(args.data), Path(args.run_dir), args.iterations, args.seed,
+            args.grpo, args.agent,
+        )  # fmt: skip
         return
-    args.systems = args.systems or list(GRPO_SYSTEMS if args.grpo else PPO_SYSTEMS)
+    if args.grpo and args.agent:
+        parser.error("--grpo and --agent are two jobs: pick one")
+    mode = AGENT_SYSTEMS if args.agent else GRPO_SYSTEMS if args.grpo else PPO_SYSTEMS
+    args.systems = args.systems or list(mode)
     if args.iterations < 2:
         parser.error("--iterations must be at least 2 (the first of each run is not counted)")
+    with tempfile.TemporaryDirectory(prefix="strop-peers-") as tmp:
+        run_all(args, Path(tmp))
 
+
+def run_all(args: argparse.Namespace, work: Path) -> None:
+    """Write the job's data under ``work``, print the header, run the rounds, summarize."""
     from strop.data.synthetic import write_splits
 
-    config = demo_config([f"seed={args.seed}", *(GRPO if args.grpo else [])])
-    job = job_settings(config)
+    data = work / "data"
+    if args.agent:
+        opening = peers_agent.write_data(data, args.seed, N_TRAIN, N_VALIDATION)
+        config = demo_config([f"seed={args.seed}", *peers_agent.OVERRIDES])
+        job = peers_agent.job_settings(job_settings(config), config, opening)
+    else:
+        write_splits(data, args.seed, N_TRAIN, N_VALIDATION)
+        config = demo_config([f"seed={args.seed}", *(GRPO if args.grpo else [])])
+        job = job_settings(config)
 
     command = " ".join(["benchmarks/peers.py", *sys.argv[1:]])
     print(
-        "GRPO iteration: strop vs TRL's GRPOTrainer, on strop demo's job with GRPO advantages"
+        "Multi-turn GRPO iteration: strop vs TRL's GRPOTrainer (tools=), on calculator episodes"
+        if args.agent
+        else "GRPO iteration: strop vs TRL's GRPOTrainer, on strop demo's job with GRPO advantages"
         if args.grpo
         else "PPO iteration: strop vs TRL and Tunix, on strop demo's job"
     )
@@ -580,33 +637,36 @@ def main() -> None:
           f"{platform.system()} {platform.release()}")  # fmt: skip
     print(f"command:   .venv/bin/python {command}")
     print(f"strop:     {strop_revision()}")
-    print(f"versions:  {versions(args.grpo)}")
+    print(f"versions:  {versions(args.grpo or args.agent)}")
     print(f"job:       {describe(config)}")
+    if args.agent:
+        print(f"episodes:  {peers_agent.describe(config)}")
     print(f"run:       {args.rounds} round(s) of {' -> '.join(args.systems)}, "
           f"{args.iterations} iterations each; torch at 1 thread, JAX at XLA's default")  # fmt: skip
     print(flush=True)
 
     results: dict[str, list[dict]] = {s: [] for s in args.systems}
-    with tempfile.TemporaryDirectory(prefix="strop-peers-") as tmp:
-        work = Path(tmp)
-        data = work / "data"
-        write_splits(data, args.seed, N_TRAIN, N_VALIDATION)
-        logs = Path(tempfile.mkdtemp(prefix="strop-peers-logs-"))
-        for round_ in range(args.rounds):
-            for system in args.systems:
-                cmd = command_for(system, data, work, args.iterations, args.seed, job, args.grpo)
-                log = logs / f"{system}-round{round_ + 1}.log"
-                result = run_system(cmd, log, args.timeout)
-                results[system].append(result)
-                shown = (
-                    f"NOT RUN ({result['error']})"
-                    if "error" in result
-                    else " ".join(f"{s:.2f}" for s in result["seconds"])
-                    + f"  (others' CPU use meanwhile: {result['others_cpu']:.0%})"
-                )
-                print(f"round {round_ + 1} {system:<11} s/iter: {shown}", flush=True)
+    logs = Path(tempfile.mkdtemp(prefix="strop-peers-logs-"))
+    for round_ in range(args.rounds):
+        for system in args.systems:
+            cmd = command_for(
+                system, data, work, args.iterations, args.seed, job, args.grpo, args.agent
+            )
+            log = logs / f"{system}-round{round_ + 1}.log"
+            result = run_system(cmd, log, args.timeout)
+            results[system].append(result)
+            shown = (
+                f"NOT RUN ({result['error']})"
+                if "error" in result
+                else " ".join(f"{s:.2f}" for s in result["seconds"])
+                + f"  (others' CPU use meanwhile: {result['others_cpu']:.0%})"
+            )
+            print(f"round {round_ + 1} {system:<11} s/iter: {shown}", flush=True)
     print()
     summarize(results, config)
+    if args.agent:
+        print("\nEpisodes (rewards are in the table above)")
+        print("\n".join(peers_agent.episode_lines(results)))
     print(f"\nlogs: {logs}")
 
 

@@ -1,12 +1,15 @@
 """benchmarks/peers.py: a strop system may carry overrides (``strop-jax+key=value,...``),
-run as the same job with them and reported against its base."""
+run as the same job with them and reported against its base; ``--agent`` (the multi-turn
+job against TRL's GRPOTrainer with tools) hands TRL the episode's limits and reports how
+the two jobs differ."""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
-from benchmarks import peers
+from benchmarks import peers, peers_agent
 
 
 @pytest.mark.parametrize(
@@ -33,3 +36,36 @@ def test_a_variant_is_reported_against_its_base(capsys):
     out = capsys.readouterr().out
     assert "strop-jax/strop-jax+ppo.share_prompts=false: 0.50x" in out
     assert "strop-jax+ppo.share_prompts=false against strop-jax: ppo.share_prompts=false" in out
+
+
+def test_the_agent_job_runs_trl_in_the_grpo_venv_with_the_episode_limits(tmp_path):
+    """--agent: strop's calculator GRPO config; TRL's script in the trl-grpo venv gets the
+    tiny-calc model, strop's src (for the tool and score) and the episode's limits."""
+    config = peers.demo_config(["seed=0", *peers_agent.OVERRIDES])
+    assert (config.env.name, config.ppo.advantage_estimator) == ("calculator", "grpo")
+    job = peers_agent.job_settings(peers.job_settings(config), config, opening_tokens=82)
+    assert job["max_turns"] == peers_agent.MAX_TURNS
+    assert job["max_completion_tokens"] == peers_agent.MAX_EPISODE_TOKENS - 82
+    assert job["rollouts"] == 64 and job["max_new_tokens"] == config.generation.max_new_tokens
+    cmd = peers.command_for(peers_agent.PEER, tmp_path, tmp_path, 3, 0, job, False, True)
+    assert cmd[0] == str(peers.VENVS / "trl-grpo" / "bin" / "python")
+    assert cmd[1].endswith("trl_grpo_agent.py")
+    assert cmd[cmd.index("--model") + 1] == str(peers_agent.tiny_calc())
+    assert cmd[cmd.index("--strop-src") + 1] == str(peers.REPO / "src")
+    assert json.loads(cmd[cmd.index("--job") + 1])["max_turns"] == peers_agent.MAX_TURNS
+    strop = peers.command_for("strop-torch", tmp_path, tmp_path, 3, 0, job, False, True)
+    assert "--agent" in strop and "--grpo" not in strop
+
+
+def test_the_agent_differences_are_reported_against_strop_torch(capsys):
+    def run(seconds: float) -> dict:
+        return {"seconds": [9.0, seconds, seconds], "reward": [0.25], "others_cpu": 0.0,
+                "turns": [1.5], "tool_calls": [0.5]}  # fmt: skip
+
+    config = peers.demo_config(["seed=0", *peers_agent.OVERRIDES])
+    results = {"strop-torch": [run(1.0)], peers_agent.PEER: [run(4.0)]}
+    peers.summarize(results, config)
+    out = capsys.readouterr().out
+    assert f"strop-torch/{peers_agent.PEER}: 0.25x" in out
+    assert "max_tool_calling_iterations=3" in out and "no dual clip (strop: dual_clip 3)" in out
+    assert "1.50 model turns, 0.50 tool calls per episode" in peers_agent.episode_lines(results)[0]
