@@ -124,8 +124,9 @@ def measure(
 ) -> dict:
     """Episodes in the calculator environment, one per problem: accuracy, tool use and
     parsing, overall and by the phrasing's kind."""
+    from strop.agents.continuation import sampler_generate
     from strop.agents.environment import resolve_environment
-    from strop.agents.rollout import RolloutLimits, episode_metrics, run_episodes, sampler_generate
+    from strop.agents.rollout import RolloutLimits, episode_metrics, run_episodes
     from strop.agents.tool_calls import ToolCall, parse_tool_calls
     from strop.backends import get_backend
     from strop.config import load_config

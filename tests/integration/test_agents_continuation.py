@@ -76,9 +76,9 @@ def test_continuing_from_the_kv_cache_samples_what_re_prefilling_does(backend, t
         session = start(decoding)
         inner = session.generate
 
-        def generate(prefixes, params, seed, *, slots, cached):
-            reused.append([(len(p), c) for p, c in zip(prefixes, cached, strict=True)])
-            return inner(prefixes, params, seed, slots=slots, cached=cached)
+        def generate(prefixes, params, seed, rows):
+            reused.append([(len(p), c) for p, c in zip(prefixes, rows.cached, strict=True)])
+            return inner(prefixes, params, seed, rows)
 
         session.generate = generate
         return session

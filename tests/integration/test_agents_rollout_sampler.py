@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 import strop
+from strop.agents.continuation import sampler_generate
 from strop.agents.environment import StepResult
-from strop.agents.rollout import RolloutLimits, run_episodes, sampler_generate
+from strop.agents.rollout import RolloutLimits, run_episodes
 from strop.config import load_config
 from strop.data import Tokenizer
 from strop.generation import Decoding, SamplingParams

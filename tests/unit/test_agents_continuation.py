@@ -4,9 +4,11 @@ re-prefill. The samplers themselves: tests/integration/test_agents_continuation.
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import numpy as np
 
-from strop.agents.continuation import SlotTable, continuation_generate
+from strop.agents.continuation import SlotAssignment, SlotTable, continuation_generate
 from strop.agents.rollout import Turn
 from strop.generation import Decoding, Generation, SamplingParams
 
@@ -18,36 +20,36 @@ def turn(*ids: int) -> Turn:
 def test_each_running_episode_continues_from_its_own_slot() -> None:
     table = SlotTable()
     first = [[1, 2], [1, 2], [5, 6, 7]]  # two episodes of one prompt side by side
-    slots, cached = table.assign(first)
+    slots, cached = astuple(table.assign(first))
     assert (slots, cached) == ([0, 1, 2], [0, 0, 0])
     table.keep(first, slots, [turn(3, 4), turn(8, 9), turn(4)])
     # each slot holds its prefix and its turn but the last token (never fed back)
     assert [h.tolist() for h in table.held] == [[1, 2, 3], [1, 2, 8], [5, 6, 7]]
     # episode 0 finished; the others went on with the environment's messages
     second = [[1, 2, 8, 9, 40, 41], [5, 6, 7, 4, 42]]
-    slots, cached = table.assign(second)
+    slots, cached = astuple(table.assign(second))
     assert (slots, cached) == ([1, 2], [3, 3])
     table.keep(second, slots, [turn(10, 11), turn(12)])
     # a padding copy of the last row (a JAX batch bucket) takes a freed slot, sharing none
     third = [[5, 6, 7, 4, 42, 12, 43], [5, 6, 7, 4, 42, 12, 43]]
-    slots, cached = table.assign(third)
+    slots, cached = astuple(table.assign(third))
     assert (slots, cached) == ([2, 0], [5, 0])
 
 
 def test_a_slot_is_reused_only_for_the_ids_it_holds() -> None:
     table = SlotTable()
     prefixes = [[1, 2, 3], [7, 8]]
-    slots, _ = table.assign(prefixes)
+    slots, _ = astuple(table.assign(prefixes))
     table.keep(prefixes, slots, [turn(4, 5, 6), turn(9)])
     # a turn cut short (a stop string): the slot's ids are no longer a prefix of the row
-    slots, cached = table.assign([[1, 2, 3, 4, 30], [7, 8, 9, 31]])
+    slots, cached = astuple(table.assign([[1, 2, 3, 4, 30], [7, 8, 9, 31]]))
     assert (slots, cached) == ([0, 1], [4, 2])
     # a prefix the slot holds entirely still feeds its last id
     table.held[0] = np.asarray([1, 2, 3])
-    slots, cached = table.assign([[1, 2, 3]])
+    slots, cached = astuple(table.assign([[1, 2, 3]]))
     assert (slots, cached) == ([0], [2])
     # more rows than slots: new slots
-    slots, cached = table.assign([[1], [2], [3]])
+    slots, cached = astuple(table.assign([[1], [2], [3]]))
     assert slots == [0, 1, 2] and len(table.held) == 3
 
 
@@ -55,8 +57,8 @@ class FakeSession:
     def __init__(self, calls: list) -> None:
         self.calls = calls
 
-    def generate(self, prefixes, params, seed, *, slots, cached):
-        self.calls.append((seed, list(slots), list(cached), params.max_new_tokens))
+    def generate(self, prefixes, params, seed, rows):
+        self.calls.append((seed, list(rows.slots), list(rows.cached), params.max_new_tokens))
         rows = len(prefixes)
         tokens = np.full((rows, 2), 7, dtype=np.int32)
         return Generation(
@@ -75,7 +77,7 @@ class FakeSampler:
 
     def generate(self, prompts, params, **keywords):
         self.prefilled.append((keywords["seed"], prompts))
-        return FakeSession([]).generate(prompts, params, keywords["seed"], slots=[], cached=[])
+        return FakeSession([]).generate(prompts, params, keywords["seed"], SlotAssignment([], []))
 
 
 def test_continuation_generate_seeds_each_call_and_falls_back_to_re_prefill() -> None:

@@ -1,10 +1,11 @@
-"""Multi-turn episodes that continue from the KV cache of their previous turn.
+"""The ``generate(prefixes, max_new_tokens)`` engine of :func:`~strop.agents.rollout
+.run_episodes` over a strop sampler: each turn continuing from the KV cache of the
+episode's previous turn, or re-prefilling the whole prefix.
 
-:func:`continuation_generate` makes the ``generate(prefixes, max_new_tokens)`` engine of
-:func:`~strop.agents.rollout.run_episodes` over a sampler that can keep its KV cache between
+:func:`continuation_generate` makes one over a sampler that can keep its KV cache between
 calls (the JAX and torch policies and actor-critics: ``sampler.start_session(decoding)``
-returns a :class:`Continuation`); over any other sampler it is
-:func:`~strop.agents.rollout.sampler_generate` (every turn re-prefills the whole prefix).
+returns a :class:`Continuation`); over any other sampler (vLLM), or with ``kv_cache``
+off, it is :func:`sampler_generate`, which re-prefills every turn: the same tokens.
 
 A session holds one cache row per *slot*, across the calls of one round of episodes. This
 module keeps, on the host, the token ids each slot's cache holds (:class:`SlotTable`) and
@@ -25,32 +26,35 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
-from strop.agents.rollout import Generate, Turn, sampler_generate
+from strop.agents.rollout import Generate, Turn
 from strop.generation import Decoding, Generation, SamplingParams
+
+
+@dataclass(frozen=True)
+class SlotAssignment:
+    """Where a call's prefixes continue: ``slots[r]``, the cache row that holds row ``r``'s
+    first ``cached[r]`` ids (from an earlier call) and then keeps what this call feeds it;
+    -1: a row with no slot (nothing reused or kept)."""
+
+    slots: list[int]
+    cached: list[int]
 
 
 class Continuation(Protocol):
     """A sampler's KV cache kept across calls (``sampler.start_session(decoding)``)."""
 
     def generate(
-        self,
-        prefixes: list[list[int]],
-        params: SamplingParams,
-        seed: int,
-        *,
-        slots: Sequence[int],
-        cached: Sequence[int],
+        self, prefixes: list[list[int]], params: SamplingParams, seed: int, rows: SlotAssignment
     ) -> Generation:
-        """Sample after each prefix, as the sampler's ``generate`` would at ``seed``.
-
-        ``slots[r]``: the cache row that holds row ``r``'s first ``cached[r]`` ids (from an
-        earlier call) and then keeps what this call feeds it; -1: a row with no slot
-        (nothing reused or kept). Only the rest of each prefix is prefilled. After the call
-        slot ``slots[r]`` holds the prefix and the row's sampled tokens but the last."""
+        """Sample after each prefix, as the sampler's ``generate`` would at ``seed``; only
+        the part of each prefix its slot does not hold is prefilled (``rows``). After the
+        call slot ``rows.slots[r]`` holds the prefix and the row's sampled tokens but the
+        last."""
         ...
 
 
@@ -60,7 +64,7 @@ class SlotTable:
     def __init__(self) -> None:
         self.held: list[np.ndarray] = []
 
-    def assign(self, prefixes: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    def assign(self, prefixes: Sequence[Sequence[int]]) -> SlotAssignment:
         """Each prefix's slot and how many of its leading ids the slot holds (at most all
         but its last id: the last is fed to get the next token's logits); see the module
         docstring. New slots are made as needed, one per row at most."""
@@ -87,7 +91,7 @@ class SlotTable:
             slots[r], cached[r] = best, _common(self.held[best], ids)
             used.add(best)
         cached = [min(c, len(ids) - 1) for c, ids in zip(cached, rows, strict=True)]
-        return slots, cached
+        return SlotAssignment(slots, cached)
 
     def keep(self, prefixes: Sequence[Sequence[int]], slots: Sequence[int], turns: list[Turn]):
         """Record what each slot holds after a call: its prefix and its turn but the last id."""
@@ -108,7 +112,7 @@ def continuation_generate(
     sampler: Any, params: SamplingParams, decoding: Decoding, *, kv_cache: bool = True
 ) -> Generate:
     """``generate`` over ``sampler``, continuing each episode from its cache (see the
-    module docstring); :func:`~strop.agents.rollout.sampler_generate` (re-prefill) when
+    module docstring); :func:`sampler_generate` (re-prefill) when
     ``kv_cache`` is False or the sampler has no ``start_session``. The n-th call is seeded
     ``decoding.seed + n`` either way. The session (and its cache) lives as long as the
     returned function: make one per round of episodes."""
@@ -122,20 +126,29 @@ def continuation_generate(
         if not session:
             session.append(sampler.start_session(decoding))
         prefixes = [list(p) for p in prefixes]
-        slots, cached = table.assign(prefixes)
+        rows = table.assign(prefixes)
         call_params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
         seed = decoding.seed + calls[0]
         calls[0] += 1
-        out = session[0].generate(prefixes, call_params, seed, slots=slots, cached=cached)
-        turns = [
-            Turn(
-                ids=[int(i) for i in out.tokens[row, :n]],
-                logprobs=[float(x) for x in out.logprobs[row, :n]],
-                finish=out.finish_reasons[row],
-            )
-            for row, n in enumerate(int(n) for n in out.lengths)
-        ]
-        table.keep(prefixes, slots, turns)
+        turns = Turn.each_of(session[0].generate(prefixes, call_params, seed, rows))
+        table.keep(prefixes, rows.slots, turns)
         return turns
+
+    return generate
+
+
+def sampler_generate(sampler: Any, params: Any, decoding: Any) -> Generate:
+    """``generate`` over a strop sampler's ``generate(prompts, params, **decoding)``: each
+    call samples from the whole prefixes with ``params`` at the call's ``max_new_tokens``.
+    The n-th call of one adapter has seed ``decoding.seed + n`` (the same seed, the same
+    episodes; a row's turns do not reuse one draw where a sampler keys them by row)."""
+    calls = [0]
+
+    def generate(prefixes: list[list[int]], max_new_tokens: int) -> list[Turn]:
+        call_params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
+        call_decoding = dataclasses.replace(decoding, seed=decoding.seed + calls[0])
+        calls[0] += 1
+        prompts = [list(p) for p in prefixes]
+        return Turn.each_of(sampler.generate(prompts, call_params, **call_decoding.keywords()))
 
     return generate

@@ -2,9 +2,8 @@
 
 The engine is a callable ``generate(prefixes, max_new_tokens) -> list[Turn]``: one
 :class:`Turn` (sampled ids, their log-probs, ``"stop"`` or ``"length"``) per prefix of token
-ids. :func:`sampler_generate` makes one from any strop sampler's ``generate`` (JAX and torch
-policies and actor-critics, the vLLM engine): each turn re-prefills the whole prefix
-(continuing from a KV cache is an optimisation that must give the same tokens).
+ids; :mod:`strop.agents.continuation` makes one from any strop sampler (JAX and torch
+policies and actor-critics, the vLLM engine).
 
 :func:`run_episodes` plays one episode per record with its own environment instance from a
 factory (:func:`~strop.agents.environment.resolve_environment`): ``reset(record)`` ->
@@ -39,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import dataclasses
 import inspect
 import logging
 import math
@@ -71,6 +69,18 @@ class Turn:
     ids: list[int]
     logprobs: list[float]
     finish: Literal["stop", "length"]
+
+    @staticmethod
+    def each_of(out: Any) -> list[Turn]:
+        """One turn per row of a sampler's :class:`~strop.generation.Generation`."""
+        return [
+            Turn(
+                ids=[int(i) for i in out.tokens[row, :n]],
+                logprobs=[float(x) for x in out.logprobs[row, :n]],
+                finish=out.finish_reasons[row],
+            )
+            for row, n in enumerate(int(n) for n in out.lengths)
+        ]
 
 
 Generate = Callable[[list[list[int]], int], list[Turn]]
@@ -374,27 +384,3 @@ def episode_metrics(outcomes: Sequence[EpisodeOutcome]) -> dict[str, float]:
     for part in sorted({p for o in outcomes for p in o.rewards}):
         metrics[f"reward/{part}"] = mean(o.rewards.get(part, 0.0) for o in outcomes)
     return metrics
-
-
-def sampler_generate(sampler: Any, params: Any, decoding: Any) -> Generate:
-    """``generate`` over a strop sampler's ``generate(prompts, params, **decoding)``: each
-    call samples from the whole prefixes with ``params`` at the call's ``max_new_tokens``.
-    The n-th call of one adapter has seed ``decoding.seed + n`` (the same seed, the same
-    episodes; a row's turns do not reuse one draw where a sampler keys them by row)."""
-    calls = [0]
-
-    def generate(prefixes: list[list[int]], max_new_tokens: int) -> list[Turn]:
-        call_params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
-        call_decoding = dataclasses.replace(decoding, seed=decoding.seed + calls[0])
-        calls[0] += 1
-        out = sampler.generate([list(p) for p in prefixes], call_params, **call_decoding.keywords())
-        return [
-            Turn(
-                ids=[int(i) for i in out.tokens[row, :n]],
-                logprobs=[float(x) for x in out.logprobs[row, :n]],
-                finish=out.finish_reasons[row],
-            )
-            for row, n in enumerate(int(n) for n in out.lengths)
-        ]
-
-    return generate

@@ -22,7 +22,7 @@ The store grows (zeros, a new shape) when a call needs more slots or columns.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from strop.agents.continuation import SlotAssignment
 from strop.backends.jax.generate import (
     _constrain_cache,
     _decode,
@@ -83,14 +84,9 @@ class JaxContinuation:
         self.store: KVCache | None = None
 
     def generate(
-        self,
-        prefixes: list[list[int]],
-        params: SamplingParams,
-        seed: int,
-        *,
-        slots: Sequence[int],
-        cached: Sequence[int],
+        self, prefixes: list[list[int]], params: SamplingParams, seed: int, rows: SlotAssignment
     ) -> Generation:
+        slots, cached = rows.slots, rows.cached
         decoding = self.decoding
         check_generate_args(prefixes, params, decoding.tokenizer)
         model = self.model()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from transformers import StaticCache
 
+from strop.agents.continuation import SlotAssignment
 from strop.backends.torch.generate import (
     PROMPT_BUCKET,
     _cache_keyword,
@@ -52,14 +53,9 @@ class TorchContinuation:
         self.store: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def generate(
-        self,
-        prefixes: list[list[int]],
-        params: SamplingParams,
-        seed: int,
-        *,
-        slots: Sequence[int],
-        cached: Sequence[int],
+        self, prefixes: list[list[int]], params: SamplingParams, seed: int, rows: SlotAssignment
     ) -> Generation:
+        slots, cached = rows.slots, rows.cached
         check_generate_args(prefixes, params, self.decoding.tokenizer)
         decoding = dataclasses.replace(self.decoding, seed=seed)
         with self.scope() as (model, keywords):
