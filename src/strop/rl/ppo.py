@@ -54,7 +54,6 @@ from strop.config import Config
 from strop.data import Tokenizer
 from strop.engines import RolloutEngine, rollout_engine
 from strop.generation import SamplingParams
-from strop.io.model_spec import check_context_length
 from strop.job import Job, RunResult, run_steps, training_job
 from strop.nonfinite import count_skipped, likely_causes
 from strop.objectives.ppo import SHARED_CRITIC_PREFIX
@@ -68,7 +67,8 @@ from strop.rl.overlong import length_penalty, without_truncated
 from strop.rl.prompts import PromptSet
 from strop.rl.rollout import Rollout
 from strop.rl.rollout_correction import PREFIX as MISMATCH
-from strop.scoring import build_reward_model, eos_ids, sample_and_score, sample_records
+from strop.rl.run import PpoRun
+from strop.scoring import build_reward_model, sample_and_score, sample_records
 
 logger = logging.getLogger(__name__)
 
@@ -90,57 +90,42 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
             config.ppo.reward, setting="ppo.reward",
             build_model=partial(build_reward_model, config), limits=limits,
         )  # fmt: skip
-    plan = RolePlan.from_config(config)  # which roles the run has, and what trains
     figures = {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"}
-    with training_job(config, "ppo", config.ppo.steps, figures, plan) as job:  # preflight first
+    with training_job(config, "ppo", config.ppo.steps, figures) as job:  # preflight first
         try:
-            return _train(config, stop_after, job, reward, plan)
+            return _train(config, stop_after, job, reward)
         finally:
             if reward is not None:
                 reward.close()
 
 
 def _train(
-    config: Config, stop_after: int | None, job: Job, reward: rewards.WeightedReward | None,
-    plan: RolePlan,
-) -> PpoResult:  # fmt: skip
+    config: Config, stop_after: int | None, job: Job, reward: rewards.WeightedReward | None
+) -> PpoResult:
+    """Read the run (:class:`~strop.rl.run.PpoRun`), build its models and rollout engine,
+    and run its iterations (:func:`~strop.job.run_steps`)."""
     ppo, progress = config.ppo, job.progress
     progress.phase("reading the prompts")
-    tokenizer = Tokenizer.from_pretrained(config.model.path)
-    episodes = Episodes.from_config(config, tokenizer, eos_ids(tokenizer, config.model.path))
-    train = PromptSet.read(config.data.train_path, config, tokenizer, reward=reward)
-    validation = None
-    if config.data.eval_path and ppo.validate_every:
-        validation = PromptSet.read(
-            config.data.eval_path, config, tokenizer, ppo.validation_size, reward=reward
-        )
-    longest = max(train.longest, validation.longest if validation is not None else 0)
-    check_context_length(  # before the weights load
-        config.model.path, "ppo", max_length=config.data.max_length,
-        max_new_tokens=config.generation.max_new_tokens, longest_prompt=longest,
-        max_episode_tokens=config.env.max_episode_tokens if episodes else None,
-    )  # fmt: skip
-    if episodes is not None:  # a turn is sampled after up to env.max_episode_tokens - 1
-        longest = episodes.longest_prefix
-    elif reward is not None:
+    run = PpoRun.read(config, reward)
+    if reward is not None:  # (with env.name there is none)
         reward.start()  # its worker imports the user's function while the models load
     progress.phase("loading the models")
     model = job.backend.build_actor_critic(
-        config, total_updates=ppo.optimizer_updates(), checkpoint_dir=config.checkpoint_path(),
-        plan=plan,
+        config, total_updates=ppo.optimizer_updates(), checkpoint_dir=job.checkpoints,
+        plan=run.plan,
     )  # fmt: skip
-    model.expect_prompts(longest)  # what a backend that compiles each shape pads to
-    with rollout_engine(config, model, max_prompt_tokens=longest) as rollouts:
+    model.expect_prompts(run.longest)  # what a backend that compiles each shape pads to
+    with rollout_engine(config, model, max_prompt_tokens=run.longest) as rollouts:
         loop = PpoLoop(
-            config, model, rollouts, train, validation, tokenizer, reward, plan, progress,
-            episodes=episodes,
+            config, model, rollouts, run.train, run.validation, run.tokenizer, run.eos_ids,
+            reward, run.plan, progress, episodes=run.episodes,
         )  # fmt: skip
-        run = run_steps(
+        steps = run_steps(
             config, loop, job, total=ppo.steps, stop_after=stop_after, rollouts=rollouts
         )
     return PpoResult(
-        run_dir=Path(config.run_dir), final_step=run.end, resumed_from=run.resumed_from,
-        export_path=run.export_path, is_main=model.is_main, history=run.records,
+        run_dir=Path(config.run_dir), final_step=steps.end, resumed_from=steps.resumed_from,
+        export_path=steps.export_path, is_main=model.is_main, history=steps.records,
     )  # fmt: skip
 
 
@@ -162,6 +147,7 @@ class PpoLoop:
     train: PromptSet
     validation: PromptSet | None
     tokenizer: Tokenizer
+    eos_ids: list[int]  # the ids that end a response
     reward: rewards.WeightedReward | None
     plan: RolePlan  # the roles, as the model's
     progress: RunProgress | None = None
@@ -172,7 +158,6 @@ class PpoLoop:
 
     def __post_init__(self) -> None:
         self.sampling = SamplingParams.from_config(self.config.generation)
-        self.eos_ids = eos_ids(self.tokenizer, self.config.model.path)
         env = self.config.env  # seq_mean_token_sum_norm's horizon: a response's (episode's)
         self.horizon = env.max_episode_tokens if self.episodes else self.sampling.max_new_tokens
 
