@@ -45,7 +45,8 @@ class PpoRun:
         """Read the run's inputs (``reward``: the resolved ``ppo.reward``; None with
         ``env.name``, whose environment scores the episodes); what they refuse is one line
         (:class:`~strop.errors.StropError`), before any model loads."""
-        ppo, model_path = config.ppo, config.model.path
+        ppo = config.ppo
+        model_path = config.model.path
         tokenizer = Tokenizer.from_pretrained(model_path)
         stops = eos_ids(tokenizer, model_path)
         episodes = Episodes.from_config(config, tokenizer, stops)
