@@ -51,20 +51,17 @@ import numpy as np
 from strop import rewards
 from strop.backends.base import ActorCritic
 from strop.config import Config
-from strop.data import Tokenizer
 from strop.engines import RolloutEngine, rollout_engine
 from strop.generation import SamplingParams
 from strop.job import Job, RunResult, run_steps, training_job
 from strop.nonfinite import count_skipped, likely_causes
 from strop.objectives.ppo import SHARED_CRITIC_PREFIX
-from strop.objectives.roles import RolePlan
 from strop.progress import RunProgress
 from strop.rl import rollout_correction
 from strop.rl.checks import check_ppo_config
-from strop.rl.episodes import Episodes, Sample
+from strop.rl.episodes import Sample
 from strop.rl.experience import build_experience, minibatches
 from strop.rl.overlong import length_penalty, without_truncated
-from strop.rl.prompts import PromptSet
 from strop.rl.rollout import Rollout
 from strop.rl.rollout_correction import PREFIX as MISMATCH
 from strop.rl.run import PpoRun
@@ -116,10 +113,7 @@ def _train(
     )  # fmt: skip
     model.expect_prompts(run.longest)  # what a backend that compiles each shape pads to
     with rollout_engine(config, model, max_prompt_tokens=run.longest) as rollouts:
-        loop = PpoLoop(
-            config, model, rollouts, run.train, run.validation, run.tokenizer, run.eos_ids,
-            reward, run.plan, progress, episodes=run.episodes,
-        )  # fmt: skip
+        loop = PpoLoop(config, model, rollouts, run, reward, progress)
         steps = run_steps(
             config, loop, job, total=ppo.steps, stop_after=stop_after, rollouts=rollouts
         )
@@ -138,20 +132,15 @@ class PpoLoop:
     NaN/Inf (``train.skip_nonfinite``; without it the engine raises
     :class:`~strop.errors.NonFiniteError`), per role, cumulative over the run (resumes
     included): the metrics ``policy/nonfinite_skipped`` and ``critic/nonfinite_skipped``.
-    With ``episodes`` (``env.name``) it plays episodes instead, and ``reward`` is None.
+    With ``run.episodes`` (``env.name``) it plays episodes instead, and ``reward`` is None.
     """
 
     config: Config
     model: ActorCritic
     rollouts: RolloutEngine
-    train: PromptSet
-    validation: PromptSet | None
-    tokenizer: Tokenizer
-    eos_ids: list[int]  # the ids that end a response
+    run: PpoRun  # the prompts, tokenizer, episodes and role plan (the model's)
     reward: rewards.WeightedReward | None
-    plan: RolePlan  # the roles, as the model's
     progress: RunProgress | None = None
-    episodes: Episodes | None = None
     skipped: dict[str, int] = field(default_factory=lambda: {"policy": 0, "critic": 0})
     always_written: tuple[str, ...] = ("validation/accuracy",)
     samples: list[dict[str, Any]] = field(default_factory=list)  # the last validation's
@@ -159,7 +148,7 @@ class PpoLoop:
     def __post_init__(self) -> None:
         self.sampling = SamplingParams.from_config(self.config.generation)
         env = self.config.env  # seq_mean_token_sum_norm's horizon: a response's (episode's)
-        self.horizon = env.max_episode_tokens if self.episodes else self.sampling.max_new_tokens
+        self.horizon = env.max_episode_tokens if self.run.episodes else self.sampling.max_new_tokens
 
     # run_steps' side (strop.job.Steps) ---------------------------------------------------
 
@@ -170,7 +159,7 @@ class PpoLoop:
         return dict(self.skipped)
 
     def first_record(self) -> dict[str, float] | None:
-        return None if self.validation is None else {"validation/accuracy": self.validate()}
+        return None if self.run.validation is None else {"validation/accuracy": self.validate()}
 
     def figures(self, record: Mapping[str, float]) -> dict[str, float]:
         names = {"train/reward": "reward", "validation/accuracy": "accuracy"}
@@ -180,7 +169,9 @@ class PpoLoop:
         """Iteration ``step``, then validation when ``ppo.validate_every`` says so."""
         record = self.iteration(step)
         done, ppo = step + 1, self.config.ppo
-        if self.validation is not None and (done % ppo.validate_every == 0 or done == ppo.steps):
+        if self.run.validation is not None and (
+            done % ppo.validate_every == 0 or done == ppo.steps
+        ):
             record["validation/accuracy"] = self.validate()
         return record
 
@@ -202,7 +193,7 @@ class PpoLoop:
             "train/truncated_fraction": float(sample.truncated.mean()),
             **stats,
             **{name: float(np.mean(values)) for name, values in updates.items()},
-            **({"critic/nonfinite_skipped": skipped["critic"]} if self.plan.has_critic else {}),
+            **({"critic/nonfinite_skipped": skipped["critic"]} if self.run.plan.has_critic else {}),
             "policy/nonfinite_skipped": skipped["policy"],
             **self._timings,
             "timing/step": seconds,
@@ -220,19 +211,20 @@ class PpoLoop:
 
     def _sample(self, step: int) -> Sample:
         """Draw the iteration's prompts, sample responses (play episodes) and score them."""
-        ppo, train, sampling = self.config.ppo, self.train, self.sampling
+        ppo, train, sampling = self.config.ppo, self.run.train, self.sampling
+        tokenizer = self.run.tokenizer
         chosen = train.draw(step, ppo.prompts_per_step, self.config.seed)
         rows = [i for i in chosen for _ in range(ppo.num_generations_per_prompt)]
         seed, prompts = _seed(self.config.seed, step), [train.ids[i] for i in rows]
-        if self.episodes is not None:  # timing/generate: the episodes, environment included
-            play = self.episodes.sample
+        if self.run.episodes is not None:  # timing/generate: the episodes, environment included
+            play = self.run.episodes.sample
             return self._timed("generate", play, self.rollouts, train.records(rows), sampling, seed)
         before = self.reward.stats
         generation = self._timed(
             "generate", self.rollouts.generate, prompts, sampling, seed=seed,
-            eos_ids=self.eos_ids, pad_id=self.tokenizer.pad_token_id, tokenizer=self.tokenizer,
+            eos_ids=self.run.eos_ids, pad_id=tokenizer.pad_token_id, tokenizer=tokenizer,
         )  # fmt: skip
-        rollout = Rollout.from_generation(prompts, generation, self.tokenizer)
+        rollout = Rollout.from_generation(prompts, generation, tokenizer)
         texts, columns, golds = train.reward_inputs(rows)
         scored = self._timed(
             "reward", self.reward.score, texts, rollout.response_texts, columns, golds
@@ -254,14 +246,14 @@ class PpoLoop:
         """The forwards the estimator needs, then advantages and returns: the update
         arrays and their statistics (with the sampler/trainer gap when both exist)."""
         ppo, engine, rollout = self.config.ppo, self.model, sample.rollout
-        batch = rollout.teacher_forcing_batch(self.tokenizer.pad_token_id)
+        batch = rollout.teacher_forcing_batch(self.run.tokenizer.pad_token_id)
         sampled = rollout.align(rollout.logprobs)  # the sampler's log-probabilities
         recompute = ppo.old_logprobs == "recompute"
         old = self._timed("logprobs", engine.logprobs, batch) if recompute else sampled
         ref = None  # with no KL in the reward or the loss, and none to report: not computed
-        if self.plan.reference_forward:
+        if self.run.plan.reference_forward:
             ref = self._timed("logprobs", engine.logprobs, batch, reference=True)
-        values = self._timed("values", engine.values, batch) if self.plan.has_critic else None
+        values = self._timed("values", engine.values, batch) if self.run.plan.has_critic else None
         scores = sample.task_scores + sample.penalty
         arrays, stats = build_experience(batch, scores, old, ref, values, ppo)
         dropped = sample.no_loss | (sample.truncated & (ppo.overlong == "mask"))
@@ -283,7 +275,7 @@ class PpoLoop:
         ppo, engine = self.config.ppo, self.model
         updates: dict[str, list[float]] = defaultdict(list)
         micro_batches = ppo.mini_batch_size // ppo.rows_per_micro_batch
-        roles = tuple(update.name for update in self.plan.updates_at(step))
+        roles = tuple(update.name for update in self.run.plan.updates_at(step))
 
         def record(role: str, stats: dict[str, float], epoch: int, index: int) -> None:
             self.skipped[role] += count_skipped(
@@ -340,14 +332,14 @@ class PpoLoop:
         whose episode's reward (its environment's parts summed) is >= 1."""
         if self.progress is not None:
             self.progress.phase("validating")
-        prompts, sampling, seed = self.validation, self.sampling, self.config.seed
+        prompts, sampling, seed = self.run.validation, self.sampling, self.config.seed
         greedy = SamplingParams(
             max_new_tokens=sampling.max_new_tokens, temperature=0.0,
             stop_strings=sampling.stop_strings,
         )  # fmt: skip
         play = self._validate_rows
-        if self.episodes is not None:
-            play = partial(self.episodes.validate, self.rollouts, prompts, seed=seed)
+        if self.run.episodes is not None:
+            play = partial(self.run.episodes.validate, self.rollouts, prompts, seed=seed)
         size = self.config.ppo.rollouts_per_step
         correct, self.samples = 0, []
         for begin in range(0, len(prompts), size):
@@ -360,7 +352,7 @@ class PpoLoop:
         self, rows: range, greedy: SamplingParams, wanted: int
     ) -> tuple[int, list[dict[str, Any]]]:
         """Single-turn validation of ``rows``: how many are correct, and ``wanted`` samples."""
-        prompts = self.validation
+        prompts = self.run.validation
         asked, columns, golds = prompts.reward_inputs(rows)
 
         def score(texts: list[str]) -> list[float]:
@@ -368,7 +360,7 @@ class PpoLoop:
 
         scored = sample_and_score(
             self.rollouts, [prompts.ids[i] for i in rows], greedy, score, seed=self.config.seed,
-            eos_ids=self.eos_ids, tokenizer=self.tokenizer,
+            eos_ids=self.run.eos_ids, tokenizer=self.run.tokenizer,
         )  # fmt: skip
         found = sum(value >= 1.0 for value in scored.scores)
         return found, sample_records(asked, scored, [prompts.golds[i] for i in rows], wanted)
