@@ -230,8 +230,14 @@ def evaluate(recipe: Recipe, overrides: Overrides = None) -> None:
     table.add_row(f"pass@{k}" if k > 1 else "accuracy", f"{result.pass_at_k:.2%}")
     if k > 1:
         table.add_row("accuracy per sample", f"{result.accuracy:.2%}")
-    table.add_row("mean response tokens", f"{result.mean_response_tokens:.1f}")
-    table.add_row("stopped (EOS / stop string)", f"{result.stopped_fraction:.1%}")
+    if result.metrics:  # env.name: episodes
+        table.add_row("mean sampled tokens per episode", f"{result.mean_response_tokens:.1f}")
+        table.add_row("ended by the environment", f"{result.stopped_fraction:.1%}")
+        for name, value in result.metrics.items():  # env/*, reward/<part>
+            table.add_row(name, f"{value:.3g}")
+    else:
+        table.add_row("mean response tokens", f"{result.mean_response_tokens:.1f}")
+        table.add_row("stopped (EOS / stop string)", f"{result.stopped_fraction:.1%}")
     if result.reward_timeouts:
         table.add_row("reward timeouts (scored 0)", str(result.reward_timeouts))
     if result.reward_errors:

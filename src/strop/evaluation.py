@@ -14,6 +14,17 @@ complete:
 - ``<run_dir>/eval/results.jsonl``: per example the prompt, responses, extracted
   answers, gold and correctness;
 - ``<run_dir>/eval/summary.json``: the numbers returned in :class:`EvalResult`.
+
+With ``env.name`` each record (read as ``strop ppo`` reads its validation records:
+:class:`~strop.rl.prompts.PromptSet`; every key goes to the environment's ``reset``) is
+played as ``eval.num_samples`` multi-turn episodes by :class:`~strop.rl.episodes.Episodes`
+on the run's rollout engine, at ``eval.temperature`` (0: greedy, as validation plays) with
+the ``generation.*`` and ``env.*`` limits, and judged as validation judges it
+(:meth:`Episodes.judge <strop.rl.episodes.Episodes.judge>`): correct when the episode's
+reward, its environment's parts summed, is >= 1. ``eval.reward`` does not apply (the config
+refuses one with ``env.name``). ``metrics`` holds the episodes' ``env/*`` and
+``reward/<part>`` means over the whole evaluation
+(:func:`~strop.agents.rollout.episode_metrics`).
 """
 
 from __future__ import annotations
@@ -25,8 +36,10 @@ import time
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from strop import rewards
+from strop.agents.rollout import EpisodeOutcome, episode_metrics
 from strop.config import Config
 from strop.data import Tokenizer, read_data_file
 from strop.data.prompts import gold_answers, prompt_ids, record_columns
@@ -37,6 +50,8 @@ from strop.io.atomic import write_text_atomically
 from strop.io.model_spec import check_context_length, read_model_spec
 from strop.io.peft import load_adapter
 from strop.job import Job, eval_job
+from strop.rl.episodes import Episodes
+from strop.rl.prompts import PromptSet
 from strop.scoring import build_reward_model, sample_and_score
 from strop.scoring import eos_ids as model_eos_ids
 
@@ -59,6 +74,7 @@ class EvalResult:
     seconds: float
     tokens_per_s: float
     results_path: str
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # env/*, reward/*
     is_main: bool = True  # False on every process but the first of a distributed run
 
 
@@ -85,13 +101,11 @@ def _config_with_adapter(config: Config) -> Config:
 def run_eval(config: Config) -> EvalResult:
     """Evaluate ``config.model.path`` (plus ``eval.adapter``) on ``eval.path``."""
     path = config.eval.path or config.data.eval_path
-    if config.env.enabled:
-        raise ConfigError(
-            f"env.name={config.env.name}: strop eval does not play episodes yet; an agent's "
-            "accuracy is strop ppo's validation/accuracy (ppo.validate_every)"
-        )
     if config.model.path is None or path is None:
         raise ConfigError("strop eval needs model.path and eval.path (or data.eval_path)")
+    if config.env.enabled:  # the environment's reward parts score the episodes
+        with eval_job(config, {"solved": "solved {:.1%}"}) as job:  # preflight first
+            return _evaluate_episodes(config, path, job)
     limits = rewards.RewardLimits.of(config.eval, "eval")  # a deadline: user functions in a worker
     reward = rewards.load(
         config.eval.reward, setting="eval.reward", build_model=partial(build_reward_model, config),
@@ -210,7 +224,14 @@ def _sample_and_record(
         tokens_per_s=tokens / max(seconds, 1e-9),
         results_path=str(out_dir / "results.jsonl"),
     )
+    _write_results(job, result, records)
+    return result
+
+
+def _write_results(job: Job, result: EvalResult, records: list[dict]) -> None:
+    """``results.jsonl`` (one record per example) and ``summary.json``, by the main process."""
     summary = {k: v for k, v in asdict(result).items() if k != "is_main"}
+    out_dir = Path(result.results_path).parent
 
     def write() -> None:
         write_text_atomically(
@@ -219,4 +240,100 @@ def _sample_and_record(
         write_text_atomically(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
 
     job.backend.write_once(write, f"writing the results in {out_dir}")
-    return result
+
+
+# env.name: episodes -----------------------------------------------------------------
+
+
+def _evaluate_episodes(config: Config, path: str, job: Job) -> EvalResult:
+    """Evaluate ``config.model.path`` (plus ``eval.adapter``) on ``path`` by episodes in
+    ``env.name`` (see the module docstring); writes ``<run_dir>/eval/`` as single-turn
+    evaluation does."""
+    progress = job.progress
+    progress.phase("reading the data")
+    config = _config_with_adapter(config)
+    tokenizer = Tokenizer.from_pretrained(config.model.path)
+    episodes = Episodes.from_config(config, tokenizer, model_eos_ids(tokenizer, config.model.path))
+    assert episodes is not None  # env.name is set
+    prompts = PromptSet.read(path, config, tokenizer, config.eval.max_examples)
+    check_context_length(  # before the weights load
+        config.model.path, "eval", max_length=config.data.max_length,
+        max_new_tokens=config.generation.max_new_tokens, longest_prompt=prompts.longest,
+        max_episode_tokens=config.env.max_episode_tokens,
+    )  # fmt: skip
+    progress.set_total(len(prompts))
+    progress.phase("loading the model")
+    policy = job.backend.build_policy(config, total_steps=1, checkpoint_dir=None)
+    if config.eval.adapter is not None:  # before the engine: a new engine samples it
+        policy.load_adapter(config.eval.adapter)
+    with rollout_engine(config, policy, max_prompt_tokens=episodes.longest_prefix) as rollouts:
+        result, records = _play(config, path, job, episodes, rollouts, prompts)
+    _write_results(job, result, records)
+    return dataclasses.replace(result, is_main=policy.is_main)
+
+
+def _play(
+    config: Config, path: str, job: Job, episodes: Episodes, rollouts: Any, prompts: PromptSet
+) -> tuple[EvalResult, list[dict[str, Any]]]:
+    # generation: supplies the turn length and stop strings (top-k/top-p); eval: temperature
+    params = dataclasses.replace(
+        SamplingParams.from_config(config.generation), temperature=config.eval.temperature
+    )
+    k = config.eval.num_samples
+    records: list[dict[str, Any]] = []
+    outcomes: list[EpisodeOutcome] = []
+    solved = correct = 0
+    began = time.perf_counter()
+    job.progress.phase("")
+    for start in range(0, len(prompts), config.eval.batch_size):
+        batch = range(start, min(start + config.eval.batch_size, len(prompts)))
+        rows = [i for i in batch for _ in range(k)]
+        judged = episodes.judge(rollouts, prompts, rows, params, seed=config.seed + start)
+        outcomes += judged.outcomes
+        for j, i in enumerate(batch):
+            mine = slice(j * k, (j + 1) * k)
+            hits, samples = judged.correct[mine], judged.samples[mine]
+            solved += any(hits)
+            correct += sum(hits)
+            records.append(_record(i, samples, judged.outcomes[mine], hits))
+        job.progress.update(batch.stop, solved=solved / batch.stop)
+    seconds = time.perf_counter() - began
+    episodes_run = max(len(outcomes), 1)
+    sampled = sum(sum(o.episode.sampled) if o.episode else 0 for o in outcomes)
+    ended = sum(o.error is None and not o.truncated for o in outcomes)
+    result = EvalResult(
+        path=str(path),
+        examples=len(prompts),
+        samples_per_example=k,
+        pass_at_k=solved / max(len(prompts), 1),
+        accuracy=correct / episodes_run,
+        mean_response_tokens=sampled / episodes_run,
+        stopped_fraction=ended / episodes_run,
+        reward_timeouts=0,
+        reward_errors=0,  # an environment's failures are env/errors
+        seconds=seconds,
+        tokens_per_s=sampled / max(seconds, 1e-9),
+        results_path=str(Path(config.run_dir) / "eval" / "results.jsonl"),
+        metrics=episode_metrics(outcomes),
+    )
+    return result, records
+
+
+def _record(
+    index: int, samples: list[dict[str, Any]], outcomes: list[EpisodeOutcome], hits: list[bool]
+) -> dict[str, Any]:
+    """One example's line of ``results.jsonl``: its episodes side by side."""
+    return {
+        "index": index,
+        "prompt": samples[0]["prompt"],  # the opening, with its chat markers
+        "responses": [s["response"] for s in samples],  # the rest of each episode
+        "extracted": [s["extracted"] for s in samples],
+        "gold": samples[0]["gold"],
+        "rewards": [dict(o.rewards) for o in outcomes],
+        "turns": [o.turns for o in outcomes],
+        "tool_calls": [int(o.info.get("tool_calls", 0)) for o in outcomes],
+        "truncated": [o.truncated for o in outcomes],
+        "errors": [o.error for o in outcomes],
+        "correct": hits,
+        "solved": any(hits),
+    }

@@ -3,8 +3,8 @@
 :func:`preflight` is the first thing ``strop sft``, ``ppo`` and ``eval`` do after the
 config validates. It reads the config in one pass down the house, from what imports the
 user's code to the files on disk: it refuses a launch the backend cannot serve
-(``torchrun`` with the JAX backend) and a PPO run's environment that cannot be built
-(:func:`check_environment`); asks the backend once (``get_backend``; ``logging.wandb``'s
+(``torchrun`` with the JAX backend) and a PPO or eval run's environment that cannot be
+built (:func:`check_environment`); asks the backend once (``get_backend``; ``logging.wandb``'s
 W&B login is checked there, on the main process); refuses what the run's rollout engine
 cannot do (:func:`~strop.engines.check_engine`); then the files: a checkpoint directory
 another backend wrote (:func:`~strop.io.checkpoint_dir.refuse_other_backends_checkpoints`),
@@ -122,7 +122,7 @@ def preflight(
     if config.logging.wandb and training and running:
         require_wandb()
     refuse_launcher_of_another_backend(config)
-    if job == "ppo" and config.env.enabled and running:
+    if job in ("ppo", "eval") and config.env.enabled and running:
         check_environment(config.env.name, config.env.args)
     backend = get_backend(config.backend)  # the one call of a command
     if config.logging.wandb and training and running:

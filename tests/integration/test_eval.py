@@ -94,3 +94,65 @@ def test_cli_eval_prints_a_summary_and_bad_input_is_one_line(eval_inputs, tmp_pa
     bad = subprocess.run([*cmd, "eval.num_samples=4"], capture_output=True, text=True)
     assert bad.returncode == 2 and "needs eval.temperature > 0" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+# --- env.name: episodes ----------------------------------------------------------------
+
+ENV_KEYS = {"env/turns", "env/tool_calls", "env/tool_errors", "env/truncated", "env/errors"}
+
+
+@pytest.fixture(scope="module")
+def calc_inputs(tmp_path_factory):
+    """The shipped tiny-calc agent and 6 calculator problems (greedy, it calls the tool for
+    some phrasings and guesses for the others)."""
+    from strop.agents.calculator_tasks import write_calc_splits
+
+    return write_calc_splits(tmp_path_factory.mktemp("calc"), seed=0, n_train=1, n_validation=6)
+
+
+def calc_overrides(data, run_dir, backend):
+    from strop.assets import tiny_calc_path
+
+    return [
+        f"model.path={tiny_calc_path()}", f"eval.path={data}", f"run_dir={run_dir}",
+        f"backend={backend}", "env.name=calculator", "env.max_episode_tokens=320",
+        "generation.max_new_tokens=40", "eval.batch_size=6", "mesh.fsdp=1", "mesh.data=-1",
+    ]  # fmt: skip
+
+
+def test_eval_plays_episodes_and_counts_what_ppo_validation_counts(calc_inputs, tmp_path, capsys):
+    """Both backends play the same greedy episodes (torch through the CLI's command: its
+    table); they are what strop ppo's validation (:meth:`Episodes.validate`) plays and
+    counts on the same weights."""
+    from strop.backends import get_backend
+    from strop.cli import evaluate
+    from strop.data import Tokenizer
+    from strop.generation import SamplingParams
+    from strop.rl.episodes import Episodes
+    from strop.rl.prompts import PromptSet
+    from strop.scoring import eos_ids
+
+    data, results = calc_inputs["validation"], {}
+    run_eval(load_config("tiny", calc_overrides(data, tmp_path / "jax", "jax")))
+    evaluate("tiny", calc_overrides(data, tmp_path / "torch", "torch"))
+    table = capsys.readouterr().out
+    assert "env/tool_calls" in table and "ended by the environment" in table, table
+    for backend in ("jax", "torch"):
+        summary = json.loads((tmp_path / backend / "eval" / "summary.json").read_text())
+        records = results[backend] = read_results(tmp_path / backend)
+        assert summary["examples"] == 6 and len(records) == 6
+        assert summary["metrics"].keys() >= ENV_KEYS | {"reward/correct"}
+        assert summary["metrics"]["env/tool_calls"] > 0, "no tool call: the test proves little"
+        assert all(r["correct"] == [r["rewards"][0].get("correct", 0) >= 1] for r in records)
+    assert results["jax"] == results["torch"]
+
+    # What strop ppo's validation (Episodes.validate, greedy) counts on the same weights.
+    config = load_config("tiny", calc_overrides(data, tmp_path / "validate", "torch"))
+    tok = Tokenizer.from_pretrained(config.model.path)
+    episodes = Episodes.from_config(config, tok, eos_ids(tok, config.model.path))
+    prompts = PromptSet.read(data, config, tok)
+    policy = get_backend("torch").build_policy(config, total_steps=1, checkpoint_dir=None)
+    greedy = SamplingParams(max_new_tokens=40, temperature=0.0)
+    found, samples = episodes.validate(policy, prompts, range(6), greedy, 6, seed=0)
+    assert summary["accuracy"] == summary["pass_at_k"] == found / 6
+    assert [r["responses"][0] for r in records] == [s["response"] for s in samples]

@@ -243,7 +243,7 @@ def test_load_environment_from_a_module_a_file_and_a_class(env_file):
     [
         ("calculater", "unknown built-in environment; the built-in ones are calculator"),
         ("envs.py", "give the factory too: envs.py:FACTORY"),
-        ("verifiers:wordle", "verifiers environments are not supported yet"),
+        ("verifiers:wordle", "no module named 'wordle' on the Python path"),
         ("no_such_strop_module:make", "no module named 'no_such_strop_module'"),
         ("missing/envs.py:make", "missing/envs.py does not exist"),
         ("strop_test_agent_envs:mkae", "has no function 'mkae', did you mean 'make'?"),

@@ -70,7 +70,7 @@ def oracle_ids(oracle, messages, add_generation_prompt=True) -> list[int]:
 def test_tool_episode_equals_a_fresh_render_at_every_turn(family) -> None:
     name, tok, oracle = family
     eos = tok.eos_token_id
-    ep = Episode.start(tok, PROMPT, tools=TOOLS)
+    ep = Episode(tok, PROMPT, tools=TOOLS)
     conversation = list(PROMPT)  # the oracle's view: tool calls as structured messages
     assert ep.ids == oracle_ids(oracle, conversation)
     model_tokens, logprob = [], -0.5
@@ -131,7 +131,7 @@ def test_model_tokens_are_kept_when_their_text_would_tokenize_otherwise(family) 
     canonical = [*tok.encode(ANSWER), tok.eos_token_id]
     split = [tok.encode(c)[0] for c in ANSWER] + [tok.eos_token_id]  # one token per character
     assert tok.decode(split) == tok.decode(canonical) and split != canonical
-    ep = Episode.start(tok, PROMPT, tools=TOOLS)
+    ep = Episode(tok, PROMPT, tools=TOOLS)
     ep.add_sampled(split)
     follow_up = {"role": "user", "content": "Thanks"}
     ep.add_messages([follow_up])
@@ -146,7 +146,7 @@ def test_model_tokens_are_kept_when_their_text_would_tokenize_otherwise(family) 
 def test_a_turn_cut_by_length_is_closed_by_the_template(family) -> None:
     name, tok, oracle = family
     cut = "The answer is"
-    ep = Episode.start(tok, PROMPT, tools=TOOLS)
+    ep = Episode(tok, PROMPT, tools=TOOLS)
     ep.add_sampled(tok.encode(cut))  # no stop token: max_new_tokens ran out
     follow_up = {"role": "user", "content": "Go on."}
     appended = ep.add_messages([follow_up])
@@ -161,7 +161,7 @@ def test_a_turn_cut_by_length_is_closed_by_the_template(family) -> None:
 def test_a_stop_token_the_template_does_not_write_stays_and_the_template_closes(tmp_path) -> None:
     tok = Tokenizer.from_pretrained(save_chat_tokenizer(tmp_path, "qwen2.5"))
     endoftext = tok.encode("<|endoftext|>")
-    ep = Episode.start(tok, PROMPT, stop_ids=[*endoftext, tok.eos_token_id])
+    ep = Episode(tok, PROMPT, stop_ids=[*endoftext, tok.eos_token_id])
     ep.add_sampled([*tok.encode(ANSWER), *endoftext])
     appended = ep.add_messages([{"role": "user", "content": "Go on."}])
     assert ep.messages[1]["content"] == ANSWER
@@ -171,7 +171,7 @@ def test_a_stop_token_the_template_does_not_write_stays_and_the_template_closes(
 
 def test_misuse_is_a_one_line_data_error(tmp_path) -> None:
     tok = Tokenizer.from_pretrained(save_chat_tokenizer(tmp_path, "qwen2.5"))
-    ep = Episode.start(tok, PROMPT)
+    ep = Episode(tok, PROMPT)
     with pytest.raises(DataError, match="call add_sampled first"):
         ep.add_messages([{"role": "user", "content": "hi"}])
     with pytest.raises(DataError, match="2 token ids but 1 log-probs"):
@@ -179,17 +179,17 @@ def test_misuse_is_a_one_line_data_error(tmp_path) -> None:
     with pytest.raises(DataError, match="outside the vocabulary"):
         ep.add_sampled([tok.vocab_size])
     with pytest.raises(DataError, match="at least one message"):
-        Episode.start(tok, [])
+        Episode(tok, [])
     tok.chat_template = "{{ messages[-1]['content'] }}"  # renders only the last message
     with pytest.raises(DataError, match="does not render an assistant turn"):
-        Episode.start(tok, PROMPT)
+        Episode(tok, PROMPT)
     # Marks assistant turns once something follows them: earlier turns change as it grows.
     tok.chat_template = (
         "{% for m in messages %}{{ m.role }}: "
         "{% if m.role == 'assistant' and not loop.last %}(old) {% endif %}{{ m.content }}\n"
         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
     )
-    ep = Episode.start(tok, PROMPT)
+    ep = Episode(tok, PROMPT)
     ep.add_sampled(tok.encode("20"))
     with pytest.raises(DataError, match="rewrites earlier turns"):
         ep.add_messages([{"role": "user", "content": "Sure?"}])
@@ -204,7 +204,7 @@ def test_parallel_tool_calls_answered_in_one_call(tmp_path) -> None:
     )
     calls = [("add", {"a": 2, "b": 3}), ("mul", {"a": 2, "b": 3})]
     text = "\n".join(call_text("qwen2.5", name, args) for name, args in calls)
-    ep = Episode.start(tok, PROMPT, tools=TOOLS)
+    ep = Episode(tok, PROMPT, tools=TOOLS)
     ep.add_sampled([*tok.encode(text), tok.eos_token_id])
     results = [
         {"role": "tool", "name": "add", "content": "5"},

@@ -139,7 +139,7 @@ def test_bad_line_names_file_and_line(tmp_path: Path, bad, fmt, what) -> None:
 
 def test_skip_bad_lines_counts_and_warns(tmp_path: Path, caplog) -> None:
     path = write_lines(tmp_path / "d.jsonl", ["{", PC, "[]", PC, '{"prompt": 1}', PC])
-    with caplog.at_level(logging.WARNING, logger="strop.data.sources"):
+    with caplog.at_level(logging.WARNING, logger="strop.data.record_files"):
         examples, stats = read_examples(path, skip_bad_lines=True)
     assert [e.line for e in examples] == [2, 4, 6]
     assert (stats.format, stats.num_records, stats.num_skipped) == ("prompt_completion", 3, 3)

@@ -1,7 +1,7 @@
-"""The ``env`` config section (multi-turn episodes in ``strop ppo``): its defaults, what it
-refuses in one line when it loads, the environment reference imported and its factory built
-at preflight (``check_environment``), and the context-length check against
-``env.max_episode_tokens``."""
+"""The ``env`` config section (multi-turn episodes in ``strop ppo`` and ``strop eval``): its
+defaults, what it refuses in one line when it loads, the environment reference imported and
+its factory built at preflight (``check_environment``; `strop eval`'s too), and the
+context-length check against ``env.max_episode_tokens``."""
 
 from __future__ import annotations
 
@@ -56,6 +56,8 @@ def test_an_environment_scores_the_episodes_and_the_config_round_trips(tmp_path)
     assert yaml.safe_load(dump_config(config))["env"]["name"] == "calculator"
     explicit = load_config(None, ["env.name=calculator", "ppo.reward=none"])
     assert explicit.ppo.reward == "none"
+    served = load_config(None, ["env.name=calculator", "generation.engine=vllm"])
+    assert served.generation.engine == "vllm"  # episodes on vLLM (tests/vllm_engine)
 
 
 @pytest.mark.parametrize(
@@ -63,7 +65,7 @@ def test_an_environment_scores_the_episodes_and_the_config_round_trips(tmp_path)
     [
         (["env.name=calculator", "ppo.reward=gsm8k"], "set ppo.reward=none"),
         (["ppo.reward=none"], "ppo.reward=none leaves nothing to score"),
-        (["env.name=calculator", "generation.engine=vllm"], "native samplers only for now"),
+        (["env.name=calculator", "eval.reward=math"], "leave eval.reward unset"),
         (["env.name=calculator", "ppo.overlong=penalty"], "use ppo.overlong=mask or keep"),
         (["env.max_turns=0"], "env.max_turns: Input should be greater than 0"),
         (["env.max_episode_tokens=-4"], "env.max_episode_tokens: Input should be greater than 0"),
@@ -87,7 +89,7 @@ def test_bad_env_settings_are_one_line(overrides, said) -> None:
         ("nothere.py:make", {}, "nothere.py does not exist"),
         ("envs.py:mak", {}, "did you mean 'make'?"),
         ("no_such_pkg.mod:make", {}, "no module named 'no_such_pkg'"),
-        ("verifiers:wordle", {}, "verifiers environments are not supported yet"),
+        ("verifiers:wordle", {}, "no module named 'wordle' on the Python path"),
         ("calculator", {"turns": 2}, "calculator_environment(...) failed: "),
         ("envs.py:Broken", {}, "which has no step method"),
     ],
@@ -116,8 +118,26 @@ def test_context_length_is_checked_against_the_episode_budget() -> None:
     assert "lower env.max_episode_tokens to at most 256" in str(info.value)
 
 
-def test_strop_eval_refuses_an_environment_before_anything_loads() -> None:
-    from strop.evaluation import run_eval
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (("env.name=calculater",), "error: env.name: environment 'calculater': unknown built-in"),
+        (("env.name=nothere.py:make",), "nothere.py does not exist"),
+        (("env.name=calculator", "env.args={turns: 2}"), "calculator_environment(...) failed: "),
+        (("env.name=calculator", "eval.reward=my.py:score"), "leave eval.reward unset"),
+    ],
+    ids=["unknown-built-in", "missing-file", "bad-args", "eval-reward"],
+)
+def test_strop_eval_with_a_bad_environment_is_one_line_before_anything_loads(
+    tmp_path, monkeypatch, capsys, no_model_builds, extra, said
+) -> None:
+    from strop.cli import main
 
-    with pytest.raises(ConfigError, match="strop eval does not play episodes yet"):
-        run_eval(load_config(None, ["env.name=calculator"]))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "val.jsonl").write_text('{"question": "What is 2 + 2?", "answer": "4"}\n')
+    args = ["eval", "tiny", f"model.path={TINY_MATH}", "eval.path=val.jsonl", "run_dir=run"]
+    with pytest.raises(SystemExit) as info:
+        main([*args, *extra])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and said in lines[0], lines

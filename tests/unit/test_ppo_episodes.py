@@ -121,6 +121,37 @@ def test_validation_counts_episodes_whose_reward_is_one(tok) -> None:  # noqa: F
     assert "<tool_call>" in samples[0]["response"] and "56088" in samples[0]["response"]
 
 
+def test_a_sleeping_vllm_engine_stays_awake_through_an_iteration_s_episodes(tok, tmp_path) -> None:  # noqa: F811
+    from strop.engines.vllm_sync import VllmRollouts
+
+    scripted = ScriptedSampler(tok)
+
+    class Engine:  # a VllmEngine: records what it is asked
+        rank, world_size, calls = 0, 1, []
+
+        def sample(self, prompts, params, decoding):
+            self.calls.append("sample")
+            return scripted.generate(prompts, params, **decoding.keywords())
+
+        def __getattr__(self, name):  # use_adapter, wake_up, sleep, close
+            return lambda *args: self.calls.append(name)
+
+    engine = Engine()
+    config = load_config(
+        "ppo-lora-tiny", [f"run_dir={tmp_path}", "backend=torch", "generation.vllm_sleep=true"]
+    )
+    rollouts = VllmRollouts(SimpleNamespace(export_adapter=str), engine, config)
+    params = SamplingParams(max_new_tokens=64, temperature=1.0)
+    episodes_of(tok, bucket_rows=False).sample(rollouts, RECORDS, params, seed=0)
+    # One wake-up and one sleep around the iteration's rounds (each wake-up reloads weights).
+    assert engine.calls.count("sample") == 3 and engine.calls.count("sleep") == 1, engine.calls
+    assert engine.calls[-1] == "sleep"
+    engine.calls = []  # one call outside episodes: sleeps after it
+    scripted.scripted = lambda prompts, n: [agents_rollout.Turn([2], [0.0], "stop")]
+    rollouts.generate([[5, 6]], params, seed=0, eos_ids=[2], pad_id=0)
+    assert engine.calls == ["wake_up", "sample", "sleep"]
+
+
 def test_the_run_s_episodes_come_from_the_config_and_need_a_chat_template(tok) -> None:  # noqa: F811
     config = load_config(None, ["env.name=calculator", "env.args={max_turns: 2}"])
     episodes = Episodes.from_config(config, tok, [tok.eos_token_id])

@@ -47,7 +47,7 @@ def test_the_asset_loads_and_its_template_renders_hermes_tool_calls() -> None:
 def test_an_episode_equals_a_fresh_render_and_sft_trains_on_call_and_answer() -> None:
     _, tok, problem, record = _setup()
     env = calculator_environment()
-    episode = Episode.start(tok, env.reset(problem.to_record()), env.tool_schemas)
+    episode = Episode(tok, env.reset(problem.to_record()), env.tool_schemas)
     call = record["messages"][2]["tool_calls"][0]["function"]
     call_text = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
     sampled = [*tok.encode(call_text), tok.eos_token_id]

@@ -18,7 +18,8 @@ which can be called once per episode). :func:`call_maybe_async` calls either kin
 * ``package.module:factory`` or ``path/to/file.py:factory`` (imported as
   :mod:`strop.references` imports rewards and losses): ``factory(**kwargs)`` must return an
   object with ``reset`` and ``step`` methods (a class is a factory too);
-* ``verifiers:<module>`` is refused for now (the verifiers package is not supported yet).
+* ``verifiers:<module>``: a ``verifiers`` 0.4 taskset, played in strop's loop
+  (:mod:`strop.agents.verifiers_env`; verifiers is imported only then).
 
 Every mistake raises :class:`EnvironmentLoadError`, one line naming the reference.
 """
@@ -89,11 +90,9 @@ def resolve_environment(reference: str) -> Callable[..., Any]:
     it; :class:`EnvironmentLoadError` when there is none."""
     ref = reference.strip()
     if ref.startswith("verifiers:"):
-        raise EnvironmentLoadError(
-            f"environment {reference!r}: verifiers environments are not supported yet; give "
-            f"a built-in ({', '.join(sorted(BUILTINS))}), package.module:factory or "
-            "path/to/file.py:factory"
-        )
+        from strop.agents.verifiers_env import verifiers_factory
+
+        return verifiers_factory(ref)
     if not is_reference(ref):
         if ref not in BUILTINS:
             hint = f"; give the factory too: {ref}:FACTORY" if ref.endswith(".py") else ""
@@ -128,6 +127,8 @@ def load_environment(reference: str, **kwargs: Any) -> Any:
     name = getattr(factory, "__name__", type(factory).__name__)
     try:
         env = factory(**kwargs)
+    except EnvironmentLoadError:
+        raise
     except Exception as exc:
         raise EnvironmentLoadError(
             f"environment {reference!r}: {name}(...) failed: {one_line(exc)}"

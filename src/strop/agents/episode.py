@@ -59,8 +59,9 @@ class EpisodeColumns:
 class Episode:
     """A conversation as token ids, built turn by turn (see the module docstring).
 
-    Start with :meth:`start`, then alternate :meth:`add_sampled` (the model's turn, possibly in
-    several pieces) and :meth:`add_messages` (what the environment answers).
+    Start with the prompt (``Episode(tokenizer, messages, tools)``), then alternate
+    :meth:`add_sampled` (the model's turn, possibly in several pieces) and
+    :meth:`add_messages` (what the environment answers).
     """
 
     def __init__(
@@ -71,9 +72,12 @@ class Episode:
         *,
         stop_ids: Iterable[int] | None = None,
     ) -> None:
-        """Prefer :meth:`start`. ``stop_ids``: ids that end a model turn and are not part of
-        its text (default: the tokenizer's EOS); the first token the template closes assistant
-        turns with (``<|im_end|>``, ``<|eot_id|>``) always is one."""
+        """An episode holding the prompt: ``messages`` rendered by ``tokenizer``'s chat
+        template with ``tools`` and the generation prompt, tokenized once (mask 0).
+
+        ``stop_ids``: ids that end a model turn and are not part of its text (default: the
+        tokenizer's EOS); the first token the template closes assistant turns with
+        (``<|im_end|>``, ``<|eot_id|>``) always is one."""
         if not messages:
             raise DataError("an episode starts from at least one message (the prompt)")
         self.tokenizer = tokenizer
@@ -90,19 +94,6 @@ class Episode:
             stop_ids = () if eos is None else (eos,)
         closer_ids = tokenizer.encode(self._closer())
         self._stop_ids = frozenset(int(i) for i in stop_ids) | frozenset(closer_ids[:1])
-
-    @classmethod
-    def start(
-        cls,
-        tokenizer: Tokenizer,
-        messages: Sequence[Message],
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        *,
-        stop_ids: Iterable[int] | None = None,
-    ) -> Episode:
-        """An episode holding the prompt: ``messages`` rendered by ``tokenizer``'s chat
-        template with ``tools`` and the generation prompt, tokenized once (mask 0)."""
-        return cls(tokenizer, messages, tools, stop_ids=stop_ids)
 
     # -- building --------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ policies and actor-critics, the vLLM engine): each turn re-prefills the whole pr
 
 :func:`run_episodes` plays one episode per record with its own environment instance from a
 factory (:func:`~strop.agents.environment.resolve_environment`): ``reset(record)`` ->
-:meth:`Episode.start` (with the environment's ``tool_schemas`` if it has them); then per
+:class:`Episode` (with the environment's ``tool_schemas`` if it has them); then per
 round the ids of every active episode go to ONE ``generate`` call (a finished episode frees
 its row), each turn is added with :meth:`Episode.add_sampled`, and the environments step
 concurrently (``async def`` methods on one event loop in a daemon thread, plain ones in
@@ -153,7 +153,7 @@ def run_episodes(
 ) -> list[EpisodeOutcome]:
     """One episode per record, run together (see the module docstring); outcomes in the
     records' order. ``environment()`` makes one environment per episode; ``name`` names it
-    in messages (default: the factory's name). ``stop_ids`` go to :meth:`Episode.start`.
+    in messages (default: the factory's name). ``stop_ids`` go to :class:`Episode`.
     Raises :class:`EpisodeError` when too many episodes fail."""
     limits = limits or RolloutLimits()
     name = name or getattr(environment, "__name__", type(environment).__name__)
@@ -191,7 +191,7 @@ async def _start(slot: _Slot, tokenizer: Tokenizer, stop_ids: Sequence[int] | No
     tools = getattr(slot.env, "tool_schemas", None)
     tools = tools() if callable(tools) else tools
     try:
-        slot.outcome.episode = Episode.start(tokenizer, messages, tools, stop_ids=stop_ids)
+        slot.outcome.episode = Episode(tokenizer, messages, tools, stop_ids=stop_ids)
     except Exception as exc:
         raise _Failed(f"its opening messages cannot be rendered: {one_line(exc)}") from None
 

@@ -62,6 +62,11 @@ __all__ = [
 ]
 
 
+def _section(section: type[_Section], description: str) -> Any:
+    """A section of :class:`Config`: its defaults, and what it is for (the docs show it)."""
+    return Field(default_factory=section, description=description)
+
+
 class Config(_Section):
     """Everything a run needs; one recipe runs on either backend."""
 
@@ -72,30 +77,20 @@ class Config(_Section):
     run_dir: str = Field(
         "runs/default", description="Directory for checkpoints, metrics and exports."
     )
-    model: ModelConfig = Field(
-        default_factory=ModelConfig, description="Model checkpoint and precision."
-    )
-    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters.")
-    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and schedule.")
-    data: DataConfig = Field(
-        default_factory=DataConfig, description="Training and evaluation data."
-    )
-    train: TrainConfig = Field(
-        default_factory=TrainConfig, description="Numerical safety of optimizer steps."
-    )
-    sft: SftConfig = Field(default_factory=SftConfig, description="Supervised fine-tuning loop.")
-    ppo: PpoConfig = Field(default_factory=PpoConfig, description="PPO loop.")
-    critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO value model.")
-    generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Sampling.")
-    env: EnvConfig = Field(
-        default_factory=EnvConfig, description="Multi-turn episodes in an environment (PPO)."
-    )
-    eval: EvalConfig = Field(default_factory=EvalConfig, description="`strop eval`.")
-    mesh: MeshConfig = Field(default_factory=MeshConfig, description="Device mesh.")
-    checkpoint: CheckpointConfig = Field(
-        default_factory=CheckpointConfig, description="Checkpointing."
-    )
-    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and logs.")
+    model: ModelConfig = _section(ModelConfig, "Model checkpoint and precision.")
+    lora: LoraConfig = _section(LoraConfig, "LoRA adapters.")
+    optim: OptimConfig = _section(OptimConfig, "Optimizer and schedule.")
+    data: DataConfig = _section(DataConfig, "Training and evaluation data.")
+    train: TrainConfig = _section(TrainConfig, "Numerical safety of optimizer steps.")
+    sft: SftConfig = _section(SftConfig, "Supervised fine-tuning loop.")
+    ppo: PpoConfig = _section(PpoConfig, "PPO loop.")
+    critic: CriticConfig = _section(CriticConfig, "PPO value model.")
+    generation: GenerationConfig = _section(GenerationConfig, "Sampling.")
+    env: EnvConfig = _section(EnvConfig, "Multi-turn episodes in an environment (PPO, eval).")
+    eval: EvalConfig = _section(EvalConfig, "`strop eval`.")
+    mesh: MeshConfig = _section(MeshConfig, "Device mesh.")
+    checkpoint: CheckpointConfig = _section(CheckpointConfig, "Checkpointing.")
+    logging: LoggingConfig = _section(LoggingConfig, "Metrics and logs.")
 
     @model_validator(mode="after")
     def _sections_agree(self) -> Self:
@@ -161,9 +156,10 @@ class Config(_Section):
                 "ppo.reward=none",
             ),
             (
-                self.generation.engine != "native",
-                f"env.name ({env.name}) with generation.engine={self.generation.engine}: "
-                "episodes run on the native samplers only for now",
+                self.eval.reward != EvalConfig.model_fields["reward"].default,  # dumped too
+                f"eval.reward ({self.eval.reward!r}) scores single-turn responses; with "
+                f"env.name ({env.name}) strop eval scores each episode by the environment's "
+                "reward parts: leave eval.reward unset",
             ),
             (
                 ppo.overlong == "penalty",

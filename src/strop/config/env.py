@@ -1,4 +1,4 @@
-"""The ``env`` section: the environment ``strop ppo`` plays multi-turn episodes in
+"""The ``env`` section: the environment ``strop ppo`` and ``strop eval`` play multi-turn episodes in
 (:mod:`strop.agents`; docs/agents.md). ``env.name: none`` (the default) keeps single-turn
 completions."""
 
@@ -19,11 +19,12 @@ class EnvConfig(_Section):
     name: str = Field(
         NONE,
         min_length=1,
-        description="The environment `strop ppo` plays episodes in: none (single-turn "
+        description="The environment `strop ppo` and `strop eval` play episodes in: none (single-turn "
         "completions, as without this section), a built-in (calculator, python), "
         "package.module:factory or path/to/file.py:factory; imported, and its factory called "
         "once with env.args, at preflight (a mistake: one line, before anything loads). "
-        "Its reward parts, summed, are each episode's reward (ppo.reward must be none).",
+        "Its reward parts, summed, are each episode's reward (ppo.reward must be none; "
+        "eval.reward does not apply).",
     )
     args: dict[str, Any] = Field(
         default_factory=dict,

@@ -32,21 +32,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from strop.data import tables
 from strop.data.chat_records import _BadLine, _kind, _messages, _tools
+from strop.data.record_files import check_text_size, read_records
 from strop.errors import ConfigError, DataError
-from strop.io.untrusted import reading
 
 if TYPE_CHECKING:
     from strop.config import DataConfig
 
-logger = logging.getLogger(__name__)
 
 Format = Literal["prompt_completion", "messages", "gsm8k", "keys"]
 GSM8K_MARKER = "#### "
@@ -99,64 +95,43 @@ def read_examples(
     every record is read by key (see the module docstring), whatever ``format`` says."""
     path = Path(path)
     keys = _check_keys(prompt_key, answer_key)
-    table = tables.is_table(path)
-    if table:
-        columns, _, rows = tables.read_rows(path)
-        for setting, key in zip(("data.prompt_key", "data.answer_key"), keys or (), strict=False):
-            if key is not None and columns and key not in columns:
-                raise DataError(
-                    f"{path}: no column '{key}' ({setting}); its columns are {', '.join(columns)}"
-                )
-        numbered: Iterator[tuple[int, Any]] = enumerate(rows, start=1)
-    else:
-        numbered = _jsonl_records(_open_jsonl(path), max_record_bytes)
-    unit = "row" if table else "line"
-
-    examples: list[Example] = []
+    settings = ("data.prompt_key", "data.answer_key")
+    columns = {k: s for k, s in zip(keys or (), settings, strict=False) if k is not None}
     fmt: Format | None = "keys" if keys else None if format == "auto" else format
-    skipped = 0
-    first_bad = ""
-    for number, record in numbered:
-        try:
-            if isinstance(record, _BadLine):
-                raise record
-            if record is None and not table:
-                continue  # blank line
-            if not isinstance(record, dict):  # an element of a .json array
-                raise _BadLine(f"expected a JSON object, got {_kind(record)}")
-            if fmt is None:
-                fmt = detect_format(record)
-            example = _to_example(record, fmt, str(path), number, prompt_template, keys)
-            if table:
-                _check_size(example, max_record_bytes)
-            examples.append(dataclasses.replace(example, columns=record))
-        except _BadLine as e:
-            where = f"{path}:{number}: {e}"
-            if format != "auto" and not keys and str(e).startswith("missing field"):
-                where += (
-                    f" (data.format={format}, set by the recipe or an override, reads "
-                    f"{_FIELDS[format]} records; data.format=auto tells from the keys)"
-                )
-            if not skip_bad_lines:
-                raise DataError(
-                    f"{where}; fix the {unit}, or set data.skip_bad_lines=true to skip bad {unit}s"
-                ) from None
-            skipped += 1
-            first_bad = first_bad or where
 
+    def convert(record: dict[str, Any], number: int, table: bool) -> Example:
+        nonlocal fmt
+        if fmt is None:
+            fmt = detect_format(record)
+        example = _to_example(record, fmt, str(path), number, prompt_template, keys)
+        if table:
+            _check_size(example, max_record_bytes)
+        return dataclasses.replace(example, columns=record)
+
+    def explain(bad: _BadLine) -> str:
+        if format == "auto" or keys or not str(bad).startswith("missing field"):
+            return ""
+        return (
+            f" (data.format={format}, set by the recipe or an override, reads "
+            f"{_FIELDS[format]} records; data.format=auto tells from the keys)"
+        )
+
+    read = read_records(
+        path, convert, columns=columns, skip_bad_lines=skip_bad_lines,
+        max_record_bytes=max_record_bytes, explain=explain,
+    )  # fmt: skip
+    examples, skipped, unit = read.items, read.skipped, read.unit
     if not examples:
         if skipped:
             raise DataError(
                 f"no valid records in {path}: all {skipped} non-blank {unit}(s) are bad "
-                f"(first: {first_bad})"
+                f"(first: {read.first_bad})"
             )
-        if table:
+        if read.table:
             raise DataError(f"data set {path} is empty (no records)")
         raise DataError(
             f"data file {path} is empty (no records); it needs one JSON object per line"
         )
-    if skipped:
-        logger.warning("skipped %d bad %s(s) in %s (first: %s)", skipped, unit, path, first_bad)
     assert fmt is not None
     return examples, ReadStats(str(path), fmt, len(examples), skipped)
 
@@ -187,44 +162,11 @@ def _check_keys(prompt_key: str | None, answer_key: str | None) -> tuple[str, st
     return prompt_key, answer_key
 
 
-def _open_jsonl(path: Path) -> BinaryIO:
-    missing = f"data file {path} not found: check data.train_path / data.eval_path"
-    with reading(path, DataError, missing=missing):
-        return path.open("rb")
-
-
-def _jsonl_records(handle: BinaryIO, max_record_bytes: int) -> Iterator[tuple[int, Any]]:
-    """``(line number, record)`` for every line: its object, None for a blank line, or the
-    :class:`_BadLine` that says what is wrong with it."""
-    with handle:
-        for number, raw in enumerate(handle, start=1):
-            size = len(raw)  # bytes: the file is read in binary
-            if size > max_record_bytes:
-                yield (
-                    number,
-                    _BadLine(
-                        f"the record is {size:,} bytes, over "
-                        f"data.max_record_bytes={max_record_bytes}; split it or raise the cap"
-                    ),
-                )
-                continue
-            try:
-                yield number, _parse_line(raw, number)
-            except _BadLine as e:
-                yield number, e
-
-
 def _check_size(example: Example, max_record_bytes: int) -> None:
-    """A table row's text over the cap is a bad row, as an over-long JSONL line is."""
     texts = [example.prompt or "", example.completion or ""]
     texts += [turn["content"] for turn in example.messages or ()]
     texts += [json.dumps(turn.get("tool_calls", "")) for turn in example.messages or ()]
-    size = sum(len(text.encode("utf-8")) for text in texts)
-    if size > max_record_bytes:
-        raise _BadLine(
-            f"the record's text is {size:,} bytes, over data.max_record_bytes="
-            f"{max_record_bytes}; split it or raise the cap"
-        )
+    check_text_size(texts, max_record_bytes)
 
 
 _FIELDS = {
@@ -248,25 +190,6 @@ def detect_format(record: dict[str, Any]) -> Format:
         "'prompt'+'completion' or 'question'+'answer', or set data.format, or name the "
         "columns with data.prompt_key / data.answer_key"
     )
-
-
-def _parse_line(raw: bytes, number: int) -> dict[str, Any] | None:
-    """The JSON object on one line, None for a blank line."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise _BadLine(f"not valid UTF-8 (byte {e.start}); save the file as UTF-8") from None
-    if number == 1:
-        text = text.removeprefix("\ufeff")  # byte-order mark
-    if not text.strip():
-        return None
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise _BadLine(f"invalid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(record, dict):
-        raise _BadLine(f"expected a JSON object, got {_kind(record)}")
-    return record
 
 
 def _to_example(

@@ -195,6 +195,11 @@ class VllmEngine(Sampler):
 
         generation, lora = config.generation, config.lora
         max_prompt = max_prompt_tokens or config.data.max_length
+        max_model_len = max_prompt + generation.max_new_tokens
+        if config.env.enabled:  # episodes: no turn goes past its episode's budget, where
+            # vLLM caps a row (finish "length") as run_episodes cuts it; within the model's
+            # positions (check_context_length), which prompt + max_new_tokens need not be
+            max_model_len = config.env.max_episode_tokens
         self.tensor_parallel = generation.vllm_tensor_parallel_size
         options: dict[str, Any] = {}
         if self.world_size > 1:  # torch.distributed is up (strop's FSDP placement)
@@ -209,7 +214,7 @@ class VllmEngine(Sampler):
             dtype=config.model.dtype,
             seed=config.seed,
             skip_tokenizer_init=True,  # strop passes token ids and cuts stop strings itself
-            max_model_len=max_prompt + generation.max_new_tokens,
+            max_model_len=max_model_len,
             gpu_memory_utilization=generation.vllm_memory_fraction,
             # the sampled token's log-probability under the untruncated distribution at
             # the temperature (strop's contract), where vLLM has it (see logprobs_mode)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ class VllmRollouts(Sampler):
         self.lora = config.lora.enabled
         self.sleep = config.generation.vllm_sleep
         self.syncs = 0
+        self._held = 0  # awake() contexts entered: no sleep between their samples
         self.stale = True  # the engine holds model.path; the actor may already differ
         # the adapter is written once (by rank 0) and read by every rank's engine: under
         # torchrun it goes where every rank sees it, the run directory
@@ -66,9 +69,22 @@ class VllmRollouts(Sampler):
         if self.stale:
             self.sync()
         generation = self.engine.sample(prompts, params, decoding)
-        if self.sleep:
+        if self.sleep and not self._held:
             self.engine.sleep()
         return generation
+
+    @contextmanager
+    def awake(self) -> Iterator[None]:
+        """Keep the engine awake across the samples inside (an iteration's episodes: one
+        call per round, environment steps between them) and, with ``vllm_sleep``, put it to
+        sleep once at the end rather than after each call (every wake-up reloads it)."""
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+            if self.sleep and not self._held:
+                self.engine.sleep()
 
     def close(self) -> None:
         self.engine.close()

@@ -207,7 +207,7 @@ def check_context_length(
     (``data.max_length``); for ``ppo`` and ``eval``, ``max_new_tokens``
     (``generation.max_new_tokens``; at preflight, ``longest_prompt=None``) and then the
     longest prompt read plus ``max_new_tokens`` (checked again once the prompts are read,
-    before the weights load). A PPO run that plays episodes (``max_episode_tokens``:
+    before the weights load). A run that plays episodes (``max_episode_tokens``:
     ``env.max_episode_tokens``, prompt and every turn included) checks that instead: a
     turn samples no further than its episode's budget."""
     if model_path is None or not (Path(model_path) / CONFIG_FILE).is_file():
@@ -221,7 +221,7 @@ def check_context_length(
                 f"lower data.max_length to at most {positions}"
             )
         return
-    if job == "ppo" and max_episode_tokens is not None:
+    if job in ("ppo", "eval") and max_episode_tokens is not None:
         if max_episode_tokens > positions:
             raise ConfigError(
                 f"env.max_episode_tokens={max_episode_tokens} is more than {limit}: lower "

@@ -18,15 +18,18 @@ token; it and every episode its environment failed score 0 (in their group's bas
 carry no loss weight (:attr:`Sample.no_loss`): the failure is the environment's, not the
 policy's.
 
-Validation (:meth:`Episodes.validate`) plays one episode per record at the validation
+Validation (:meth:`Episodes.validate`) and ``strop eval`` with ``env.name``
+(:mod:`strop.evaluation`) play one episode per record (:meth:`Episodes.judge`) at their
 sampling settings; an episode is correct when its reward (the parts summed) is >= 1, as a
-single-turn response is when it scores >= 1.
+single-turn response is when it scores >= 1. A sampler with an ``awake()`` context (vLLM's
+engine, which may sleep between calls) is held awake for an iteration's rounds.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -124,7 +127,8 @@ class Episodes:
         episode's budget), so that a sampler that compiles each shape compiles one; with
         ``bucket_rows`` the rows are padded up to a power of two (at most the batch) with
         copies of the last one (dropped), so that it compiles once per bucket, not per
-        number of episodes still running."""
+        number of episodes still running. A sampler with an ``awake()`` context (vLLM's
+        engine) is held awake for all the rounds."""
         decoding = Decoding(seed, self.eos_ids, self.tokenizer.pad_token_id, self.tokenizer)
         inner = sampler_generate(sampler, params, decoding)
         width = self.limits.max_new_tokens
@@ -134,10 +138,13 @@ class Episodes:
             rows = min(1 << (n - 1).bit_length(), len(records)) if self.bucket_rows else n
             return inner(prefixes + [prefixes[-1]] * (rows - n), width)[:n]
 
-        return run_episodes(
-            records, self.factory, self.tokenizer, generate, self.limits,
-            name=self.name, stop_ids=self.eos_ids,
-        )  # fmt: skip
+        # an engine that sleeps between calls (vLLM's vllm_sleep) stays up for the episodes
+        awake = getattr(sampler, "awake", None)
+        with awake() if awake is not None else nullcontext():
+            return run_episodes(
+                records, self.factory, self.tokenizer, generate, self.limits,
+                name=self.name, stop_ids=self.eos_ids,
+            )  # fmt: skip
 
     def layout(self, outcomes: Sequence[EpisodeOutcome]) -> tuple[Rollout, np.ndarray]:
         """The episodes as one rollout, a placeholder row for each with no sampled token;
@@ -172,20 +179,18 @@ class Episodes:
             metrics=episode_metrics(outcomes),
         )
 
-    def validate(
+    def judge(
         self,
         sampler: Any,
         prompts: PromptSet,
         rows: Sequence[int],
         params: SamplingParams,
-        wanted: int,
         *,
         seed: int,
-    ) -> tuple[int, list[dict[str, Any]]]:
-        """One episode per record of ``rows``: how many are correct (reward >= 1), and the
-        first ``wanted`` as the samples a validation logs (the opening, the rest of the
-        episode with its chat markers, the answer extracted from the last turn, the
-        record's answer, the reward)."""
+    ) -> Judged:
+        """One episode per record of ``rows`` (a row may repeat: one episode each), each
+        scored as validation scores it: correct when its reward (the parts summed) is >= 1.
+        What :meth:`validate` and ``strop eval`` both count."""
         outcomes = self.play(sampler, prompts.records(rows), params, seed)
         totals = [math.fsum(outcome.rewards.values()) for outcome in outcomes]
         rollout, _ = self.layout(outcomes)
@@ -198,9 +203,36 @@ class Episodes:
                 "gold": prompts.golds[row],
                 "reward": totals[k],
             }
-            for k, row in enumerate(list(rows)[: max(wanted, 0)])
+            for k, row in enumerate(rows)
         ]
-        return sum(total >= 1.0 for total in totals), samples
+        return Judged(outcomes, [total >= 1.0 for total in totals], samples)
+
+    def validate(
+        self,
+        sampler: Any,
+        prompts: PromptSet,
+        rows: Sequence[int],
+        params: SamplingParams,
+        wanted: int,
+        *,
+        seed: int,
+    ) -> tuple[int, list[dict[str, Any]]]:
+        """One episode per record of ``rows`` (:meth:`judge`): how many are correct, and
+        the first ``wanted`` as the samples a validation logs (the opening, the rest of the
+        episode with its chat markers, the answer extracted from the last turn, the
+        record's answer, the reward)."""
+        judged = self.judge(sampler, prompts, rows, params, seed=seed)
+        return sum(judged.correct), judged.samples[: max(wanted, 0)]
+
+
+@dataclass(frozen=True)
+class Judged:
+    """Episodes played for validation or ``strop eval``, in their rows' order: the outcomes,
+    whether each is correct (reward >= 1), and each as a sample record."""
+
+    outcomes: list[EpisodeOutcome]
+    correct: list[bool]
+    samples: list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
