@@ -1,8 +1,8 @@
 """Checks a job runs before it reads anything large: launch, run dir, config vs devices.
 
 :func:`preflight` is the first thing ``strop sft``, ``ppo`` and ``eval`` do after the
-config validates. It reads the config in one pass down the house, from what imports the
-user's code to the files on disk: it refuses a launch the backend cannot serve
+config validates. It reads the config in the order of the floors, from what imports the
+user's code down to the files on disk: it refuses a launch the backend cannot serve
 (``torchrun`` with the JAX backend) and a PPO or eval run's environment that cannot be
 built (:func:`check_environment`); asks the backend once (``get_backend``; ``logging.wandb``'s
 W&B login is checked there, on the main process); refuses what the run's rollout engine
