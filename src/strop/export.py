@@ -114,14 +114,11 @@ def run_export(config: Config, out: str | os.PathLike, *, merged: bool) -> Expor
             update={"model": config.model.model_copy(update={"path": identity["base_model"]})}
         )
         logger.info("base model from the run's checkpoints: model.path=%s", config.model.path)
-    plan = RolePlan.from_config(config) if job == "ppo" else None
-    backend = preflight(
-        config, job, checkpoint_dir, plan=plan, advice=EXPORT_ADVICE, exporting=True
-    )
-    if plan is not None:
+    backend = preflight(config, job, checkpoint_dir, advice=EXPORT_ADVICE, exporting=True)
+    if job == "ppo":
         engine = backend.build_actor_critic(
             config, total_updates=config.ppo.optimizer_updates(), checkpoint_dir=checkpoint_dir,
-            plan=plan,
+            plan=RolePlan.from_config(config),
         )  # fmt: skip
     else:
         engine = backend.build_policy(

@@ -34,7 +34,6 @@ from strop.progress import RunProgress, is_main_by_environment
 
 if TYPE_CHECKING:
     from strop.engines import RolloutEngine
-    from strop.objectives.roles import RolePlan
 
 logger = logging.getLogger(__name__)
 
@@ -42,26 +41,23 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Job:
     """What a command holds while it runs: its ``name`` (``"sft"``, ``"ppo"``,
-    ``"eval"``), its progress report and the run's backend (its builders, ``write_once``)."""
+    ``"eval"``), its progress report, the run's backend (its builders, ``write_once``) and,
+    for training, the directory its checkpoints go to (``checkpoint.dir``, else
+    ``<run_dir>/checkpoints``)."""
 
     name: str
     progress: RunProgress
     backend: Backend
+    checkpoints: Path | None = None  # a training job's checkpoint directory
 
 
 @contextmanager
-def training_job(
-    config: Config,
-    job: str,
-    steps: int,
-    figures: Mapping[str, str],
-    plan: RolePlan | None = None,
-) -> Iterator[Job]:
-    """Preflight ``job`` (``"sft"``, ``"ppo"``: of its role ``plan``) of ``steps`` steps,
-    before anything loads, then hold ``config.run_dir`` for it; its progress report shows
-    ``figures`` (see :class:`RunProgress`)."""
+def training_job(config: Config, job: str, steps: int, figures: Mapping[str, str]) -> Iterator[Job]:
+    """Preflight ``job`` (``"sft"``, ``"ppo"``) of ``steps`` steps, before anything loads,
+    then hold ``config.run_dir`` for it; its progress report shows ``figures`` (see
+    :class:`RunProgress`)."""
     checkpoints = config.checkpoint_path()
-    backend = preflight(config, job, checkpoints, plan=plan)
+    backend = preflight(config, job, checkpoints)
     progress = RunProgress(job, steps, figures, enabled=is_main_by_environment())
 
     def step_running() -> int:
@@ -72,7 +68,7 @@ def training_job(
         progress,
         reporting_interrupts(step_running, checkpoints, config.backend),
     ):
-        yield Job(job, progress, backend)
+        yield Job(job, progress, backend, checkpoints)
 
 
 @contextmanager

@@ -1,25 +1,26 @@
 """Checks a job runs before it reads anything large: launch, run dir, config vs devices.
 
 :func:`preflight` is the first thing ``strop sft``, ``ppo`` and ``eval`` do after the
-config validates. In this order, it refuses a launch the backend cannot serve
-(``torchrun`` with the JAX backend), what the run's rollout engine cannot do
-(:func:`~strop.engines.check_engine`), a PPO run's environment that cannot be built
-(:func:`check_environment`), a checkpoint directory another backend wrote
-(:func:`~strop.io.checkpoint_dir.refuse_other_backends_checkpoints`); then, with the
-backend's device count, a mesh or batch layout that does not fit the devices
-(:meth:`~strop.config.MeshConfig.check_layout` of :meth:`~strop.config.Config.rows_per_pass`);
-a ``model.path`` that is no directory
-(:func:`~strop.io.model_spec.require_model_directory`), a checkpoint the job would resume
-but cannot: one another run wrote (its stored identity, read without a backend:
-:func:`~strop.io.run_identity.check_checkpoint`) or one already past the job's last step
-(:func:`~strop.io.checkpoint_dir.refuse_run_past_its_end`), and a context longer than the
-model's positions (:func:`~strop.io.model_spec.check_context_length`). Each of those
-checks takes the values it reads, not the config. Then, still
+config validates. It reads the config in the order of the floors, from what imports the
+user's code down to the files on disk: it refuses a launch the backend cannot serve
+(``torchrun`` with the JAX backend) and a PPO or eval run's environment that cannot be
+built (:func:`check_environment`); asks the backend once (``get_backend``; ``logging.wandb``'s
+W&B login is checked there, on the main process); refuses what the run's rollout engine
+cannot do (:func:`~strop.engines.check_engine`); then the files: a checkpoint directory
+another backend wrote (:func:`~strop.io.checkpoint_dir.refuse_other_backends_checkpoints`),
+a ``model.path`` that is no directory (:func:`~strop.io.model_spec.require_model_directory`),
+a context longer than the model's positions (:func:`~strop.io.model_spec.check_context_length`),
+a checkpoint the job would resume but cannot: one already past the job's last step
+(:func:`~strop.io.checkpoint_dir.refuse_run_past_its_end`) or one another run wrote (its
+stored identity against the config's, read without a backend:
+:func:`~strop.io.run_identity.check_checkpoint`); last, with the backend's device count,
+a mesh or batch layout that does not fit the devices
+(:meth:`~strop.config.MeshConfig.check_layout` of :meth:`~strop.config.Config.rows_per_pass`).
+Each check of the files takes the values it reads, not the config. Then, still
 before any tokenizer, data or weights load, the job takes its run directory
 (:func:`holding_run_dir`: one job per run directory, a second one refused at once; the
 demo takes it first, as it writes its data there), after checking the job can write
-there, and in its checkpoint directory (``logging.wandb``'s W&B login is checked by
-preflight, on the main process). A refused job changes nothing there:
+there, and in its checkpoint directory. A refused job changes nothing there:
 ``config.yaml`` and ``versions.json`` are written once the resume succeeded
 (:func:`strop.job.run_steps`).
 
@@ -55,7 +56,6 @@ from strop.metrics.wandb_sink import require_wandb, require_wandb_login
 
 if TYPE_CHECKING:
     from strop.backends.base import Backend
-    from strop.objectives.roles import RolePlan
 
 
 @contextmanager
@@ -106,44 +106,41 @@ def preflight(
     job: str,
     checkpoint_dir: str | os.PathLike | None,
     *,
-    plan: RolePlan | None = None,
     advice: str = RESUME_ADVICE,
     exporting: bool = False,
 ) -> Backend:
     """Everything ``job`` (``"sft"``, ``"ppo"`` or ``"eval"``) can refuse before loading a
-    tokenizer, data or weights; raises :class:`~strop.errors.StropError` subclasses, else
-    returns the run's :class:`~strop.backends.base.Backend` (asked once, here). Sets
-    the level of strop's log messages (``logging.level``). ``exporting``: ``strop export``
-    restores the newest checkpoint whatever the step count says, and needs neither W&B nor
+    tokenizer, data or weights, in the order of the module's docstring; raises
+    :class:`~strop.errors.StropError` subclasses, else returns the run's
+    :class:`~strop.backends.base.Backend` (asked once, here). Sets the level of strop's
+    log messages (``logging.level``). ``exporting``: ``strop export`` restores the newest
+    checkpoint whatever the step count says, and needs neither W&B, the environment nor
     the rollout engine the run used; ``advice`` ends the message of a checkpoint another
-    run wrote; ``plan``: a PPO job's role plan (what its checkpoints' identity records)."""
-    if job == "ppo" and plan is None:
-        raise TypeError("preflight of a ppo job needs its role plan")
+    run wrote."""
     logging.getLogger("strop").setLevel(config.logging.level)
-    if config.logging.wandb and job in ("sft", "ppo") and not exporting:
+    training, running = job in ("sft", "ppo"), not exporting
+    if config.logging.wandb and training and running:
         require_wandb()
     refuse_launcher_of_another_backend(config)
-    if not exporting:  # an export samples nothing: a vLLM run exports without vLLM
+    if job in ("ppo", "eval") and config.env.enabled and running:
+        check_environment(config.env.name, config.env.args)
+    backend = get_backend(config.backend)  # the one call of a command
+    if config.logging.wandb and training and running:
+        backend.write_once(require_wandb_login, "checking the W&B login")  # the main's
+    if running:  # an export samples nothing: a vLLM run exports without vLLM
         check_engine(config, job)
-        if job in ("ppo", "eval") and config.env.enabled:
-            check_environment(config.env.name, config.env.args)
     if checkpoint_dir is not None:
         refuse_other_backends_checkpoints(checkpoint_dir, config.backend)
-    backend = get_backend(config.backend)  # the one call of a command
-    if config.logging.wandb and job in ("sft", "ppo") and not exporting:
-        backend.write_once(require_wandb_login, "checking the W&B login")  # the main's
-    config.mesh.check_layout(backend.device_count(), config.rows_per_pass(job))
     require_model_directory(config.model.path, "model.path")
-    if checkpoint_dir is not None and job in ("sft", "ppo"):
-        check_checkpoint(
-            checkpoint_dir, config.backend, config.model_path(), config.lora, plan, advice=advice
-        )
-        if not exporting:
-            total = config.ppo.steps if job == "ppo" else config.sft.steps
-            refuse_run_past_its_end(checkpoint_dir, config.backend, job, total, config.run_dir)
     check_context_length(
         config.model.path, job, max_length=config.data.max_length,
         max_new_tokens=config.generation.max_new_tokens,
         max_episode_tokens=config.env.max_episode_tokens if config.env.enabled else None,
     )  # fmt: skip
+    if checkpoint_dir is not None and training:
+        if running:
+            total = config.ppo.steps if job == "ppo" else config.sft.steps
+            refuse_run_past_its_end(checkpoint_dir, config.backend, job, total, config.run_dir)
+        check_checkpoint(checkpoint_dir, config, job, advice=advice)
+    config.mesh.check_layout(backend.device_count(), config.rows_per_pass(job))
     return backend

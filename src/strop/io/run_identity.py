@@ -65,23 +65,16 @@ def run_identity(model_path: str | os.PathLike, lora: LoraConfig, backend: str) 
     }
 
 
-def checkpoint_identity(
-    model_path: str | os.PathLike, lora: LoraConfig, backend: str, plan: RolePlan | None
-) -> dict[str, Any]:
-    """What a run's checkpoints belong to: :func:`run_identity` (SFT: no ``plan``), and for
-    PPO ``job: ppo`` with what :meth:`RolePlan.identity` records of its roles (a critic-free
-    run: ``critic: false``; a critic on the actor's adapters: ``critic: shared_trunk``; an
-    own critic: nothing, as checkpoints were before either existed)."""
-    if plan is None:
-        return run_identity(model_path, lora, backend)
-    return {**run_identity(model_path, lora, backend), "job": "ppo", **plan.identity()}
-
-
-def job_identity(config: Config, backend: str, job: Literal["sft", "ppo"]) -> dict[str, Any]:
-    """The identity of ``config``'s checkpoints of ``job`` on ``backend``
-    (:func:`checkpoint_identity`, of ``config``'s role plan for PPO)."""
-    plan = RolePlan.from_config(config) if job == "ppo" else None
-    return checkpoint_identity(config.model_path(), config.lora, backend, plan)
+def job_identity(config: Config, backend: str, job: str) -> dict[str, Any]:
+    """What ``config``'s checkpoints of ``job`` on ``backend`` belong to: :func:`run_identity`
+    (SFT), and for PPO ``job: ppo`` with what :meth:`RolePlan.identity` records of the
+    roles of ``config``'s plan (a critic-free run: ``critic: false``; a critic on the
+    actor's adapters: ``critic: shared_trunk``; an own critic: nothing, as checkpoints
+    were before either existed)."""
+    identity = run_identity(config.model_path(), config.lora, backend)
+    if job == "ppo":
+        identity |= {"job": "ppo", **RolePlan.from_config(config).identity()}
+    return identity
 
 
 def run_checkpoints(
@@ -153,19 +146,17 @@ def check_same_run(
 
 def check_checkpoint(
     directory: str | os.PathLike,
-    backend: str,
-    model_path: str | os.PathLike,
-    lora: LoraConfig,
-    plan: RolePlan | None,
+    config: Config,
+    job: str,
     *,
     advice: str = RESUME_ADVICE,
 ) -> None:
     """Refuse (:class:`CheckpointError`) a checkpoint directory whose newest checkpoint
     another run wrote (another base model, LoRA shape, job or critic: its stored identity
-    against :func:`checkpoint_identity`): the check the backend repeats on restore, made
-    before anything loads or is written."""
-    newest = newest_identity(directory, backend)
+    against :func:`job_identity` of ``config``'s ``job``): the check the backend repeats on
+    restore, made before anything loads or is written."""
+    newest = newest_identity(directory, config.backend)
     if newest is not None:
         step, stored = newest
-        current = checkpoint_identity(model_path, lora, backend, plan)
+        current = job_identity(config, config.backend, job)
         check_same_run(Path(directory) / str(step), stored, current, advice=advice)

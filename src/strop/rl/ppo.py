@@ -51,24 +51,21 @@ import numpy as np
 from strop import rewards
 from strop.backends.base import ActorCritic
 from strop.config import Config
-from strop.data import Tokenizer
 from strop.engines import RolloutEngine, rollout_engine
 from strop.generation import SamplingParams
-from strop.io.model_spec import check_context_length
 from strop.job import Job, RunResult, run_steps, training_job
 from strop.nonfinite import count_skipped, likely_causes
 from strop.objectives.ppo import SHARED_CRITIC_PREFIX
-from strop.objectives.roles import RolePlan
 from strop.progress import RunProgress
 from strop.rl import rollout_correction
 from strop.rl.checks import check_ppo_config
-from strop.rl.episodes import Episodes, Sample
+from strop.rl.episodes import Sample
 from strop.rl.experience import build_experience, minibatches
 from strop.rl.overlong import length_penalty, without_truncated
-from strop.rl.prompts import PromptSet
 from strop.rl.rollout import Rollout
 from strop.rl.rollout_correction import PREFIX as MISMATCH
-from strop.scoring import build_reward_model, eos_ids, sample_and_score, sample_records
+from strop.rl.run import PpoRun
+from strop.scoring import build_reward_model, sample_and_score, sample_records
 
 logger = logging.getLogger(__name__)
 
@@ -90,57 +87,39 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
             config.ppo.reward, setting="ppo.reward",
             build_model=partial(build_reward_model, config), limits=limits,
         )  # fmt: skip
-    plan = RolePlan.from_config(config)  # which roles the run has, and what trains
     figures = {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"}
-    with training_job(config, "ppo", config.ppo.steps, figures, plan) as job:  # preflight first
+    with training_job(config, "ppo", config.ppo.steps, figures) as job:  # preflight first
         try:
-            return _train(config, stop_after, job, reward, plan)
+            return _train(config, stop_after, job, reward)
         finally:
             if reward is not None:
                 reward.close()
 
 
 def _train(
-    config: Config, stop_after: int | None, job: Job, reward: rewards.WeightedReward | None,
-    plan: RolePlan,
-) -> PpoResult:  # fmt: skip
+    config: Config, stop_after: int | None, job: Job, reward: rewards.WeightedReward | None
+) -> PpoResult:
+    """Read the run (:class:`~strop.rl.run.PpoRun`), build its models and rollout engine,
+    and run its iterations (:func:`~strop.job.run_steps`)."""
     ppo, progress = config.ppo, job.progress
     progress.phase("reading the prompts")
-    tokenizer = Tokenizer.from_pretrained(config.model.path)
-    episodes = Episodes.from_config(config, tokenizer, eos_ids(tokenizer, config.model.path))
-    train = PromptSet.read(config.data.train_path, config, tokenizer, reward=reward)
-    validation = None
-    if config.data.eval_path and ppo.validate_every:
-        validation = PromptSet.read(
-            config.data.eval_path, config, tokenizer, ppo.validation_size, reward=reward
-        )
-    longest = max(train.longest, validation.longest if validation is not None else 0)
-    check_context_length(  # before the weights load
-        config.model.path, "ppo", max_length=config.data.max_length,
-        max_new_tokens=config.generation.max_new_tokens, longest_prompt=longest,
-        max_episode_tokens=config.env.max_episode_tokens if episodes else None,
-    )  # fmt: skip
-    if episodes is not None:  # a turn is sampled after up to env.max_episode_tokens - 1
-        longest = episodes.longest_prefix
-    elif reward is not None:
+    run = PpoRun.read(config, reward)
+    if reward is not None:  # (with env.name there is none)
         reward.start()  # its worker imports the user's function while the models load
     progress.phase("loading the models")
     model = job.backend.build_actor_critic(
-        config, total_updates=ppo.optimizer_updates(), checkpoint_dir=config.checkpoint_path(),
-        plan=plan,
+        config, total_updates=ppo.optimizer_updates(), checkpoint_dir=job.checkpoints,
+        plan=run.plan,
     )  # fmt: skip
-    model.expect_prompts(longest)  # what a backend that compiles each shape pads to
-    with rollout_engine(config, model, max_prompt_tokens=longest) as rollouts:
-        loop = PpoLoop(
-            config, model, rollouts, train, validation, tokenizer, reward, plan, progress,
-            episodes=episodes,
-        )  # fmt: skip
-        run = run_steps(
+    model.expect_prompts(run.longest)  # what a backend that compiles each shape pads to
+    with rollout_engine(config, model, max_prompt_tokens=run.longest) as rollouts:
+        loop = PpoLoop(config, model, rollouts, run, reward, progress)
+        steps = run_steps(
             config, loop, job, total=ppo.steps, stop_after=stop_after, rollouts=rollouts
         )
     return PpoResult(
-        run_dir=Path(config.run_dir), final_step=run.end, resumed_from=run.resumed_from,
-        export_path=run.export_path, is_main=model.is_main, history=run.records,
+        run_dir=Path(config.run_dir), final_step=steps.end, resumed_from=steps.resumed_from,
+        export_path=steps.export_path, is_main=model.is_main, history=steps.records,
     )  # fmt: skip
 
 
@@ -153,28 +132,23 @@ class PpoLoop:
     NaN/Inf (``train.skip_nonfinite``; without it the engine raises
     :class:`~strop.errors.NonFiniteError`), per role, cumulative over the run (resumes
     included): the metrics ``policy/nonfinite_skipped`` and ``critic/nonfinite_skipped``.
-    With ``episodes`` (``env.name``) it plays episodes instead, and ``reward`` is None.
+    With ``run.episodes`` (``env.name``) it plays episodes instead, and ``reward`` is None.
     """
 
     config: Config
     model: ActorCritic
     rollouts: RolloutEngine
-    train: PromptSet
-    validation: PromptSet | None
-    tokenizer: Tokenizer
+    run: PpoRun  # the prompts, tokenizer, episodes and role plan (the model's)
     reward: rewards.WeightedReward | None
-    plan: RolePlan  # the roles, as the model's
     progress: RunProgress | None = None
-    episodes: Episodes | None = None
     skipped: dict[str, int] = field(default_factory=lambda: {"policy": 0, "critic": 0})
     always_written: tuple[str, ...] = ("validation/accuracy",)
     samples: list[dict[str, Any]] = field(default_factory=list)  # the last validation's
 
     def __post_init__(self) -> None:
         self.sampling = SamplingParams.from_config(self.config.generation)
-        self.eos_ids = eos_ids(self.tokenizer, self.config.model.path)
         env = self.config.env  # seq_mean_token_sum_norm's horizon: a response's (episode's)
-        self.horizon = env.max_episode_tokens if self.episodes else self.sampling.max_new_tokens
+        self.horizon = env.max_episode_tokens if self.run.episodes else self.sampling.max_new_tokens
 
     # run_steps' side (strop.job.Steps) ---------------------------------------------------
 
@@ -185,7 +159,7 @@ class PpoLoop:
         return dict(self.skipped)
 
     def first_record(self) -> dict[str, float] | None:
-        return None if self.validation is None else {"validation/accuracy": self.validate()}
+        return None if self.run.validation is None else {"validation/accuracy": self.validate()}
 
     def figures(self, record: Mapping[str, float]) -> dict[str, float]:
         names = {"train/reward": "reward", "validation/accuracy": "accuracy"}
@@ -195,7 +169,9 @@ class PpoLoop:
         """Iteration ``step``, then validation when ``ppo.validate_every`` says so."""
         record = self.iteration(step)
         done, ppo = step + 1, self.config.ppo
-        if self.validation is not None and (done % ppo.validate_every == 0 or done == ppo.steps):
+        if self.run.validation is not None and (
+            done % ppo.validate_every == 0 or done == ppo.steps
+        ):
             record["validation/accuracy"] = self.validate()
         return record
 
@@ -217,7 +193,7 @@ class PpoLoop:
             "train/truncated_fraction": float(sample.truncated.mean()),
             **stats,
             **{name: float(np.mean(values)) for name, values in updates.items()},
-            **({"critic/nonfinite_skipped": skipped["critic"]} if self.plan.has_critic else {}),
+            **({"critic/nonfinite_skipped": skipped["critic"]} if self.run.plan.has_critic else {}),
             "policy/nonfinite_skipped": skipped["policy"],
             **self._timings,
             "timing/step": seconds,
@@ -235,19 +211,20 @@ class PpoLoop:
 
     def _sample(self, step: int) -> Sample:
         """Draw the iteration's prompts, sample responses (play episodes) and score them."""
-        ppo, train, sampling = self.config.ppo, self.train, self.sampling
+        ppo, train, sampling = self.config.ppo, self.run.train, self.sampling
+        tokenizer = self.run.tokenizer
         chosen = train.draw(step, ppo.prompts_per_step, self.config.seed)
         rows = [i for i in chosen for _ in range(ppo.num_generations_per_prompt)]
         seed, prompts = _seed(self.config.seed, step), [train.ids[i] for i in rows]
-        if self.episodes is not None:  # timing/generate: the episodes, environment included
-            play = self.episodes.sample
+        if self.run.episodes is not None:  # timing/generate: the episodes, environment included
+            play = self.run.episodes.sample
             return self._timed("generate", play, self.rollouts, train.records(rows), sampling, seed)
         before = self.reward.stats
         generation = self._timed(
             "generate", self.rollouts.generate, prompts, sampling, seed=seed,
-            eos_ids=self.eos_ids, pad_id=self.tokenizer.pad_token_id, tokenizer=self.tokenizer,
+            eos_ids=self.run.eos_ids, pad_id=tokenizer.pad_token_id, tokenizer=tokenizer,
         )  # fmt: skip
-        rollout = Rollout.from_generation(prompts, generation, self.tokenizer)
+        rollout = Rollout.from_generation(prompts, generation, tokenizer)
         texts, columns, golds = train.reward_inputs(rows)
         scored = self._timed(
             "reward", self.reward.score, texts, rollout.response_texts, columns, golds
@@ -269,14 +246,14 @@ class PpoLoop:
         """The forwards the estimator needs, then advantages and returns: the update
         arrays and their statistics (with the sampler/trainer gap when both exist)."""
         ppo, engine, rollout = self.config.ppo, self.model, sample.rollout
-        batch = rollout.teacher_forcing_batch(self.tokenizer.pad_token_id)
+        batch = rollout.teacher_forcing_batch(self.run.tokenizer.pad_token_id)
         sampled = rollout.align(rollout.logprobs)  # the sampler's log-probabilities
         recompute = ppo.old_logprobs == "recompute"
         old = self._timed("logprobs", engine.logprobs, batch) if recompute else sampled
         ref = None  # with no KL in the reward or the loss, and none to report: not computed
-        if self.plan.reference_forward:
+        if self.run.plan.reference_forward:
             ref = self._timed("logprobs", engine.logprobs, batch, reference=True)
-        values = self._timed("values", engine.values, batch) if self.plan.has_critic else None
+        values = self._timed("values", engine.values, batch) if self.run.plan.has_critic else None
         scores = sample.task_scores + sample.penalty
         arrays, stats = build_experience(batch, scores, old, ref, values, ppo)
         dropped = sample.no_loss | (sample.truncated & (ppo.overlong == "mask"))
@@ -298,7 +275,7 @@ class PpoLoop:
         ppo, engine = self.config.ppo, self.model
         updates: dict[str, list[float]] = defaultdict(list)
         micro_batches = ppo.mini_batch_size // ppo.rows_per_micro_batch
-        roles = tuple(update.name for update in self.plan.updates_at(step))
+        roles = tuple(update.name for update in self.run.plan.updates_at(step))
 
         def record(role: str, stats: dict[str, float], epoch: int, index: int) -> None:
             self.skipped[role] += count_skipped(
@@ -355,14 +332,14 @@ class PpoLoop:
         whose episode's reward (its environment's parts summed) is >= 1."""
         if self.progress is not None:
             self.progress.phase("validating")
-        prompts, sampling, seed = self.validation, self.sampling, self.config.seed
+        prompts, sampling, seed = self.run.validation, self.sampling, self.config.seed
         greedy = SamplingParams(
             max_new_tokens=sampling.max_new_tokens, temperature=0.0,
             stop_strings=sampling.stop_strings,
         )  # fmt: skip
         play = self._validate_rows
-        if self.episodes is not None:
-            play = partial(self.episodes.validate, self.rollouts, prompts, seed=seed)
+        if self.run.episodes is not None:
+            play = partial(self.run.episodes.validate, self.rollouts, prompts, seed=seed)
         size = self.config.ppo.rollouts_per_step
         correct, self.samples = 0, []
         for begin in range(0, len(prompts), size):
@@ -375,7 +352,7 @@ class PpoLoop:
         self, rows: range, greedy: SamplingParams, wanted: int
     ) -> tuple[int, list[dict[str, Any]]]:
         """Single-turn validation of ``rows``: how many are correct, and ``wanted`` samples."""
-        prompts = self.validation
+        prompts = self.run.validation
         asked, columns, golds = prompts.reward_inputs(rows)
 
         def score(texts: list[str]) -> list[float]:
@@ -383,7 +360,7 @@ class PpoLoop:
 
         scored = sample_and_score(
             self.rollouts, [prompts.ids[i] for i in rows], greedy, score, seed=self.config.seed,
-            eos_ids=self.eos_ids, tokenizer=self.tokenizer,
+            eos_ids=self.run.eos_ids, tokenizer=self.run.tokenizer,
         )  # fmt: skip
         found = sum(value >= 1.0 for value in scored.scores)
         return found, sample_records(asked, scored, [prompts.golds[i] for i in rows], wanted)
