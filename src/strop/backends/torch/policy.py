@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from strop.backends.torch import preference
 from strop.backends.torch.checkpoint import TrainCheckpoints
 from strop.backends.torch.fsdp import place, write_once
 from strop.backends.torch.generate import generate, sampler_keywords
@@ -26,6 +27,7 @@ from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
+from strop.objectives.preference import PreferenceObjective
 from strop.objectives.sft import SFT_BATCH, target_tokens, with_loss_weights
 
 _UPDATES_KEY = "optimizer_updates"  # the schedule's clock, kept in the checkpoint's extra
@@ -92,6 +94,21 @@ class TorchPolicy(Sampler):
         with self.loaded.autocast():
             keywords = sampler_keywords(self.config.generation, decoding, self.model)
             return generate(self.model, prompts, params, **keywords)
+
+    # preference pairs (strop dpo) ------------------------------------------------------
+
+    def pair_logps(
+        self, batch: dict[str, np.ndarray], chunks: int, *, reference: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Each pair's chosen and rejected log-probability sums, one forward per layout
+        (:func:`strop.backends.torch.preference.forward_pair_logps`)."""
+        return preference.forward_pair_logps(self, batch, chunks, reference=reference)
+
+    def train_pairs(
+        self, batch: dict[str, np.ndarray], chunks: int, objective: PreferenceObjective
+    ) -> dict[str, float]:
+        """One preference update (:func:`strop.backends.torch.preference.train_pairs`)."""
+        return preference.train_pairs(self, batch, chunks, objective)
 
     # checkpoints -------------------------------------------------------------------------
 
