@@ -101,6 +101,10 @@ def check_environment(name: str, args: Mapping[str, Any]) -> None:
         raise EnvironmentLoadError(f"env.name: {exc}") from None
 
 
+TRAINING_JOBS = ("sft", "ppo", "dpo")
+"""The jobs that train (and checkpoint): W&B, checkpoint and step checks apply."""
+
+
 def preflight(
     config: Config,
     job: str,
@@ -110,7 +114,7 @@ def preflight(
     advice: str = RESUME_ADVICE,
     exporting: bool = False,
 ) -> Backend:
-    """Everything ``job`` (``"sft"``, ``"ppo"`` or ``"eval"``) can refuse before loading a
+    """Everything ``job`` (``"sft"``, ``"ppo"``, ``"dpo"`` or ``"eval"``) can refuse before loading a
     tokenizer, data or weights; raises :class:`~strop.errors.StropError` subclasses, else
     returns the run's :class:`~strop.backends.base.Backend` (asked once, here). Sets
     the level of strop's log messages (``logging.level``). ``exporting``: ``strop export``
@@ -120,7 +124,7 @@ def preflight(
     if job == "ppo" and plan is None:
         raise TypeError("preflight of a ppo job needs its role plan")
     logging.getLogger("strop").setLevel(config.logging.level)
-    if config.logging.wandb and job in ("sft", "ppo") and not exporting:
+    if config.logging.wandb and job in TRAINING_JOBS and not exporting:
         require_wandb()
     refuse_launcher_of_another_backend(config)
     if not exporting:  # an export samples nothing: a vLLM run exports without vLLM
@@ -130,16 +134,16 @@ def preflight(
     if checkpoint_dir is not None:
         refuse_other_backends_checkpoints(checkpoint_dir, config.backend)
     backend = get_backend(config.backend)  # the one call of a command
-    if config.logging.wandb and job in ("sft", "ppo") and not exporting:
+    if config.logging.wandb and job in TRAINING_JOBS and not exporting:
         backend.write_once(require_wandb_login, "checking the W&B login")  # the main's
     config.mesh.check_layout(backend.device_count(), config.rows_per_pass(job))
     require_model_directory(config.model.path, "model.path")
-    if checkpoint_dir is not None and job in ("sft", "ppo"):
+    if checkpoint_dir is not None and job in TRAINING_JOBS:
         check_checkpoint(
             checkpoint_dir, config.backend, config.model_path(), config.lora, plan, advice=advice
         )
         if not exporting:
-            total = config.ppo.steps if job == "ppo" else config.sft.steps
+            total = config.steps_of(job)
             refuse_run_past_its_end(checkpoint_dir, config.backend, job, total, config.run_dir)
     check_context_length(
         config.model.path, job, max_length=config.data.max_length,
