@@ -52,6 +52,13 @@ def check_dpo(config: Config) -> None:
             "lora.enabled=true (full fine-tuning with a frozen reference copy is not supported "
             "yet), or the reference-free dpo.loss=simpo with dpo.reference=none"
         )
+    if config.dpo.reference == "base" and config.lora.restore_path:
+        raise ConfigError(
+            f"lora.restore_path ({config.lora.restore_path}) with dpo.reference=base: the "
+            "reference would be the base model, not the adapter the run starts from (a "
+            "reference adapter is not supported yet); leave lora.restore_path unset, or use "
+            "dpo.loss=simpo with dpo.reference=none"
+        )
 
 
 def run_dpo(config: Config, *, stop_after: int | None = None) -> DpoResult:
