@@ -162,7 +162,6 @@ class DpoSteps:
         tokens = float(batch["chosen_tokens"].sum() + batch["rejected_tokens"].sum())
         return {
             **{name: metrics[name] for name in STATS},
-            "train/loss": metrics["loss"],
             "train/grad_norm": metrics["grad_norm"],
             "train/tokens": tokens,
             "train/epoch": self.order.epoch_of(step),
