@@ -112,6 +112,9 @@ def test_a_bad_config_is_one_line_and_exit_2_before_anything_loads(dpo_inputs):
     config = load_config("dpo-lora-tiny", [*inputs, f"lora.restore_path={tmp}"])
     with pytest.raises(ConfigError, match="not the adapter the run starts from"):
         check_dpo(config)
+    config = load_config("dpo-lora-tiny", [*inputs, f"data.eval_path={tmp}"])
+    with pytest.raises(ConfigError, match="does not evaluate held-out pairs yet"):
+        check_dpo(config)
     done = strop("dpo", "dpo-lora-tiny", *inputs, "dpo.loss=simpo", f"run_dir={tmp / 'refused'}",
                  cwd=tmp)  # fmt: skip
     assert done.returncode == 2, done.stderr

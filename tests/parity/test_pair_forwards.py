@@ -119,13 +119,14 @@ def test_one_forward_over_the_pair_layout_is_each_answer_apart(policies):
 def test_an_update_in_two_micro_batches_is_the_update_in_one(tiny_model_dir, tmp_path, backend):
     """From the same adapter, the DPO step's loss, stats and gradient norm over 1 and 2
     micro-batches agree (both computed before the update is applied), and its stats are
-    TRL's on the layout's own sums."""
+    TRL's on the layout's own sums. JAX runs the 2 micro-batches only (each count is a
+    compile of its own): its stats over them = TRL's over the whole batch is the check."""
     model_dir = tiny_model_dir("qwen2")
     objective = PreferenceObjective("sigmoid", 0.5)
     pairs = random_pairs(1, count=4, shared=1)
     policy = build(backend, model_dir, tmp_path, "lora.target_modules=[.*_proj]")
     seen = []
-    for chunks in (1, 2):
+    for chunks in (1, 2) if backend == "torch" else (2,):
         LORA_MODULES[backend].set_adapter_weights(policy.model, seeded_weights(policy), "test")
         batch = lay_out_chunks(pairs, chunks)
         chosen, rejected = policy.pair_logps(batch, chunks)
@@ -140,6 +141,7 @@ def test_an_update_in_two_micro_batches_is_the_update_in_one(tiny_model_dir, tmp
         for name in STATS:
             assert stats[name] == pytest.approx(oracle[name], rel=TOL, abs=TOL), name
         assert stats["loss"] == stats["dpo/loss"] and stats["skipped"] == 0
+        assert stats["grad_norm"] > 0
         seen.append(stats)
-    for name in ("loss", "grad_norm", *STATS):
+    for name in ("loss", "grad_norm", *STATS) if len(seen) == 2 else ():
         assert seen[1][name] == pytest.approx(seen[0][name], rel=TOL, abs=TOL), name

@@ -52,6 +52,11 @@ def check_dpo(config: Config) -> None:
             "lora.enabled=true (full fine-tuning with a frozen reference copy is not supported "
             "yet), or the reference-free dpo.loss=simpo with dpo.reference=none"
         )
+    if config.data.eval_path:
+        raise ConfigError(
+            f"data.eval_path ({config.data.eval_path}): strop dpo does not evaluate held-out "
+            "pairs yet; leave data.eval_path unset"
+        )
     if config.dpo.reference == "base" and config.lora.restore_path:
         raise ConfigError(
             f"lora.restore_path ({config.lora.restore_path}) with dpo.reference=base: the "
