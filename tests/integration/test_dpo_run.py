@@ -97,6 +97,7 @@ def test_the_first_step_from_a_fresh_adapter_gives_the_losses_formula(dpo_inputs
         (["dpo.simpo_gamma=0.5"], "does not read simpo_gamma"),
         (["dpo.loss=kto"], "expected one of sigmoid"),
         (["dpo.batch_size=6", "dpo.micro_batch_size=4"], "must be divisible"),
+        (["dpo.reference=adapter"], "expected base, none or adapter:DIR"),
     ],
 )
 def test_bad_dpo_settings_are_refused(overrides, message):
@@ -111,6 +112,9 @@ def test_a_bad_config_is_one_line_and_exit_2_before_anything_loads(dpo_inputs):
         check_dpo(config)
     config = load_config("dpo-lora-tiny", [*inputs, f"lora.restore_path={tmp}"])
     with pytest.raises(ConfigError, match="not the adapter the run starts from"):
+        check_dpo(config)
+    config = load_config("dpo-lora-tiny", [*inputs, f"dpo.reference=adapter:{tmp}/nothing"])
+    with pytest.raises(ConfigError, match="is not a directory"):
         check_dpo(config)
     config = load_config("dpo-lora-tiny", [*inputs, f"data.eval_path={tmp}"])
     with pytest.raises(ConfigError, match="does not evaluate held-out pairs yet"):
@@ -148,3 +152,21 @@ def test_a_stopped_run_resumes_exactly(dpo_inputs):
         for key in (*STATS, "train/grad_norm"):
             assert ours[key] == theirs[key], key
     assert straight.losses[-1] != straight.losses[0]  # it trains
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_a_reference_adapter_is_the_reference(dpo_inputs, backend):
+    """DPO after SFT: the run starts from an adapter (``lora.restore_path``) that is also its
+    frozen reference (``dpo.reference: adapter:DIR``), so its first step is log 2 again
+    (with the base as the reference it would not be; that is refused). The adapter: a torch
+    run's, one step at a large learning rate (far from the base)."""
+    tmp, _ = dpo_inputs
+    adapter = tmp / "start" / "adapter"
+    if not adapter.is_dir():
+        run(dpo_inputs, "start", "backend=torch", "optim.lr=0.05")
+    _, record = run(
+        dpo_inputs, f"{backend}-from-adapter", f"backend={backend}",
+        f"lora.restore_path={adapter}", f"dpo.reference=adapter:{adapter}",
+    )  # fmt: skip
+    assert record["dpo/loss"] == pytest.approx(math.log(2.0), abs=TOL)
+    assert record["train/grad_norm"] > 0

@@ -4,7 +4,7 @@ settings, the reference and the loop's steps and batches."""
 
 from __future__ import annotations
 
-from typing import Literal, Self
+from typing import Self
 
 from pydantic import Field, field_validator, model_validator
 
@@ -30,10 +30,12 @@ class DpoConfig(_Section):
     simpo_gamma: float = Field(
         0.0, ge=0, description="SimPO's target reward margin gamma (simpo only)."
     )
-    reference: Literal["base", "none"] = Field(
+    reference: str = Field(
         "base",
-        description="The reference policy: base (the base model, LoRA's adapters off; "
-        "its log-probabilities computed once per batch) or none (simpo).",
+        description="The reference policy: base (the base model, LoRA's adapters off), "
+        "adapter:DIR (a frozen PEFT adapter on the base, e.g. the SFT adapter the run "
+        "starts from with lora.restore_path), its log-probabilities computed once per "
+        "batch; or none (simpo).",
     )
     steps: int = Field(100, gt=0, description="Optimizer steps.")
     batch_size: int = Field(8, gt=0, description="Pairs per optimizer step (all devices).")
@@ -51,6 +53,22 @@ class DpoConfig(_Section):
             raise ValueError(f"expected one of {', '.join(PREFERENCE_LOSSES)}, got {loss!r}")
         return loss
 
+    @field_validator("reference")
+    @classmethod
+    def _known_reference(cls, reference: str) -> str:
+        if reference in ("base", "none") or (
+            reference.startswith("adapter:") and reference.removeprefix("adapter:").strip()
+        ):
+            return reference
+        raise ValueError(f"expected base, none or adapter:DIR, got {reference!r}")
+
+    @property
+    def reference_adapter(self) -> str | None:
+        """The frozen adapter directory of ``reference: adapter:DIR``, else None."""
+        if self.reference.startswith("adapter:"):
+            return self.reference.removeprefix("adapter:").strip()
+        return None
+
     @model_validator(mode="after")
     def _consistent(self) -> Self:
         if self.batch_size % self.micro_batch_size:
@@ -62,7 +80,7 @@ class DpoConfig(_Section):
         if needs and self.reference == "none":
             raise ValueError(
                 f"dpo.loss={self.loss} compares the policy with a reference: set "
-                "dpo.reference=base, or use the reference-free dpo.loss=simpo"
+                "dpo.reference=base or adapter:DIR, or use the reference-free dpo.loss=simpo"
             )
         if not needs and self.reference != "none":
             raise ValueError(

@@ -46,11 +46,18 @@ def check_dpo(config: Config) -> None:
     """What ``strop dpo`` refuses before anything loads (one line each)."""
     if config.model.path is None or config.data.train_path is None:
         raise ConfigError("strop dpo needs model.path and data.train_path (preference pairs)")
-    if config.dpo.reference == "base" and not config.lora.enabled:
+    dpo = config.dpo
+    if dpo.reference != "none" and not config.lora.enabled:
         raise ConfigError(
-            "dpo.reference=base is the base model with the LoRA adapters off: it needs "
-            "lora.enabled=true (full fine-tuning with a frozen reference copy is not supported "
-            "yet), or the reference-free dpo.loss=simpo with dpo.reference=none"
+            f"dpo.reference={dpo.reference} is the base model with the LoRA adapters off (or "
+            "a frozen adapter on it): it needs lora.enabled=true (full fine-tuning with a "
+            "frozen reference copy is not supported yet), or the reference-free "
+            "dpo.loss=simpo with dpo.reference=none"
+        )
+    if dpo.reference_adapter is not None and not Path(dpo.reference_adapter).is_dir():
+        raise ConfigError(
+            f"dpo.reference={dpo.reference}: {dpo.reference_adapter} is not a directory "
+            "(a PEFT adapter's, e.g. <sft run_dir>/adapter)"
         )
     if config.data.eval_path:
         raise ConfigError(
@@ -60,9 +67,8 @@ def check_dpo(config: Config) -> None:
     if config.dpo.reference == "base" and config.lora.restore_path:
         raise ConfigError(
             f"lora.restore_path ({config.lora.restore_path}) with dpo.reference=base: the "
-            "reference would be the base model, not the adapter the run starts from (a "
-            "reference adapter is not supported yet); leave lora.restore_path unset, or use "
-            "dpo.loss=simpo with dpo.reference=none"
+            "reference would be the base model, not the adapter the run starts from: set "
+            f"dpo.reference=adapter:{config.lora.restore_path}"
         )
 
 

@@ -7,21 +7,23 @@ once (its rows packed with segment ids and ``positions``, as PPO's packed batche
 :func:`strop.objectives.preference.pair_logps` / ``preference_micro_loss``, written once
 for both backends, turn the logits into the per-pair sums and the weighted loss. The
 update is :func:`strop.backends.jax.train.update` (SFT's accumulate-and-apply, with its
-non-finite guard) of :func:`preference_loss`. The reference (LoRA: the base with the
-adapters off) is the policy with a zero adapter: ``x W + x A B`` with ``A = B = 0`` is the
-base's ``x W``.
+non-finite guard) of :func:`preference_loss`. The reference is PPO's
+(:func:`~strop.backends.jax.lora.initial_reference`): the base with the adapters off is the
+policy with a zero adapter (``x W + x A B`` with ``A = B = 0`` is the base's ``x W``), and
+``dpo.reference: adapter:DIR`` that adapter's weights in the same tree, frozen.
 """
 
 from __future__ import annotations
 
 from functools import partial
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from strop.backends.jax.lora import initial_reference
 from strop.backends.jax.losses import OPS
 from strop.backends.jax.train import jit_update, put_micro_batches
 from strop.batch.pairs import PAIR_COLUMNS
@@ -62,13 +64,25 @@ def forward_pair_logps(
     arrays = put_micro_batches(batch, PAIR_COLUMNS, chunks, policy.mesh)
     graphdef, trainable, frozen = nnx.split(policy.model, policy.trainable, ...)
     if reference:
-        trainable = jax.tree.map(jnp.zeros_like, trainable)
+        trainable = reference_state(policy, graphdef, trainable, frozen)
     sums = [
         pair_logps(graphdef, trainable, frozen, {name: value[c] for name, value in arrays.items()})
         for c in range(chunks)
     ]
     chosen, rejected = (np.concatenate([np.asarray(s[i]) for s in sums]) for i in (0, 1))
     return chosen, rejected
+
+
+def reference_state(policy: JaxPolicy, graphdef, trainable, frozen):
+    """The reference's trainable-shaped part (made once): a zero adapter, or the frozen
+    ``dpo.reference: adapter:DIR``."""
+    if "_dpo_reference" not in policy.__dict__:
+        path = policy.config.dpo.reference_adapter
+        plan = SimpleNamespace(reference="adapter" if path else "base", reference_adapter=path)
+        policy.__dict__["_dpo_reference"] = initial_reference(
+            graphdef, trainable, frozen, policy.config, plan
+        )
+    return policy.__dict__["_dpo_reference"]
 
 
 def train_pairs(

@@ -51,7 +51,9 @@ class TorchPolicy(Sampler):
             lora=config.lora,
             seed=config.seed,
             trust_remote_code=config.model.trust_remote_code,
+            extra_adapters=preference.reference_adapters(config),
         )
+        preference.load_reference(self.loaded, config)  # frozen, before the trainer
         self.model = self.loaded.model
         self.trainer = Trainer(self.loaded, config.optim, total_steps=total_steps, seed=config.seed)
         self.checkpoints = run_checkpoints(

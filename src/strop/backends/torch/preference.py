@@ -9,7 +9,9 @@ forwarded once (packed rows: segment ids in ``attention_mask``, plus ``positions
 to the columns its rows use, and :func:`strop.objectives.preference.pair_logps` /
 ``preference_micro_loss`` (written once for both backends) turn the logits into the
 per-pair sums and the weighted loss; the update is the SFT :class:`Trainer`'s. The
-reference (LoRA) is the base with the adapters disabled (:func:`use_adapter`).
+reference (LoRA) is the base with the adapters disabled (:func:`use_adapter`), or with
+``dpo.reference: adapter:DIR`` that adapter, loaded frozen beside the trained one
+(:func:`reference_adapters`, :func:`load_reference`), as PPO's reference adapter.
 """
 
 from __future__ import annotations
@@ -21,16 +23,39 @@ import numpy as np
 import torch
 
 from strop.backends.torch.fsdp import all_gather_rows
-from strop.backends.torch.lora import use_adapter
+from strop.backends.torch.lora import adapter_params, set_adapter_weights, use_adapter
 from strop.backends.torch.losses import OPS
 from strop.backends.torch.model import LoadedModel, forward_logits
 from strop.backends.torch.train import rank_rows, used_columns
 from strop.batch.pairs import PAIR_COLUMNS
+from strop.config import Config
+from strop.io.peft import read_adapter_for
 from strop.objectives import preference
 from strop.objectives.preference import REFERENCE_INPUTS, PreferenceObjective
 
 if TYPE_CHECKING:
     from strop.backends.torch.policy import TorchPolicy
+
+
+REFERENCE_ADAPTER = "reference"
+
+
+def reference_adapters(config: Config) -> tuple[str, ...]:
+    """The adapters to build beside the trained one: the reference's, with
+    ``dpo.reference: adapter:DIR``."""
+    return (REFERENCE_ADAPTER,) if config.lora.enabled and config.dpo.reference_adapter else ()
+
+
+def load_reference(loaded: LoadedModel, config: Config) -> None:
+    """Put ``dpo.reference: adapter:DIR``'s weights into the reference adapter, frozen
+    (before the trainer lists what trains)."""
+    if not reference_adapters(config):
+        return
+    path = config.dpo.reference_adapter
+    weights = read_adapter_for(path, config.lora, config.model.path)
+    set_adapter_weights(loaded.model, weights, str(path), REFERENCE_ADAPTER)
+    for param in adapter_params(loaded.model, REFERENCE_ADAPTER):
+        param.requires_grad_(False)
 
 
 def without_unused_columns(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -61,7 +86,8 @@ def forward_pair_logps(
     adapters disabled (LoRA's base)."""
     placement = policy.placement
     local = rank_rows(batch, PAIR_COLUMNS, chunks // placement.world_size, placement)
-    adapter = use_adapter(policy.model, None) if reference else nullcontext()
+    active = REFERENCE_ADAPTER if reference_adapters(policy.config) else None
+    adapter = use_adapter(policy.model, active) if reference else nullcontext()
     with torch.no_grad(), adapter:
         sums = [
             pair_logps(policy.loaded, {name: value[c] for name, value in local.items()})
