@@ -166,6 +166,15 @@ def sft(recipe: Recipe, overrides: Overrides = None) -> None:
     _print_sft_summary("strop sft", run_sft(load_config(recipe, overrides or ())))
 
 
+@app.command()
+def dpo(recipe: Recipe, overrides: Overrides = None) -> None:
+    """Preference optimisation (DPO, IPO, SimPO) on prompt/chosen/rejected pairs, as RECIPE
+    says; resumes from the run's latest checkpoint."""
+    from strop.dpo.loop import run_dpo
+
+    _print_sft_summary("strop dpo", run_dpo(load_config(recipe, overrides or ())))
+
+
 def _run_table(title: str, result, steps: str) -> Table:
     """The rows every training command's summary starts with."""
     table = Table(title=title, show_header=False)

@@ -101,6 +101,10 @@ def check_environment(name: str, args: Mapping[str, Any]) -> None:
         raise EnvironmentLoadError(f"env.name: {exc}") from None
 
 
+TRAINING_JOBS = ("sft", "ppo", "dpo")
+"""The jobs that train (and checkpoint): W&B, checkpoint and step checks apply."""
+
+
 def preflight(
     config: Config,
     job: str,
@@ -109,8 +113,8 @@ def preflight(
     advice: str = RESUME_ADVICE,
     exporting: bool = False,
 ) -> Backend:
-    """Everything ``job`` (``"sft"``, ``"ppo"`` or ``"eval"``) can refuse before loading a
-    tokenizer, data or weights, in the order of the module's docstring; raises
+    """Everything ``job`` (``"sft"``, ``"ppo"``, ``"dpo"`` or ``"eval"``) can refuse before
+    loading a tokenizer, data or weights, in the order of the module's docstring; raises
     :class:`~strop.errors.StropError` subclasses, else returns the run's
     :class:`~strop.backends.base.Backend` (asked once, here). Sets the level of strop's
     log messages (``logging.level``). ``exporting``: ``strop export`` restores the newest
@@ -118,7 +122,7 @@ def preflight(
     the rollout engine the run used; ``advice`` ends the message of a checkpoint another
     run wrote."""
     logging.getLogger("strop").setLevel(config.logging.level)
-    training, running = job in ("sft", "ppo"), not exporting
+    training, running = job in TRAINING_JOBS, not exporting
     if config.logging.wandb and training and running:
         require_wandb()
     refuse_launcher_of_another_backend(config)
@@ -139,7 +143,7 @@ def preflight(
     )  # fmt: skip
     if checkpoint_dir is not None and training:
         if running:
-            total = config.ppo.steps if job == "ppo" else config.sft.steps
+            total = config.steps_of(job)
             refuse_run_past_its_end(checkpoint_dir, config.backend, job, total, config.run_dir)
         check_checkpoint(checkpoint_dir, config, job, advice=advice)
     config.mesh.check_layout(backend.device_count(), config.rows_per_pass(job))

@@ -3,7 +3,7 @@
 Every ``import strop...`` / ``from strop... import ...`` counts, at module level and inside
 functions alike (a lazy import is still a dependency); only ``if TYPE_CHECKING:`` imports
 (annotations, never run) do not. Folder-level edges among the
-training packages (``backends``, ``rl``, ``sft``, ``rewards``) may not form a loop: the
+training packages (``backends``, ``rl``, ``sft``, ``dpo``, ``rewards``) may not form a loop: the
 backends sit above the core they are driven by, and what both need (batch layout,
 objectives, the reward model's checks) lives in packages below both. The core packages
 import no array framework at module level.
@@ -19,11 +19,12 @@ from pathlib import Path
 import strop
 
 ROOT = Path(strop.__file__).parent
-LAYERED = ("backends", "rl", "sft", "rewards")
+LAYERED = ("backends", "rl", "sft", "dpo", "rewards")
 # the core: never jax/torch/flax/transformers at module level (the backends alone may)
 CORE = (
     "rl",
     "sft",
+    "dpo",
     "rewards",
     "data",
     "io",

@@ -60,9 +60,23 @@ def test_an_sft_run_plots_its_losses(tmp_path):
     assert series["eval/loss"] == ([10], [0.3])
 
 
+def test_a_dpo_run_plots_its_loss_accuracy_and_margin(tmp_path):
+    records = [
+        (s, {"dpo/loss": 0.69 - s / 100, "dpo/reward_accuracy": s / 10,
+             "dpo/reward_margin": s / 20, "dpo/chosen_reward": 0.1, "train/grad_norm": 1.0})
+        for s in range(1, 11)
+    ]  # fmt: skip
+    write_metrics(tmp_path, records)
+    assert plot_run(tmp_path).read_bytes().startswith(PNG_SIGNATURE)
+    series = read_series(tmp_path / "metrics.jsonl")
+    assert sorted(series) == ["dpo/loss", "dpo/reward_accuracy", "dpo/reward_margin"]
+
+
 def test_metrics_with_nothing_to_plot_is_a_strop_error(tmp_path):
     write_metrics(tmp_path, [(1, {"timing/step_s": 2.0}), (2, {"timing/step_s": 1.5})])
-    with pytest.raises(PlotError, match="no train/reward, validation/accuracy, train/loss or"):
+    with pytest.raises(
+        PlotError, match="no train/reward, validation/accuracy, train/loss, eval/loss, dpo/loss"
+    ):
         plot_run(tmp_path)
     assert not (tmp_path / "plot.png").exists()
 

@@ -190,6 +190,31 @@ def test_large_margins_stay_finite():
 
 
 @pytest.mark.parametrize(
+    ("loss", "smoothing"), [("sigmoid", 0.0), ("sigmoid", 0.2), ("simpo", 0.0)]
+)
+def test_the_gradient_at_a_zero_margin_is_the_logistic_slope(loss, smoothing):
+    """A fresh adapter's first step has every margin at exactly 0: the loss's gradient there is
+    ``-(1 - 2e) beta / 2`` per pair (``softplus``'s ``sigmoid(0)``), not 0 (as it was with
+    ``max(x, 0) + log1p(e^-|x|)``: no update at all)."""
+    torch = pytest.importorskip("torch")
+    from strop.backends.torch.losses import OPS
+
+    chosen = torch.tensor([-3.0, -5.0], dtype=torch.float64, requires_grad=True)
+    tokens = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    inputs = {
+        "chosen_logps": chosen, "rejected_logps": chosen.detach().clone(),
+        "ref_chosen_logps": chosen.detach().clone(), "ref_rejected_logps": chosen.detach().clone(),
+        "chosen_tokens": tokens, "rejected_tokens": tokens,
+    }  # fmt: skip
+    objective = PreferenceObjective(loss, 0.5, smoothing)
+    value, _ = preference_loss(OPS, inputs, torch.tensor([0.5, 0.5]), objective)
+    value.backward()
+    assert float(value) == pytest.approx(math.log(2.0), abs=1e-6)
+    expected = -(1 - 2 * smoothing) * 0.5 / 2 * 0.5  # d/dc of the pair's loss, times its weight
+    np.testing.assert_allclose(chosen.grad.numpy(), [expected, expected], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"loss": "kto"}, "unknown preference loss 'kto'"),

@@ -27,6 +27,7 @@ from strop.io.model_spec import ModelSpec
 
 if TYPE_CHECKING:
     from strop.config import Config
+    from strop.objectives.preference import PreferenceObjective
     from strop.objectives.roles import RolePlan
 
 
@@ -148,6 +149,23 @@ class Policy(TrainableModel, Protocol):
 
     def eval_loss(self, batch: dict[str, np.ndarray]) -> tuple[float, float]:
         """(summed loss, target-token count) of ``batch``, without training."""
+        ...
+
+    def pair_logps(
+        self, batch: dict[str, np.ndarray], chunks: int, *, reference: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Preference pairs (``strop dpo``): each pair's chosen and rejected answer's
+        log-probability sums, from one forward per layout of ``batch`` (``chunks`` of
+        them, :func:`strop.batch.pairs.lay_out_chunks`), without gradient; ``reference``:
+        with the LoRA adapters off (the base)."""
+        ...
+
+    def train_pairs(
+        self, batch: dict[str, np.ndarray], chunks: int, objective: PreferenceObjective
+    ) -> dict[str, float]:
+        """One optimizer update of a preference ``objective`` over ``batch`` (as for
+        :meth:`pair_logps`, plus the reference's sums when the loss reads them): ``loss``,
+        ``grad_norm``, ``skipped`` and the ``dpo/*`` stats."""
         ...
 
 

@@ -131,3 +131,41 @@ def lay_out_pairs(
         "rejected_tokens": rejected.sum((1, 2)).astype(np.float32),
         "pair_weights": np.full(count, weight, np.float32),
     }
+
+
+def lay_out_chunks(
+    pairs: Sequence[Pair],
+    chunks: int,
+    *,
+    columns: int | None = None,
+    pad_id: int = 0,
+    share: bool = True,
+    buckets: bool = False,
+) -> dict[str, np.ndarray]:
+    """A batch of pairs as ``chunks`` equal layouts (:func:`lay_out_pairs`, each pair
+    weighing ``1 / len(pairs)``) stacked on the leading axis: the micro-batches (of every
+    process, in order) a backend forwards one at a time. Chunk ``c`` holds the ``c``-th run
+    of ``len(pairs) / chunks`` pairs; the chunks' rows are padded to the same count and
+    width (rows attending to nothing, selected by no mask), so that the row arrays are
+    ``[chunks * R, W]``, the masks ``[chunks * P, R, W]`` and the per-pair arrays
+    ``[chunks * P]``: splitting each leading axis into ``chunks`` gives the chunks."""
+    if len(pairs) % chunks:
+        raise ValueError(f"{len(pairs)} pairs do not split into {chunks} micro-batches")
+    per = len(pairs) // chunks
+    laid = [
+        lay_out_pairs(pairs[c * per : (c + 1) * per], batch_pairs=len(pairs), columns=columns,
+                      pad_id=pad_id, share=share, buckets=buckets)
+        for c in range(chunks)
+    ]  # fmt: skip
+    rows = max(layout["input_ids"].shape[0] for layout in laid)
+    width = max(layout["input_ids"].shape[1] for layout in laid)
+    out: dict[str, list[np.ndarray]] = {name: [] for name in PAIR_COLUMNS}
+    for layout in laid:
+        for name, array in layout.items():
+            if array.ndim >= 2:  # [R, W] or [P, R, W]: pad the rows and the columns
+                pad = [(0, 0)] * (array.ndim - 2) + [
+                    (0, rows - array.shape[-2]), (0, width - array.shape[-1])
+                ]  # fmt: skip
+                array = np.pad(array, pad, constant_values=pad_id if name == "input_ids" else 0)
+            out[name].append(array)
+    return {name: np.concatenate(arrays) for name, arrays in out.items()}

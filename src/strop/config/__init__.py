@@ -13,6 +13,7 @@ from typing import Any, Literal, Self
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from strop.config.dpo import DpoConfig
 from strop.config.env import EnvConfig
 from strop.config.ppo import CriticConfig, PpoConfig, RewardTerm
 from strop.config.sections import (
@@ -45,6 +46,7 @@ __all__ = [
     "Config",
     "CriticConfig",
     "DataConfig",
+    "DpoConfig",
     "EnvConfig",
     "EvalConfig",
     "GenerationConfig",
@@ -84,6 +86,7 @@ class Config(_Section):
     train: TrainConfig = _section(TrainConfig, "Numerical safety of optimizer steps.")
     sft: SftConfig = _section(SftConfig, "Supervised fine-tuning loop.")
     ppo: PpoConfig = _section(PpoConfig, "PPO loop.")
+    dpo: DpoConfig = _section(DpoConfig, "Preference optimisation (`strop dpo`).")
     critic: CriticConfig = _section(CriticConfig, "PPO value model.")
     generation: GenerationConfig = _section(GenerationConfig, "Sampling.")
     env: EnvConfig = _section(EnvConfig, "Multi-turn episodes in an environment (PPO, eval).")
@@ -191,6 +194,10 @@ class Config(_Section):
                 return {"ppo.mini_batch_size": self.ppo.mini_batch_size}
             return {"ppo.micro_batch_size": self.ppo.micro_batch_size}
         return {}
+
+    def steps_of(self, job: str) -> int:
+        """The steps a training ``job`` runs (``sft.steps``, ``ppo.steps``, ``dpo.steps``)."""
+        return {"ppo": self.ppo.steps, "dpo": self.dpo.steps}.get(job, self.sft.steps)
 
     def reference_adapter_path(self) -> str | None:
         """The frozen SFT adapter that is PPO's reference policy, if any (ARCHITECTURE

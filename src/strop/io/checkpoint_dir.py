@@ -183,9 +183,11 @@ def refuse_run_past_its_end(
 
 def refuse_step_past_the_end(step: int, job: str, total: int, run_dir: str) -> None:
     """Raise :class:`ConfigError` if checkpoint ``step`` is past ``job``'s ``total`` steps
-    (``ppo.steps`` or ``sft.steps``)."""
+    (``ppo.steps``, ``dpo.steps`` or ``sft.steps``)."""
     if step > total:
-        key, what = ("ppo.steps", "iteration") if job == "ppo" else ("sft.steps", "step")
+        key, what = {"ppo": ("ppo.steps", "iteration"), "dpo": ("dpo.steps", "step")}.get(
+            job, ("sft.steps", "step")
+        )
         raise ConfigError(
             f"run_dir {run_dir} already holds checkpoint {what} {step}, past "
             f"{key}={total}: nothing to train; raise {key} to continue the run, export it "

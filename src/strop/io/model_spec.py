@@ -214,7 +214,7 @@ def check_context_length(
         return  # nothing to check against (yet): the load names what is missing
     positions = read_model_spec(model_path).max_position_embeddings
     limit = f"the model's max_position_embeddings={positions} ({model_path}/{CONFIG_FILE})"
-    if job == "sft":
+    if job in ("sft", "dpo"):
         if max_length > positions:
             raise ConfigError(
                 f"data.max_length={max_length} is more than {limit}: "

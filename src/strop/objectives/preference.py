@@ -129,8 +129,11 @@ def check_preference_loss(name: str) -> None:
 
 
 def softplus(xp, x):
-    """``log(1 + e^x)`` without overflow: ``max(x, 0) + log1p(e^-|x|)``."""
-    return xp.where(x > 0, x, xp.zeros_like(x)) + xp.log1p(xp.exp(-xp.abs(x)))
+    """``log(1 + e^x)`` without overflow, as ``logaddexp(x, 0)``, whose gradient is
+    ``sigmoid(x)`` everywhere: ``max(x, 0) + log1p(e^-|x|)`` has the same value but a
+    gradient of 0 at ``x = 0`` (``|x|``'s derivative there is 0 in JAX and torch), where
+    every pair of a fresh adapter's first step is (policy = reference): no update at all."""
+    return xp.logaddexp(x, xp.zeros_like(x))
 
 
 def _smoothed_logistic(xp, z, label_smoothing: float):

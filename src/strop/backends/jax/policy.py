@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from strop.backends.jax import preference
 from strop.backends.jax.checkpoint import TrainCheckpoints
 from strop.backends.jax.generate import generate
 from strop.backends.jax.lora import (
@@ -37,6 +38,7 @@ from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
+from strop.objectives.preference import PreferenceObjective
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,21 @@ class JaxPolicy(Sampler):
         from strop.backends.jax.continuation import JaxContinuation
 
         return JaxContinuation(lambda: self.model, decoding, mesh=self.mesh)
+
+    # preference pairs (strop dpo) ------------------------------------------------------
+
+    def pair_logps(
+        self, batch: dict[str, np.ndarray], chunks: int, *, reference: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Each pair's chosen and rejected log-probability sums, one forward per layout
+        (:func:`strop.backends.jax.preference.forward_pair_logps`)."""
+        return preference.forward_pair_logps(self, batch, chunks, reference=reference)
+
+    def train_pairs(
+        self, batch: dict[str, np.ndarray], chunks: int, objective: PreferenceObjective
+    ) -> dict[str, float]:
+        """One preference update (:func:`strop.backends.jax.preference.train_pairs`)."""
+        return preference.train_pairs(self, batch, chunks, objective)
 
     # checkpoints -------------------------------------------------------------------------
 

@@ -293,13 +293,14 @@ class Trainer:
         self.model = model
         self.mesh = mesh
         self.trainable = trainable
-        graphdef = nnx.split(model, trainable, ...)[0]
-        tx = make_optimizer(optim, total_steps)
-        self.opt_state = replicate_unplaced(tx.init(self.params), mesh)
+        self.graphdef = nnx.split(model, trainable, ...)[0]
+        self.tx = make_optimizer(optim, total_steps)
+        self.opt_state = replicate_unplaced(self.tx.init(self.params), mesh)
         self.traces = TraceCounter()
         self._update = jit_update(
-            tx, partial(sft_loss, graphdef), on_trace=self.traces.record, name="sft_update"
-        )
+            self.tx, partial(sft_loss, self.graphdef), on_trace=self.traces.record,
+            name="sft_update",
+        )  # fmt: skip
 
     @property
     def params(self) -> nnx.State:
@@ -320,8 +321,14 @@ class Trainer:
         """
         batch = with_loss_weights(batch)
         arrays = put_micro_batches(batch, SFT_BATCH, micro_batches, self.mesh)
-        _, params, frozen = nnx.split(self.model, self.trainable, ...)
-        params, self.opt_state, stats = self._update(params, self.opt_state, frozen, arrays)
-        nnx.update(self.model, params)
-        metrics = host_floats(stats)
+        metrics = self.run(self._update, arrays)
         return {**metrics, "tokens": target_tokens(batch["loss_mask"])}
+
+    def run(self, update: Callable, arrays: dict[str, jax.Array]) -> dict[str, float]:
+        """One optimizer step of ``update`` (a :func:`jit_update` over this trainer's
+        ``tx``, e.g. the SFT one or :mod:`~strop.backends.jax.preference`'s) on
+        ``[micro, ...]`` device arrays; its stats as host floats."""
+        _, params, frozen = nnx.split(self.model, self.trainable, ...)
+        params, self.opt_state, stats = update(params, self.opt_state, frozen, arrays)
+        nnx.update(self.model, params)
+        return host_floats(stats)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from strop.backends.torch import preference
 from strop.backends.torch.checkpoint import TrainCheckpoints
 from strop.backends.torch.continuation import TorchContinuation
 from strop.backends.torch.fsdp import place, write_once
@@ -28,6 +29,7 @@ from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
+from strop.objectives.preference import PreferenceObjective
 from strop.objectives.sft import SFT_BATCH, target_tokens, with_loss_weights
 
 _UPDATES_KEY = "optimizer_updates"  # the schedule's clock, kept in the checkpoint's extra
@@ -51,7 +53,9 @@ class TorchPolicy(Sampler):
             lora=config.lora,
             seed=config.seed,
             trust_remote_code=config.model.trust_remote_code,
+            extra_adapters=preference.reference_adapters(config),
         )
+        preference.load_reference(self.loaded, config)  # frozen, before the trainer
         self.model = self.loaded.model
         self.trainer = Trainer(self.loaded, config.optim, total_steps=total_steps, seed=config.seed)
         self.checkpoints = run_checkpoints(
@@ -104,6 +108,21 @@ class TorchPolicy(Sampler):
                 yield self.model, sampler_keywords(self.config.generation, decoding, self.model)
 
         return TorchContinuation(scope, decoding)
+
+    # preference pairs (strop dpo) ------------------------------------------------------
+
+    def pair_logps(
+        self, batch: dict[str, np.ndarray], chunks: int, *, reference: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Each pair's chosen and rejected log-probability sums, one forward per layout
+        (:func:`strop.backends.torch.preference.forward_pair_logps`)."""
+        return preference.forward_pair_logps(self, batch, chunks, reference=reference)
+
+    def train_pairs(
+        self, batch: dict[str, np.ndarray], chunks: int, objective: PreferenceObjective
+    ) -> dict[str, float]:
+        """One preference update (:func:`strop.backends.torch.preference.train_pairs`)."""
+        return preference.train_pairs(self, batch, chunks, objective)
 
     # checkpoints -------------------------------------------------------------------------
 

@@ -102,11 +102,11 @@ def rank_rows(
             f"batch of {rows} rows does not split into {placement.world_size} process(es) "
             f"x {micro_batches} micro-batches"
         )
-    share = rows // placement.world_size
-    begin = placement.rank * share
     out = {}
     for name in names:
-        array = np.asarray(batch[name])[begin : begin + share]
+        array = np.asarray(batch[name])
+        share = len(array) // placement.world_size  # a preference batch's pair arrays: theirs
+        array = array[placement.rank * share : (placement.rank + 1) * share]
         array = array.astype(np.float32 if array.dtype.kind == "f" else np.int64)
         tensor = torch.from_numpy(array).to(placement.device)
         out[name] = tensor.reshape(micro_batches, share // micro_batches, *array.shape[1:])
@@ -181,6 +181,7 @@ class Trainer:
         loss_fn: MicroLoss,
         *,
         dropout: bool = False,
+        cut: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     ) -> tuple[float, dict[str, float]]:
         """Backpropagate ``loss_fn`` over this rank's micro-batches of ``batch``, leaving the
         gradients in ``.grad`` (reduced over ranks; sharded for DTensors).
@@ -191,8 +192,10 @@ class Trainer:
         and ranks. Returns the global sums of the loss and of every stat (maxima for
         :data:`strop.objectives.losses.MAX_STATS`). Every array is per
         token (``[B, L]``); each micro-batch is cut to the columns its rows use
-        (:func:`without_padding_columns`). ``dropout``: run the model in training mode.
+        (:func:`without_padding_columns`; ``cut``: another function of the micro-batch, for
+        arrays that are not all ``[rows, L]``). ``dropout``: run the model in training mode.
         """
+        cut = without_padding_columns if cut is None else cut
         local = rank_rows(batch, names, micro_batches, self.loaded.placement)
         self._reseed()
         if dropout:
@@ -200,9 +203,7 @@ class Trainer:
         loss_sum, sums = 0.0, {}
         for micro in range(micro_batches):
             self._sync_gradients(micro == micro_batches - 1)
-            loss, stats = loss_fn(
-                without_padding_columns({name: value[micro] for name, value in local.items()})
-            )
+            loss, stats = loss_fn(cut({name: value[micro] for name, value in local.items()}))
             loss.backward()
             loss_sum += float(loss.detach())
             for name, value in stats.items():

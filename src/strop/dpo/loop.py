@@ -1,0 +1,182 @@
+"""The preference optimisation loop (``strop dpo``), backend-neutral.
+
+The run skeleton is SFT's and PPO's (:func:`strop.job.training_job`, :func:`strop.job.run_steps`:
+resume, checkpoints, metrics, the adapter's export); a step is :class:`DpoSteps`'. Batch
+``step`` is a pure function of the seed and the step (the pairs' order is
+:class:`~strop.data.batching.SftBatcher`'s), so a run resumes exactly. A step lays its pairs
+out as ``dpo.batch_size / dpo.micro_batch_size`` shared-prompt layouts
+(:func:`strop.batch.pairs.lay_out_chunks`), forwards them once with the adapters off for
+the reference's log-probabilities (losses that read a reference), then once more, with the
+gradient, in the backend's update (``Policy.train_pairs``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from strop.backends.base import Policy
+from strop.batch.pairs import lay_out_chunks
+from strop.config import Config
+from strop.data import Tokenizer
+from strop.data.batching import SftBatcher
+from strop.data.preferences import read_preferences, tokenize_preferences
+from strop.errors import ConfigError
+from strop.job import Job, RunResult, run_steps, training_job
+from strop.nonfinite import count_skipped, likely_causes
+from strop.objectives.preference import STATS, PreferenceObjective
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DpoResult(RunResult):
+    """What a finished (or stopped) run produced."""
+
+    losses: list[float] = field(default_factory=list)  # dpo/loss per step run in this call
+
+
+def check_dpo(config: Config) -> None:
+    """What ``strop dpo`` refuses before anything loads (one line each)."""
+    if config.model.path is None or config.data.train_path is None:
+        raise ConfigError("strop dpo needs model.path and data.train_path (preference pairs)")
+    dpo = config.dpo
+    if dpo.reference != "none" and not config.lora.enabled:
+        raise ConfigError(
+            f"dpo.reference={dpo.reference} is the base model with the LoRA adapters off (or "
+            "a frozen adapter on it): it needs lora.enabled=true (full fine-tuning with a "
+            "frozen reference copy is not supported yet), or the reference-free "
+            "dpo.loss=simpo with dpo.reference=none"
+        )
+    if dpo.reference_adapter is not None and not Path(dpo.reference_adapter).is_dir():
+        raise ConfigError(
+            f"dpo.reference={dpo.reference}: {dpo.reference_adapter} is not a directory "
+            "(a PEFT adapter's, e.g. <sft run_dir>/adapter)"
+        )
+    if config.data.eval_path:
+        raise ConfigError(
+            f"data.eval_path ({config.data.eval_path}): strop dpo does not evaluate held-out "
+            "pairs yet; leave data.eval_path unset"
+        )
+    if config.dpo.reference == "base" and config.lora.restore_path:
+        raise ConfigError(
+            f"lora.restore_path ({config.lora.restore_path}) with dpo.reference=base: the "
+            "reference would be the base model, not the adapter the run starts from: set "
+            f"dpo.reference=adapter:{config.lora.restore_path}"
+        )
+
+
+def run_dpo(config: Config, *, stop_after: int | None = None) -> DpoResult:
+    """Train ``config.dpo.steps`` steps (or until ``stop_after``), resuming if possible;
+    writes what ``strop sft`` writes, with the ``dpo/*`` statistics in the metrics."""
+    check_dpo(config)
+    figures = {"loss": "loss {:.4f}", "accuracy": "accuracy {:.0%}"}
+    with training_job(config, "dpo", config.dpo.steps, figures) as job:  # preflight first
+        return _train(config, stop_after, job)
+
+
+def _train(config: Config, stop_after: int | None, job: Job) -> DpoResult:
+    data, progress = config.data, job.progress
+    progress.phase("reading the data")
+    tokenizer = Tokenizer.from_pretrained(config.model.path)
+    examples, _ = read_preferences(
+        data.train_path, prompt_key=data.prompt_key or "prompt",
+        skip_bad_lines=data.skip_bad_lines, max_record_bytes=data.max_record_bytes,
+    )  # fmt: skip
+    pairs, stats = tokenize_preferences(
+        examples, tokenizer, data.max_length, skip_bad_lines=data.skip_bad_lines
+    )
+    logger.info(
+        "preference data: %d pairs, %d prompt and %d answer tokens",
+        len(pairs), stats.num_prompt_tokens, stats.num_answer_tokens,
+    )  # fmt: skip
+    # the batcher orders the pairs (a pure function of seed and step); each "example" is a
+    # pair's three id arrays
+    order = SftBatcher([pair.ids for pair in pairs], config.dpo.batch_size, seed=config.seed,
+                       shuffle=data.shuffle, max_length=3)  # fmt: skip
+
+    progress.phase("loading the model")
+    policy = job.backend.build_policy(
+        config, total_steps=config.dpo.steps, checkpoint_dir=config.checkpoint_path()
+    )
+    steps = DpoSteps(config, policy, order, tokenizer.pad_token_id)
+    run = run_steps(config, steps, job, total=config.dpo.steps, stop_after=stop_after)
+    return DpoResult(
+        run_dir=Path(config.run_dir), final_step=run.end, resumed_from=run.resumed_from,
+        export_path=run.export_path, is_main=policy.is_main,
+        losses=[record["dpo/loss"] for record in run.records],
+    )  # fmt: skip
+
+
+@dataclass
+class DpoSteps:
+    """One preference update per batch of pairs (:class:`strop.job.Steps`); ``skipped``
+    counts the non-finite steps skipped over the whole run, resumes included."""
+
+    config: Config
+    model: Policy
+    order: SftBatcher
+    pad_id: int
+    skipped: int = 0
+    always_written: tuple[str, ...] = ()
+
+    @property
+    def objective(self) -> PreferenceObjective:
+        return self.config.dpo.objective()
+
+    def restore_counters(self, saved: Any) -> None:
+        self.skipped = int(saved or 0)
+
+    def counters(self) -> int:
+        return self.skipped
+
+    def first_record(self) -> None:
+        return None
+
+    def figures(self, record: Mapping[str, float]) -> dict[str, float]:
+        return {"loss": record["dpo/loss"], "accuracy": record["dpo/reward_accuracy"]}
+
+    def batch(self, step: int) -> tuple[dict[str, np.ndarray], int]:
+        """Step ``step``'s pairs laid out in micro-batches, and how many there are."""
+        dpo = self.config.dpo
+        chunks = dpo.batch_size // dpo.micro_batch_size
+        pairs = [self.order.examples[i] for i in self.order.indices(step)]
+        batch = lay_out_chunks(
+            pairs, chunks, columns=self.config.data.max_length, pad_id=self.pad_id,
+            buckets=self.config.backend == "jax",  # a few shapes to compile
+        )  # fmt: skip
+        return batch, chunks
+
+    def step(self, step: int) -> dict[str, float]:
+        config, objective = self.config, self.objective
+        began = time.perf_counter()
+        batch, chunks = self.batch(step)
+        if objective.needs_reference:  # once per batch, adapters off, no gradient
+            chosen, rejected = self.model.pair_logps(batch, chunks, reference=True)
+            batch.update(ref_chosen_logps=chosen, ref_rejected_logps=rejected)
+        metrics = self.model.train_pairs(batch, chunks, objective)
+        seconds = time.perf_counter() - began
+        self.skipped += count_skipped(
+            metrics,
+            where=f"dpo step {step + 1}",
+            skip=config.train.skip_nonfinite,
+            latest_checkpoint=self.model.latest_checkpoint,
+            checkpoint_dir=str(config.checkpoint_path()),
+            causes=lambda: likely_causes(config),
+        )
+        tokens = float(batch["chosen_tokens"].sum() + batch["rejected_tokens"].sum())
+        return {
+            **{name: metrics[name] for name in STATS},
+            "train/grad_norm": metrics["grad_norm"],
+            "train/tokens": tokens,
+            "train/epoch": self.order.epoch_of(step),
+            "train/nonfinite_skipped": self.skipped,  # cumulative over the run
+            "timing/step_s": seconds,
+            "throughput/tokens_per_s": tokens / seconds,
+        }

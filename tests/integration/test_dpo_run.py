@@ -1,0 +1,172 @@
+"""``strop dpo`` end to end on a tiny model (issue 37): with a fresh adapter (policy = reference)
+the first step's ``dpo/loss`` is log 2 for DPO, ``1 / (4 beta^2)`` for IPO and SimPO's
+formula of its margin, on both backends; the run writes the ``dpo/*`` metrics, a checkpoint
+and the PEFT adapter; bad settings are one line, exit 2, before anything loads."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from strop.config import load_config
+from strop.dpo.loop import check_dpo, run_dpo
+from strop.errors import ConfigError
+from strop.metrics.sinks import read_metrics
+from strop.objectives.preference import STATS
+from tests.integration.test_cli import strop
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def dpo_inputs(tmp_path_factory):
+    """A one-layer random tiny model with a tokenizer, and preference pairs for it: "What is
+    a + b?" with the right sum chosen and a wrong one rejected."""
+    from strop.io.tiny import make_tiny_checkpoint
+
+    tmp = tmp_path_factory.mktemp("dpo")
+    rng = np.random.default_rng(0)
+    records, texts = [], []
+    for _ in range(32):
+        a, b = (int(x) for x in rng.integers(0, 50, 2))
+        wrong = a + b + int(rng.integers(1, 9))
+        records.append({"prompt": f"What is {a} + {b}?", "chosen": f" {a + b}",
+                        "rejected": f" {wrong}"})  # fmt: skip
+        texts += [records[-1]["prompt"] + records[-1]["chosen"], records[-1]["rejected"]]
+    data = tmp / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    make_tiny_checkpoint(tmp / "model", texts, seed=0, layers=1)
+    return tmp, [f"model.path={tmp / 'model'}", f"data.train_path={data}"]
+
+
+def run(dpo_inputs, name, *overrides):
+    tmp, inputs = dpo_inputs
+    config = load_config(
+        "dpo-lora-tiny",
+        [*inputs, f"run_dir={tmp / name}", "dpo.steps=1", "dpo.batch_size=4",
+         "dpo.micro_batch_size=2", "mesh.fsdp=1", "mesh.data=-1", *overrides],
+    )  # fmt: skip
+    result = run_dpo(config)
+    (record,) = [r for r in read_metrics(tmp / name / "metrics.jsonl") if "dpo/loss" in r]
+    return result, record
+
+
+# JAX compiles an update per loss (about 25 s cold on 2 busy cores): it checks DPO's, torch
+# all three (the losses are the core's, the same code on both backends)
+CASES = [("jax", "sigmoid"), ("torch", "sigmoid"), ("torch", "ipo"), ("torch", "simpo")]
+
+
+@pytest.mark.parametrize(("backend", "loss"), CASES)
+def test_the_first_step_from_a_fresh_adapter_gives_the_losses_formula(dpo_inputs, backend, loss):
+    beta = 2.0 if loss == "simpo" else 0.1
+    settings = [f"backend={backend}", f"dpo.loss={loss}", f"dpo.beta={beta}"]
+    if loss == "simpo":
+        settings += ["dpo.reference=none", "dpo.simpo_gamma=0.5"]
+    result, record = run(dpo_inputs, f"{backend}-{loss}", *settings)
+    assert set(STATS) <= set(record)
+    assert "train/loss" not in record  # dpo/loss is the loss (strop plot: no SFT panel)
+    if loss == "sigmoid":
+        assert record["dpo/loss"] == pytest.approx(math.log(2.0), abs=TOL)
+        assert record["dpo/reward_margin"] == pytest.approx(0.0, abs=TOL)
+    elif loss == "ipo":
+        assert record["dpo/loss"] == pytest.approx(1.0 / (4 * beta**2), abs=TOL)
+    else:  # the loss of a batch of pairs is not a function of its mean margin: bound it
+        # softplus is convex: the mean loss >= softplus(gamma - mean margin), and the
+        # stats are SimPO's (beta times the policy's per-token means)
+        margin = record["dpo/reward_margin"]
+        assert margin == pytest.approx(
+            record["dpo/chosen_reward"] - record["dpo/rejected_reward"], abs=TOL
+        )
+        assert record["dpo/chosen_reward"] == pytest.approx(
+            beta * record["dpo/chosen_logps"], abs=TOL
+        )
+        assert record["dpo/loss"] >= math.log1p(math.exp(0.5 - margin)) - TOL
+    assert result.export_path is not None and (result.export_path / "adapter_config.json").is_file()
+    assert result.final_step == 1 and record["train/grad_norm"] > 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["dpo.loss=simpo"], "dpo.loss=simpo is reference-free: set dpo.reference=none"),
+        (["dpo.loss=ipo", "dpo.reference=none"], "set dpo.reference=base"),
+        (["dpo.loss=ipo", "dpo.label_smoothing=0.1"], "does not read label_smoothing"),
+        (["dpo.simpo_gamma=0.5"], "does not read simpo_gamma"),
+        (["dpo.loss=kto"], "expected one of sigmoid"),
+        (["dpo.batch_size=6", "dpo.micro_batch_size=4"], "must be divisible"),
+        (["dpo.reference=adapter"], "expected base, none or adapter:DIR"),
+    ],
+)
+def test_bad_dpo_settings_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("dpo-lora-tiny", overrides)
+
+
+def test_a_bad_config_is_one_line_and_exit_2_before_anything_loads(dpo_inputs):
+    tmp, inputs = dpo_inputs
+    config = load_config("dpo-lora-tiny", [*inputs, "lora.enabled=false"])
+    with pytest.raises(ConfigError, match=r"needs lora\.enabled=true"):
+        check_dpo(config)
+    config = load_config("dpo-lora-tiny", [*inputs, f"lora.restore_path={tmp}"])
+    with pytest.raises(ConfigError, match="not the adapter the run starts from"):
+        check_dpo(config)
+    config = load_config("dpo-lora-tiny", [*inputs, f"dpo.reference=adapter:{tmp}/nothing"])
+    with pytest.raises(ConfigError, match="is not a directory"):
+        check_dpo(config)
+    config = load_config("dpo-lora-tiny", [*inputs, f"data.eval_path={tmp}"])
+    with pytest.raises(ConfigError, match="does not evaluate held-out pairs yet"):
+        check_dpo(config)
+    done = strop("dpo", "dpo-lora-tiny", *inputs, "dpo.loss=simpo", f"run_dir={tmp / 'refused'}",
+                 cwd=tmp)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "dpo.reference=none" in lines[0], done.stderr
+    assert not (tmp / "refused").exists()
+
+
+def test_a_stopped_run_resumes_exactly(dpo_inputs):
+    """torch (the data order, the checkpoint and the resume are the backends' shared
+    skeleton's): 3 steps straight = 1 step, stopped, then resumed to 3, step for step."""
+    tmp, inputs = dpo_inputs
+
+    def config(name):
+        return load_config(
+            "dpo-lora-tiny",
+            [*inputs, f"run_dir={tmp / name}", "backend=torch", "dpo.steps=3", "dpo.batch_size=4",
+             "dpo.micro_batch_size=2", "checkpoint.every_steps=1", "optim.lr=1e-2",
+             "lora.dropout=0.1"],
+        )  # fmt: skip
+
+    straight = run_dpo(config("straight"))
+    assert run_dpo(config("resumed"), stop_after=1).final_step == 1
+    resumed = run_dpo(config("resumed"))
+    assert resumed.resumed_from == 1 and resumed.losses == straight.losses[1:]
+    records = {
+        name: [r for r in read_metrics(tmp / name / "metrics.jsonl") if "dpo/loss" in r]
+        for name in ("straight", "resumed")
+    }
+    for ours, theirs in zip(records["resumed"], records["straight"], strict=True):
+        for key in (*STATS, "train/grad_norm"):
+            assert ours[key] == theirs[key], key
+    assert straight.losses[-1] != straight.losses[0]  # it trains
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_a_reference_adapter_is_the_reference(dpo_inputs, backend):
+    """DPO after SFT: the run starts from an adapter (``lora.restore_path``) that is also its
+    frozen reference (``dpo.reference: adapter:DIR``), so its first step is log 2 again
+    (with the base as the reference it would not be; that is refused). The adapter: a torch
+    run's, one step at a large learning rate (far from the base)."""
+    tmp, _ = dpo_inputs
+    adapter = tmp / "start" / "adapter"
+    if not adapter.is_dir():
+        run(dpo_inputs, "start", "backend=torch", "optim.lr=0.05")
+    _, record = run(
+        dpo_inputs, f"{backend}-from-adapter", f"backend={backend}",
+        f"lora.restore_path={adapter}", f"dpo.reference=adapter:{adapter}",
+    )  # fmt: skip
+    assert record["dpo/loss"] == pytest.approx(math.log(2.0), abs=TOL)
+    assert record["train/grad_norm"] > 0
