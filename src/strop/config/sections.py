@@ -64,6 +64,10 @@ class LoraConfig(_Section):
     restore_path: str | None = Field(
         None, description="Adapter (PEFT format) to start a fresh run from; ignored when resuming."
     )
+    base_quantization: Literal["none", "nf4", "int8"] = Field(
+        "none",
+        description="QLoRA: store the frozen base's linear layers quantized (bitsandbytes' nf4 or int8; torch backend) under float32 adapters; none = the base at model.param_dtype.",
+    )
 
     @field_validator("target_modules")
     @classmethod

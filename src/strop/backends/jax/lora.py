@@ -31,6 +31,7 @@ from strop.io.peft import check_adapter_shape, check_adapter_targets, read_adapt
 from strop.lora_init import adapters as initial_adapters
 from strop.lora_targets import match_targets
 from strop.objectives.roles import RolePlan
+from strop.quantization import refuse_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,10 @@ def dense_modules(model: CausalLM) -> dict[str, Dense]:
 
 
 def check_supported(config: LoraConfig) -> None:
-    """Refuse, before anything loads, the LoRA settings this backend lacks (dropout)."""
+    """Refuse, before anything loads, the LoRA settings this backend lacks (dropout, a
+    quantized base)."""
+    if config.enabled:
+        refuse_unsupported(config.base_quantization, backend="jax", distributed=False)
     if config.dropout > 0:
         raise ConfigError("lora.dropout: the jax backend supports only 0 for now")
 
