@@ -23,13 +23,13 @@ def refuse_unsupported(kind: str, *, backend: str, distributed: bool) -> None:
             f"lora.base_quantization={kind}: the {backend} backend does not quantize the "
             "base yet; use backend=torch (bitsandbytes) or lora.base_quantization=none"
         )
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise ConfigError(
-            f"lora.base_quantization={kind} needs bitsandbytes: pip install 'strop[torch]'"
-        )
     if distributed:
         raise ConfigError(
             f"lora.base_quantization={kind} runs on one process: FSDP2 does not shard "
             "bitsandbytes' quantized weights here (launch without torchrun, or set "
             "lora.base_quantization=none)"
+        )
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(
+            f"lora.base_quantization={kind} needs bitsandbytes: pip install 'strop[qlora]'"
         )

@@ -18,6 +18,7 @@ from strop.backends.torch.quantized import (
     quantized_layers,
     scales,
 )
+from strop.generation import SamplingParams
 from strop.io.model_spec import read_model_spec
 from strop.rl.experience import build_experience, minibatches
 from tests.distributed.cases import global_batch, seeded_adapter
@@ -55,6 +56,10 @@ def test_qlora_sft_trains_float32_adapters_over_a_bit_identical_quantized_base(
     before = quantized_state(policy.model)
     losses = [policy.train_step(global_batch(), micro_batches=1)["loss"] for _ in range(3)]
     assert losses[2] < losses[0], losses
+    generation = policy.generate(  # sampling (no gradients) on the quantized base too
+        [[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=3), seed=0, eos_ids=(), pad_id=0
+    )
+    assert np.isfinite(generation.logprobs).all()
     assert_same(before, quantized_state(policy.model))
 
 

@@ -46,7 +46,7 @@ def test_preflight_refuses_a_missing_bitsandbytes(tmp_path, monkeypatch, no_mode
         quantization.importlib.util, "find_spec",
         lambda name, *a: None if name == "bitsandbytes" else real(name, *a),
     )  # fmt: skip
-    with pytest.raises(ConfigError, match="needs bitsandbytes: pip install 'strop\\[torch\\]'"):
+    with pytest.raises(ConfigError, match="needs bitsandbytes: pip install 'strop\\[qlora\\]'"):
         preflight(run_config(tmp_path, "backend=torch"), "sft", None)
 
 
