@@ -3,14 +3,28 @@
 Backend-neutral (imports no framework): :func:`refuse_unsupported` is what preflight
 checks before anything loads, and what the torch backend checks again when it builds a
 model. The torch backend quantizes through bitsandbytes
-(:mod:`strop.backends.torch.quantized`); the JAX backend does not quantize yet.
+(:mod:`strop.backends.torch.quantized`), the JAX backend through Qwix
+(:func:`strop.backends.jax.lora.apply_lora`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 
+from strop.config import Config
 from strop.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def say_merged_export_dequantizes(config: Config) -> None:
+    """Log, once per merged export of a QLoRA run, that the base was dequantized."""
+    if config.lora.enabled and config.lora.base_quantization != "none":
+        logger.info(
+            "export: the %s base dequantized to %s, the adapter merged into it",
+            config.lora.base_quantization, config.model.param_dtype,
+        )  # fmt: skip
 
 
 def refuse_unsupported(kind: str, *, backend: str, distributed: bool) -> None:
@@ -18,11 +32,8 @@ def refuse_unsupported(kind: str, *, backend: str, distributed: bool) -> None:
     run (``kind`` none passes)."""
     if kind == "none":
         return
-    if backend != "torch":
-        raise ConfigError(
-            f"lora.base_quantization={kind}: the {backend} backend does not quantize the "
-            "base yet; use backend=torch (bitsandbytes) or lora.base_quantization=none"
-        )
+    if backend == "jax":
+        return  # Qwix, which the jax extra brings
     if distributed:
         raise ConfigError(
             f"lora.base_quantization={kind} runs on one process: FSDP2 does not shard "

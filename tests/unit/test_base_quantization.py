@@ -29,9 +29,10 @@ def run_config(tmp_path, *overrides):
     )  # fmt: skip
 
 
-def test_preflight_refuses_the_jax_backend(tmp_path, no_model_builds):
-    with pytest.raises(ConfigError, match="the jax backend does not quantize the base yet"):
-        preflight(run_config(tmp_path, "backend=jax"), "sft", None)
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_both_backends_take_both_kinds_on_one_process(kind):
+    for backend in ("jax", "torch"):  # JAX through Qwix, torch through bitsandbytes
+        quantization.refuse_unsupported(kind, backend=backend, distributed=False)
 
 
 def test_preflight_refuses_torchrun(tmp_path, monkeypatch, no_model_builds):
@@ -48,14 +49,6 @@ def test_preflight_refuses_a_missing_bitsandbytes(tmp_path, monkeypatch, no_mode
     )  # fmt: skip
     with pytest.raises(ConfigError, match="needs bitsandbytes: pip install 'strop\\[qlora\\]'"):
         preflight(run_config(tmp_path, "backend=torch"), "sft", None)
-
-
-def test_the_jax_backend_refuses_it_when_built_directly():
-    from strop.backends.jax.lora import check_supported
-
-    with pytest.raises(ConfigError, match="the jax backend does not quantize"):
-        check_supported(LoraConfig(enabled=True, base_quantization="nf4"))
-    check_supported(LoraConfig(enabled=False))  # none passes
 
 
 def test_a_checkpoint_records_the_quantized_base(tmp_path):

@@ -33,6 +33,7 @@ from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
+from strop.quantization import say_merged_export_dequantizes
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class JaxPolicy(Sampler):
 
     def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """A HF checkpoint with the adapters folded into the kernels (or the full model)."""
+        say_merged_export_dequantizes(self.config)
         merged = with_adapters_merged(self.model, self.config.lora)
         return save_hf_model(merged, path, source_dir=self.config.model.path, overwrite=overwrite)
 

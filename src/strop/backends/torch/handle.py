@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -16,8 +15,7 @@ from strop.backends.torch.model import LoadedModel, build_model, forward_logits,
 from strop.config import Config, MeshConfig
 from strop.io.hf import write_checkpoint_once
 from strop.io.model_spec import ModelSpec
-
-logger = logging.getLogger(__name__)
+from strop.quantization import say_merged_export_dequantizes
 
 
 class TorchModelHandle(ModelHandle):
@@ -94,11 +92,7 @@ def export_merged(
     """``loaded``, fine-tuned under ``config``, as a HF checkpoint beside its base model's
     files: the default adapter folded in (scaled ``lora.alpha / lora.rank``), or the full
     model. A quantized base (``lora.base_quantization``) is written dequantized."""
-    if config.lora.enabled and config.lora.base_quantization != "none":
-        logger.info(
-            "export: the %s base dequantized to %s, the adapter merged into it",
-            config.lora.base_quantization, config.model.param_dtype,
-        )  # fmt: skip
+    say_merged_export_dequantizes(config)
     return save_hf_model(
         loaded, path, source_dir=config.model.path, lora_scale=_lora_scale(config),
         overwrite=overwrite,
