@@ -2,7 +2,7 @@
 
 Backend-neutral (imports no framework): :func:`refuse_unsupported` is what preflight
 checks before anything loads, and what the torch backend checks again when it builds a
-model. The torch backend quantizes through bitsandbytes
+model (JAX runs both kinds wherever it runs). The torch backend quantizes through bitsandbytes
 (:mod:`strop.backends.torch.quantized`), the JAX backend through Qwix
 (:func:`strop.backends.jax.lora.apply_lora`).
 """

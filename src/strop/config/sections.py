@@ -66,7 +66,7 @@ class LoraConfig(_Section):
     )
     base_quantization: Literal["none", "nf4", "int8"] = Field(
         "none",
-        description="QLoRA: store the frozen base's linear layers quantized (bitsandbytes' nf4 or int8; torch backend) under float32 adapters; none = the base at model.param_dtype.",
+        description="QLoRA (needs lora.enabled): store the frozen base's linear layers quantized, nf4 (4-bit NormalFloat) or int8, under float32 adapters (JAX: Qwix; torch: bitsandbytes, one process); none = the base at model.param_dtype.",
     )
 
     @field_validator("target_modules")
