@@ -44,7 +44,7 @@ $(DEMO_STAMP): pyproject.toml
 # nothing later resolves to a CUDA build.
 $(STAMP): pyproject.toml $(DEMO_STAMP)
 	$(BIN)/python $(PIP_INSTALL) "torch==2.13.0"
-	$(BIN)/python $(PIP_INSTALL) -e ".[jax,torch,dev,verifiers]"
+	$(BIN)/python $(PIP_INSTALL) -e ".[jax,torch,dev,verifiers,qlora]"
 	@touch $(STAMP)
 
 install-vllm: $(VLLM_STAMP)

@@ -3,8 +3,9 @@
 :func:`preflight` is the first thing ``strop sft``, ``ppo`` and ``eval`` do after the
 config validates. It reads the config in the order of the floors, from what imports the
 user's code down to the files on disk: it refuses a launch the backend cannot serve
-(``torchrun`` with the JAX backend) and a PPO or eval run's environment that cannot be
-built (:func:`check_environment`); asks the backend once (``get_backend``; ``logging.wandb``'s
+(``torchrun`` with the JAX backend), a ``lora.base_quantization`` the backend, install or
+launch cannot run (:func:`strop.quantization.refuse_unsupported`), and a PPO or eval run's
+environment that cannot be built (:func:`check_environment`); asks the backend once (``get_backend``; ``logging.wandb``'s
 W&B login is checked there, on the main process); refuses what the run's rollout engine
 cannot do (:func:`~strop.engines.check_engine`); then the files: a checkpoint directory
 another backend wrote (:func:`~strop.io.checkpoint_dir.refuse_other_backends_checkpoints`),
@@ -53,6 +54,7 @@ from strop.io.checkpoint_dir import refuse_other_backends_checkpoints, refuse_ru
 from strop.io.model_spec import check_context_length, require_model_directory
 from strop.io.run_identity import RESUME_ADVICE, check_checkpoint
 from strop.metrics.wandb_sink import require_wandb, require_wandb_login
+from strop.quantization import refuse_unsupported as refuse_unsupported_quantization
 
 if TYPE_CHECKING:
     from strop.backends.base import Backend
@@ -76,11 +78,15 @@ def holding_run_dir(
         run_lock.release(config.run_dir)  # a no-op where the lock was not taken
 
 
+def launched_by_torchrun() -> bool:
+    """``TORCHELASTIC_RUN_ID`` is set or ``WORLD_SIZE`` > 1."""
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID") or int(os.environ.get("WORLD_SIZE") or 1) > 1)
+
+
 def refuse_launcher_of_another_backend(config: Config) -> None:
     """``torchrun`` (``TORCHELASTIC_RUN_ID`` / ``WORLD_SIZE`` > 1) starts processes that
     only the torch backend joins: with JAX each would be an independent job."""
-    launched = os.environ.get("TORCHELASTIC_RUN_ID") or int(os.environ.get("WORLD_SIZE") or 1) > 1
-    if config.backend == "jax" and launched:
+    if config.backend == "jax" and launched_by_torchrun():
         raise ConfigError(
             "launched by torchrun (WORLD_SIZE / TORCHELASTIC_RUN_ID are set) with backend=jax: "
             "use backend=torch under torchrun, or run JAX over several processes with "
@@ -126,6 +132,10 @@ def preflight(
     if config.logging.wandb and training and running:
         require_wandb()
     refuse_launcher_of_another_backend(config)
+    refuse_unsupported_quantization(
+        config.lora.base_quantization if config.lora.enabled else "none",
+        backend=config.backend, distributed=launched_by_torchrun(),
+    )  # fmt: skip
     if job in ("ppo", "eval") and config.env.enabled and running:
         check_environment(config.env.name, config.env.args)
     backend = get_backend(config.backend)  # the one call of a command

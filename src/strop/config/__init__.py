@@ -106,6 +106,12 @@ class Config(_Section):
                 "reference",
             ),
             (
+                self.lora.base_quantization != "none" and not self.lora.enabled,
+                f"lora.base_quantization={self.lora.base_quantization} quantizes the frozen "
+                "base under LoRA adapters: it needs lora.enabled=true (full fine-tuning "
+                "trains every weight)",
+            ),
+            (
                 self.critic.model_path is not None and self.lora.enabled,
                 f"critic.model_path ({self.critic.model_path!r}) needs lora.enabled=false: "
                 "with LoRA the critic is an adapter on the policy's own base model",

@@ -64,6 +64,10 @@ class LoraConfig(_Section):
     restore_path: str | None = Field(
         None, description="Adapter (PEFT format) to start a fresh run from; ignored when resuming."
     )
+    base_quantization: Literal["none", "nf4", "int8"] = Field(
+        "none",
+        description="QLoRA (needs lora.enabled): store the frozen base's linear layers quantized, nf4 (4-bit NormalFloat) or int8, under float32 adapters (JAX: Qwix; torch: bitsandbytes, one process); none = the base at model.param_dtype.",
+    )
 
     @field_validator("target_modules")
     @classmethod

@@ -56,6 +56,8 @@ def run_identity(model_path: str | os.PathLike, lora: LoraConfig, backend: str) 
     adapter: dict[str, Any] = {"enabled": lora.enabled}
     if lora.enabled:
         adapter |= {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.target_modules)}
+        if lora.base_quantization != "none":  # adapters trained over a quantized base
+            adapter["base_quantization"] = lora.base_quantization
     return {
         "backend": backend,
         "base_model": str(model_dir),

@@ -69,6 +69,7 @@ from strop.io.run_identity import run_checkpoints
 from strop.lora_init import critic_seed as critic_seed_of
 from strop.objectives.ppo import PolicyObjective, ValueObjective
 from strop.objectives.roles import RolePlan
+from strop.quantization import say_merged_export_dequantizes
 
 
 class JaxActorCritic(Sampler):
@@ -384,6 +385,7 @@ class JaxActorCritic(Sampler):
 
     def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the actor as a HF checkpoint (a LoRA adapter folded into the base)."""
+        say_merged_export_dequantizes(self.config)
         actor = with_adapters_merged(self.actor_module(), self.config.lora)
         return save_hf_model(actor, path, source_dir=self.config.model.path, overwrite=overwrite)
 

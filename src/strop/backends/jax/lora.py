@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 # nnx.LoRAParam subclasses nnx.Param: "base weights" must exclude it explicitly.
 BASE_WEIGHTS = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+NF4_BLOCK = 64  # inputs per nf4 scale, as bitsandbytes' default blocksize
 
 
 def trainable_filter(lora_enabled: bool) -> nnx.filterlib.Filter:
@@ -74,9 +75,14 @@ def apply_lora(model: CausalLM, config: LoraConfig, seed: int) -> CausalLM:
     """
     targets = match_targets(config.target_modules, list(dense_modules(model)))
     qwix_paths = "|".join(re.escape(path.replace(".", "/")) for path in targets)
+    quantized = config.base_quantization != "none"
     provider = qwix.LoraProvider(
-        module_path=qwix_paths, rank=config.rank, alpha=config.alpha, dropout=config.dropout
-    )
+        module_path=qwix_paths, rank=config.rank, alpha=config.alpha, dropout=config.dropout,
+        # QLoRA: Qwix quantizes each targeted kernel at the call below and keeps only the
+        # quantized arrays (nf4 in blocks of 64 inputs, as bitsandbytes; int8 per channel)
+        weight_qtype=config.base_quantization if quantized else None,
+        tile_size=NF4_BLOCK if config.base_quantization == "nf4" else None,
+    )  # fmt: skip
     dummy_ids = jnp.zeros((1, 1), dtype=jnp.int32)
     model = qwix.apply_lora_to_model(model, provider, dummy_ids, rngs=nnx.Rngs(seed))
     adapted = {path: m for path, m in dense_modules(model).items() if hasattr(m, "kernel_lora_a")}
@@ -99,9 +105,21 @@ def with_adapters_merged(model: CausalLM, config: LoraConfig) -> CausalLM:
         lora_a = getattr(module, "kernel_lora_a", None)
         if lora_a is None:
             continue
-        kernel = module.kernel.get_value()
         delta = lora_a.get_value() @ module.kernel_lora_b.get_value()
-        module.kernel.set_value((kernel + scale * delta).astype(kernel.dtype))
+        if isinstance(module.kernel, nnx.Variable):
+            kernel = module.kernel.get_value()
+            module.kernel.set_value((kernel + scale * delta).astype(kernel.dtype))
+        else:  # a quantized base: dequantized (to its weights' dtype), then merged
+            qvalue = module.kernel.array.qvalue
+            qarray = jax.tree.map(
+                nnx.Variable.get_value, module.kernel.array,
+                is_leaf=lambda x: isinstance(x, nnx.Variable),
+            )  # fmt: skip
+            kernel = qwix.dequantize(qarray)
+            merged_kernel = (kernel.astype(jnp.float32) + scale * delta).astype(kernel.dtype)
+            module.kernel = nnx.Param(
+                merged_kernel, out_sharding=qvalue.out_sharding, eager_sharding=False
+            )
     return merged
 
 

@@ -88,8 +88,11 @@ class Dense(nnx.Module):
         # a transposed dot off its fast path (1.6x the multi-dimensional kernel's time).
         lead = x.shape[: x.ndim - len(self.in_shape)]
         x = x.reshape(math.prod(lead), math.prod(self.in_shape)).astype(self.dtype)
+        kernel = self.kernel
+        if isinstance(kernel, nnx.Variable):  # else Qwix's quantized kernel (a frozen
+            kernel = kernel[...].astype(self.dtype)  # QLoRA base), which its einsum takes
         with self._adapters_in_compute_dtype():
-            y = jnp.einsum("na,ab->nb", x, self.kernel[...].astype(self.dtype))
+            y = jnp.einsum("na,ab->nb", x, kernel)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y.reshape(*lead, *self.out_shape)

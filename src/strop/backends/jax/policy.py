@@ -39,6 +39,7 @@ from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
 from strop.objectives.preference import PreferenceObjective
+from strop.quantization import say_merged_export_dequantizes
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,7 @@ class JaxPolicy(Sampler):
 
     def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """A HF checkpoint with the adapters folded into the kernels (or the full model)."""
+        say_merged_export_dequantizes(self.config)
         merged = with_adapters_merged(self.model, self.config.lora)
         return save_hf_model(merged, path, source_dir=self.config.model.path, overwrite=overwrite)
 

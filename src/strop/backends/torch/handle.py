@@ -15,6 +15,7 @@ from strop.backends.torch.model import LoadedModel, build_model, forward_logits,
 from strop.config import Config, MeshConfig
 from strop.io.hf import write_checkpoint_once
 from strop.io.model_spec import ModelSpec
+from strop.quantization import say_merged_export_dequantizes
 
 
 class TorchModelHandle(ModelHandle):
@@ -90,7 +91,8 @@ def export_merged(
 ) -> Path:
     """``loaded``, fine-tuned under ``config``, as a HF checkpoint beside its base model's
     files: the default adapter folded in (scaled ``lora.alpha / lora.rank``), or the full
-    model."""
+    model. A quantized base (``lora.base_quantization``) is written dequantized."""
+    say_merged_export_dequantizes(config)
     return save_hf_model(
         loaded, path, source_dir=config.model.path, lora_scale=_lora_scale(config),
         overwrite=overwrite,

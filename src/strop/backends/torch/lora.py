@@ -39,11 +39,12 @@ def linear_paths(model: nn.Module) -> list[str]:
 
 
 def apply_lora(
-    model: nn.Module, config: LoraConfig, extra_adapters: Sequence[str] = ()
+    model: nn.Module, config: LoraConfig, extra_adapters: Sequence[str] = (), *, on_meta=True
 ) -> peft.PeftModel:
-    """Wrap ``model`` (typically on the meta device) with PEFT LoRA adapters: ``default``
-    plus one more of the same shape per name in ``extra_adapters`` (PPO's critic), all
-    over the one base. Every adapter's weights require grad; ``default`` is active."""
+    """Wrap ``model`` (on the meta device, else ``on_meta=False``: a loaded quantized
+    base) with PEFT LoRA adapters: ``default`` plus one more of the same shape per name in
+    ``extra_adapters`` (PPO's critic), all over the one base. Every adapter's weights
+    require grad; ``default`` is active."""
     match_targets(config.target_modules, linear_paths(model))
     peft_config = peft.LoraConfig(
         r=config.rank,
@@ -59,9 +60,9 @@ def apply_lora(
         warnings.filterwarnings(
             "ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning
         )
-        wrapped = peft.get_peft_model(model, peft_config, low_cpu_mem_usage=True)
+        wrapped = peft.get_peft_model(model, peft_config, low_cpu_mem_usage=on_meta)
     for name in extra_adapters:
-        wrapped.add_adapter(name, peft_config, low_cpu_mem_usage=True)
+        wrapped.add_adapter(name, peft_config, low_cpu_mem_usage=on_meta)
     # PEFT freezes inactive adapters; FSDP2 fixes requires_grad when it shards, so every
     # adapter that may train must require grad from the start (see use_adapter).
     for name, param in wrapped.named_parameters():

@@ -32,11 +32,13 @@ from strop.backends.torch.lora import (
     initial_value,
     is_lora_param,
 )
+from strop.backends.torch.quantized import dense_weight, is_quantized, load_quantized
 from strop.batch.packing import PREFIX_STRIDE
 from strop.config import LoraConfig
 from strop.errors import ModelError
 from strop.io.hf import SafetensorsReader, check_tensors, open_checkpoint
 from strop.io.model_spec import ModelSpec
+from strop.quantization import refuse_unsupported
 
 
 @dataclass
@@ -51,8 +53,9 @@ class LoadedModel:
     @functools.cached_property
     def stored_dtypes(self) -> frozenset[torch.dtype]:
         """The dtypes the weights are stored in: ``param_dtype``, and float32 for LoRA
-        adapters (PEFT keeps them in float32 over a lower-precision base)."""
-        return frozenset(p.dtype for p in self.model.parameters())
+        adapters (PEFT keeps them in float32 over a lower-precision base); a quantized
+        base's packed integer weights (:mod:`strop.backends.torch.quantized`) aside."""
+        return frozenset(p.dtype for p in self.model.parameters() if p.dtype.is_floating_point)
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -99,6 +102,8 @@ def build_model(
     except (OSError, ValueError) as err:
         raise ModelError(f"{path}: transformers cannot read config.json ({err})") from None
     stored_dtype = TORCH_DTYPES[param_dtype]
+    quantization = lora.base_quantization if lora is not None and lora.enabled else "none"
+    refuse_unsupported(quantization, backend="torch", distributed=placement.distributed)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(
             hf_config, dtype=stored_dtype, trust_remote_code=trust_remote_code
@@ -106,6 +111,15 @@ def build_model(
     # Names and shapes from the headers, against the meta model, before any allocation.
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     check_tensors(reader, expected, tied=spec.tie_word_embeddings)
+    if quantization != "none":
+        model = load_quantized(
+            path, quantization, device=placement.device, stored_dtype=stored_dtype,
+            compute_dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code,
+        )  # fmt: skip
+        model = apply_lora(model, lora, extra_adapters, on_meta=False)
+        _init_adapters(model, seed, adapter_seeds)
+        model.eval()
+        return LoadedModel(model, spec, placement, TORCH_DTYPES[dtype])
     if lora is not None and lora.enabled:
         model = apply_lora(model, lora, extra_adapters)
     if placement.distributed:
@@ -162,6 +176,16 @@ def _load_weights(
                 )
             full = _to_torch(reader.get(tensor_name))
         copy_full_into(param, full)
+
+
+def _init_adapters(
+    model: nn.Module, seed: int, adapter_seeds: Mapping[str, int] | None = None
+) -> None:
+    """Give every LoRA parameter its :mod:`strop.lora_init` value (the base is loaded)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if is_lora_param(name):
+                copy_full_into(param, initial_value(name, param.shape, seed, adapter_seeds))
 
 
 def _reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
@@ -251,13 +275,19 @@ def hf_weights(
     """The model's weights as (HF tensor name, host array), one at a time.
 
     With ``lora_scale`` each adapted kernel is merged: ``W + scale * B @ A``; adapters
-    are never yielded. Collective under FSDP (every rank iterates); tied weights once.
+    are never yielded. A quantized base's weights come dequantized, at the dtype of the
+    model's other weights (one layer at a time). Collective under FSDP (every rank
+    iterates); tied weights once.
     """
+    dense_dtype = next(p.dtype for p in loaded.model.parameters() if p.dtype.is_floating_point)
+    modules = dict(loaded.model.named_modules())
     params = dict(loaded.model.named_parameters())
     for name, param in params.items():
         if is_lora_param(name):
             continue
         full = full_tensor(param.detach())
+        if is_quantized(param):
+            full = dense_weight(modules[name.removesuffix(".weight")]).to(dense_dtype)
         if lora_scale is not None and name.endswith(".base_layer.weight"):
             prefix = name.removesuffix("base_layer.weight")
             a = full_tensor(params[prefix + "lora_A.default.weight"].detach()).float()
