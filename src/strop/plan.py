@@ -27,11 +27,15 @@ Parts (bytes; ``c`` the compute dtype's size, ``p`` the weights' storage dtype's
   and product, and each adapter's ``A x`` (its input is already counted). Plus the
   logits: ``N x V x 12`` bytes (the float32 logits' log-softmax, its gradient and the
   logits' gradient; ``+ 2`` with bfloat16 compute: the logits before their float32
-  copy). A PPO critic's update has no logits; it replaces them by the value head.
+  copy); a PPO policy update ``N x V x 24`` bytes (its entropy, always computed for the
+  ``entropy`` metric and the bonus, keeps three more). A PPO critic's update has no
+  logits, so the policy's is the larger.
 - **KV cache** (rollouts, native sampler): ``rows x (prompt + max_new_tokens) x layers x
   2 x kv_heads x head_dim x c`` with rows = ``ppo.prompts_per_step x
   num_generations_per_prompt`` (one generate call per iteration), prompt =
-  ``data.max_length``.
+  ``data.max_length`` rounded up to 16; plus the prefill's transients: one layer's MLP
+  and LoRA temporaries over the prompts (``prompts x prompt x 12 I x c``, a fit to what
+  torch allocates on CPU) and the prompts' own cache before it is copied to their rows.
 - **vLLM engine** (``generation.engine=vllm``): ``generation.vllm_memory_fraction`` of the
   device, held for the whole run (its own weights and KV cache; with ``vllm_sleep`` it is
   released while the trainer runs, so it counts in the rollout phase only).
@@ -48,11 +52,12 @@ docs/plan.md has the figures.
 from __future__ import annotations
 
 import re
+import subprocess
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal
 
 from strop.errors import ConfigError
-from strop.io.model_spec import ModelSpec
+from strop.io.model_spec import ModelSpec, read_model_spec, require_model_directory
 from strop.lora_targets import match_targets
 from strop.objectives.roles import RolePlan
 
@@ -139,8 +144,7 @@ def parameter_count(spec: ModelSpec) -> int:
     """Every parameter of the decoder (a tied lm_head counts once)."""
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     layer_linears = sum(
-        out * inp
-        for out, inp in (spec.linear_shape(f"model.layers.0.{n}") for n in LAYER_LINEARS)
+        out * inp for out, inp in (spec.linear_shape(f"model.layers.0.{n}") for n in LAYER_LINEARS)
     )
     biases = (q + 2 * kv) * spec.qkv_bias + spec.hidden_size * spec.o_bias
     per_layer = layer_linears + biases + 2 * spec.hidden_size  # two RMSNorm weights
@@ -191,7 +195,7 @@ def activation_bytes(
     compute_dtype: str,
     lora_rank: int | None,
     lora_linears: int,
-    logits: bool,
+    logits: int,
     lm_head_trained: bool = False,
 ) -> tuple[int, str]:
     """What autograd keeps for one micro-batch of ``tokens`` (the module's docstring), and
@@ -208,7 +212,7 @@ def activation_bytes(
     layers = tokens * spec.num_layers * (per_token * c + 4 * spec.num_heads)
     text = f"N x L x {formula} x {c} B"
     if logits:
-        per_vocab = 12 + (2 if c == 2 else 0)
+        per_vocab = logits + (2 if c == 2 else 0)
         layers += tokens * spec.vocab_size * per_vocab
         text += f" + N x V x {per_vocab} B (logits)"
         if lm_head_trained:
@@ -220,6 +224,10 @@ def kv_cache_bytes(spec: ModelSpec, *, rows: int, length: int, compute_dtype: st
     """rows x length x layers x 2 x kv_heads x head_dim x c."""
     per_slot = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim
     return rows * length * per_slot * DTYPE_BYTES[compute_dtype]
+
+
+def _round_up(n: int, multiple: int = 16) -> int:
+    return -(-n // multiple) * multiple  # the samplers' prompt buckets (PROMPT_BUCKET)
 
 
 # the plan -----------------------------------------------------------------------------------
@@ -264,26 +272,32 @@ def plan_memory(
             add(f"LoRA adapter ({name})", numbers * ADAPTER_BYTES, "resident", detail)
         trained_adapters = [a for a in adapters if a != "reference"]
         trained = numbers * ADAPTER_BYTES * len(trained_adapters)
+        per_update = numbers * ADAPTER_BYTES
         per_layer, head_trained = _adapted_per_layer(targets, spec), "lm_head" in targets
     else:
         own_critic = roles is not None and roles.own_critic
         trained = base * (2 if own_critic else 1)
+        per_update = base
         per_layer, head_trained = 0, True
     if roles is not None and roles.has_critic:
         head = (spec.hidden_size + 1) * ADAPTER_BYTES
         add("value head", head, "resident", f"(hidden + 1) x 4 B ({roles.critic})")
         trained += head
+        per_update += head
     moments = 2 if config.optim.name == "adamw" else 0
     add("optimizer state", moments * trained, "resident",
         f"{config.optim.name}: {moments} moments x trained bytes")  # fmt: skip
-    add("gradients", trained, "backward", "one per trained number, at its dtype")
+    add("gradients", per_update, "backward",
+        "one per number one update trains, at its dtype (the critic's and the actor's "
+        "updates take turns)" if roles is not None and roles.own_critic
+        else "one per trained number, at its dtype")  # fmt: skip
 
     if roles is None:
         rows, length = config.sft.micro_batch_size, config.data.max_length
     else:
         rows = roles.rows.per_micro_batch
         length = config.data.max_length + config.generation.max_new_tokens
-        if config.env.name is not None:
+        if config.env.enabled:
             length = config.env.max_episode_tokens
     acts, formula = activation_bytes(
         spec,
@@ -291,7 +305,7 @@ def plan_memory(
         compute_dtype=compute,
         lora_rank=lora.rank if lora.enabled else None,
         lora_linears=per_layer,
-        logits=True,
+        logits=12 if roles is None else 24,
         lm_head_trained=head_trained and not lora.enabled,
     )
     add("activations", acts, "forward", f"N = {rows} rows x {length} tokens; {formula}")
@@ -314,7 +328,52 @@ def _rollout_parts(config, spec, roles, add, device_bytes, length) -> None:
                 f"generation.vllm_memory_fraction={fraction} of the device "
                 f"(its weights and KV cache){', asleep while training' * gen.vllm_sleep}")  # fmt: skip
         return
-    cache = kv_cache_bytes(spec, rows=rows, length=length, compute_dtype=config.model.dtype)
+    c = DTYPE_BYTES[config.model.dtype]
+    width = _round_up(length - gen.max_new_tokens)  # the sampler's prompt columns
+    slots = width + gen.max_new_tokens - 1
+    cache = kv_cache_bytes(spec, rows=rows, length=slots, compute_dtype=config.model.dtype)
     add("KV cache (rollouts)", cache, "rollout",
-        f"{rows} rows x {length} slots x {spec.num_layers} layers x 2 x {spec.num_kv_heads} "
-        f"kv heads x {spec.head_dim} x {DTYPE_BYTES[config.model.dtype]} B")  # fmt: skip
+        f"{rows} rows x {slots} slots x {spec.num_layers} layers x 2 x {spec.num_kv_heads} "
+        f"kv heads x {spec.head_dim} x {c} B")  # fmt: skip
+    prompts = config.ppo.prompts_per_step  # a prompt's rollouts prefill it once
+    prefill = prompts * width * 12 * spec.intermediate_size * c
+    if config.ppo.num_generations_per_prompt > 1:  # its cache, copied to the rollouts' rows
+        prefill += kv_cache_bytes(
+            spec, rows=prompts, length=slots, compute_dtype=config.model.dtype
+        )
+    add(
+        "prefill (rollouts)",
+        prefill,
+        "rollout",
+        f"{prompts} prompts x {width} tokens x 12 I x {c} B (one layer's MLP, LoRA's "
+        "temporaries: measured on CPU), + the prompts' cache before its copy to the rollouts",
+    )
+
+
+def plan_for(
+    config: Config, job: str, *, device_bytes: int | None, device_source: str
+) -> MemoryPlan:
+    """`strop plan`'s: ``job`` (``auto``: ppo when the recipe sets a ``ppo:`` section)
+    for ``model.path``'s config.json; one-line errors for a missing model or job."""
+    if job == "auto":
+        job = "ppo" if "ppo" in config.model_fields_set else "sft"
+    if job not in ("sft", "ppo"):
+        raise ConfigError(f"--job {job}: strop plan knows sft, ppo (or auto)")
+    if config.model.path is None:
+        raise ConfigError("model.path is not set: strop plan reads its config.json")
+    require_model_directory(config.model.path, "model.path")
+    spec = read_model_spec(config.model.path)
+    return plan_memory(config, job, spec, device_bytes=device_bytes, device_source=device_source)
+
+
+def device_memory() -> tuple[int | None, str]:
+    """The first visible GPU's memory from nvidia-smi (no framework starts), or
+    (None, why)."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        )  # fmt: skip
+        return int(float(done.stdout.split()[0]) * (1 << 20)), "nvidia-smi (GPU 0)"
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None, "no GPU seen"
