@@ -191,33 +191,39 @@ def _adapted_per_layer(targets: list[str], spec: ModelSpec) -> int:
 def activation_bytes(
     spec: ModelSpec,
     *,
-    tokens: int,
+    backend: str,
+    rows: int,
+    length: int,
     compute_dtype: str,
     lora_rank: int | None,
     lora_linears: int,
     logits: int,
     lm_head_trained: bool = False,
 ) -> tuple[int, str]:
-    """What autograd keeps for one micro-batch of ``tokens`` (the module's docstring), and
-    the formula as text."""
-    c = DTYPE_BYTES[compute_dtype]
+    """What the backward keeps of one micro-batch of ``rows x length`` tokens (the module's
+    docstring), and the formula as text."""
+    c, tokens = DTYPE_BYTES[compute_dtype], rows * length
     h, inter = spec.hidden_size, spec.intermediate_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    if lora_rank is None:
-        per_token = 6 * h + 2 * q + 2 * kv + 4 * inter
-        formula = "(6h + 2q + 2kv + 4I)"
-    else:
-        per_token = 4 * h + 2 * q + 2 * kv + 4 * inter + lora_linears * lora_rank
-        formula = f"(4h + 2q + 2kv + 4I + {lora_linears}r)"
-    layers = tokens * spec.num_layers * (per_token * c + 4 * spec.num_heads)
-    text = f"N x L x {formula} x {c} B"
+    mlp = 7 if backend == "jax" else 4  # XLA keeps the MLP's and LoRA's sums too
+    norms = 6 if lora_rank is None or backend == "jax" else 4
+    per_token = norms * h + 2 * q + 2 * kv + mlp * inter
+    formula = f"{norms}h + 2q + 2kv + {mlp}I"
+    if lora_rank is not None:
+        per_token += lora_linears * lora_rank
+        formula += f" + {lora_linears}r"
+    size = tokens * spec.num_layers * (per_token * c + 4 * spec.num_heads)
+    text = f"N x L x ({formula}) x {c} B"
+    if backend == "jax":  # no fused kernel: the scores' softmax, float32, per layer
+        size += int(1.25 * tokens * length * spec.num_heads * 4 * spec.num_layers)
+        text += " + 1.25 N x T x heads x L x 4 B (scores)"
     if logits:
         per_vocab = logits + (2 if c == 2 else 0)
-        layers += tokens * spec.vocab_size * per_vocab
+        size += tokens * spec.vocab_size * per_vocab
         text += f" + N x V x {per_vocab} B (logits)"
         if lm_head_trained:
-            layers += tokens * h * 3 * c
-    return layers, text
+            size += tokens * h * 3 * c
+    return size, text
 
 
 def kv_cache_bytes(spec: ModelSpec, *, rows: int, length: int, compute_dtype: str) -> int:
@@ -301,11 +307,13 @@ def plan_memory(
             length = config.env.max_episode_tokens
     acts, formula = activation_bytes(
         spec,
-        tokens=rows * length,
+        backend=config.backend,
+        rows=rows,
+        length=length,
         compute_dtype=compute,
         lora_rank=lora.rank if lora.enabled else None,
         lora_linears=per_layer,
-        logits=12 if roles is None else 24,
+        logits=(16 if config.backend == "jax" else 12) if roles is None else 24,
         lm_head_trained=head_trained and not lora.enabled,
     )
     add("activations", acts, "forward", f"N = {rows} rows x {length} tokens; {formula}")

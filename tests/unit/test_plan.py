@@ -175,3 +175,36 @@ def test_ppo_plan_within_15_percent_of_measured_peak(tmp_path, vocab, prompts, g
     planned = plan_memory(config, "ppo", read_model_spec(model)).peak_bytes
     print(f"plan {planned / 2**20:.2f} MiB, measured {mode.peak / 2**20:.2f} MiB")
     assert abs(planned / mode.peak - 1) < 0.15, (planned, mode.peak)
+
+
+@pytest.mark.parametrize(("shape", "length", "lora"), [((128, 2, 256, 1024), 64, True)])
+def test_jax_sft_plan_within_15_percent_of_xla_buffers(tmp_path, shape, length, lora):
+    """On JAX, what XLA allocates for the SFT update on one of the 8 CPU devices (weights
+    replicated over mesh.data, 4 rows each): its compiled buffer assignment (arguments +
+    outputs - donated + temporaries), as the CPU client keeps no allocator statistics."""
+    pytest.importorskip("jax")
+    from flax import nnx
+
+    from strop.backends import get_backend
+    from strop.backends.jax.train import put_micro_batches
+    from strop.objectives.sft import SFT_BATCH, with_loss_weights
+
+    model, rows = _model(tmp_path, *shape), 32
+    overrides = ["backend=jax", f"model.path={model}", f"run_dir={tmp_path / 'run'}",
+                 "mesh.fsdp=1", "mesh.data=-1", f"lora.enabled={str(lora).lower()}",
+                 f"data.max_length={length}"]  # fmt: skip
+    config = load_config("tiny", [*overrides, f"sft.micro_batch_size={rows}",
+                                  f"sft.batch_size={rows}"])  # fmt: skip
+    trainer = get_backend("jax").build_policy(config, total_steps=4, checkpoint_dir=None).trainer
+    ids = np.random.default_rng(0).integers(0, shape[3], (rows, length)).astype(np.int32)
+    batch = {"input_ids": ids, "attention_mask": np.ones_like(ids), "loss_mask": np.ones_like(ids)}
+    arrays = put_micro_batches(with_loss_weights(batch), SFT_BATCH, 1, trainer.mesh)
+    _, params, frozen = nnx.split(trainer.model, trainer.trainable, ...)
+    compiled = trainer._update.lower(params, trainer.opt_state, frozen, arrays).compile()
+    stats = compiled.memory_analysis()
+    measured = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+                - stats.alias_size_in_bytes + stats.temp_size_in_bytes)  # fmt: skip
+    per_device = load_config("tiny", [*overrides, "sft.micro_batch_size=4", "sft.batch_size=4"])
+    planned = plan_memory(per_device, "sft", read_model_spec(model)).peak_bytes
+    print(f"plan {planned / 2**20:.2f} MiB, XLA {measured / 2**20:.2f} MiB")
+    assert abs(planned / measured - 1) < 0.15, (planned, measured)
