@@ -353,8 +353,8 @@ def _rollout_parts(config, spec, roles, add, device_bytes, length) -> None:
         "prefill (rollouts)",
         prefill,
         "rollout",
-        f"{prompts} prompts x {width} tokens x 12 I x {c} B (one layer's MLP, LoRA's "
-        "temporaries: measured on CPU), + the prompts' cache before its copy to the rollouts",
+        f"{prompts} prompts x {width} tokens x 12 I x {c} B (one layer's MLP), + their "
+        "cache before its copy to the rollouts' rows",
     )
 
 
