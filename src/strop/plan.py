@@ -199,6 +199,7 @@ def activation_bytes(
     lora_linears: int,
     logits: int,
     lm_head_trained: bool = False,
+    attention_width: float | None = None,
 ) -> tuple[int, str]:
     """What the backward keeps of one micro-batch of ``rows x length`` tokens (the module's
     docstring), and the formula as text."""
@@ -215,8 +216,9 @@ def activation_bytes(
     size = tokens * spec.num_layers * (per_token * c + 4 * spec.num_heads)
     text = f"N x L x ({formula}) x {c} B"
     if backend == "jax":  # no fused kernel: the scores' softmax, float32, per layer
-        size += int(1.25 * tokens * length * spec.num_heads * 4 * spec.num_layers)
-        text += " + 1.25 N x T x heads x L x 4 B (scores)"
+        width = attention_width or length  # ppo.pack: rows pack_width times as wide
+        size += int(1.25 * tokens * width * spec.num_heads * 4 * spec.num_layers)
+        text += f" + 1.25 N x {width:g} x heads x L x 4 B (scores)"
     if logits:
         per_vocab = logits + (2 if c == 2 else 0)
         size += tokens * spec.vocab_size * per_vocab
@@ -230,6 +232,12 @@ def kv_cache_bytes(spec: ModelSpec, *, rows: int, length: int, compute_dtype: st
     """rows x length x layers x 2 x kv_heads x head_dim x c."""
     per_slot = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim
     return rows * length * per_slot * DTYPE_BYTES[compute_dtype]
+
+
+# Bytes per token and vocabulary entry that the loss keeps of the logits (float32): SFT's
+# log-softmax, its gradient and the logits' gradient; a PPO policy update's entropy adds
+# more (torch keeps three more copies; XLA fuses some). Read off CPU measurements.
+_LOGITS_BYTES = {("torch", "sft"): 12, ("torch", "ppo"): 24, ("jax", "sft"): 16, ("jax", "ppo"): 20}
 
 
 def _round_up(n: int, multiple: int = 16) -> int:
@@ -313,7 +321,8 @@ def plan_memory(
         compute_dtype=compute,
         lora_rank=lora.rank if lora.enabled else None,
         lora_linears=per_layer,
-        logits=(16 if config.backend == "jax" else 12) if roles is None else 24,
+        logits=_LOGITS_BYTES[config.backend, job],
+        attention_width=length * (config.ppo.pack_width if roles and config.ppo.pack else 1),
         lm_head_trained=head_trained and not lora.enabled,
     )
     add("activations", acts, "forward", f"N = {rows} rows x {length} tokens; {formula}")
