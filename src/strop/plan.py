@@ -28,7 +28,10 @@ Parts (bytes; ``c`` the compute dtype's size, ``p`` the weights' storage dtype's
   logits: ``N x V x 12`` bytes (the float32 logits' log-softmax, its gradient and the
   logits' gradient; ``+ 2`` with bfloat16 compute: the logits before their float32
   copy); a PPO policy update ``N x V x 24`` bytes (its entropy, always computed for the
-  ``entropy`` metric and the bonus, keeps three more). A PPO critic's update has no
+  ``entropy`` metric and the bonus, keeps three more). JAX (XLA's buffers):
+  ``6h + 2q + 2kv + 7I`` per layer and token, the attention scores ``1.25 x N x T x
+  heads x 4`` per layer (no fused kernel; PPO's packed rows are ``ppo.pack_width`` times
+  as wide), logits ``16`` (SFT) / ``20`` (PPO) bytes. A PPO critic's update has no
   logits, so the policy's is the larger.
 - **KV cache** (rollouts, native sampler): ``rows x (prompt + max_new_tokens) x layers x
   2 x kv_heads x head_dim x c`` with rows = ``ppo.prompts_per_step x
