@@ -336,23 +336,26 @@ def _visible_device_memory(backend: str) -> tuple[int | None, str]:
     return device, source
 
 
-def _plan_table(plan, model: str) -> Table:
-    from strop.plan import GIB
+def _size(size: int) -> str:
+    """GiB with two decimals, or MiB below one GiB (tiny models)."""
+    return f"{size / (1 << 30):.2f} GiB" if size >= 1 << 30 else f"{size / (1 << 20):.1f} MiB"
 
+
+def _plan_table(plan, model: str) -> Table:
     table = Table(title=f"strop plan: {plan.job} on {model}")
-    for name, justify in (("part", "left"), ("when", "left"), ("GiB", "right"),
+    for name, justify in (("part", "left"), ("when", "left"), ("size", "right"),
                           ("how", "left")):  # fmt: skip
         table.add_column(name, justify=justify)
     for part in plan.parts:
-        table.add_row(part.name, part.phase, f"{part.bytes / GIB:.2f}", part.detail)
+        table.add_row(part.name, part.phase, _size(part.bytes), part.detail)
     table.add_section()
-    table.add_row("peak", "", f"{plan.peak_bytes / GIB:.2f}",
+    table.add_row("peak", "", _size(plan.peak_bytes),
                   "resident + the largest of rollout, forward, backward")  # fmt: skip
     if plan.device_bytes is None:
         table.add_row("device", "", "?", "unknown: pass --device-gib N")
     else:
         verdict = "fits" if plan.fits else "does NOT fit"
-        table.add_row("device", "", f"{plan.device_bytes / GIB:.2f}",
+        table.add_row("device", "", _size(plan.device_bytes),
                       f"{verdict} ({plan.device_source})")  # fmt: skip
     return table
 
