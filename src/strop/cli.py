@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
+import json
 import logging
 import os
 import platform
@@ -294,6 +296,77 @@ def demo(overrides: Overrides = None) -> None:
     table.add_row("metrics", str(result.ppo.run_dir / "metrics.jsonl"))
     table.add_row("tensorboard", str(result.ppo.run_dir / "tensorboard"))
     Console().print(table)
+
+
+@app.command("plan")
+def plan_command(
+    recipe: Recipe,
+    overrides: Overrides = None,
+    device_gib: Annotated[
+        float | None,
+        typer.Option(
+            "--device-gib",
+            min=0.001,
+            help="Device memory to compare with (GiB); "
+            "default: the visible GPU's (nvidia-smi), else none.",
+        ),
+    ] = None,
+    job: Annotated[
+        str, typer.Option("--job", help="sft, ppo, or auto (ppo when the recipe sets ppo:).")
+    ] = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Expected device memory of RECIPE per part (weights, adapters, optimizer, gradients,
+    activations, KV cache, vLLM's share) from config.json alone, and whether it fits."""
+    from strop.plan import GIB, plan_for
+
+    config = load_config(recipe, overrides or ())
+    if device_gib is not None:
+        device, source = int(device_gib * GIB), "--device-gib"
+    else:
+        device, source = _visible_device_memory(config.backend)
+    plan = plan_for(config, job, device_bytes=device, device_source=source)
+    if as_json:
+        typer.echo(json.dumps(plan.to_dict(), indent=1))
+        return
+    Console().print(_plan_table(plan, config.model.path))
+
+
+def _visible_device_memory(backend: str) -> tuple[int | None, str]:
+    """nvidia-smi's GPU 0, else (backend=torch, where torch is installed) torch's CUDA
+    query: no JAX start, which would take the GPU's memory."""
+    from strop.plan import device_memory
+
+    device, source = device_memory()
+    if device is None and backend == "torch" and importlib.util.find_spec("torch"):
+        torch = importlib.import_module("torch")
+        if torch.cuda.is_available():
+            return torch.cuda.mem_get_info()[1], "torch.cuda (device 0)"
+    return device, source
+
+
+def _size(size: int) -> str:
+    """GiB with two decimals, or MiB below one GiB (tiny models)."""
+    return f"{size / (1 << 30):.2f} GiB" if size >= 1 << 30 else f"{size / (1 << 20):.1f} MiB"
+
+
+def _plan_table(plan, model: str) -> Table:
+    table = Table(title=f"strop plan: {plan.job} on {model}")
+    for name, justify in (("part", "left"), ("when", "left"), ("size", "right"),
+                          ("how", "left")):  # fmt: skip
+        table.add_column(name, justify=justify)
+    for part in plan.parts:
+        table.add_row(part.name, part.phase, _size(part.bytes), part.detail)
+    table.add_section()
+    table.add_row("peak", "", _size(plan.peak_bytes),
+                  "resident + the largest of rollout, forward, backward")  # fmt: skip
+    if plan.device_bytes is None:
+        table.add_row("device", "", "?", "unknown: pass --device-gib N")
+    else:
+        verdict = "fits" if plan.fits else "does NOT fit"
+        table.add_row("device", "", _size(plan.device_bytes),
+                      f"{verdict} ({plan.device_source})")  # fmt: skip
+    return table
 
 
 ExportRun = Annotated[
