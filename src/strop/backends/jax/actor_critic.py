@@ -388,6 +388,11 @@ class JaxActorCritic(Sampler):
         """What ``export_merged`` writes, one (HF name, host array) at a time (collective)."""
         return hf_weights(with_adapters_merged(self.actor_module(), self.config.lora))
 
+    def actor_adapter(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The actor's LoRA weights in PEFT layout by module path: what ``export_adapter``
+        writes, in memory (collective)."""
+        return adapter_weights(self.actor_module())
+
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the actor's LoRA weights as a PEFT adapter directory."""
         return write_adapter_once(

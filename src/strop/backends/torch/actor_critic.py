@@ -386,6 +386,11 @@ class TorchActorCritic(Sampler):
         """What ``export_merged`` writes, one (HF name, host array) at a time (collective)."""
         return merged_weights(self.loaded, self.config)
 
+    def actor_adapter(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The actor's LoRA weights in PEFT layout by module path: what ``export_adapter``
+        writes, in memory (collective)."""
+        return adapter_weights(self.loaded.model)
+
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the actor's LoRA weights as a PEFT adapter directory."""
         return write_adapter_once(
