@@ -19,13 +19,16 @@ gets that mode's log-probabilities, which it does not use.
 
 :class:`~strop.engines.vllm_sync.VllmRollouts` makes it a rollout engine over a backend's
 model: ``generate`` runs on vLLM, and before the first sample after the loop marked the
-actor changed (an update, a resume, a loaded adapter) it pushes the actor into the engine:
+actor changed (an update, a resume, a loaded adapter) it pushes the actor into the engine,
+in memory (``generation.vllm_sync``):
 
-- with LoRA, only the actor's adapter: written as a PEFT adapter directory (the backend's
-  ``export_adapter``: JAX and torch alike) and served under a new LoRA id;
-- full fine-tuning, the actor's weights, streamed one tensor at a time from the backend's
-  ``merged_weights`` (each gathered from its FSDP2 / mesh shards as it is reached) into
-  vLLM's in-place weight reload, so that no second whole copy is ever held.
+- with LoRA (``adapter``), only the actor's adapter tensors, in PEFT's names (the
+  backend's ``actor_adapter``: JAX and torch alike), handed to vLLM's LoRA manager
+  (:mod:`strop.engines.vllm_lora`) and served under a new LoRA id;
+- full fine-tuning, or LoRA with ``merged``, the actor's (LoRA-merged) weights, streamed
+  one tensor at a time from the backend's ``merged_weights`` (each gathered from its
+  FSDP2 / mesh shards as it is reached) into vLLM's in-place weight reload, so that no
+  second whole copy is ever held; the engine then has no LoRA at all.
 
 vLLM is imported only here and only when the engine is built; :func:`check_vllm` refuses,
 before any model loads, what the engine cannot do.
