@@ -134,13 +134,13 @@ def test_a_sleeping_vllm_engine_stays_awake_through_an_iteration_s_episodes(tok,
             return scripted.generate(prompts, params, **decoding.keywords())
 
         def __getattr__(self, name):  # use_adapter, wake_up, sleep, close
-            return lambda *args: self.calls.append(name)
+            return lambda *args: self.calls.append(name) or 0
 
     engine = Engine()
     config = load_config(
         "ppo-lora-tiny", [f"run_dir={tmp_path}", "backend=torch", "generation.vllm_sleep=true"]
     )
-    rollouts = VllmRollouts(SimpleNamespace(export_adapter=str), engine, config)
+    rollouts = VllmRollouts(SimpleNamespace(actor_adapter=dict), engine, config)
     params = SamplingParams(max_new_tokens=64, temperature=1.0)
     episodes_of(tok, bucket_rows=False).sample(rollouts, RECORDS, params, seed=0)
     # One wake-up and one sleep around the iteration's rounds (each wake-up reloads weights).

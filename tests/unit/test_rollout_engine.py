@@ -62,6 +62,12 @@ class FakeActor:
         self.calls.append("export_adapter")
         return Path(path)
 
+    def actor_adapter(self):
+        return {"model.layers.0.self_attn.q_proj": (np.ones((2, 8), np.float32),) * 2}
+
+    def merged_weights(self):
+        yield "model.embed_tokens.weight", np.ones((4, 8), np.float32)
+
     def sample(self, prompts, params, decoding):
         self.calls.append("native sample")
         return _generation(len(prompts))
@@ -75,8 +81,14 @@ class FakeVllm:
     def __init__(self):
         self.calls = []
 
-    def use_adapter(self, path):
+    def use_adapter(self, tensors, config):
         self.calls.append("use_adapter")
+        self.adapter = tensors, config
+        return sum(tensor.nbytes for tensor in tensors.values())
+
+    def load_weights(self, weights):
+        self.calls.append("load_weights")
+        return sum(array.nbytes for _, array in weights)
 
     def wake_up(self):
         pass
@@ -164,3 +176,27 @@ def test_a_restored_checkpoint_or_a_loaded_adapter_marks_the_engine_stale(tmp_pa
     job = Job("ppo", RunProgress("ppo", 2, {}, enabled=False), get_backend(config.backend))
     run_steps(config, steps, job, total=2, stop_after=stop_after, rollouts=Recording(model))
     assert marks == [{"checkpoint": "restore_checkpoint", "adapter": "load_adapter"}[source]]
+
+
+@pytest.mark.parametrize("sync", ["adapter", "merged"])
+def test_a_sync_hands_vllm_the_actor_in_memory_and_reports_its_time_and_bytes(tmp_path, sync):
+    """adapter: PEFT's tensor names and adapter_config; merged: the merged weights. The
+    metrics are those of the syncs since the last report (PPO logs them per iteration)."""
+    vllm = FakeVllm()
+    config = _config(tmp_path, f"generation.vllm_sync={sync}")
+    rollouts = VllmRollouts(FakeActor(), vllm, config)
+    _generate(rollouts)
+    if sync == "adapter":
+        tensors, adapter_config = vllm.adapter
+        assert sorted(tensors) == [
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight",
+        ]
+        assert (adapter_config["r"], adapter_config["lora_alpha"]) == (
+            config.lora.rank, config.lora.alpha,
+        )  # fmt: skip
+    assert vllm.calls == [{"adapter": "use_adapter", "merged": "load_weights"}[sync], "sample"]
+    metrics = rollouts.metrics()
+    assert metrics["sync/bytes"] == 128 and metrics["timing/sync"] > 0
+    assert rollouts.metrics() == {"timing/sync": 0.0, "sync/bytes": 0.0}  # reported once
+    assert NativeEngine(FakeActor()).metrics() == {}

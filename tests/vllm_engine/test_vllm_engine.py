@@ -7,6 +7,8 @@ update (LoRA or full fine-tuning) the engine samples from the updated actor.
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 import pytest
 import torch
@@ -65,18 +67,38 @@ def transformers_greedy(model_dir, prompts, max_new_tokens):
     return out
 
 
-@pytest.mark.parametrize("backend", ["torch", "jax"])
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def files_under(*roots):
+    return sorted(str(path) for root in roots for path in root.rglob("*") if path.is_file())
+
+
+@pytest.mark.parametrize(
+    ("backend", "lora", "sync"),
+    [
+        ("torch", True, "adapter"),
+        ("jax", True, "adapter"),
+        ("torch", True, "merged"),
+        ("torch", False, "adapter"),
+        ("jax", False, "adapter"),
+    ],
+    ids=["torch-lora", "jax-lora", "torch-merged", "torch-full", "jax-full"],
+)
 def test_greedy_tokens_equal_native_and_transformers_before_and_after_an_update(
-    tiny_dir, tmp_path, lora, backend
+    tiny_dir, tmp_path, lora, backend, sync, monkeypatch
 ):
-    """With LoRA on JAX, the adapter the JAX trainer writes is what vLLM serves."""
+    """The actor reaches vLLM in memory: its adapter's tensors (the JAX trainer's in PEFT's
+    names), or its LoRA-merged weights; no sync writes a file (run dir, temp dir)."""
     config = config_for(
         tiny_dir, tmp_path, f"lora.enabled={str(lora).lower()}", f"backend={backend}",
-        "mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
+        "mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1", f"generation.vllm_sync={sync}",
     )  # fmt: skip
     model = get_backend(backend).build_actor_critic(config, total_updates=4, checkpoint_dir=None)
-    rollouts = VllmRollouts(model, VllmEngine(config), config)
+    engine = VllmEngine(config)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # where a sync's temp files would go
+    watched = (tmp_path / "run", temp)
+    before = files_under(*watched)
+    rollouts = VllmRollouts(model, engine, config)
     try:
         prompts = prompts_for(384, rows=8)  # rows split over JAX's 8 data shards
         greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
@@ -93,6 +115,9 @@ def test_greedy_tokens_equal_native_and_transformers_before_and_after_an_update(
         assert rollouts.syncs == 2
         assert after.responses() == generate(model, prompts, greedy).responses()
         assert after.responses() != served.responses(), "the update changed nothing"
+        assert files_under(*watched) == before, "a sync wrote files"
+        metrics = rollouts.metrics()
+        assert metrics["sync/bytes"] > 0 and metrics["timing/sync"] > 0
     finally:
         rollouts.close()
 

@@ -110,9 +110,12 @@ def test_at_top_p_the_first_update_starts_on_policy(straight_run):
     records = read_metrics(straight_run / "metrics.jsonl")
     monitor = {"mismatch/kl", "mismatch/abs_logprob_diff_mean", "mismatch/abs_logprob_diff_max"}
     assert all(monitor <= r.keys() for r in records if "train/reward" in r)
+    # each record's syncs (the adapter, in memory): seconds and bytes
+    assert all({"timing/sync", "sync/bytes"} <= r.keys() for r in records if "train/reward" in r)
     first = next(r for r in records if r["step"] == 1)
     assert first["mismatch/abs_logprob_diff_max"] < 1e-3  # the ratio is 1 within 1e-3
     assert first["policy/clipfrac"] == 0
+    assert first["sync/bytes"] > 0 and first["timing/sync"] > 0  # the first validation's
 
 
 def test_a_vllm_run_killed_and_resumed_gives_the_same_metrics(

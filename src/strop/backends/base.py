@@ -123,6 +123,12 @@ class TrainableModel(Sampler, Protocol):
         """Write the (actor's) LoRA weights as a PEFT adapter directory."""
         ...
 
+    def actor_adapter(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The (actor's) LoRA weights as PEFT lays them out (``A [r, in]``, ``B [out, r]``,
+        float32) by module path: what ``export_adapter`` writes, without the disk. Every
+        process must call it together: gathering a tensor is a collective."""
+        ...
+
     def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the fine-tuned model (the actor) as a HF checkpoint, LoRA merged in."""
         ...

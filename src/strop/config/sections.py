@@ -230,6 +230,14 @@ class GenerationConfig(_Section):
         description="generation.engine=vllm: ranks one vLLM engine spans (tensor parallel); "
         "more than 1 needs torchrun.",
     )
+    vllm_sync: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="generation.engine=vllm with LoRA: how the actor reaches the engine after "
+        "an update: adapter (the LoRA tensors, handed to vLLM's LoRA manager in memory) or "
+        "merged (the LoRA-merged weights streamed into the engine's model in place; no LoRA "
+        "in the engine: faster for small models and on CPU, but every sync moves the whole "
+        "model). Full fine-tuning always streams the weights.",
+    )
     vllm_sleep: bool = Field(
         False,
         description="generation.engine=vllm: release the engine's weights and KV cache while "

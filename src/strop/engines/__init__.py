@@ -40,6 +40,11 @@ class RolloutEngine(Sampler, Protocol):
         process of the run, after each such change."""
         ...
 
+    def metrics(self) -> dict[str, float]:
+        """What the engine did since the last call, as metrics (vLLM: ``timing/sync``,
+        ``sync/bytes``); none for an engine that has nothing to report."""
+        ...
+
     def close(self) -> None:
         """Free what the engine holds (its own weights, caches, files)."""
         ...
@@ -64,6 +69,9 @@ class NativeEngine(Sampler):
 
     def mark_stale(self) -> None:
         pass
+
+    def metrics(self) -> dict[str, float]:
+        return {}
 
     def close(self) -> None:
         pass

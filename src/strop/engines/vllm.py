@@ -19,13 +19,16 @@ gets that mode's log-probabilities, which it does not use.
 
 :class:`~strop.engines.vllm_sync.VllmRollouts` makes it a rollout engine over a backend's
 model: ``generate`` runs on vLLM, and before the first sample after the loop marked the
-actor changed (an update, a resume, a loaded adapter) it pushes the actor into the engine:
+actor changed (an update, a resume, a loaded adapter) it pushes the actor into the engine,
+in memory (``generation.vllm_sync``):
 
-- with LoRA, only the actor's adapter: written as a PEFT adapter directory (the backend's
-  ``export_adapter``: JAX and torch alike) and served under a new LoRA id;
-- full fine-tuning, the actor's weights, streamed one tensor at a time from the backend's
-  ``merged_weights`` (each gathered from its FSDP2 / mesh shards as it is reached) into
-  vLLM's in-place weight reload, so that no second whole copy is ever held.
+- with LoRA (``adapter``), only the actor's adapter tensors, in PEFT's names (the
+  backend's ``actor_adapter``: JAX and torch alike), handed to vLLM's LoRA manager
+  (:mod:`strop.engines.vllm_lora`) and served under a new LoRA id;
+- full fine-tuning, or LoRA with ``merged``, the actor's (LoRA-merged) weights, streamed
+  one tensor at a time from the backend's ``merged_weights`` (each gathered from its
+  FSDP2 / mesh shards as it is reached) into vLLM's in-place weight reload, so that no
+  second whole copy is ever held; the engine then has no LoRA at all.
 
 vLLM is imported only here and only when the engine is built; :func:`check_vllm` refuses,
 before any model loads, what the engine cannot do.
@@ -207,7 +210,7 @@ class VllmEngine(Sampler):
                 distributed_executor_backend="external_launcher",
                 tensor_parallel_size=self.tensor_parallel,
             )
-        if lora.enabled:
+        if lora.enabled and generation.vllm_sync == "adapter":  # merged: no LoRA in vLLM
             options.update(enable_lora=True, max_loras=1, max_lora_rank=_max_lora_rank(lora.rank))
         self.llm = vllm.LLM(
             model=config.model.path,
@@ -237,20 +240,30 @@ class VllmEngine(Sampler):
 
     # weights ------------------------------------------------------------------------------
 
-    def use_adapter(self, path: str | os.PathLike) -> None:
-        """Serve the PEFT adapter at ``path`` from now on (a new LoRA id, so vLLM loads it
-        afresh rather than reusing the previous adapter's cached weights)."""
+    def use_adapter(self, tensors: dict[str, np.ndarray], config: dict[str, Any]) -> int:
+        """Serve the adapter of PEFT-named ``tensors`` (``config``: its
+        ``adapter_config.json`` as a dict) from now on, handed to vLLM in memory
+        (:mod:`strop.engines.vllm_lora`) under a new LoRA id, so that vLLM never reuses the
+        previous adapter's weights; returns the bytes handed over."""
+        import torch
         from vllm.lora.request import LoRARequest
 
+        from strop.engines.vllm_lora import IN_MEMORY, install_adapter
+
         self._lora_id += 1
-        self._lora = LoRARequest(f"actor-{self._lora_id}", self._lora_id, str(path))
-        self.llm.llm_engine.add_lora(self._lora)  # loaded now, while the files exist
+        name = f"actor-{self._lora_id}"
+        self._lora = LoRARequest(name, self._lora_id, IN_MEMORY + name)
+        held = {
+            key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in tensors.items()
+        }
+        self.llm.collective_rpc(install_adapter, args=(self._lora, held, config))
         if self._lora_id > 1:
             self.llm.llm_engine.remove_lora(self._lora_id - 1)
+        return sum(tensor.nbytes for tensor in held.values())
 
     def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> int:
         """Overwrite the served model's weights with HF-named host arrays, one at a time;
-        returns how many tensors were loaded."""
+        returns the bytes loaded."""
         import torch
 
         count = 0
@@ -258,7 +271,7 @@ class VllmEngine(Sampler):
         def tensors() -> Iterable[tuple[str, torch.Tensor]]:
             nonlocal count
             for name, array in weights:
-                count += 1
+                count += array.nbytes
                 array = np.ascontiguousarray(array)
                 if array.dtype.name == "bfloat16":  # ml_dtypes: torch reads its bits
                     yield name, torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)

@@ -1,19 +1,18 @@
 """vLLM as a :class:`~strop.engines.RolloutEngine`: :class:`VllmRollouts` samples on the
 engine (:mod:`strop.engines.vllm`) and pushes the actor into it after the loop marked it
-stale."""
+stale, in memory: nothing is written to disk by a sync."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from strop.config import Config
 from strop.engines.vllm import VllmEngine
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
+from strop.io.peft import peft_config, peft_tensors
 
 
 class VllmRollouts(Sampler):
@@ -22,27 +21,24 @@ class VllmRollouts(Sampler):
 
     The engine is synced lazily: the loop calls :meth:`mark_stale` after anything that
     changed the actor (an update, a restored checkpoint, a loaded adapter), and the next
-    ``generate`` pushes the actor's adapter (LoRA) or weights (full fine-tuning) first.
-    A new one is stale (vLLM serves ``model.path``; the actor may already differ). Every
-    process of the run takes part in a sync (gathers are collectives)."""
+    ``generate`` pushes the actor first (``generation.vllm_sync``): with LoRA its adapter's
+    tensors (``adapter``) or its LoRA-merged weights (``merged``); full fine-tuning, its
+    weights. A new one is stale (vLLM serves ``model.path``; the actor may already differ).
+    Every process of the run takes part in a sync (gathers are collectives), and each
+    hands the tensors to its own engine. :meth:`metrics` gives the syncs' seconds and
+    bytes since it was last called."""
 
     def __init__(self, model: Any, engine: VllmEngine, config: Config) -> None:
         self.model = model
         self.engine = engine
-        self.lora = config.lora.enabled
+        self.config = config
+        self.adapter = config.lora.enabled and config.generation.vllm_sync == "adapter"
         self.sleep = config.generation.vllm_sleep
         self.syncs = 0
         self._held = 0  # awake() contexts entered: no sleep between their samples
+        self._seconds = 0.0  # of the syncs since metrics() was last called
+        self._bytes = 0
         self.stale = True  # the engine holds model.path; the actor may already differ
-        # the adapter is written once (by rank 0) and read by every rank's engine: under
-        # torchrun it goes where every rank sees it, the run directory
-        self._shared = engine.world_size > 1
-        if self._shared:
-            self._staging = Path(config.run_dir) / "vllm-sync"
-            if engine.rank == 0:
-                shutil.rmtree(self._staging, ignore_errors=True)  # a killed run's
-        else:
-            self._staging = Path(tempfile.mkdtemp(prefix="strop-vllm-"))
 
     def mark_stale(self) -> None:
         """The actor changed: push it into the engine before the next sample."""
@@ -50,16 +46,26 @@ class VllmRollouts(Sampler):
 
     def sync(self) -> None:
         """Push the actor's adapter or weights into the engine (every process calls it)."""
-        if self.lora:
-            path = self._staging / f"adapter-{self.syncs + 1}"
-            self.model.export_adapter(path)
-            self.engine.use_adapter(path)
-            if self.engine.rank == 0:  # every rank loaded the previous one a sync ago
-                shutil.rmtree(self._staging / f"adapter-{self.syncs}", ignore_errors=True)
+        began = time.perf_counter()
+        if self.adapter:
+            lora = self.config.lora
+            config = peft_config(
+                rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                target_modules=lora.target_modules, base_model=self.config.model.path,
+            )  # fmt: skip
+            sent = self.engine.use_adapter(peft_tensors(self.model.actor_adapter()), config)
         else:
-            self.engine.load_weights(self.model.merged_weights())
+            sent = self.engine.load_weights(self.model.merged_weights())
+        self._seconds += time.perf_counter() - began
+        self._bytes += sent
         self.syncs += 1
         self.stale = False
+
+    def metrics(self) -> dict[str, float]:
+        """``timing/sync`` (seconds) and ``sync/bytes`` of the syncs since the last call."""
+        out = {"timing/sync": self._seconds, "sync/bytes": float(self._bytes)}
+        self._seconds, self._bytes = 0.0, 0
+        return out
 
     def sample(
         self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
@@ -88,5 +94,3 @@ class VllmRollouts(Sampler):
 
     def close(self) -> None:
         self.engine.close()
-        if self.engine.rank == 0:
-            shutil.rmtree(self._staging, ignore_errors=True)

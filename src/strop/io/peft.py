@@ -46,6 +46,35 @@ def target_regex(patterns: list[str]) -> str:
     return patterns[0] if len(patterns) == 1 else "|".join(f"(?:{p})" for p in patterns)
 
 
+def peft_tensors(weights: AdapterWeights) -> dict[str, np.ndarray]:
+    """``weights`` under PEFT's tensor names (what ``adapter_model.safetensors`` holds)."""
+    tensors = {}
+    for module, (a, b) in weights.items():
+        tensors[_PREFIX + module + _SUFFIXES["A"]] = np.ascontiguousarray(a)
+        tensors[_PREFIX + module + _SUFFIXES["B"]] = np.ascontiguousarray(b)
+    return tensors
+
+
+def peft_config(
+    *, rank: int, alpha: float, dropout: float, target_modules: list[str], base_model: str | None
+) -> dict[str, Any]:
+    """What ``adapter_config.json`` holds for a strop adapter."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": target_regex(target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "base_model_name_or_path": base_model,
+        "inference_mode": True,
+    }
+
+
 def save_adapter(
     path: str | os.PathLike,
     weights: AdapterWeights,
@@ -62,24 +91,11 @@ def save_adapter(
     An existing non-empty ``path`` is replaced only with ``overwrite``.
     """
     target = Path(path)
-    tensors = {}
-    for module, (a, b) in weights.items():
-        tensors[_PREFIX + module + _SUFFIXES["A"]] = np.ascontiguousarray(a)
-        tensors[_PREFIX + module + _SUFFIXES["B"]] = np.ascontiguousarray(b)
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": rank,
-        "lora_alpha": alpha,
-        "lora_dropout": dropout,
-        "target_modules": target_regex(target_modules),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "init_lora_weights": True,
-        "base_model_name_or_path": base_model,
-        "inference_mode": True,
-    }
+    tensors = peft_tensors(weights)
+    config = peft_config(
+        rank=rank, alpha=alpha, dropout=dropout, target_modules=target_modules,
+        base_model=base_model,
+    )  # fmt: skip
     with atomic_directory(target, overwrite=overwrite) as staging:
         save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

@@ -173,6 +173,7 @@ class PpoLoop:
             done % ppo.validate_every == 0 or done == ppo.steps
         ):
             record["validation/accuracy"] = self.validate()
+        record.update(self.rollouts.metrics())  # vLLM: timing/sync, sync/bytes (validation's too)
         return record
 
     # PPO ---------------------------------------------------------------------------------

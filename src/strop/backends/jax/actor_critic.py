@@ -247,19 +247,10 @@ class JaxActorCritic(Sampler):
     def values(self, batch: dict[str, np.ndarray]) -> np.ndarray:
         """``[B, L]`` critic values ``V(x_<t)``."""
         if self.plan.shared_trunk:
-            graphs = (self.actor_graph, self.head_graph)
-            return self._rows(
-                batch,
-                lambda ids, mask, positions: ppo_steps.shared_values(
-                    graphs, self._shared(), self.frozen, ids, mask, positions
-                ),
-            )
-        return self._rows(
-            batch,
-            lambda ids, mask, positions: ppo_steps.values(
-                self.critic_graph, self.critic, self.critic_frozen, ids, mask, positions
-            ),
-        )
+            trunk = ((self.actor_graph, self.head_graph), self._shared(), self.frozen)
+            return self._rows(batch, partial(ppo_steps.shared_values, *trunk))
+        critic = (self.critic_graph, self.critic, self.critic_frozen)
+        return self._rows(batch, partial(ppo_steps.values, *critic))
 
     def _arrays(
         self, batch: dict[str, np.ndarray], micro_batches: int, *updates: Sequence[str]
@@ -393,9 +384,13 @@ class JaxActorCritic(Sampler):
         """What ``export_merged`` writes, one (HF name, host array) at a time (collective)."""
         return hf_weights(with_adapters_merged(self.actor_module(), self.config.lora))
 
+    def actor_adapter(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The actor's LoRA weights in PEFT layout by module path (collective)."""
+        return adapter_weights(self.actor_module())
+
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        """Write the actor's LoRA weights as a PEFT adapter directory."""
+        """Write the actor's LoRA weights (:meth:`actor_adapter`) as a PEFT adapter directory."""
         return write_adapter_once(
-            path, partial(adapter_weights, self.actor_module()), self.config.lora,
+            path, self.actor_adapter, self.config.lora,
             base_model=self.config.model.path, write_once=write_once, overwrite=overwrite,
         )  # fmt: skip

@@ -144,6 +144,11 @@ class JaxPolicy(Sampler):
             self.model, read_adapter_for(path, self.config.lora, self.config.model.path), str(path)
         )
 
+    def actor_adapter(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The actor's LoRA weights in PEFT layout by module path: what ``export_adapter``
+        writes, in memory (collective)."""
+        return adapter_weights(self.model)
+
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         return write_adapter_once(
             path, partial(adapter_weights, self.model), self.config.lora,

@@ -262,11 +262,9 @@ class TorchActorCritic(Sampler):
     def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:
         temperature = self.policy_objective.temperature
         with self._role("reference" if reference else "actor") as loaded:
+            logits = partial(forward_logits, loaded)
             return self._forward_rows(
-                batch,
-                lambda ids, mask, positions: token_logprobs(
-                    forward_logits(loaded, ids, mask, positions), ids, temperature
-                ),
+                batch, lambda ids, *rest: token_logprobs(logits(ids, *rest), ids, temperature)
             )
 
     def values(self, batch: dict[str, np.ndarray]) -> np.ndarray:
@@ -280,9 +278,7 @@ class TorchActorCritic(Sampler):
         with self._role("actor") as loaded:
 
             def loss_fn(micro):
-                logits = forward_logits(
-                    loaded, micro["input_ids"], micro["attention_mask"], micro.get("positions")
-                )
+                logits = forward_logits(loaded, *_model_inputs(micro))
                 return policy_micro_loss(logits, micro, self.policy_objective)
 
             return self.actor_trainer.update(batch, names, micro_batches, loss_fn)
@@ -296,10 +292,7 @@ class TorchActorCritic(Sampler):
         with self._role("actor") as loaded:
 
             def loss_fn(micro):
-                ids, mask, positions = (
-                    micro["input_ids"], micro["attention_mask"], micro.get("positions")
-                )  # fmt: skip
-                out = run_model(loaded, ids, mask, positions, output_hidden_states=True)
+                out = run_model(loaded, *_model_inputs(micro), output_hidden_states=True)
                 loss, stats = policy_micro_loss(out.logits.float(), micro, self.policy_objective)
                 values = self.critic.values_from_hidden(out.hidden_states[-1])
                 value_loss, value_stats = critic_micro_loss(values, micro, self.value_objective)
@@ -314,9 +307,7 @@ class TorchActorCritic(Sampler):
         with self._role("critic"):
 
             def loss_fn(micro):
-                values = self.critic.values(
-                    micro["input_ids"], micro["attention_mask"], micro.get("positions")
-                )
+                values = self.critic.values(*_model_inputs(micro))
                 return critic_micro_loss(values, micro, self.value_objective)
 
             return self.critic_trainer.update(batch, names, micro_batches, loss_fn)
@@ -392,9 +383,18 @@ class TorchActorCritic(Sampler):
         """What ``export_merged`` writes, one (HF name, host array) at a time (collective)."""
         return merged_weights(self.loaded, self.config)
 
+    def actor_adapter(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The actor's LoRA weights in PEFT layout by module path (collective)."""
+        return adapter_weights(self.loaded.model)
+
     def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        """Write the actor's LoRA weights as a PEFT adapter directory."""
+        """Write the actor's LoRA weights (:meth:`actor_adapter`) as a PEFT adapter directory."""
         return write_adapter_once(
-            path, partial(adapter_weights, self.loaded.model), self.config.lora,
+            path, self.actor_adapter, self.config.lora,
             base_model=self.config.model.path, write_once=write_once, overwrite=overwrite,
         )  # fmt: skip
+
+
+def _model_inputs(micro: dict[str, torch.Tensor]) -> tuple[Any, ...]:
+    """A micro-batch's model inputs: ids, attention mask and (packed) positions or None."""
+    return micro["input_ids"], micro["attention_mask"], micro.get("positions")
