@@ -5,8 +5,11 @@ config validates. It reads the config in the order of the floors, from what impo
 user's code down to the files on disk: it refuses a launch the backend cannot serve
 (``torchrun`` with the JAX backend), a ``lora.base_quantization`` the backend, install or
 launch cannot run (:func:`strop.quantization.refuse_unsupported`), and a PPO or eval run's
-environment that cannot be built (:func:`check_environment`); asks the backend once (``get_backend``; ``logging.wandb``'s
-W&B login is checked there, on the main process); refuses what the run's rollout engine
+environment that cannot be built (:func:`check_environment`); asks the backend once
+(``get_backend``; ``logging.wandb``'s W&B login is checked there, on the main process) and,
+with its device count, refuses a mesh or batch layout that does not fit the devices
+(:meth:`~strop.config.MeshConfig.check_layout` of :meth:`~strop.config.Config.rows_per_pass`:
+a mistake of the config, said before any file's); refuses what the run's rollout engine
 cannot do (:func:`~strop.engines.check_engine`); then the files: a checkpoint directory
 another backend wrote (:func:`~strop.io.checkpoint_dir.refuse_other_backends_checkpoints`),
 a ``model.path`` that is no directory (:func:`~strop.io.model_spec.require_model_directory`),
@@ -14,10 +17,8 @@ a context longer than the model's positions (:func:`~strop.io.model_spec.check_c
 a checkpoint the job would resume but cannot: one already past the job's last step
 (:func:`~strop.io.checkpoint_dir.refuse_run_past_its_end`) or one another run wrote (its
 stored identity against the config's, read without a backend:
-:func:`~strop.io.run_identity.check_checkpoint`); last, with the backend's device count,
-a mesh or batch layout that does not fit the devices
-(:meth:`~strop.config.MeshConfig.check_layout` of :meth:`~strop.config.Config.rows_per_pass`).
-Each check of the files takes the values it reads, not the config. Then, still
+:func:`~strop.io.run_identity.check_checkpoint`). Each check of the files takes the
+values it reads, not the config. Then, still
 before any tokenizer, data or weights load, the job takes its run directory
 (:func:`holding_run_dir`: one job per run directory, a second one refused at once; the
 demo takes it first, as it writes its data there), after checking the job can write
@@ -141,6 +142,7 @@ def preflight(
     backend = get_backend(config.backend)  # the one call of a command
     if config.logging.wandb and training and running:
         backend.write_once(require_wandb_login, "checking the W&B login")  # the main's
+    config.mesh.check_layout(backend.device_count(), config.rows_per_pass(job))
     if running:  # an export samples nothing: a vLLM run exports without vLLM
         check_engine(config, job)
     if checkpoint_dir is not None:
@@ -156,5 +158,4 @@ def preflight(
             total = config.steps_of(job)
             refuse_run_past_its_end(checkpoint_dir, config.backend, job, total, config.run_dir)
         check_checkpoint(checkpoint_dir, config, job, advice=advice)
-    config.mesh.check_layout(backend.device_count(), config.rows_per_pass(job))
     return backend
