@@ -222,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", type=Path, help="measure (and ship) this trained model; skip the training"
     )
+    parser.add_argument(
+        "--init", type=Path, help="fine-tune this model (and its tokenizer), not a random one"
+    )
     parser.add_argument("--n-train", type=int, default=N_TRAIN, help="demonstrations")
     parser.add_argument("--n-validation", type=int, default=N_VALIDATION, help="episodes")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
@@ -243,17 +246,22 @@ def main(argv: list[str] | None = None) -> int:
         )
         records = [json.loads(line) for line in splits["sft"].read_text().splitlines()]
         facts["tool_share"] = sum(len(r["messages"]) > 3 for r in records) / len(records)
-        init_dir = work / "init"
-        vocab_size, special = build_tokenizer(
-            render(records),
-            init_dir,
-            vocab_size=VOCAB_SIZE,
-            chat_template=TEMPLATE,
-            max_length=MODEL["max_position_embeddings"],
-            added_tokens=ADDED_TOKENS,
-        )
-        parameters = build_random_model(init_dir, vocab_size, special, args.seed, MODEL)
-        print(f"random model: {parameters:,} parameters, vocabulary {vocab_size}", flush=True)
+        if args.init is None:
+            init_dir = work / "init"
+            vocab_size, special = build_tokenizer(
+                render(records),
+                init_dir,
+                vocab_size=VOCAB_SIZE,
+                chat_template=TEMPLATE,
+                max_length=MODEL["max_position_embeddings"],
+                added_tokens=ADDED_TOKENS,
+            )
+            parameters = build_random_model(init_dir, vocab_size, special, args.seed, MODEL)
+            print(f"random model: {parameters:,} parameters, vocabulary {vocab_size}", flush=True)
+        else:  # a second stage: the earlier model, its tokenizer and its card's facts
+            init_dir = args.init
+            facts["stages"] = _earlier_stages(init_dir)
+            vocab_size, parameters = _size(init_dir)
         overrides = [
             f"seed={args.seed}",
             f"backend={args.backend}",
@@ -274,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             steps=config.sft.steps,
             batch_size=config.sft.batch_size,
             lr=config.optim.lr,
+            schedule=config.optim.schedule,
             warmup=config.optim.warmup_steps,
             final_loss=sum(result.losses[-50:]) / len(result.losses[-50:]),
             trained=str(trained),
@@ -433,6 +442,26 @@ python scripts/train_tiny_agent.py --model src/strop/assets/tiny-calc --work run
 ```
 """
     path.write_text(text, encoding="utf-8")
+
+
+def _earlier_stages(model_dir: Path) -> list[dict]:
+    """The training stages that made ``model_dir`` (from the ``facts.json`` kept in the
+    asset), oldest first; a model without one counts as one stage of unknown making."""
+    path = model_dir / "facts.json"
+    if not path.is_file():
+        return [{"command": f"(unrecorded: the model in {model_dir})"}]
+    earlier = json.loads(path.read_text())
+    keys = ("command", "steps", "batch_size", "lr", "schedule", "warmup", "n_train", "sft_seconds")
+    return [*earlier.get("stages", []), {k: earlier[k] for k in keys if k in earlier}]
+
+
+def _size(model_dir: Path) -> tuple[int, int]:
+    """The vocabulary and parameter count of a saved model."""
+    from safetensors.numpy import load_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    weights = load_file(str(model_dir / "model.safetensors"))
+    return config["vocab_size"], sum(int(w.size) for w in weights.values())
 
 
 def _command() -> str:
