@@ -423,14 +423,10 @@ needs to make it call the tool everywhere (ceiling: about the accuracy with the 
 1. data: `strop.agents.calculator_tasks.write_calc_splits(seed={f["seed"]}, n_train={f["n_train"]},
    n_validation={f["n_validation"]}, demonstrations=True)`: one demonstration per train problem
    (`messages` and `tools`, the OpenAI / Hugging Face chat format);
-2. tokenizer: byte-level BPE (`tokenizers`) trained on the rendered demonstrations,
-   {f["vocab_size"]} tokens, digits one per token (as in Qwen2), `<tool_call>` and
-   `</tool_call>` added whole (the builder of `scripts/train_tiny_model.py`);
-3. model: `transformers.Qwen2ForCausalLM` with random init (`torch.manual_seed({f["seed"]})`),
-   {json.dumps(MODEL)};
+{_origin(f)}
 4. training: strop's own SFT on the chats, full fine-tuning, recipe `{RECIPE}`
    (`src/strop/recipes/{RECIPE}.yaml`): {f["steps"]} steps of {f["batch_size"]} chats,
-   AdamW, lr {f["lr"]:g} (constant after {f["warmup"]} warmup steps); loss on the assistant
+   AdamW, lr {f["lr"]:g} ({_schedule(f)}); loss on the assistant
    turns only (the call and the answer, not the tool's result); mean train loss of the last
    50 steps {f["final_loss"]:.3f};
 5. evaluation: episodes as above.
@@ -442,6 +438,33 @@ python scripts/train_tiny_agent.py --model src/strop/assets/tiny-calc --work run
 ```
 """
     path.write_text(text, encoding="utf-8")
+
+
+def _schedule(f: dict) -> str:
+    """How the learning rate of a stage went."""
+    decay = {"constant": "constant", "linear": "linear decay to 0", "cosine": "cosine decay to 0"}
+    return f"{decay[f.get('schedule', 'constant')]} after {f['warmup']} warmup steps"
+
+
+def _origin(f: dict) -> str:
+    """Items 2 and 3 of the card's list: where the tokenizer and the first weights came from."""
+    if not f.get("stages"):
+        return f"""2. tokenizer: byte-level BPE (`tokenizers`) trained on the rendered demonstrations,
+   {f["vocab_size"]} tokens, digits one per token (as in Qwen2), `<tool_call>` and
+   `</tool_call>` added whole (the builder of `scripts/train_tiny_model.py`);
+3. model: `transformers.Qwen2ForCausalLM` with random init (`torch.manual_seed({f["seed"]})`),
+   {json.dumps(MODEL)};"""
+    stages = "\n".join(
+        f"   - `{s['command']}`: {s.get('steps', '?')} steps of {s.get('batch_size', '?')} chats "
+        f"on {s.get('n_train', '?')} demonstrations, lr {s.get('lr', '?')} "
+        f"({_schedule({'warmup': '?', **s})}), {s.get('sft_seconds', 0):.0f} s of SFT"
+        for s in f["stages"]
+    )
+    return f"""2-3. tokenizer and first weights: the model `--init` names, made by (oldest first;
+   the first stage built the byte-level BPE tokenizer, {f["vocab_size"]} tokens, digits one
+   per token, `<tool_call>` and `</tool_call>` whole, and the random-init
+   `transformers.Qwen2ForCausalLM` {json.dumps(MODEL)}):
+{stages}"""
 
 
 def _earlier_stages(model_dir: Path) -> list[dict]:
