@@ -223,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", type=Path, help="measure (and ship) this trained model; skip the training"
     )
+    parser.add_argument(
+        "--init", type=Path, help="fine-tune this model (and its tokenizer), not a random one"
+    )
     parser.add_argument("--n-train", type=int, default=N_TRAIN, help="demonstrations")
     parser.add_argument("--n-validation", type=int, default=N_VALIDATION, help="episodes")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
@@ -244,17 +247,22 @@ def main(argv: list[str] | None = None) -> int:
         )
         records = [json.loads(line) for line in splits["sft"].read_text().splitlines()]
         facts["tool_share"] = sum(len(r["messages"]) > 3 for r in records) / len(records)
-        init_dir = work / "init"
-        vocab_size, special = build_tokenizer(
-            render(records),
-            init_dir,
-            vocab_size=VOCAB_SIZE,
-            chat_template=TEMPLATE,
-            max_length=MODEL["max_position_embeddings"],
-            added_tokens=ADDED_TOKENS,
-        )
-        parameters = build_random_model(init_dir, vocab_size, special, args.seed, MODEL)
-        print(f"random model: {parameters:,} parameters, vocabulary {vocab_size}", flush=True)
+        if args.init is None:
+            init_dir = work / "init"
+            vocab_size, special = build_tokenizer(
+                render(records),
+                init_dir,
+                vocab_size=VOCAB_SIZE,
+                chat_template=TEMPLATE,
+                max_length=MODEL["max_position_embeddings"],
+                added_tokens=ADDED_TOKENS,
+            )
+            parameters = build_random_model(init_dir, vocab_size, special, args.seed, MODEL)
+            print(f"random model: {parameters:,} parameters, vocabulary {vocab_size}", flush=True)
+        else:  # a second stage: the earlier model, its tokenizer and its card's facts
+            init_dir = args.init
+            facts["stages"] = _earlier_stages(init_dir)
+            vocab_size, parameters = _size(init_dir)
         overrides = [
             f"seed={args.seed}",
             f"backend={args.backend}",
@@ -275,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             steps=config.sft.steps,
             batch_size=config.sft.batch_size,
             lr=config.optim.lr,
+            schedule=config.optim.schedule,
             warmup=config.optim.warmup_steps,
             final_loss=sum(result.losses[-50:]) / len(result.losses[-50:]),
             trained=str(trained),
@@ -415,14 +424,10 @@ needs to make it call the tool everywhere (ceiling: about the accuracy with the 
 1. data: `strop.agents.calculator_tasks.write_calc_splits(seed={f["seed"]}, n_train={f["n_train"]},
    n_validation={f["n_validation"]}, demonstrations=True)`: one demonstration per train problem
    (`messages` and `tools`, the OpenAI / Hugging Face chat format);
-2. tokenizer: byte-level BPE (`tokenizers`) trained on the rendered demonstrations,
-   {f["vocab_size"]} tokens, digits one per token (as in Qwen2), `<tool_call>` and
-   `</tool_call>` added whole (the builder of `scripts/train_tiny_model.py`);
-3. model: `transformers.Qwen2ForCausalLM` with random init (`torch.manual_seed({f["seed"]})`),
-   {json.dumps(MODEL)};
+{_origin(f)}
 4. training: strop's own SFT on the chats, full fine-tuning, recipe `{RECIPE}`
    (`src/strop/recipes/{RECIPE}.yaml`): {f["steps"]} steps of {f["batch_size"]} chats,
-   AdamW, lr {f["lr"]:g} (constant after {f["warmup"]} warmup steps); loss on the assistant
+   AdamW, lr {f["lr"]:g} ({_schedule(f)}); loss on the assistant
    turns only (the call and the answer, not the tool's result); mean train loss of the last
    50 steps {f["final_loss"]:.3f};
 5. evaluation: episodes as above.
@@ -434,6 +439,53 @@ python scripts/train_tiny_agent.py --model src/strop/assets/tiny-calc --work run
 ```
 """
     path.write_text(text, encoding="utf-8")
+
+
+def _schedule(f: dict) -> str:
+    """How the learning rate of a stage went."""
+    decay = {"constant": "constant", "linear": "linear decay to 0", "cosine": "cosine decay to 0"}
+    return f"{decay[f.get('schedule', 'constant')]} after {f['warmup']} warmup steps"
+
+
+def _origin(f: dict) -> str:
+    """Items 2 and 3 of the card's list: where the tokenizer and the first weights came from."""
+    if not f.get("stages"):
+        return f"""2. tokenizer: byte-level BPE (`tokenizers`) trained on the rendered demonstrations,
+   {f["vocab_size"]} tokens, digits one per token (as in Qwen2), `<tool_call>` and
+   `</tool_call>` added whole (the builder of `scripts/train_tiny_model.py`);
+3. model: `transformers.Qwen2ForCausalLM` with random init (`torch.manual_seed({f["seed"]})`),
+   {json.dumps(MODEL)};"""
+    stages = "\n".join(
+        f"   - `{s['command']}`: {s.get('steps', '?')} steps of {s.get('batch_size', '?')} chats "
+        f"on {s.get('n_train', '?')} demonstrations, lr {s.get('lr', '?')} "
+        f"({_schedule({'warmup': '?', **s})}), {s.get('sft_seconds', 0):.0f} s of SFT"
+        for s in f["stages"]
+    )
+    return f"""2-3. tokenizer and first weights: the model `--init` names, made by (oldest first;
+   the first stage built the byte-level BPE tokenizer, {f["vocab_size"]} tokens, digits one
+   per token, `<tool_call>` and `</tool_call>` whole, and the random-init
+   `transformers.Qwen2ForCausalLM` {json.dumps(MODEL)}):
+{stages}"""
+
+
+def _earlier_stages(model_dir: Path) -> list[dict]:
+    """The training stages that made ``model_dir`` (from the ``facts.json`` kept in the
+    asset), oldest first; a model without one counts as one stage of unknown making."""
+    path = model_dir / "facts.json"
+    if not path.is_file():
+        return [{"command": f"(unrecorded: the model in {model_dir})"}]
+    earlier = json.loads(path.read_text())
+    keys = ("command", "steps", "batch_size", "lr", "schedule", "warmup", "n_train", "sft_seconds")
+    return [*earlier.get("stages", []), {k: earlier[k] for k in keys if k in earlier}]
+
+
+def _size(model_dir: Path) -> tuple[int, int]:
+    """The vocabulary and parameter count of a saved model."""
+    from safetensors.numpy import load_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    weights = load_file(str(model_dir / "model.safetensors"))
+    return config["vocab_size"], sum(int(w.size) for w in weights.values())
 
 
 def _command() -> str:

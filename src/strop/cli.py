@@ -273,7 +273,9 @@ def plot(
 
 @app.command()
 def demo(overrides: Overrides = None) -> None:
-    """LoRA-PPO on the shipped tiny math model (CPU, minutes): accuracy before and after."""
+    """LoRA-PPO on the shipped tiny math model (CPU, minutes): accuracy before and after.
+
+    With env.name=calculator: LoRA-GRPO on the shipped tiny calculator agent's episodes."""
     from strop.demo import run_demo
 
     result = run_demo(overrides or ())

@@ -9,6 +9,12 @@ override each backend has its own run directory, ``runs/demo-jax`` or ``runs/dem
 With ``generation.engine=vllm`` the old log-probabilities are recomputed
 (``ppo.old_logprobs=recompute``, as docs/ppo.md advises for an inference engine) unless
 the user sets ``ppo.old_logprobs``: the recipe's ``sampler`` suits the native samplers only.
+
+``env.name=calculator`` picks the agent demo instead: the ``demo-calc`` recipe, GRPO on
+episodes in the built-in ``calculator`` environment (:mod:`strop.rl.episodes`) over the
+shipped tiny calculator agent (:func:`strop.assets.tiny_calc_path`), on seeded arithmetic
+problems (:mod:`strop.agents.calculator_tasks`) written under ``<run_dir>/data``; its
+default run directories are ``runs/demo-calc-jax`` and ``runs/demo-calc-torch``.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from strop.assets import tiny_math_path
+from strop.assets import tiny_calc_path, tiny_math_path
 from strop.backends import get_backend
 from strop.config import Config, load_config
-from strop.config.sources import overrides_set
+from strop.config.env import NONE
+from strop.config.sources import overrides_set, parse_override
 from strop.data.synthetic import split_paths, write_splits
+from strop.errors import ConfigError
 from strop.metrics.sinks import read_metrics
 from strop.plot import plot_run
 from strop.preflight import holding_run_dir
@@ -32,6 +40,10 @@ from strop.rl.ppo import PpoResult, run_ppo
 RECIPE = "demo"
 N_TRAIN = 2000  # training prompts (PPO draws 16 per iteration)
 N_VALIDATION = 256  # held-out problems for the greedy validation accuracy
+CALC_RECIPE = "demo-calc"  # with env.name=calculator
+CALC_ENV = "calculator"
+CALC_N_TRAIN = 4000  # arithmetic problems (strop.agents.calculator_tasks)
+CALC_N_VALIDATION = 128  # the held-out problems the tiny-calc model card measures
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +63,33 @@ class DemoResult:
 
 def run_demo(overrides: Sequence[str] = ()) -> DemoResult:
     """Write the inputs the config leaves empty, run PPO, plot; a rerun resumes."""
+    recipe = demo_recipe(overrides)
     overrides = demo_overrides(overrides)
-    config = load_config(RECIPE, overrides)
+    config = load_config(recipe, overrides)
     with holding_run_dir(config, get_backend(config.backend)):  # PPO takes it again: one job
-        return _demo(config, overrides)
+        return _demo(config, recipe, overrides)
+
+
+def demo_recipe(overrides: Sequence[str]) -> str:
+    """The recipe ``strop demo`` runs with ``overrides``: ``demo`` (the tiny math model,
+    single turn) without ``env.name``, ``demo-calc`` with ``env.name=calculator``; another
+    environment is a :class:`ConfigError` (``strop ppo`` trains on any)."""
+    name = NONE
+    for text in overrides:  # the last one that sets env.name, as load_config reads them
+        parts, value = parse_override(text)
+        if parts == ["env", "name"]:
+            name = value
+        elif parts == ["env"] and isinstance(value, dict) and "name" in value:
+            name = value["name"]
+    if name in (None, NONE):
+        return RECIPE
+    if name == CALC_ENV:
+        return CALC_RECIPE
+    raise ConfigError(
+        f"strop demo has no demo for env.name={name}: it takes env.name={CALC_ENV} (the tiny "
+        f"calculator agent) or none; train on another environment with `strop ppo RECIPE "
+        f"env.name={name} model.path=... data.train_path=...`"
+    )
 
 
 def demo_overrides(overrides: Sequence[str]) -> list[str]:
@@ -62,7 +97,7 @@ def demo_overrides(overrides: Sequence[str]) -> list[str]:
     directory per backend (:func:`with_backend_run_dir`), and ``ppo.old_logprobs=recompute``
     on vLLM (logged)."""
     overrides = with_backend_run_dir(overrides)
-    config = load_config(RECIPE, overrides)
+    config = load_config(demo_recipe(overrides), overrides)
     if (
         config.generation.engine == "vllm"
         and config.ppo.old_logprobs == "sampler"
@@ -79,28 +114,29 @@ def demo_overrides(overrides: Sequence[str]) -> list[str]:
 
 def with_backend_run_dir(overrides: Sequence[str]) -> list[str]:
     """``overrides`` of the demo recipe, plus its run directory ``runs/demo-<backend>``
-    where they name no ``run_dir``: one default run directory per backend, so a torch demo
-    does not resume a JAX one (``strop export demo`` finds it the same way)."""
+    (``runs/demo-calc-<backend>`` with ``env.name=calculator``) where they name no
+    ``run_dir``: one default run directory per backend, so a torch demo does not resume a
+    JAX one (``strop export demo`` finds it the same way)."""
     if overrides_set(overrides, "run_dir"):
         return list(overrides)
-    config = load_config(RECIPE, overrides)
+    config = load_config(demo_recipe(overrides), overrides)
     return [*overrides, f"run_dir={config.run_dir}-{config.backend}"]
 
 
-def _demo(config: Config, overrides: Sequence[str]) -> DemoResult:
+def _demo(config: Config, recipe: str, overrides: Sequence[str]) -> DemoResult:
     backend = get_backend(config.backend)
+    agent = recipe == CALC_RECIPE
     inputs: list[str] = []
     if config.model.path is None:
-        inputs.append(f"model.path={tiny_math_path()}")
+        inputs.append(f"model.path={tiny_calc_path() if agent else tiny_math_path()}")
     if config.data.train_path is None:
         out = Path(config.run_dir) / "data"
         backend.write_once(
-            lambda: write_splits(out, config.seed, N_TRAIN, N_VALIDATION),
-            f"writing the problems in {out}",
+            lambda: _write_problems(out, config.seed, agent), f"writing the problems in {out}"
         )
         splits = split_paths(out)
         inputs += [f"data.train_path={splits['train']}", f"data.eval_path={splits['validation']}"]
-    config = load_config(RECIPE, [*inputs, *overrides])
+    config = load_config(recipe, [*inputs, *overrides])
 
     began = time.perf_counter()
     result = run_ppo(config)
@@ -123,3 +159,14 @@ def _demo(config: Config, overrides: Sequence[str]) -> DemoResult:
         tokens_per_s=tokens / seconds if result.history else 0.0,
         plot_path=plot_path,
     )
+
+
+def _write_problems(out: Path, seed: int, agent: bool) -> None:
+    """The demo's ``train.jsonl`` and ``validation.jsonl``: arithmetic for the calculator
+    agent, else word problems for the tiny math model."""
+    if agent:
+        from strop.agents.calculator_tasks import write_calc_splits
+
+        write_calc_splits(out, seed, CALC_N_TRAIN, CALC_N_VALIDATION)
+    else:
+        write_splits(out, seed, N_TRAIN, N_VALIDATION)

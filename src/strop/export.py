@@ -69,9 +69,10 @@ def export_config(run: str, overrides: Sequence[str] = ()) -> Config:
     if Path(run).is_dir():
         return _recorded(Path(run), overrides)
     if run == "demo":
-        from strop.demo import with_backend_run_dir
+        from strop.demo import demo_recipe, with_backend_run_dir
 
         overrides = with_backend_run_dir(overrides)
+        run = demo_recipe(overrides)  # demo-calc with env.name=calculator
     config = load_config(run, overrides)
     recorded = Path(config.run_dir) / CONFIG_FILE
     if not recorded.is_file():

@@ -46,3 +46,23 @@ def test_shortened_demo_on_the_torch_backend_from_the_cli(tmp_path, capsys, monk
     check_demo_outputs(run_dir)
     out = capsys.readouterr().out
     assert "strop demo" in out and "validation accuracy" in out and "torch" in out
+
+
+def test_the_agent_demo_from_the_cli_runs_the_calculator_recipe(tmp_path, capsys, monkeypatch):
+    """`strop demo env.name=calculator`, one tiny iteration on torch: the shipped tiny-calc
+    model plays episodes in the calculator environment on the arithmetic problems the demo
+    writes, in its own run directory, and reports before/after accuracy."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "env.name=calculator", "backend=torch", "ppo.steps=1",
+              "ppo.prompts_per_step=2", "ppo.num_generations_per_prompt=2",
+              "ppo.mini_batch_size=4", "ppo.validation_size=4", "ppo.validate_every=1"])  # fmt: skip
+    assert exit_info.value.code == 0
+    run_dir = tmp_path / "runs" / "demo-calc-torch"
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    assert "validation/accuracy" in records[0] and "env/tool_calls" in records[1]
+    assert "####" in (run_dir / "data" / "validation.jsonl").read_text()
+    assert (run_dir / "plot.png").read_bytes().startswith(PNG_SIGNATURE)
+    out = capsys.readouterr().out
+    assert "strop demo" in out and "validation accuracy" in out and "torch" in out

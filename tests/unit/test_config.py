@@ -316,6 +316,25 @@ def test_the_demo_on_vllm_recomputes_the_old_logprobs_unless_told_otherwise(capl
     assert caplog.text == ""
 
 
+def test_the_demo_with_env_name_calculator_runs_the_calculator_agent_recipe() -> None:
+    """`strop demo env.name=calculator` ran the tiny-math demo recipe with an environment
+    (and ppo.reward=gsm8k, refused with env.name); now it picks demo-calc, and its default
+    run directory and `strop export demo` follow. Without env.name nothing changes."""
+    from strop.demo import CALC_RECIPE, RECIPE, demo_overrides, demo_recipe
+    from strop.export import export_config
+
+    assert demo_recipe([]) == RECIPE == demo_recipe(["env.name=none", "backend=torch"])
+    assert load_config(RECIPE, demo_overrides([])).run_dir == "runs/demo-jax"
+    for chosen in (["env.name=calculator"], ["env={name: calculator}"]):
+        assert demo_recipe(chosen) == CALC_RECIPE
+        config = load_config(CALC_RECIPE, demo_overrides([*chosen, "backend=torch"]))
+        assert (config.env.name, config.ppo.reward) == ("calculator", "none")
+        assert config.run_dir == "runs/demo-calc-torch"
+    assert export_config("demo", ["env.name=calculator"]).run_dir == "runs/demo-calc-jax"
+    with pytest.raises(ConfigError, match=r"strop demo has no demo for env\.name=python"):
+        demo_recipe(["env.name=python"])
+
+
 def test_a_misspelled_recipe_name_gets_a_suggestion() -> None:
     message = config_error("ppo-lora-tyni")
     assert message.startswith("recipe 'ppo-lora-tyni' not found (did you mean 'ppo-lora-tiny'?)")
