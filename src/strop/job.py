@@ -18,17 +18,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
-from strop.backends.base import Backend, TrainableModel
+from strop.backends.base import Backend, Policy, TrainableModel
 from strop.config import Config
 from strop.interrupts import deferred_interrupts, reporting_interrupts
 from strop.io.checkpoint_dir import refuse_step_past_the_end
 from strop.io.run_record import CONFIG_FILE, record_run
 from strop.metrics import MetricsWriter
-from strop.nonfinite import CHECKPOINT_KEY
+from strop.nonfinite import CHECKPOINT_KEY, count_skipped, likely_causes
 from strop.preflight import holding_run_dir, preflight
 from strop.progress import RunProgress, is_main_by_environment
 
@@ -115,6 +115,15 @@ class RunResult:
     export_path: Path | None  # <run_dir>/adapter (LoRA) or <run_dir>/model; None if unfinished
     is_main: bool = True  # False on every process but the first of a distributed run
 
+    @classmethod
+    def of(cls, config: Config, run: Finished, model: TrainableModel, **more: Any) -> Self:
+        """What ``run`` (:func:`run_steps` of ``model``) produced; ``more``: a subclass's
+        own fields."""
+        return cls(
+            run_dir=Path(config.run_dir), final_step=run.end, resumed_from=run.resumed_from,
+            export_path=run.export_path, is_main=model.is_main, **more,
+        )  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Finished:
@@ -124,6 +133,53 @@ class Finished:
     end: int  # steps done when it returned
     records: list[dict[str, float]]  # one per step run in this call
     export_path: Path | None  # set once the run's last step is done
+
+
+@dataclass
+class PolicySteps:
+    """What SFT's and DPO's :class:`Steps` share: one ``Policy`` update a step, no step-0
+    record, and ``skipped``, the non-finite steps skipped over the whole run (resumes
+    included), saved with each checkpoint."""
+
+    config: Config
+    model: Policy
+    skipped: int = field(default=0, kw_only=True)
+
+    def restore_counters(self, saved: Any) -> None:
+        self.skipped = int(saved or 0)
+
+    def counters(self) -> int:
+        return self.skipped
+
+    def first_record(self) -> None:
+        return None
+
+    def count_skipped(self, metrics: dict[str, float], where: str) -> None:
+        """Pop ``skipped`` from an update's ``metrics`` and count it; a non-finite update
+        without ``train.skip_nonfinite`` raises (:func:`~strop.nonfinite.count_skipped`)."""
+        config = self.config
+        self.skipped += count_skipped(
+            metrics,
+            where=where,
+            skip=config.train.skip_nonfinite,
+            latest_checkpoint=self.model.latest_checkpoint,
+            checkpoint_dir=str(config.checkpoint_path()),
+            causes=lambda: likely_causes(config),
+        )
+
+    def update_record(
+        self, metrics: Mapping[str, float], *, tokens: float, epoch: float, seconds: float
+    ) -> dict[str, float]:
+        """The metrics every update writes, from its ``metrics`` (``grad_norm``), the
+        target ``tokens`` it trained on, the data's ``epoch`` and the step's ``seconds``."""
+        return {
+            "train/grad_norm": metrics["grad_norm"],
+            "train/tokens": tokens,
+            "train/epoch": epoch,
+            "train/nonfinite_skipped": self.skipped,  # cumulative over the run
+            "timing/step_s": seconds,
+            "throughput/tokens_per_s": tokens / seconds,
+        }
 
 
 def run_steps(

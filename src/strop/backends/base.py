@@ -6,7 +6,8 @@ of those names, as a :class:`BackendFunctions`), whose
 ``build_policy`` gives a :class:`Policy` (SFT, eval), ``build_actor_critic`` an
 :class:`ActorCritic` (PPO), ``build_reward_model`` a :class:`RewardModel`
 (``ppo.reward: model:DIR``) and ``load_model`` a :class:`ModelHandle`. ``Policy`` and
-``ActorCritic`` share the methods of :class:`TrainableModel` (``generate`` included).
+``ActorCritic`` share the methods of :class:`TrainableModel` (``generate`` included);
+both backends' policies inherit what they write alike from :class:`PolicyMethods`.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
 from strop.errors import StropError
 from strop.generation import Sampler
 from strop.io.model_spec import ModelSpec
+from strop.io.peft import read_adapter_for, write_adapter_once
 
 if TYPE_CHECKING:
     from strop.config import Config
@@ -173,6 +175,48 @@ class Policy(TrainableModel, Protocol):
         :meth:`pair_logps`, plus the reference's sums when the loss reads them): ``loss``,
         ``grad_norm``, ``skipped`` and the ``dpo/*`` stats."""
         ...
+
+
+class PolicyMethods:
+    """The :class:`Policy` methods both backends' policies share, written once over their
+    own package's modules of the same names, which a policy class names: ``preference``
+    (``forward_pair_logps``, ``train_pairs``), ``lora`` (``adapter_weights``,
+    ``set_adapter_weights``) and ``write_once``. A policy has ``config`` and ``model``."""
+
+    preference: ClassVar[ModuleType]
+    lora: ClassVar[ModuleType]
+    write_once: ClassVar[Callable[[Callable[[], object], str], None]]  # a staticmethod
+    config: Config
+    model: Any
+
+    def pair_logps(
+        self, batch: dict[str, np.ndarray], chunks: int, *, reference: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Each pair's chosen and rejected log-probability sums, one forward per layout
+        (the backend's ``preference.forward_pair_logps``)."""
+        return self.preference.forward_pair_logps(self, batch, chunks, reference=reference)
+
+    def train_pairs(
+        self, batch: dict[str, np.ndarray], chunks: int, objective: PreferenceObjective
+    ) -> dict[str, float]:
+        """One preference update (the backend's ``preference.train_pairs``)."""
+        return self.preference.train_pairs(self, batch, chunks, objective)
+
+    def load_adapter(self, path: str | os.PathLike) -> None:
+        """Seed the LoRA weights from a PEFT adapter directory."""
+        weights = read_adapter_for(path, self.config.lora, self.config.model.path)
+        self.lora.set_adapter_weights(self.model, weights, str(path))
+
+    def actor_adapter(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The LoRA weights in PEFT layout by module path (collective)."""
+        return self.lora.adapter_weights(self.model)
+
+    def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the LoRA weights (:meth:`actor_adapter`) as a PEFT adapter directory."""
+        return write_adapter_once(
+            path, self.actor_adapter, self.config.lora,
+            base_model=self.config.model.path, write_once=self.write_once, overwrite=overwrite,
+        )  # fmt: skip
 
 
 @runtime_checkable

@@ -17,19 +17,16 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from strop.backends.base import Policy
 from strop.batch.pairs import lay_out_chunks
 from strop.config import Config
 from strop.data import Tokenizer
 from strop.data.batching import SftBatcher
 from strop.data.preferences import read_preferences, tokenize_preferences
 from strop.errors import ConfigError
-from strop.job import Job, RunResult, run_steps, training_job
-from strop.nonfinite import count_skipped, likely_causes
+from strop.job import Job, PolicySteps, RunResult, run_steps, training_job
 from strop.objectives.preference import STATS, PreferenceObjective
 
 logger = logging.getLogger(__name__)
@@ -107,37 +104,20 @@ def _train(config: Config, stop_after: int | None, job: Job) -> DpoResult:
     )
     steps = DpoSteps(config, policy, order, tokenizer.pad_token_id)
     run = run_steps(config, steps, job, total=config.dpo.steps, stop_after=stop_after)
-    return DpoResult(
-        run_dir=Path(config.run_dir), final_step=run.end, resumed_from=run.resumed_from,
-        export_path=run.export_path, is_main=policy.is_main,
-        losses=[record["dpo/loss"] for record in run.records],
-    )  # fmt: skip
+    return DpoResult.of(config, run, policy, losses=[rec["dpo/loss"] for rec in run.records])
 
 
 @dataclass
-class DpoSteps:
-    """One preference update per batch of pairs (:class:`strop.job.Steps`); ``skipped``
-    counts the non-finite steps skipped over the whole run, resumes included."""
+class DpoSteps(PolicySteps):
+    """One preference update per batch of pairs (:class:`strop.job.Steps`)."""
 
-    config: Config
-    model: Policy
     order: SftBatcher
     pad_id: int
-    skipped: int = 0
     always_written: tuple[str, ...] = ()
 
     @property
     def objective(self) -> PreferenceObjective:
         return self.config.dpo.objective()
-
-    def restore_counters(self, saved: Any) -> None:
-        self.skipped = int(saved or 0)
-
-    def counters(self) -> int:
-        return self.skipped
-
-    def first_record(self) -> None:
-        return None
 
     def figures(self, record: Mapping[str, float]) -> dict[str, float]:
         return {"loss": record["dpo/loss"], "accuracy": record["dpo/reward_accuracy"]}
@@ -154,7 +134,7 @@ class DpoSteps:
         return batch, chunks
 
     def step(self, step: int) -> dict[str, float]:
-        config, objective = self.config, self.objective
+        objective = self.objective
         began = time.perf_counter()
         batch, chunks = self.batch(step)
         if objective.needs_reference:  # once per batch, adapters off, no gradient
@@ -162,21 +142,11 @@ class DpoSteps:
             batch.update(ref_chosen_logps=chosen, ref_rejected_logps=rejected)
         metrics = self.model.train_pairs(batch, chunks, objective)
         seconds = time.perf_counter() - began
-        self.skipped += count_skipped(
-            metrics,
-            where=f"dpo step {step + 1}",
-            skip=config.train.skip_nonfinite,
-            latest_checkpoint=self.model.latest_checkpoint,
-            checkpoint_dir=str(config.checkpoint_path()),
-            causes=lambda: likely_causes(config),
-        )
+        self.count_skipped(metrics, f"dpo step {step + 1}")
         tokens = float(batch["chosen_tokens"].sum() + batch["rejected_tokens"].sum())
         return {
             **{name: metrics[name] for name in STATS},
-            "train/grad_norm": metrics["grad_norm"],
-            "train/tokens": tokens,
-            "train/epoch": self.order.epoch_of(step),
-            "train/nonfinite_skipped": self.skipped,  # cumulative over the run
-            "timing/step_s": seconds,
-            "throughput/tokens_per_s": tokens / seconds,
+            **self.update_record(
+                metrics, tokens=tokens, epoch=self.order.epoch_of(step), seconds=seconds
+            ),
         }

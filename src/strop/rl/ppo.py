@@ -43,7 +43,6 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -117,10 +116,7 @@ def _train(
         steps = run_steps(
             config, loop, job, total=ppo.steps, stop_after=stop_after, rollouts=rollouts
         )
-    return PpoResult(
-        run_dir=Path(config.run_dir), final_step=steps.end, resumed_from=steps.resumed_from,
-        export_path=steps.export_path, is_main=model.is_main, history=steps.records,
-    )  # fmt: skip
+    return PpoResult.of(config, steps, model, history=steps.records)
 
 
 @dataclass

@@ -11,16 +11,12 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-from strop.backends.base import Policy
 from strop.config import Config
 from strop.data import Tokenizer, load_sft_examples, make_sft_batcher
 from strop.data.batching import SftBatcher
 from strop.errors import ConfigError
-from strop.job import Job, RunResult, run_steps, training_job
-from strop.nonfinite import count_skipped, likely_causes
+from strop.job import Job, PolicySteps, RunResult, run_steps, training_job
 
 logger = logging.getLogger(__name__)
 
@@ -76,62 +72,36 @@ def _train(config: Config, stop_after: int | None, job: Job) -> SftResult:
     )
     steps = SftSteps(config, policy, batcher, eval_batcher)
     run = run_steps(config, steps, job, total=sft.steps, stop_after=stop_after)
-    return SftResult(
-        run_dir=Path(config.run_dir), final_step=run.end, resumed_from=run.resumed_from,
-        export_path=run.export_path, is_main=policy.is_main,
-        losses=[record["train/loss"] for record in run.records],
-    )  # fmt: skip
+    return SftResult.of(config, run, policy, losses=[rec["train/loss"] for rec in run.records])
 
 
 @dataclass
-class SftSteps:
-    """One SFT step per batch (:class:`strop.job.Steps`); ``skipped`` counts the
-    non-finite steps skipped over the whole run, resumes included."""
+class SftSteps(PolicySteps):
+    """One SFT step per batch (:class:`strop.job.Steps`)."""
 
-    config: Config
-    model: Policy
     batcher: SftBatcher
     eval_batcher: SftBatcher | None
-    skipped: int = 0
     always_written: tuple[str, ...] = ("eval/loss",)
-
-    def restore_counters(self, saved: Any) -> None:
-        self.skipped = int(saved or 0)
-
-    def counters(self) -> int:
-        return self.skipped
-
-    def first_record(self) -> None:
-        return None
 
     def figures(self, record: Mapping[str, float]) -> dict[str, float]:
         return {"loss": record["train/loss"], "tokens_per_s": record["throughput/tokens_per_s"]}
 
     def step(self, step: int) -> dict[str, float]:
-        config, sft = self.config, self.config.sft
+        sft = self.config.sft
         began = time.perf_counter()
         metrics = self.model.train_step(
             self.batcher.batch(step), sft.batch_size // sft.micro_batch_size
         )
         seconds = time.perf_counter() - began
         done = step + 1
-        self.skipped += count_skipped(
-            metrics,
-            where=f"sft step {done}",
-            skip=config.train.skip_nonfinite,
-            latest_checkpoint=self.model.latest_checkpoint,
-            checkpoint_dir=str(config.checkpoint_path()),
-            causes=lambda: likely_causes(config),
-        )
+        self.count_skipped(metrics, f"sft step {done}")
         record = {
             "train/loss": metrics["loss"],
-            "train/grad_norm": metrics["grad_norm"],
-            "train/tokens": metrics["tokens"],
-            "train/epoch": self.batcher.epoch_of(step),
-            "train/nonfinite_skipped": self.skipped,  # cumulative over the run
-            "timing/step_s": seconds,
-            "throughput/tokens_per_s": metrics["tokens"] / seconds,
-        }
+            **self.update_record(
+                metrics, tokens=metrics["tokens"], epoch=self.batcher.epoch_of(step),
+                seconds=seconds,
+            ),
+        }  # fmt: skip
         if self.eval_batcher is not None and done % sft.eval_every == 0:
             record["eval/loss"] = _eval_loss(self.model, self.eval_batcher, sft.micro_batch_size)
         return record

@@ -35,10 +35,10 @@ from strop.agents.continuation import SlotAssignment
 from strop.backends.jax.generate import (
     _constrain_cache,
     _decode,
+    _decode_inputs,
     _DecodeState,
-    _eos_array,
+    _first_state,
     _mesh_of,
-    _record,
     prompt_bucket,
 )
 from strop.backends.jax.model import CausalLM, KVCache
@@ -131,12 +131,9 @@ class JaxContinuation:
         def put(array: np.ndarray) -> jax.Array:
             return put_rows(array, mesh)
 
-        replicated = NamedSharding(mesh, PartitionSpec())
-        eos = jax.device_put(_eos_array(decoding.eos_ids), replicated)
-        pad = jax.device_put(np.int32(decoding.pad_id), replicated)
-        key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
-        key = jax.random.wrap_key_data(jax.device_put(key_data, replicated))
-        sampling = Sampling(float(params.temperature), int(params.top_k), float(params.top_p))
+        eos, pad, key, sampling = _decode_inputs(
+            params, decoding.eos_ids, decoding.pad_id, seed, mesh
+        )
         cache, state = _chunk_prefill(
             model, store, put(ids), put(mask), put(positions), put(held), put(slot_of),
             put(offsets), put(lengths), put(np.arange(batch) < n), eos, pad, key, steps,
@@ -217,16 +214,8 @@ def _chunk_prefill(
     cache = _constrain_cache(KVCache(layers, held, jnp.int32(first)), mesh)
     out = model(ids, mask, positions, cache=cache, logits_to_keep=1)
     token, logprob = sample_token(out.logits[:, -1], jax.random.fold_in(key, 0), sampling)
-    batch = len(ids)
-    state = _DecodeState(
-        tokens=jnp.full((batch, max_new_tokens), pad, dtype=jnp.int32),
-        logprobs=jnp.zeros((batch, max_new_tokens), dtype=jnp.float32),
-        lengths=jnp.zeros((batch,), dtype=jnp.int32),
-        done=~active,
-        step=jnp.zeros((), dtype=jnp.int32),
-        positions=lengths,
-    )
-    return _constrain_cache(out.cache, mesh), _record(state, token, logprob, eos, pad)
+    state = _first_state(token, logprob, active, lengths, eos, pad, max_new_tokens)
+    return _constrain_cache(out.cache, mesh), state
 
 
 @nnx.jit(static_argnums=(4,), donate_argnums=(0,))

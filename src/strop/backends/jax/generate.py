@@ -147,18 +147,11 @@ def generate(
     if (len(prompts) // repeats) % (mesh.shape["data"] * mesh.shape["fsdp"]):
         repeats = 1
     ids, mask, active = _pad_prompts(prompts[::repeats], pad_id, mesh, prompt_columns)
-    replicated = NamedSharding(mesh, PartitionSpec())
 
     def put(rows: np.ndarray) -> jax.Array:
         return put_rows(rows, mesh)
 
-    eos = jax.device_put(_eos_array(eos_ids), replicated)
-    pad = jax.device_put(np.int32(pad_id), replicated)
-    # Through the host: a device array cannot be put on other processes' devices.
-    key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
-    key = jax.random.wrap_key_data(jax.device_put(key_data, replicated))
-    sampling = Sampling(float(params.temperature), int(params.top_k), float(params.top_p))
-
+    eos, pad, key, sampling = _decode_inputs(params, eos_ids, pad_id, seed, mesh)
     cache, state = _prefill(
         model, put(ids), put(mask), put(np.repeat(active, repeats)), eos, pad, key,
         params.max_new_tokens, sampling, mesh, repeats,
@@ -181,6 +174,22 @@ def prompt_bucket(length: int) -> int:
     """The padded prompt width for a longest prompt of ``length`` tokens: the next power
     of two, at least :data:`MIN_PROMPT_BUCKET`."""
     return max(MIN_PROMPT_BUCKET, 1 << max(length - 1, 0).bit_length())
+
+
+def _decode_inputs(
+    params: SamplingParams, eos_ids: Sequence[int], pad_id: int, seed: int, mesh: Mesh
+) -> tuple[jax.Array, jax.Array, jax.Array, Sampling]:
+    """What every prefill and decode call takes besides the rows: the EOS ids
+    (:func:`_eos_array`), the pad id and the PRNG key, replicated on ``mesh``, and the
+    static :class:`Sampling`."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    eos = jax.device_put(_eos_array(eos_ids), replicated)
+    pad = jax.device_put(np.int32(pad_id), replicated)
+    # Through the host: a device array cannot be put on other processes' devices.
+    key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
+    key = jax.random.wrap_key_data(jax.device_put(key_data, replicated))
+    sampling = Sampling(float(params.temperature), int(params.top_k), float(params.top_p))
+    return eos, pad, key, sampling
 
 
 def _eos_array(eos_ids: Sequence[int]) -> np.ndarray:
@@ -278,17 +287,33 @@ def _prefill(
         layers = tuple((rows(k), rows(v)) for k, v in cache.layers)
         cache = KVCache(layers, rows(cache.mask), cache.index)
         logits, mask = rows(logits), rows(mask)
-    batch = len(logits)
     token, logprob = sample_token(logits, jax.random.fold_in(key, 0), sampling)
+    positions = mask.sum(axis=-1, dtype=jnp.int32)
+    state = _first_state(token, logprob, active, positions, eos, pad, max_new_tokens)
+    return _constrain_cache(cache, mesh), state
+
+
+def _first_state(
+    token: jax.Array,
+    logprob: jax.Array,
+    active: jax.Array,
+    positions: jax.Array,
+    eos: jax.Array,
+    pad: jax.Array,
+    max_new_tokens: int,
+) -> _DecodeState:
+    """A prefill's decode state: its first sampled ``token`` recorded for the ``active``
+    rows; ``positions [B]``: the position id of the token fed next."""
+    batch = len(token)
     state = _DecodeState(
         tokens=jnp.full((batch, max_new_tokens), pad, dtype=jnp.int32),
         logprobs=jnp.zeros((batch, max_new_tokens), dtype=jnp.float32),
         lengths=jnp.zeros((batch,), dtype=jnp.int32),
         done=~active,
         step=jnp.zeros((), dtype=jnp.int32),
-        positions=mask.sum(axis=-1, dtype=jnp.int32),
+        positions=positions,
     )
-    return _constrain_cache(cache, mesh), _record(state, token, logprob, eos, pad)
+    return _record(state, token, logprob, eos, pad)
 
 
 @nnx.jit(static_argnums=(6, 7), donate_argnums=(1,))

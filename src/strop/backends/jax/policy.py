@@ -8,21 +8,19 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from flax import nnx
 
-from strop.backends.jax import preference
+from strop.backends.base import PolicyMethods
+from strop.backends.jax import lora, preference
 from strop.backends.jax.checkpoint import TrainCheckpoints
 from strop.backends.jax.generate import generate
 from strop.backends.jax.lora import (
-    adapter_weights,
     apply_lora,
     check_supported,
-    set_adapter_weights,
     trainable_filter,
     with_adapters_merged,
 )
@@ -36,9 +34,7 @@ from strop.backends.jax.train import Trainer, token_loss_sum
 from strop.backends.jax.weights import hf_weights, load_hf_model, save_hf_model
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
-from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
-from strop.objectives.preference import PreferenceObjective
 from strop.quantization import say_merged_export_dequantizes
 
 logger = logging.getLogger(__name__)
@@ -50,10 +46,12 @@ def _loss_sum(model, input_ids, attention_mask, loss_mask):
     return token_loss_sum(logits, input_ids, loss_mask)
 
 
-class JaxPolicy(Sampler):
+class JaxPolicy(PolicyMethods, Sampler):
     """A causal LM being fine-tuned (LoRA or full) on a mesh."""
 
     backend = "jax"
+    # the modules and write_once that PolicyMethods calls: this package's
+    preference, lora, write_once = preference, lora, staticmethod(write_once)
 
     def __init__(
         self, config: Config, *, total_steps: int, checkpoint_dir: str | os.PathLike | None
@@ -106,21 +104,6 @@ class JaxPolicy(Sampler):
 
         return JaxContinuation(lambda: self.model, decoding, mesh=self.mesh)
 
-    # preference pairs (strop dpo) ------------------------------------------------------
-
-    def pair_logps(
-        self, batch: dict[str, np.ndarray], chunks: int, *, reference: bool = False
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Each pair's chosen and rejected log-probability sums, one forward per layout
-        (:func:`strop.backends.jax.preference.forward_pair_logps`)."""
-        return preference.forward_pair_logps(self, batch, chunks, reference=reference)
-
-    def train_pairs(
-        self, batch: dict[str, np.ndarray], chunks: int, objective: PreferenceObjective
-    ) -> dict[str, float]:
-        """One preference update (:func:`strop.backends.jax.preference.train_pairs`)."""
-        return preference.train_pairs(self, batch, chunks, objective)
-
     # checkpoints -------------------------------------------------------------------------
 
     def latest_checkpoint(self) -> int | None:
@@ -137,23 +120,6 @@ class JaxPolicy(Sampler):
         return extra
 
     # adapters and exports ----------------------------------------------------------------
-
-    def load_adapter(self, path: str | os.PathLike) -> None:
-        """Seed the LoRA weights from a PEFT adapter directory."""
-        set_adapter_weights(
-            self.model, read_adapter_for(path, self.config.lora, self.config.model.path), str(path)
-        )
-
-    def actor_adapter(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """The actor's LoRA weights in PEFT layout by module path: what ``export_adapter``
-        writes, in memory (collective)."""
-        return adapter_weights(self.model)
-
-    def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        return write_adapter_once(
-            path, partial(adapter_weights, self.model), self.config.lora,
-            base_model=self.config.model.path, write_once=write_once, overwrite=overwrite,
-        )  # fmt: skip
 
     def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """A HF checkpoint with the adapters folded into the kernels (or the full model)."""

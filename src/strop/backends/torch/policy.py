@@ -9,36 +9,35 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from strop.backends.torch import preference
+from strop.backends.base import PolicyMethods
+from strop.backends.torch import lora, preference
 from strop.backends.torch.checkpoint import TrainCheckpoints
 from strop.backends.torch.continuation import TorchContinuation
 from strop.backends.torch.fsdp import place, write_once
 from strop.backends.torch.generate import generate, sampler_keywords
 from strop.backends.torch.handle import export_merged, merged_weights
-from strop.backends.torch.lora import adapter_weights, set_adapter_weights
 from strop.backends.torch.model import build_model, forward_logits
 from strop.backends.torch.train import BATCH_KEYS, Trainer, sft_micro_loss, token_loss_sum
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
-from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
-from strop.objectives.preference import PreferenceObjective
 from strop.objectives.sft import SFT_BATCH, target_tokens, with_loss_weights
 
 _UPDATES_KEY = "optimizer_updates"  # the schedule's clock, kept in the checkpoint's extra
 
 
-class TorchPolicy(Sampler):
+class TorchPolicy(PolicyMethods, Sampler):
     """A causal LM being fine-tuned (LoRA or full), FSDP2-sharded under ``torchrun``."""
 
     backend = "torch"
+    # the modules and write_once that PolicyMethods calls: this package's
+    preference, lora, write_once = preference, lora, staticmethod(write_once)
 
     def __init__(
         self, config: Config, *, total_steps: int, checkpoint_dir: str | os.PathLike | None
@@ -109,21 +108,6 @@ class TorchPolicy(Sampler):
 
         return TorchContinuation(scope, decoding)
 
-    # preference pairs (strop dpo) ------------------------------------------------------
-
-    def pair_logps(
-        self, batch: dict[str, np.ndarray], chunks: int, *, reference: bool = False
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Each pair's chosen and rejected log-probability sums, one forward per layout
-        (:func:`strop.backends.torch.preference.forward_pair_logps`)."""
-        return preference.forward_pair_logps(self, batch, chunks, reference=reference)
-
-    def train_pairs(
-        self, batch: dict[str, np.ndarray], chunks: int, objective: PreferenceObjective
-    ) -> dict[str, float]:
-        """One preference update (:func:`strop.backends.torch.preference.train_pairs`)."""
-        return preference.train_pairs(self, batch, chunks, objective)
-
     # checkpoints -------------------------------------------------------------------------
 
     def latest_checkpoint(self) -> int | None:
@@ -139,23 +123,6 @@ class TorchPolicy(Sampler):
         return extra
 
     # adapters and exports ----------------------------------------------------------------
-
-    def load_adapter(self, path: str | os.PathLike) -> None:
-        """Seed the LoRA weights from a PEFT adapter directory."""
-        set_adapter_weights(
-            self.model, read_adapter_for(path, self.config.lora, self.config.model.path), str(path)
-        )
-
-    def actor_adapter(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """The actor's LoRA weights in PEFT layout by module path: what ``export_adapter``
-        writes, in memory (collective)."""
-        return adapter_weights(self.model)
-
-    def export_adapter(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        return write_adapter_once(
-            path, partial(adapter_weights, self.model), self.config.lora,
-            base_model=self.config.model.path, write_once=write_once, overwrite=overwrite,
-        )  # fmt: skip
 
     def export_merged(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """A HF checkpoint with the adapters folded into the kernels (or the full model)."""
