@@ -22,6 +22,15 @@ def test_full_fine_tuning_refuses_a_quantized_base():
         load_config(None, ["lora.enabled=false", "lora.base_quantization=nf4"])
 
 
+def test_vllm_refuses_a_quantized_base():
+    """vLLM gets the adapter (or merged weights) over its own unquantized copy of the base:
+    it would sample another policy than the one trained."""
+    with pytest.raises(ConfigError, match=r"base_quantization=int8 with generation.engine=vllm"):
+        load_config(None, ["lora.enabled=true", "lora.base_quantization=int8",
+                           "generation.engine=vllm"])  # fmt: skip
+    load_config(None, ["lora.enabled=true", "lora.base_quantization=int8"])  # native: fine
+
+
 def run_config(tmp_path, *overrides):
     return load_config(
         None, [f"run_dir={tmp_path}", "lora.enabled=true", "lora.base_quantization=int8",

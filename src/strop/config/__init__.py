@@ -112,6 +112,15 @@ class Config(_Section):
                 "trains every weight)",
             ),
             (
+                self.lora.enabled
+                and self.lora.base_quantization != "none"
+                and self.generation.engine == "vllm",
+                f"lora.base_quantization={self.lora.base_quantization} with "
+                "generation.engine=vllm: the engine would sample from the unquantized base "
+                "while the trainer learns on the quantized one (not supported yet); use "
+                "generation.engine=native",
+            ),
+            (
                 self.critic.model_path is not None and self.lora.enabled,
                 f"critic.model_path ({self.critic.model_path!r}) needs lora.enabled=false: "
                 "with LoRA the critic is an adapter on the policy's own base model",
