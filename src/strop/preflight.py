@@ -6,12 +6,13 @@ user's code down to the files on disk: it refuses a launch the backend cannot se
 (``torchrun`` with the JAX backend), a ``lora.base_quantization`` the backend, install or
 launch cannot run (:func:`strop.quantization.refuse_unsupported`), and a PPO or eval run's
 environment that cannot be built (:func:`check_environment`); asks the backend once
-(``get_backend``; ``logging.wandb``'s W&B login is checked there, on the main process) and,
-with its device count, refuses a mesh or batch layout that does not fit the devices
+(``get_backend``; ``logging.wandb``'s W&B login is checked there, on the main process);
+refuses what the run's rollout engine cannot do (:func:`~strop.engines.check_engine`), a
+checkpoint directory another backend wrote
+(:func:`~strop.io.checkpoint_dir.refuse_other_backends_checkpoints`), and, with the
+backend's device count, a mesh or batch layout that does not fit the devices
 (:meth:`~strop.config.MeshConfig.check_layout` of :meth:`~strop.config.Config.rows_per_pass`:
-a mistake of the config, said before any file's); refuses what the run's rollout engine
-cannot do (:func:`~strop.engines.check_engine`); then the files: a checkpoint directory
-another backend wrote (:func:`~strop.io.checkpoint_dir.refuse_other_backends_checkpoints`),
+a mistake of the config, said before a model's or a data file's); then the files:
 a ``model.path`` that is no directory (:func:`~strop.io.model_spec.require_model_directory`),
 a context longer than the model's positions (:func:`~strop.io.model_spec.check_context_length`),
 a checkpoint the job would resume but cannot: one already past the job's last step
@@ -142,11 +143,11 @@ def preflight(
     backend = get_backend(config.backend)  # the one call of a command
     if config.logging.wandb and training and running:
         backend.write_once(require_wandb_login, "checking the W&B login")  # the main's
-    config.mesh.check_layout(backend.device_count(), config.rows_per_pass(job))
     if running:  # an export samples nothing: a vLLM run exports without vLLM
         check_engine(config, job)
     if checkpoint_dir is not None:
         refuse_other_backends_checkpoints(checkpoint_dir, config.backend)
+    config.mesh.check_layout(backend.device_count(), config.rows_per_pass(job))
     require_model_directory(config.model.path, "model.path")
     check_context_length(
         config.model.path, job, max_length=config.data.max_length,

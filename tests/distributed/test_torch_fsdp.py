@@ -176,6 +176,7 @@ def _metric_lines(tmp_path: Path) -> dict[str, list[dict]]:
     }
 
 
+@pytest.mark.acceptance  # `make test` runs PPO under torchrun, which covers the SFT step too
 def test_strop_sft_under_torchrun_equals_a_single_process(tmp_path):
     """``torchrun -m strop sft ...`` just works; rank 0 alone writes metrics and the adapter."""
     from strop.data.synthetic import write_sum_problems

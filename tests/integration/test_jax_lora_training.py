@@ -202,6 +202,7 @@ def test_peft_loads_our_adapter_with_identical_logits(tiny_model_dir, tmp_path):
     np.testing.assert_allclose(np.asarray(fresh(ids, mask, positions).logits), ours, atol=1e-6)
 
 
+@pytest.mark.acceptance  # ~50 s of compiles on an empty JAX cache
 def test_a_bfloat16_base_keeps_float32_adapters_that_compute_in_bfloat16(tiny_model_dir, tmp_path):
     """Qwix makes adapters in the base weights' dtype; over a bfloat16 base an AdamW step of
     lr 1e-4 is under half a bfloat16 ulp of most A entries (uniform in ±1/8), which then

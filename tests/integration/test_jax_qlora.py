@@ -52,7 +52,9 @@ def assert_same(before, after):
         assert np.array_equal(value, after[name]), f"quantized base tensor {name} changed"
 
 
-@pytest.mark.parametrize("kind", ["nf4", "int8"])
+# int8 and the PPO iteration compile for a minute on an empty JAX cache: `make
+# test-acceptance` runs them (torch's QLoRA tests cover both in `make test`)
+@pytest.mark.parametrize("kind", ["nf4", pytest.param("int8", marks=pytest.mark.acceptance)])
 def test_qlora_sft_trains_float32_adapters_over_a_bit_identical_quantized_base(
     tiny_model_dir, tmp_path, kind
 ):
@@ -70,6 +72,7 @@ def test_qlora_sft_trains_float32_adapters_over_a_bit_identical_quantized_base(
     assert_same(before, quantized_state(policy.model))
 
 
+@pytest.mark.acceptance
 @pytest.mark.parametrize("estimator", ["gae"])  # critic-free GRPO: on torch, same path
 def test_a_ppo_iteration_on_an_nf4_base_shared_by_actor_critic_and_reference(
     tiny_model_dir, estimator
