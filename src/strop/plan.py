@@ -60,7 +60,12 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal
 
 from strop.errors import ConfigError
-from strop.io.model_spec import ModelSpec, read_model_spec, require_model_directory
+from strop.io.model_spec import (
+    LAYER_LINEARS,
+    ModelSpec,
+    read_model_spec,
+    require_model_directory,
+)
 from strop.lora_targets import match_targets
 from strop.objectives.roles import RolePlan
 
@@ -70,15 +75,6 @@ if TYPE_CHECKING:
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 ADAPTER_BYTES = 4  # adapters and the value head are float32 on both backends
-LAYER_LINEARS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
 # Bits per weight of a quantized linear, the scales included (bitsandbytes' defaults):
 # nf4 = 4 bits + a float32 absmax per block of 64; int8 = 8 bits + a float32 scale per
 # output row (added in base_weight_bytes). Embeddings, norms, biases and lm_head stay at

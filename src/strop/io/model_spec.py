@@ -20,6 +20,16 @@ CONFIG_FILE = "config.json"
 _SUPPORTED_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
+LAYER_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+"""The linear layers of a decoder layer, by their HF names (``model.layers.N.<name>``)."""
 _LAYER_LINEAR = re.compile(r"model\.layers\.(?P<layer>0|[1-9][0-9]{0,5})\.(?P<linear>\w+\.\w+)")
 
 
@@ -76,16 +86,9 @@ class ModelSpec:
         if found is None or int(found["layer"]) >= self.num_layers:
             return None
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        shapes = {
-            "self_attn.q_proj": (q_out, self.hidden_size),
-            "self_attn.k_proj": (kv_out, self.hidden_size),
-            "self_attn.v_proj": (kv_out, self.hidden_size),
-            "self_attn.o_proj": (self.hidden_size, q_out),
-            "mlp.gate_proj": (self.intermediate_size, self.hidden_size),
-            "mlp.up_proj": (self.intermediate_size, self.hidden_size),
-            "mlp.down_proj": (self.hidden_size, self.intermediate_size),
-        }
-        return shapes.get(found["linear"])
+        h, i = self.hidden_size, self.intermediate_size
+        shapes = [(q_out, h), (kv_out, h), (kv_out, h), (h, q_out), (i, h), (i, h), (h, i)]
+        return dict(zip(LAYER_LINEARS, shapes, strict=True)).get(found["linear"])
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], *, source: str = "config.json") -> ModelSpec:
