@@ -25,7 +25,11 @@ class FakePolicy:
         sums = []
         for name in ("chosen_masks", "rejected_masks"):
             masks = np.split(batch[name], chunks)  # [P, R, W] each, on its chunk's rows
-            sums.append(np.concatenate([(m * r[None]).sum((1, 2)) for m, r in zip(masks, rows)]))
+            sums.append(
+                np.concatenate(
+                    [(m * r[None]).sum((1, 2)) for m, r in zip(masks, rows, strict=True)]
+                )
+            )
         return sums[0].astype(np.float32), sums[1].astype(np.float32)
 
 
@@ -67,7 +71,10 @@ def test_the_statistics_are_the_held_out_means_whatever_the_batches(loss):
         got = evaluator(policy, objective)
         assert set(got) == {f"eval/{name}" for name in STATS}
         for name in STATS:
-            assert got[f"eval/{name}"] == pytest.approx(expected[name], abs=1e-6), (name, batch_size)
+            assert got[f"eval/{name}"] == pytest.approx(expected[name], abs=1e-6), (
+                name,
+                batch_size,
+            )
         again = evaluator(policy, objective)
         assert again == got
         batches = -(-len(held_out) // batch_size)
