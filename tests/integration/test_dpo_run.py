@@ -200,3 +200,36 @@ def test_a_reference_adapter_is_the_reference(dpo_inputs, backend):
     )  # fmt: skip
     assert record["dpo/loss"] == pytest.approx(math.log(2.0), abs=TOL)
     assert record["train/grad_norm"] > 0
+
+
+def test_export_and_eval_take_a_dpo_run(dpo_inputs):
+    """A DPO run's checkpoints are DPO's (``job: dpo``): `strop export RUN_DIR` restores
+    them (the adapter the run exported, again), and `strop eval` scores its adapter
+    (torch; the export and the adapter loading are the backends' shared code)."""
+    from safetensors.numpy import load_file
+
+    from strop.evaluation import run_eval
+    from strop.export import export_config, run_export
+    from strop.io.checkpoint_dir import stored_job
+
+    tmp, inputs = dpo_inputs
+    run_dir = tmp / "start"
+    if not (run_dir / "adapter").is_dir():
+        run(dpo_inputs, "start", "backend=torch", "optim.lr=0.05")
+    assert stored_job(run_dir / "checkpoints", "torch") == "dpo"
+    exported = run_export(export_config(str(run_dir)), tmp / "exported", merged=False)
+    assert (exported.job, exported.step) == ("dpo", 1)
+    ours, theirs = (load_file(path / "adapter_model.safetensors")
+                    for path in (exported.path, run_dir / "adapter"))  # fmt: skip
+    assert ours.keys() == theirs.keys() and all(np.array_equal(ours[k], theirs[k]) for k in ours)
+
+    questions = tmp / "questions.jsonl"
+    questions.write_text("".join(
+        json.dumps({"question": f"What is {a} + {a}?", "answer": f"#### {2 * a}"}) + "\n"
+        for a in range(3)
+    ))  # fmt: skip
+    config = load_config("tiny", [inputs[0], f"eval.path={questions}", f"run_dir={tmp / 'eval'}",
+                                  f"eval.adapter={run_dir / 'adapter'}", "backend=torch",
+                                  "generation.max_new_tokens=4", "mesh.fsdp=1", "mesh.data=-1"])  # fmt: skip
+    result = run_eval(config)
+    assert result.examples == 3 and (tmp / "eval" / "eval" / "summary.json").is_file()

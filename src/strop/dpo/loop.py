@@ -109,7 +109,7 @@ def _train(config: Config, stop_after: int | None, job: Job) -> DpoResult:
 
     progress.phase("loading the model")
     policy = job.backend.build_policy(
-        config, total_steps=config.dpo.steps, checkpoint_dir=config.checkpoint_path()
+        config, total_steps=config.dpo.steps, checkpoint_dir=config.checkpoint_path(), job="dpo"
     )
     steps = DpoSteps(config, policy, order, tokenizer.pad_token_id, evaluator)
     run = run_steps(config, steps, job, total=config.dpo.steps, stop_after=stop_after)
