@@ -15,7 +15,6 @@ statistics' names (``eval/dpo/loss``, ``eval/dpo/reward_accuracy``, ...), as SFT
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -26,8 +25,6 @@ from strop.batch.pairs import Pair, lay_out_chunks
 from strop.config import Config
 from strop.objectives.losses import ArrayOps
 from strop.objectives.preference import PAIR_INPUTS, PreferenceObjective, preference_loss
-
-logger = logging.getLogger(__name__)
 
 EVAL_PREFIX = "eval/"
 """Held-out statistics are the training ones' names after this prefix."""
