@@ -123,7 +123,7 @@ def run_export(config: Config, out: str | os.PathLike, *, merged: bool) -> Expor
         )  # fmt: skip
     else:
         engine = backend.build_policy(
-            config, total_steps=config.sft.steps, checkpoint_dir=checkpoint_dir
+            config, total_steps=config.steps_of(job), checkpoint_dir=checkpoint_dir, job=job
         )
     step = engine.latest_checkpoint()
     if step is None:

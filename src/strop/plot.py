@@ -1,5 +1,6 @@
 """`strop plot RUN_DIR`: a run's curves as a PNG (PPO: reward and validation accuracy; SFT:
-training and eval loss; DPO: its loss, reward accuracy and margin).
+training and eval loss; DPO: its loss, reward accuracy and margin, and the held-out pairs'
+loss and accuracy).
 
 Reads ``<run_dir>/metrics.jsonl`` (one JSON object per logged step, ``{"step": 10,
 "train/reward": 0.31, ...}``, see :mod:`strop.metrics.sinks`) and draws each of
@@ -27,7 +28,9 @@ PANELS = (
     ("train/loss", "train/loss (SFT)", "loss per token"),
     ("eval/loss", "eval/loss (SFT)", "loss per token"),
     ("dpo/loss", "dpo/loss (DPO)", "loss per pair"),
+    ("eval/dpo/loss", "eval/dpo/loss (DPO, held-out pairs)", "loss per pair"),
     ("dpo/reward_accuracy", "dpo/reward_accuracy", "chosen reward higher"),
+    ("eval/dpo/reward_accuracy", "eval/dpo/reward_accuracy (held-out)", "chosen reward higher"),
     ("dpo/reward_margin", "dpo/reward_margin", "chosen - rejected reward"),
 )
 PLOT_FILE = "plot.png"

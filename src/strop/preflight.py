@@ -15,10 +15,10 @@ backend's device count, a mesh or batch layout that does not fit the devices
 a mistake of the config, said before a model's or a data file's); then the files:
 a ``model.path`` that is no directory (:func:`~strop.io.model_spec.require_model_directory`),
 a context longer than the model's positions (:func:`~strop.io.model_spec.check_context_length`),
-a checkpoint the job would resume but cannot: one already past the job's last step
-(:func:`~strop.io.checkpoint_dir.refuse_run_past_its_end`) or one another run wrote (its
+a checkpoint the job would resume but cannot: one another run (or job) wrote (its
 stored identity against the config's, read without a backend:
-:func:`~strop.io.run_identity.check_checkpoint`). Each check of the files takes the
+:func:`~strop.io.run_identity.check_checkpoint`), or one already past the job's last step
+(:func:`~strop.io.checkpoint_dir.refuse_run_past_its_end`). Each check of the files takes the
 values it reads, not the config. Then, still
 before any tokenizer, data or weights load, the job takes its run directory
 (:func:`holding_run_dir`: one job per run directory, a second one refused at once; the
@@ -154,9 +154,9 @@ def preflight(
         max_new_tokens=config.generation.max_new_tokens,
         max_episode_tokens=config.env.max_episode_tokens if config.env.enabled else None,
     )  # fmt: skip
-    if checkpoint_dir is not None and training:
+    if checkpoint_dir is not None and training:  # another run's (job's) checkpoints first
+        check_checkpoint(checkpoint_dir, config, job, advice=advice)
         if running:
             total = config.steps_of(job)
             refuse_run_past_its_end(checkpoint_dir, config.backend, job, total, config.run_dir)
-        check_checkpoint(checkpoint_dir, config, job, advice=advice)
     return backend

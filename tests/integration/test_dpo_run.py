@@ -38,6 +38,15 @@ def dpo_inputs(tmp_path_factory):
         texts += [records[-1]["prompt"] + records[-1]["chosen"], records[-1]["rejected"]]
     data = tmp / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    # held-out pairs (the last 5: a last batch of 4 filled up with 3 that weigh 0), and both sets
+    # under other keys (data.prompt_key / chosen_key / rejected_key)
+    keyed = [{"question": r["prompt"], "good": r["chosen"], "bad": r["rejected"]} for r in records]
+    for name, rows in (
+        ("held_out", records[-5:]),
+        ("keyed", keyed),
+        ("held_out_keyed", keyed[-5:]),
+    ):
+        (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     make_tiny_checkpoint(tmp / "model", texts, seed=0, layers=1)
     return tmp, [f"model.path={tmp / 'model'}", f"data.train_path={data}"]
 
@@ -65,12 +74,21 @@ def test_the_first_step_from_a_fresh_adapter_gives_the_losses_formula(dpo_inputs
     settings = [f"backend={backend}", f"dpo.loss={loss}", f"dpo.beta={beta}"]
     if loss == "simpo":
         settings += ["dpo.reference=none", "dpo.simpo_gamma=0.5"]
+    tmp = dpo_inputs[0]
+    if loss == "sigmoid":  # other keys, and held-out pairs scored after the (last) step
+        settings += [f"data.train_path={tmp / 'keyed.jsonl'}", "data.prompt_key=question",
+                     "data.chosen_key=good", "data.rejected_key=bad",
+                     f"data.eval_path={tmp / 'held_out_keyed.jsonl'}"]  # fmt: skip
     result, record = run(dpo_inputs, f"{backend}-{loss}", *settings)
     assert set(STATS) <= set(record)
     assert "train/loss" not in record  # dpo/loss is the loss (strop plot: no SFT panel)
     if loss == "sigmoid":
         assert record["dpo/loss"] == pytest.approx(math.log(2.0), abs=TOL)
         assert record["dpo/reward_margin"] == pytest.approx(0.0, abs=TOL)
+        # after one step at lr 1e-3 the policy is near its reference on the held-out pairs
+        assert {f"eval/{name}" for name in STATS} <= set(record)
+        assert record["eval/dpo/loss"] == pytest.approx(math.log(2.0), abs=0.01)
+        assert record["eval/dpo/chosen_logps"] < 0 and record["eval/dpo/loss"] != record["dpo/loss"]
     elif loss == "ipo":
         assert record["dpo/loss"] == pytest.approx(1.0 / (4 * beta**2), abs=TOL)
     else:  # the loss of a batch of pairs is not a function of its mean margin: bound it
@@ -116,8 +134,11 @@ def test_a_bad_config_is_one_line_and_exit_2_before_anything_loads(dpo_inputs):
     config = load_config("dpo-lora-tiny", [*inputs, f"dpo.reference=adapter:{tmp}/nothing"])
     with pytest.raises(ConfigError, match="is not a directory"):
         check_dpo(config)
-    config = load_config("dpo-lora-tiny", [*inputs, f"data.eval_path={tmp}"])
-    with pytest.raises(ConfigError, match="does not evaluate held-out pairs yet"):
+    config = load_config("dpo-lora-tiny", [*inputs, "dpo.eval_every=2"])
+    with pytest.raises(ConfigError, match=r"dpo\.eval_every > 0 needs data\.eval_path"):
+        check_dpo(config)
+    config = load_config("dpo-lora-tiny", [*inputs, "data.rejected_key=chosen"])
+    with pytest.raises(ConfigError, match=r"data\.chosen_key and data\.rejected_key are both"):
         check_dpo(config)
     done = strop("dpo", "dpo-lora-tiny", *inputs, "dpo.loss=simpo", f"run_dir={tmp / 'refused'}",
                  cwd=tmp)  # fmt: skip
@@ -129,7 +150,8 @@ def test_a_bad_config_is_one_line_and_exit_2_before_anything_loads(dpo_inputs):
 
 def test_a_stopped_run_resumes_exactly(dpo_inputs):
     """torch (the data order, the checkpoint and the resume are the backends' shared
-    skeleton's): 3 steps straight = 1 step, stopped, then resumed to 3, step for step."""
+    skeleton's): 3 steps straight = 1 step, stopped, then resumed to 3, step for step,
+    the held-out pairs' statistics included (scored at steps 2 and 3)."""
     tmp, inputs = dpo_inputs
 
     def config(name):
@@ -137,7 +159,7 @@ def test_a_stopped_run_resumes_exactly(dpo_inputs):
             "dpo-lora-tiny",
             [*inputs, f"run_dir={tmp / name}", "backend=torch", "dpo.steps=3", "dpo.batch_size=4",
              "dpo.micro_batch_size=2", "checkpoint.every_steps=1", "optim.lr=1e-2",
-             "lora.dropout=0.1"],
+             "lora.dropout=0.1", f"data.eval_path={tmp / 'held_out.jsonl'}", "dpo.eval_every=2"],
         )  # fmt: skip
 
     straight = run_dpo(config("straight"))
@@ -152,6 +174,14 @@ def test_a_stopped_run_resumes_exactly(dpo_inputs):
         for key in (*STATS, "train/grad_norm"):
             assert ours[key] == theirs[key], key
     assert straight.losses[-1] != straight.losses[0]  # it trains
+    held_out = {
+        name: {r["step"]: r["eval/dpo/loss"] for r in records[name] if "eval/dpo/loss" in r}
+        for name in ("straight", "resumed")
+    }
+    assert list(held_out["straight"]) == [2, 3] and held_out["resumed"] == held_out["straight"]
+    # the policy's forward has its adapters: the held-out loss moves away from log 2
+    assert held_out["straight"][2] != held_out["straight"][3]
+    assert abs(held_out["straight"][3] - math.log(2.0)) > 1e-4
 
 
 @pytest.mark.parametrize("backend", ["torch", "jax"])
@@ -170,3 +200,36 @@ def test_a_reference_adapter_is_the_reference(dpo_inputs, backend):
     )  # fmt: skip
     assert record["dpo/loss"] == pytest.approx(math.log(2.0), abs=TOL)
     assert record["train/grad_norm"] > 0
+
+
+def test_export_and_eval_take_a_dpo_run(dpo_inputs):
+    """A DPO run's checkpoints are DPO's (``job: dpo``): `strop export RUN_DIR` restores
+    them (the adapter the run exported, again), and `strop eval` scores its adapter
+    (torch; the export and the adapter loading are the backends' shared code)."""
+    from safetensors.numpy import load_file
+
+    from strop.evaluation import run_eval
+    from strop.export import export_config, run_export
+    from strop.io.checkpoint_dir import stored_job
+
+    tmp, inputs = dpo_inputs
+    run_dir = tmp / "start"
+    if not (run_dir / "adapter").is_dir():
+        run(dpo_inputs, "start", "backend=torch", "optim.lr=0.05")
+    assert stored_job(run_dir / "checkpoints", "torch") == "dpo"
+    exported = run_export(export_config(str(run_dir)), tmp / "exported", merged=False)
+    assert (exported.job, exported.step) == ("dpo", 1)
+    ours, theirs = (load_file(path / "adapter_model.safetensors")
+                    for path in (exported.path, run_dir / "adapter"))  # fmt: skip
+    assert ours.keys() == theirs.keys() and all(np.array_equal(ours[k], theirs[k]) for k in ours)
+
+    questions = tmp / "questions.jsonl"
+    questions.write_text("".join(
+        json.dumps({"question": f"What is {a} + {a}?", "answer": f"#### {2 * a}"}) + "\n"
+        for a in range(3)
+    ))  # fmt: skip
+    config = load_config("tiny", [inputs[0], f"eval.path={questions}", f"run_dir={tmp / 'eval'}",
+                                  f"eval.adapter={run_dir / 'adapter'}", "backend=torch",
+                                  "generation.max_new_tokens=4", "mesh.fsdp=1", "mesh.data=-1"])  # fmt: skip
+    result = run_eval(config)
+    assert result.examples == 3 and (tmp / "eval" / "eval" / "summary.json").is_file()

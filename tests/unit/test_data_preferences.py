@@ -108,6 +108,27 @@ def test_custom_keys_and_tables(tmp_path, tok):
         read_preferences(bad)
 
 
+def test_the_keys_come_from_the_config(tmp_path, tok, caplog):
+    """``data.prompt_key`` / ``data.chosen_key`` / ``data.rejected_key`` (strop dpo's
+    reader): a record without one of them is refused by file:line naming it, or skipped
+    and counted with data.skip_bad_lines."""
+    from strop.config import load_config
+    from strop.data.preferences import load_preference_pairs
+
+    keys = ["data.prompt_key=question", "data.chosen_key=good", "data.rejected_key=bad"]
+    record = {"question": PROMPT, "good": GOOD, "bad": BAD}
+    path = jsonl(tmp_path / "d.jsonl", [record, {"question": PROMPT, "good": GOOD}, record])
+    data = load_config("dpo-lora-tiny", keys).data
+    with pytest.raises(DataError, match=r"d\.jsonl:2: missing field 'bad'; the record has good"):
+        load_preference_pairs(path, data, tok)
+    skipping = load_config("dpo-lora-tiny", [*keys, "data.skip_bad_lines=true"]).data
+    with caplog.at_level(logging.WARNING):
+        pairs, stats = load_preference_pairs(path, skipping, tok)
+    assert [pair.line for pair in pairs] == [1, 3] and stats.num_pairs == 2
+    assert "skipped 1 bad line(s)" in caplog.text
+    assert pairs[0].chosen_ids.tolist() == [*tok.encode(GOOD), tok.eos_token_id]
+
+
 BAD_RECORDS = [
     (TEXT | {"rejected": GOOD}, "'chosen' and 'rejected' are the same answer"),
     (TEXT | {"chosen": ""}, "the answer 'chosen' is empty"),

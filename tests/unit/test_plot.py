@@ -66,10 +66,15 @@ def test_a_dpo_run_plots_its_loss_accuracy_and_margin(tmp_path):
              "dpo/reward_margin": s / 20, "dpo/chosen_reward": 0.1, "train/grad_norm": 1.0})
         for s in range(1, 11)
     ]  # fmt: skip
+    for step, record in records[4::5]:  # held-out pairs (data.eval_path) at steps 5 and 10
+        record.update({"eval/dpo/loss": step / 100, "eval/dpo/reward_accuracy": 0.5,
+                       "eval/dpo/reward_margin": 0.01})  # fmt: skip
     write_metrics(tmp_path, records)
     assert plot_run(tmp_path).read_bytes().startswith(PNG_SIGNATURE)
     series = read_series(tmp_path / "metrics.jsonl")
-    assert sorted(series) == ["dpo/loss", "dpo/reward_accuracy", "dpo/reward_margin"]
+    assert sorted(series) == ["dpo/loss", "dpo/reward_accuracy", "dpo/reward_margin",
+                              "eval/dpo/loss", "eval/dpo/reward_accuracy"]  # fmt: skip
+    assert series["eval/dpo/loss"] == ([5, 10], [0.05, 0.1])
 
 
 def test_metrics_with_nothing_to_plot_is_a_strop_error(tmp_path):

@@ -120,6 +120,32 @@ def test_a_resume_of_another_run_is_refused_before_anything_loads(tmp_path, back
     assert _records(run_dir) == before  # config.yaml and versions.json: not a byte changed
 
 
+@pytest.mark.parametrize(("written", "command"), [("dpo", "sft"), ("sft", "dpo")])
+def test_another_jobs_run_directory_is_refused_before_anything_loads(
+    tmp_path, written, command, capsys
+):
+    """strop sft on a DPO run's directory, strop dpo on an SFT run's: the same model and
+    adapters, but not the same run (before: resumed, DPO's checkpoints carrying SFT's
+    identity); refused from the identity, before the step count (60 is past both jobs'
+    steps) and before the data (there is none)."""
+    from strop.cli import main
+
+    trained, run_dir = _checkpointed_run(tmp_path, "torch", written, 60)
+    before = _records(run_dir)
+    args = [command, "tiny", f"model.path={trained.model.path}", f"run_dir={run_dir}",
+            "backend=torch", f"data.train_path={tmp_path / 'absent.jsonl'}", "mesh.fsdp=1",
+            "mesh.tensor=-1"]  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.endswith(
+        f"was written by a different run: it is a strop {written} run's and this is strop "
+        f"{command}. Resume it with strop {written}, or start this run in a new run directory."
+    ), line
+    assert _records(run_dir) == before
+
+
 @pytest.mark.parametrize(("job", "key"), [("sft", "sft.steps"), ("ppo", "ppo.steps")])
 def test_a_run_already_past_its_end_is_refused_and_keeps_its_metrics(tmp_path, job, key):
     from strop.rl.ppo import run_ppo

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -309,10 +309,15 @@ class Backend(Protocol):
         ...
 
     def build_policy(
-        self, config: Config, *, total_steps: int, checkpoint_dir: str | os.PathLike | None
+        self,
+        config: Config,
+        *,
+        total_steps: int,
+        checkpoint_dir: str | os.PathLike | None,
+        job: Literal["sft", "dpo"] = "sft",
     ) -> Policy:
-        """The :class:`Policy` of ``config`` (SFT, eval, export of an SFT run); the
-        learning-rate schedule spans ``total_steps``, checkpoints live in
+        """The :class:`Policy` of ``config`` (SFT, DPO, eval, export of an SFT or DPO run);
+        the learning-rate schedule spans ``total_steps``, checkpoints of ``job`` live in
         ``checkpoint_dir`` (``None``: none are kept)."""
         ...
 

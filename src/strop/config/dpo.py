@@ -45,6 +45,12 @@ class DpoConfig(_Section):
         description="Pairs per forward/backward pass (both answers, the prompt once); "
         "gradients accumulate over batch_size / micro_batch_size passes.",
     )
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="With data.eval_path (held-out pairs): score them every this many steps "
+        "and at the last step; 0 = at the last step only.",
+    )
 
     @field_validator("loss")
     @classmethod

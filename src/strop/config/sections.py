@@ -116,6 +116,12 @@ class DataConfig(_Section):
     answer_key: str | None = Field(
         None, description="With prompt_key: the answer's column (completion, gold)."
     )
+    chosen_key: str = Field(
+        "chosen", min_length=1, description="strop dpo: the preferred answer's column."
+    )
+    rejected_key: str = Field(
+        "rejected", min_length=1, description="strop dpo: the dispreferred answer's column."
+    )
     max_length: int = Field(
         512,
         gt=0,

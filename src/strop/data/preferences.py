@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from strop.config import DataConfig
 from strop.data.chat_records import _BadLine, _kind, _messages, _tools
 from strop.data.record_files import check_text_size, read_records
 from strop.data.sources import DEFAULT_MAX_RECORD_BYTES, ReadStats, _text
@@ -94,6 +95,22 @@ class PairStats:
     first_skipped: str = ""
     num_prompt_tokens: int = 0
     num_answer_tokens: int = 0
+
+
+def load_preference_pairs(
+    path: str | Path, data: DataConfig, tokenizer: Tokenizer
+) -> tuple[list[TokenizedPair], PairStats]:
+    """The tokenized pairs of a data file as ``data`` says: its keys (``data.prompt_key``,
+    default ``prompt``; ``data.chosen_key``, ``data.rejected_key``), ``data.max_length``,
+    ``data.skip_bad_lines`` and ``data.max_record_bytes``."""
+    examples, _ = read_preferences(
+        path, prompt_key=data.prompt_key or "prompt", chosen_key=data.chosen_key,
+        rejected_key=data.rejected_key, skip_bad_lines=data.skip_bad_lines,
+        max_record_bytes=data.max_record_bytes,
+    )  # fmt: skip
+    return tokenize_preferences(
+        examples, tokenizer, data.max_length, skip_bad_lines=data.skip_bad_lines
+    )
 
 
 def read_preferences(

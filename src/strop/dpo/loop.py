@@ -7,7 +7,9 @@ resume, checkpoints, metrics, the adapter's export); a step is :class:`DpoSteps`
 out as ``dpo.batch_size / dpo.micro_batch_size`` shared-prompt layouts
 (:func:`strop.batch.pairs.lay_out_chunks`), forwards them once with the adapters off for
 the reference's log-probabilities (losses that read a reference), then once more, with the
-gradient, in the backend's update (``Policy.train_pairs``).
+gradient, in the backend's update (``Policy.train_pairs``). With ``data.eval_path``, the
+held-out pairs are scored every ``dpo.eval_every`` steps and at the last
+(:mod:`strop.dpo.evaluate`: ``eval/dpo/*``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from strop.batch.pairs import lay_out_chunks
 from strop.config import Config
 from strop.data import Tokenizer
 from strop.data.batching import SftBatcher
-from strop.data.preferences import read_preferences, tokenize_preferences
+from strop.data.preferences import load_preference_pairs
+from strop.dpo.evaluate import EVAL_PREFIX, PairEvaluator
 from strop.errors import ConfigError
 from strop.job import Job, PolicySteps, RunResult, run_steps, training_job
 from strop.objectives.preference import STATS, PreferenceObjective
@@ -56,10 +59,16 @@ def check_dpo(config: Config) -> None:
             f"dpo.reference={dpo.reference}: {dpo.reference_adapter} is not a directory "
             "(a PEFT adapter's, e.g. <sft run_dir>/adapter)"
         )
-    if config.data.eval_path:
+    data = config.data
+    if dpo.eval_every and not data.eval_path:
         raise ConfigError(
-            f"data.eval_path ({config.data.eval_path}): strop dpo does not evaluate held-out "
-            "pairs yet; leave data.eval_path unset"
+            "dpo.eval_every > 0 needs data.eval_path (held-out pairs); set dpo.eval_every=0 "
+            "to train without evaluation"
+        )
+    if data.chosen_key == data.rejected_key:
+        raise ConfigError(
+            f"data.chosen_key and data.rejected_key are both {data.chosen_key!r}: a pair's "
+            "two answers are two columns"
         )
     if config.dpo.reference == "base" and config.lora.restore_path:
         raise ConfigError(
@@ -82,13 +91,7 @@ def _train(config: Config, stop_after: int | None, job: Job) -> DpoResult:
     data, progress = config.data, job.progress
     progress.phase("reading the data")
     tokenizer = Tokenizer.from_pretrained(config.model.path)
-    examples, _ = read_preferences(
-        data.train_path, prompt_key=data.prompt_key or "prompt",
-        skip_bad_lines=data.skip_bad_lines, max_record_bytes=data.max_record_bytes,
-    )  # fmt: skip
-    pairs, stats = tokenize_preferences(
-        examples, tokenizer, data.max_length, skip_bad_lines=data.skip_bad_lines
-    )
+    pairs, stats = load_preference_pairs(data.train_path, data, tokenizer)
     logger.info(
         "preference data: %d pairs, %d prompt and %d answer tokens",
         len(pairs), stats.num_prompt_tokens, stats.num_answer_tokens,
@@ -97,12 +100,18 @@ def _train(config: Config, stop_after: int | None, job: Job) -> DpoResult:
     # pair's three id arrays
     order = SftBatcher([pair.ids for pair in pairs], config.dpo.batch_size, seed=config.seed,
                        shuffle=data.shuffle, max_length=3)  # fmt: skip
+    evaluator = None
+    if data.eval_path:  # read before the model loads: a bad record is refused first
+        held_out, _ = load_preference_pairs(data.eval_path, data, tokenizer)
+        logger.info("held-out data: %d pairs", len(held_out))
+        ids = [pair.ids for pair in held_out]
+        evaluator = PairEvaluator.of(config, ids, tokenizer.pad_token_id)
 
     progress.phase("loading the model")
     policy = job.backend.build_policy(
-        config, total_steps=config.dpo.steps, checkpoint_dir=config.checkpoint_path()
+        config, total_steps=config.dpo.steps, checkpoint_dir=config.checkpoint_path(), job="dpo"
     )
-    steps = DpoSteps(config, policy, order, tokenizer.pad_token_id)
+    steps = DpoSteps(config, policy, order, tokenizer.pad_token_id, evaluator)
     run = run_steps(config, steps, job, total=config.dpo.steps, stop_after=stop_after)
     return DpoResult.of(config, run, policy, losses=[rec["dpo/loss"] for rec in run.records])
 
@@ -113,7 +122,8 @@ class DpoSteps(PolicySteps):
 
     order: SftBatcher
     pad_id: int
-    always_written: tuple[str, ...] = ()
+    evaluator: PairEvaluator | None = None  # data.eval_path's pairs
+    always_written: tuple[str, ...] = (EVAL_PREFIX + "dpo/loss",)
 
     @property
     def objective(self) -> PreferenceObjective:
@@ -144,9 +154,12 @@ class DpoSteps(PolicySteps):
         seconds = time.perf_counter() - began
         self.count_skipped(metrics, f"dpo step {step + 1}")
         tokens = float(batch["chosen_tokens"].sum() + batch["rejected_tokens"].sum())
-        return {
+        record = {
             **{name: metrics[name] for name in STATS},
             **self.update_record(
                 metrics, tokens=tokens, epoch=self.order.epoch_of(step), seconds=seconds
             ),
         }
+        if self.evaluator is not None and self.evaluator.due(step + 1, self.config.dpo.steps):
+            record.update(self.evaluator(self.model, objective))  # held-out pairs, no gradient
+        return record

@@ -78,7 +78,7 @@ def newest_identity(directory: str | os.PathLike, backend: str) -> tuple[int, di
 
 
 def stored_job(directory: str | os.PathLike, backend: str) -> str | None:
-    """The job (``"sft"`` or ``"ppo"``) that wrote ``backend``'s newest checkpoint in
+    """The job (``"sft"``, ``"ppo"`` or ``"dpo"``) that wrote ``backend``'s newest checkpoint in
     ``directory``; ``None`` when there is no checkpoint."""
     identity = stored_identity(directory, backend)
     return None if identity is None else str(identity.get("job", "sft"))  # SFT predates it

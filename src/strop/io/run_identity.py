@@ -69,13 +69,16 @@ def run_identity(model_path: str | os.PathLike, lora: LoraConfig, backend: str) 
 
 def job_identity(config: Config, backend: str, job: str) -> dict[str, Any]:
     """What ``config``'s checkpoints of ``job`` on ``backend`` belong to: :func:`run_identity`
-    (SFT), and for PPO ``job: ppo`` with what :meth:`RolePlan.identity` records of the
+    (SFT: no ``job`` key, as SFT checkpoints were before any other job had one); for DPO
+    ``job: dpo``; for PPO ``job: ppo`` with what :meth:`RolePlan.identity` records of the
     roles of ``config``'s plan (a critic-free run: ``critic: false``; a critic on the
     actor's adapters: ``critic: shared_trunk``; an own critic: nothing, as checkpoints
     were before either existed)."""
     identity = run_identity(config.model_path(), config.lora, backend)
     if job == "ppo":
         identity |= {"job": "ppo", **RolePlan.from_config(config).identity()}
+    elif job == "dpo":
+        identity["job"] = "dpo"
     return identity
 
 
@@ -84,7 +87,7 @@ def run_checkpoints(
     config: Config,
     directory: str | os.PathLike | None,
     backend: str,
-    job: Literal["sft", "ppo"],
+    job: Literal["sft", "ppo", "dpo"],
     *args: Any,
 ) -> T | None:
     """A backend's checkpoints (``kind``: its ``TrainCheckpoints``, given ``args`` after the
@@ -107,8 +110,12 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def identity_differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """Human-readable differences between two identities (empty when they match)."""
+    """Human-readable differences between two identities (empty when they match). Another
+    job's checkpoints (``strop sft`` on a DPO run) are that one difference."""
     old, new = flatten(stored), flatten(json.loads(json.dumps(current)))
+    jobs = (old.get("job", "sft"), new.get("job", "sft"))  # SFT's identity has no job
+    if jobs[0] != jobs[1]:
+        return [f"it is a strop {jobs[0]} run's and this is strop {jobs[1]}"]
     base = (old.get("base_model"), new.get("base_model"))
     diffs = []
     for key in sorted(set(old) | set(new)):
@@ -138,6 +145,9 @@ def check_same_run(
     """Raise :class:`CheckpointError` if the identity ``stored`` with ``checkpoint`` (a
     directory) is not the run's ``current`` one, naming each difference, then ``advice``."""
     diffs = identity_differences(stored, current)
+    stored_job = stored.get("job", "sft")
+    if stored_job != current.get("job", "sft"):
+        advice = f"Resume it with strop {stored_job}, or start this run in a new run directory."
     if diffs:
         raise CheckpointError(
             f"checkpoint {checkpoint} was written by a different run: "

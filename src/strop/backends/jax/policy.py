@@ -9,7 +9,7 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from flax import nnx
@@ -54,7 +54,12 @@ class JaxPolicy(PolicyMethods, Sampler):
     preference, lora, write_once = preference, lora, staticmethod(write_once)
 
     def __init__(
-        self, config: Config, *, total_steps: int, checkpoint_dir: str | os.PathLike | None
+        self,
+        config: Config,
+        *,
+        total_steps: int,
+        checkpoint_dir: str | os.PathLike | None,
+        job: Literal["sft", "dpo"] = "sft",
     ):
         check_supported(config.lora)
         self.config = config
@@ -72,7 +77,7 @@ class JaxPolicy(PolicyMethods, Sampler):
         self.trainer = Trainer(
             model, self.mesh, config.optim, total_steps=total_steps, trainable=self.trainable
         )
-        self.checkpoints = run_checkpoints(TrainCheckpoints, config, checkpoint_dir, "jax", "sft")
+        self.checkpoints = run_checkpoints(TrainCheckpoints, config, checkpoint_dir, "jax", job)
 
     @property
     def is_main(self) -> bool:

@@ -10,7 +10,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -40,7 +40,12 @@ class TorchPolicy(PolicyMethods, Sampler):
     preference, lora, write_once = preference, lora, staticmethod(write_once)
 
     def __init__(
-        self, config: Config, *, total_steps: int, checkpoint_dir: str | os.PathLike | None
+        self,
+        config: Config,
+        *,
+        total_steps: int,
+        checkpoint_dir: str | os.PathLike | None,
+        job: Literal["sft", "dpo"] = "sft",
     ):
         self.config = config
         self.placement = place(config.mesh)
@@ -58,7 +63,7 @@ class TorchPolicy(PolicyMethods, Sampler):
         self.model = self.loaded.model
         self.trainer = Trainer(self.loaded, config.optim, total_steps=total_steps, seed=config.seed)
         self.checkpoints = run_checkpoints(
-            TrainCheckpoints, config, checkpoint_dir, "torch", "sft", self.placement
+            TrainCheckpoints, config, checkpoint_dir, "torch", job, self.placement
         )
 
     @property
