@@ -125,8 +125,11 @@ def test_bad_dpo_settings_are_refused(overrides, message):
 
 def test_a_bad_config_is_one_line_and_exit_2_before_anything_loads(dpo_inputs):
     tmp, inputs = dpo_inputs
-    config = load_config("dpo-lora-tiny", [*inputs, "lora.enabled=false"])
-    with pytest.raises(ConfigError, match=r"needs lora\.enabled=true"):
+    check_dpo(load_config("dpo-lora-tiny", [*inputs, "lora.enabled=false"]))  # a frozen copy
+    config = load_config(
+        "dpo-lora-tiny", [*inputs, "lora.enabled=false", f"dpo.reference=adapter:{tmp}"]
+    )
+    with pytest.raises(ConfigError, match=r"frozen adapter on the base: it needs lora\.enabled"):
         check_dpo(config)
     config = load_config("dpo-lora-tiny", [*inputs, f"lora.restore_path={tmp}"])
     with pytest.raises(ConfigError, match="not the adapter the run starts from"):
@@ -233,3 +236,28 @@ def test_export_and_eval_take_a_dpo_run(dpo_inputs):
                                   "generation.max_new_tokens=4", "mesh.fsdp=1", "mesh.data=-1"])  # fmt: skip
     result = run_eval(config)
     assert result.examples == 3 and (tmp / "eval" / "eval" / "summary.json").is_file()
+
+
+def test_full_fine_tuning_resumes_from_its_frozen_copy(dpo_inputs):
+    """LoRA off, JAX (torch's reference is rebuilt from model.path, JAX's copied from the
+    weights before the checkpoint is restored): the first step is log 2, a stopped run
+    resumes exactly (its reference still the starting weights), the export is the model."""
+    tmp, inputs = dpo_inputs
+
+    def config(name):
+        return load_config(
+            "dpo-lora-tiny",
+            [*inputs, f"run_dir={tmp / name}", "backend=torch", "lora.enabled=false",
+             "dpo.steps=2", "dpo.batch_size=2", "dpo.micro_batch_size=2",
+             "checkpoint.every_steps=1", "optim.lr=1e-2", "mesh.fsdp=1", "mesh.data=-1"],
+        )  # fmt: skip
+
+    straight = run_dpo(config("full-straight"))
+    assert straight.losses[0] == pytest.approx(math.log(2.0), abs=TOL)
+    assert abs(straight.losses[1] - straight.losses[0]) > 1e-4  # it trains
+    assert (straight.export_path / "config.json").is_file()
+    assert not (straight.export_path / "adapter_config.json").exists()
+    assert run_dpo(config("full-resumed"), stop_after=1).final_step == 1
+    resumed = run_dpo(config("full-resumed"))
+    assert resumed.resumed_from == 1
+    assert resumed.losses == pytest.approx(straight.losses[1:], abs=1e-6)

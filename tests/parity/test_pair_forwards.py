@@ -145,3 +145,26 @@ def test_an_update_in_two_micro_batches_is_the_update_in_one(tiny_model_dir, tmp
         seen.append(stats)
     for name in ("loss", "grad_norm", *STATS) if len(seen) == 2 else ():
         assert seen[1][name] == pytest.approx(seen[0][name], rel=TOL, abs=TOL), name
+
+
+def test_a_full_fine_tuning_step_starts_at_log_2_and_jax_is_torch(tiny_model_dir, tmp_path):
+    """Full fine-tuning (LoRA off): the reference is a frozen copy of the starting weights,
+    so the first DPO step's loss is log 2 on both backends, its statistics and gradient
+    norm agree (1e-5), and after the update the reference is still the starting weights
+    while the policy has moved."""
+    model_dir = tiny_model_dir("qwen2")
+    objective = PreferenceObjective("sigmoid", 0.5)
+    batch = lay_out_chunks(random_pairs(1, count=4, shared=1), 1)
+    seen = {}
+    for backend in BACKENDS:
+        policy = build(backend, model_dir, tmp_path, "lora.enabled=false")
+        policy.prepare_reference()
+        ref_chosen, ref_rejected = policy.pair_logps(batch, 1, reference=True)
+        step = {**batch, "ref_chosen_logps": ref_chosen, "ref_rejected_logps": ref_rejected}
+        seen[backend] = stats = policy.train_pairs(step, 1, objective)
+        assert stats["dpo/loss"] == pytest.approx(np.log(2.0), abs=TOL) and stats["skipped"] == 0
+        again = policy.pair_logps(batch, 1, reference=True)
+        np.testing.assert_array_equal(again[0], ref_chosen)  # the reference is frozen
+        assert np.abs(policy.pair_logps(batch, 1)[0] - ref_chosen).max() > 1e-3  # it trained
+    for name in ("loss", "grad_norm", *STATS):
+        assert seen["jax"][name] == pytest.approx(seen["torch"][name], rel=TOL, abs=TOL), name

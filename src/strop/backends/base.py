@@ -165,7 +165,13 @@ class Policy(TrainableModel, Protocol):
         """Preference pairs (``strop dpo``): each pair's chosen and rejected answer's
         log-probability sums, from one forward per layout of ``batch`` (``chunks`` of
         them, :func:`strop.batch.pairs.lay_out_chunks`), without gradient; ``reference``:
-        with the LoRA adapters off (the base)."""
+        with the LoRA adapters off (the base), or the frozen copy (full fine-tuning)."""
+        ...
+
+    def prepare_reference(self) -> None:
+        """Make the frozen reference of ``dpo.reference`` now, before a checkpoint is
+        restored: with full fine-tuning, a copy of the starting weights (a second copy of
+        the model in memory, without gradient or optimizer state, never checkpointed)."""
         ...
 
     def train_pairs(
@@ -180,7 +186,7 @@ class Policy(TrainableModel, Protocol):
 class PolicyMethods:
     """The :class:`Policy` methods both backends' policies share, written once over their
     own package's modules of the same names, which a policy class names: ``preference``
-    (``forward_pair_logps``, ``train_pairs``), ``lora`` (``adapter_weights``,
+    (``forward_pair_logps``, ``prepare_reference``, ``train_pairs``), ``lora`` (``adapter_weights``,
     ``set_adapter_weights``) and ``write_once``. A policy has ``config`` and ``model``."""
 
     preference: ClassVar[ModuleType]
@@ -195,6 +201,10 @@ class PolicyMethods:
         """Each pair's chosen and rejected log-probability sums, one forward per layout
         (the backend's ``preference.forward_pair_logps``)."""
         return self.preference.forward_pair_logps(self, batch, chunks, reference=reference)
+
+    def prepare_reference(self) -> None:
+        """The frozen reference, made now (the backend's ``preference.prepare_reference``)."""
+        self.preference.prepare_reference(self)
 
     def train_pairs(
         self, batch: dict[str, np.ndarray], chunks: int, objective: PreferenceObjective

@@ -32,10 +32,11 @@ class DpoConfig(_Section):
     )
     reference: str = Field(
         "base",
-        description="The reference policy: base (the base model, LoRA's adapters off), "
-        "adapter:DIR (a frozen PEFT adapter on the base, e.g. the SFT adapter the run "
-        "starts from with lora.restore_path), its log-probabilities computed once per "
-        "batch; or none (simpo).",
+        description="The reference policy: base (the base model, LoRA's adapters off; "
+        "full fine-tuning: a frozen copy of model.path, a second copy of the weights in "
+        "memory), adapter:DIR (LoRA: a frozen PEFT adapter on the base, e.g. the SFT "
+        "adapter the run starts from with lora.restore_path), its log-probabilities "
+        "computed once per batch; or none (simpo).",
     )
     steps: int = Field(100, gt=0, description="Optimizer steps.")
     batch_size: int = Field(8, gt=0, description="Pairs per optimizer step (all devices).")

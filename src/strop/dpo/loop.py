@@ -5,11 +5,11 @@ resume, checkpoints, metrics, the adapter's export); a step is :class:`DpoSteps`
 ``step`` is a pure function of the seed and the step (the pairs' order is
 :class:`~strop.data.batching.SftBatcher`'s), so a run resumes exactly. A step lays its pairs
 out as ``dpo.batch_size / dpo.micro_batch_size`` shared-prompt layouts
-(:func:`strop.batch.pairs.lay_out_chunks`), forwards them once with the adapters off for
-the reference's log-probabilities (losses that read a reference), then once more, with the
-gradient, in the backend's update (``Policy.train_pairs``). With ``data.eval_path``, the
-held-out pairs are scored every ``dpo.eval_every`` steps and at the last
-(:mod:`strop.dpo.evaluate`: ``eval/dpo/*``).
+(:func:`strop.batch.pairs.lay_out_chunks`), forwards them once with the adapters off (full
+fine-tuning: a frozen copy of the starting weights) for the reference's log-probabilities
+(losses that read a reference), then once more, with the gradient, in the backend's update
+(``Policy.train_pairs``). With ``data.eval_path``, the held-out pairs are scored every
+``dpo.eval_every`` steps and at the last (:mod:`strop.dpo.evaluate`: ``eval/dpo/*``).
 """
 
 from __future__ import annotations
@@ -47,12 +47,11 @@ def check_dpo(config: Config) -> None:
     if config.model.path is None or config.data.train_path is None:
         raise ConfigError("strop dpo needs model.path and data.train_path (preference pairs)")
     dpo = config.dpo
-    if dpo.reference != "none" and not config.lora.enabled:
+    if dpo.reference_adapter is not None and not config.lora.enabled:
         raise ConfigError(
-            f"dpo.reference={dpo.reference} is the base model with the LoRA adapters off (or "
-            "a frozen adapter on it): it needs lora.enabled=true (full fine-tuning with a "
-            "frozen reference copy is not supported yet), or the reference-free "
-            "dpo.loss=simpo with dpo.reference=none"
+            f"dpo.reference={dpo.reference} is a frozen adapter on the base: it needs "
+            "lora.enabled=true (with full fine-tuning the reference is dpo.reference=base, "
+            "a frozen copy of model.path)"
         )
     if dpo.reference_adapter is not None and not Path(dpo.reference_adapter).is_dir():
         raise ConfigError(
@@ -111,6 +110,8 @@ def _train(config: Config, stop_after: int | None, job: Job) -> DpoResult:
     policy = job.backend.build_policy(
         config, total_steps=config.dpo.steps, checkpoint_dir=config.checkpoint_path(), job="dpo"
     )
+    if config.dpo.objective().needs_reference:  # before a checkpoint is restored
+        policy.prepare_reference()  # full fine-tuning: a frozen copy of the model
     steps = DpoSteps(config, policy, order, tokenizer.pad_token_id, evaluator)
     run = run_steps(config, steps, job, total=config.dpo.steps, stop_after=stop_after)
     return DpoResult.of(config, run, policy, losses=[rec["dpo/loss"] for rec in run.records])

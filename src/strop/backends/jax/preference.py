@@ -9,8 +9,10 @@ for both backends, turn the logits into the per-pair sums and the weighted loss.
 update is :func:`strop.backends.jax.train.update` (SFT's accumulate-and-apply, with its
 non-finite guard) of :func:`preference_loss`. The reference is PPO's
 (:func:`~strop.backends.jax.lora.initial_reference`): the base with the adapters off is the
-policy with a zero adapter (``x W + x A B`` with ``A = B = 0`` is the base's ``x W``), and
-``dpo.reference: adapter:DIR`` that adapter's weights in the same tree, frozen.
+policy with a zero adapter (``x W + x A B`` with ``A = B = 0`` is the base's ``x W``),
+``dpo.reference: adapter:DIR`` that adapter's weights in the same tree, frozen, and with
+full fine-tuning a copy of the starting weights (PPO's ``copy``: :func:`prepare_reference`
+before a checkpoint is restored).
 """
 
 from __future__ import annotations
@@ -60,11 +62,12 @@ def forward_pair_logps(
     policy: JaxPolicy, batch: dict[str, np.ndarray], chunks: int, *, reference: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """The chosen and rejected sums ``[chunks * P]`` of a stacked batch, one forward per
-    chunk, without gradient; ``reference``: with the adapters off (LoRA's base)."""
+    chunk, without gradient; ``reference``: with the adapters off (LoRA's base), or the
+    frozen copy (full fine-tuning)."""
     arrays = put_micro_batches(batch, PAIR_COLUMNS, chunks, policy.mesh)
     graphdef, trainable, frozen = nnx.split(policy.model, policy.trainable, ...)
     if reference:
-        trainable = reference_state(policy, graphdef, trainable, frozen)
+        trainable = prepare_reference(policy)
     sums = [
         pair_logps(graphdef, trainable, frozen, {name: value[c] for name, value in arrays.items()})
         for c in range(chunks)
@@ -73,12 +76,16 @@ def forward_pair_logps(
     return chosen, rejected
 
 
-def reference_state(policy: JaxPolicy, graphdef, trainable, frozen):
-    """The reference's trainable-shaped part (made once): a zero adapter, or the frozen
-    ``dpo.reference: adapter:DIR``."""
+def prepare_reference(policy: JaxPolicy):
+    """The reference's trainable-shaped part, made once: a zero adapter, the frozen
+    ``dpo.reference: adapter:DIR``, or (full fine-tuning) a copy of the weights as they are
+    now: the DPO loop makes it before a checkpoint is restored, so that it is the
+    starting weights (:func:`~strop.backends.jax.lora.initial_reference`, PPO's)."""
     if "_dpo_reference" not in policy.__dict__:
         path = policy.config.dpo.reference_adapter
-        plan = SimpleNamespace(reference="adapter" if path else "base", reference_adapter=path)
+        kind = "copy" if not policy.config.lora.enabled else "adapter" if path else "base"
+        plan = SimpleNamespace(reference=kind, reference_adapter=path)
+        graphdef, trainable, frozen = nnx.split(policy.model, policy.trainable, ...)
         policy.__dict__["_dpo_reference"] = initial_reference(
             graphdef, trainable, frozen, policy.config, plan
         )

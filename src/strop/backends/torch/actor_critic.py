@@ -47,7 +47,7 @@ from strop.backends.torch.lora import (
     use_adapter,
 )
 from strop.backends.torch.losses import critic_micro_loss, policy_micro_loss, token_logprobs
-from strop.backends.torch.model import build_model, forward_logits, run_model
+from strop.backends.torch.model import build_model, forward_logits, frozen_copy, run_model
 from strop.backends.torch.train import Trainer, rank_rows, used_columns
 from strop.backends.torch.value import ValueModel
 from strop.batch import packing
@@ -123,8 +123,7 @@ class TorchActorCritic(Sampler):
         else:
             self.loaded = build(model_path)
             self.critic_loaded = build(plan.critic_model_path) if plan.own_critic else None
-            self.reference_loaded = build(model_path)  # plan.reference == "copy"
-            self.reference_loaded.model.requires_grad_(False)
+            self.reference_loaded = frozen_copy(config, self.placement)  # reference "copy"
             actor_params = list(self.loaded.model.parameters())
             if plan.own_critic:
                 critic_params = list(self.critic_loaded.model.parameters())

@@ -34,7 +34,7 @@ from strop.backends.torch.lora import (
 )
 from strop.backends.torch.quantized import dense_weight, is_quantized, load_quantized
 from strop.batch.packing import PREFIX_STRIDE
-from strop.config import LoraConfig
+from strop.config import Config, LoraConfig
 from strop.errors import ModelError
 from strop.io.hf import SafetensorsReader, check_tensors, open_checkpoint
 from strop.io.model_spec import ModelSpec
@@ -131,6 +131,17 @@ def build_model(
     _reset_rotary_buffers(model, placement.device)
     model.eval()
     return LoadedModel(model, spec, placement, TORCH_DTYPES[dtype])
+
+
+def frozen_copy(config: Config, placement: Placement) -> LoadedModel:
+    """Full fine-tuning's reference (PPO's and DPO's): ``model.path`` loaded again in the
+    policy's dtypes, no adapters, no gradient (no optimizer state, not checkpointed)."""
+    loaded = build_model(
+        config.model_path(), placement, dtype=config.model.dtype,
+        param_dtype=config.model.param_dtype, trust_remote_code=config.model.trust_remote_code,
+    )  # fmt: skip
+    loaded.model.requires_grad_(False)
+    return loaded
 
 
 def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

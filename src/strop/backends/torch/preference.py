@@ -11,7 +11,8 @@ to the columns its rows use, and :func:`strop.objectives.preference.pair_logps` 
 per-pair sums and the weighted loss; the update is the SFT :class:`Trainer`'s. The
 reference (LoRA) is the base with the adapters disabled (:func:`use_adapter`), or with
 ``dpo.reference: adapter:DIR`` that adapter, loaded frozen beside the trained one
-(:func:`reference_adapters`, :func:`load_reference`), as PPO's reference adapter.
+(:func:`reference_adapters`, :func:`load_reference`), as PPO's reference adapter. With full
+fine-tuning it is PPO's frozen copy of ``model.path`` (:func:`prepare_reference`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from strop.backends.torch.fsdp import all_gather_rows
 from strop.backends.torch.lora import adapter_params, set_adapter_weights, use_adapter
 from strop.backends.torch.losses import OPS
-from strop.backends.torch.model import LoadedModel, forward_logits
+from strop.backends.torch.model import LoadedModel, forward_logits, frozen_copy
 from strop.backends.torch.train import rank_rows, used_columns
 from strop.batch.pairs import PAIR_COLUMNS
 from strop.config import Config
@@ -58,6 +59,17 @@ def load_reference(loaded: LoadedModel, config: Config) -> None:
         param.requires_grad_(False)
 
 
+def prepare_reference(policy: TorchPolicy) -> LoadedModel | None:
+    """Full fine-tuning's reference, built once (PPO's :func:`frozen_copy` of
+    ``model.path``: the starting weights whatever a checkpoint restores); None with LoRA,
+    whose reference is the base (or an adapter) in the policy's own model."""
+    if policy.config.lora.enabled:
+        return None
+    if "reference_loaded" not in policy.__dict__:
+        policy.__dict__["reference_loaded"] = frozen_copy(policy.config, policy.placement)
+    return policy.__dict__["reference_loaded"]
+
+
 def without_unused_columns(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A layout cut to the columns some row attends to (row arrays ``[R, W]`` and masks
     ``[P, R, W]`` on their last axis; per-pair arrays as they are)."""
@@ -83,14 +95,16 @@ def forward_pair_logps(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The chosen and rejected sums ``[chunks * P]`` of a stacked batch, one forward per
     chunk (each rank its own, gathered), without gradient; ``reference``: with the
-    adapters disabled (LoRA's base)."""
+    adapters disabled (LoRA's base), or the frozen copy (full fine-tuning)."""
     placement = policy.placement
     local = rank_rows(batch, PAIR_COLUMNS, chunks // placement.world_size, placement)
     active = REFERENCE_ADAPTER if reference_adapters(policy.config) else None
-    adapter = use_adapter(policy.model, active) if reference else nullcontext()
+    loaded = (reference and prepare_reference(policy)) or policy.loaded
+    lora = reference and policy.config.lora.enabled
+    adapter = use_adapter(policy.model, active) if lora else nullcontext()
     with torch.no_grad(), adapter:
         sums = [
-            pair_logps(policy.loaded, {name: value[c] for name, value in local.items()})
+            pair_logps(loaded, {name: value[c] for name, value in local.items()})
             for c in range(len(local["input_ids"]))
         ]
     chosen, rejected = (
