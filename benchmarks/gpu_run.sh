@@ -25,7 +25,7 @@
 #                   128 prompts x 256 new tokens (benchmarks/rollout.py)
 #   dpo             a DPO step at those shapes, 8 pairs of 256 prompt + 2 x 256 answer
 #                   tokens, bf16, both backends, LoRA (reference: adapters off) and full
-#                   (reference: a frozen copy) (benchmarks/dpo_step.py), about 4 minutes
+#                   (reference: a frozen copy) (benchmarks/dpo_step.py), up to 8 minutes
 # "mfu ppo" take about 9 minutes on an H200 with an empty JAX compile cache
 # (docs/benchmarks.md, "On an H200"). A second call on the still-warm machine skips the
 # set-up (the choice of wheels is kept in /tmp/gpu-site).
@@ -91,8 +91,8 @@ for step in $STEPS; do
     decode) timeout 300 python3 benchmarks/rollout.py --model /tmp/task/model --device "$DEVICE" \
       --batch 128 --new-tokens 256 --lora-rank 16 --systems ${DECODE_SYSTEMS:-torch torch-compiled torch-graphs} 2>&1 |
       tee "$OUT/decode.txt" ;;
-    dpo) timeout 240 python3 benchmarks/dpo_step.py --model /tmp/task/model --device "$DEVICE" \
-      --json "$OUT/dpo.json" --timeout 90 2>&1 | tee "$OUT/dpo.txt" ;;
+    dpo) timeout 480 python3 benchmarks/dpo_step.py --model /tmp/task/model --device "$DEVICE" \
+      --json "$OUT/dpo.json" --timeout 150 2>&1 | tee "$OUT/dpo.txt" ;;
     *) echo "unknown step $step" ;;
   esac
 done
