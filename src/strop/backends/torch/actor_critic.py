@@ -288,19 +288,16 @@ class TorchActorCritic(Sampler):
         """``critic.shared_trunk``: one update of the actor's adapters and the value head
         over ``policy loss + value_loss_coef x value loss``, both from one forward (logits
         and the final hidden state); the critic's stats under ``SHARED_CRITIC_PREFIX``."""
-        wanted = (*self.policy_objective.batch_names, *self.value_objective.batch_names)
+        policy, value = self.policy_objective, self.value_objective
+        wanted = (*policy.batch_names, *value.batch_names)
         batch, names = self._packed(batch, tuple(dict.fromkeys(wanted)), micro_batches)
         with self._role("actor") as loaded:
 
             def loss_fn(micro):
                 out = run_model(loaded, *_model_inputs(micro), output_hidden_states=True)
-                loss, stats = policy_micro_loss(
-                    OPS, out.logits.float(), micro, self.policy_objective
-                )
+                loss, stats = policy_micro_loss(OPS, out.logits.float(), micro, policy)
                 values = self.critic.values_from_hidden(out.hidden_states[-1])
-                value_loss, value_stats = critic_micro_loss(
-                    OPS, values, micro, self.value_objective
-                )
+                value_loss, value_stats = critic_micro_loss(OPS, values, micro, value)
                 stats = {"loss": loss.detach(), **stats}  # the policy's part, as logged
                 stats.update({SHARED_CRITIC_PREFIX + k: v for k, v in value_stats.items()})
                 return loss + value_loss, stats
