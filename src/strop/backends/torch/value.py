@@ -85,8 +85,9 @@ class ValueModel(nn.Module):
             return self.value_head(hidden)[..., 0]
 
     def values_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """:meth:`values` from a forward already run: ``hidden`` is its final normed hidden
-        state ``[B, L, E]`` (``critic.shared_trunk`` reads it off the actor's forward)."""
+        """:meth:`values` from the final normed hidden state ``hidden [B, L, E]`` of a
+        forward: :meth:`values` runs its own, ``critic.shared_trunk`` reads it off the
+        actor's forward."""
         with torch.autocast(hidden.device.type, enabled=False):
             return shift_values(self.value_head(hidden)[..., 0], xp=torch)
 
@@ -97,7 +98,7 @@ class ValueModel(nn.Module):
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[B, L]`` float32 in the GAE convention: ``values[:, t] = V(x_<t)``."""
-        return shift_values(self.raw_values(input_ids, attention_mask, positions), xp=torch)
+        return self.values_from_hidden(self.hidden(input_ids, attention_mask, positions))
 
     forward = values
 
