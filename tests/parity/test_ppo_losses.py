@@ -1,9 +1,10 @@
 """PPO losses: the JAX and torch implementations equal the numpy float64 reference.
 
-The backends compute per-token terms (``policy_terms``, ``value_terms``); a loss is their
-sum under the loss weights of :func:`strop.objectives.ppo.aggregation_weights`, as the PPO
-steps sum them (:func:`backend_policy_loss`, :func:`backend_value_loss`). Random cases feed
-the same float32 inputs to all three; the reference (``tests/losses_reference.py``)
+The backends compute per-token terms (the core's ``policy_terms``, ``value_terms`` over
+their ``OPS``); a loss is their sum under the loss weights of
+:func:`strop.objectives.ppo.aggregation_weights`, as the PPO steps sum them
+(:func:`backend_policy_loss`, :func:`backend_value_loss`). Random cases feed the same
+float32 inputs to all three; the reference (``tests/losses_reference.py``)
 computes in float64 on them, the backends in float32, and results must agree at rtol 1e-6
 / atol 1e-6 (float32's own rounding, ~6e-8 per op, accumulated over a few hundred
 tokens). Hand-computed cases check the reference itself (and, through the same helper,
@@ -21,7 +22,15 @@ import torch
 
 from strop.backends.jax import losses as jax_losses
 from strop.backends.torch import losses as torch_losses
-from strop.objectives.losses import explained_variance, kl_estimate
+from strop.objectives.gae import shift_values
+from strop.objectives.losses import (
+    explained_variance,
+    kl_estimate,
+    mismatch_stats,
+    policy_terms,
+    value_terms,
+)
+from strop.objectives.micro import policy_micro_loss
 from strop.objectives.ppo import PolicyObjective, aggregation_weights
 from strop.rl.rollout_correction import correction_weights, first_update_metrics, mismatch_metrics
 from tests import losses_reference as ref
@@ -73,7 +82,7 @@ def backend_policy_loss(
     module, convert = BACKENDS[impl]
     arrays = [convert(a) for a in (logprobs, old_logprobs, advantages, mask)]
     weights = None if is_weights is None else convert(is_weights)
-    per_token, terms = module.policy_terms(*arrays, clip_low, clip_high, dual_clip, weights)
+    per_token, terms = policy_terms(module.OPS, *arrays, clip_low, clip_high, dual_clip, weights)
     stats = {name: weighted_sum(impl, term, mask) for name, term in terms.items()}
     return weighted_sum(impl, per_token, mask, aggregation), stats
 
@@ -85,7 +94,7 @@ def backend_value_loss(
     of ``aggregation``, ``vf_clipfrac`` under token-mean weights. ``mask`` is numpy."""
     module, convert = BACKENDS[impl]
     arrays = [convert(a) for a in (values, old_values, returns, mask)]
-    per_token, clipped = module.value_terms(*arrays, value_clip)
+    per_token, clipped = value_terms(module.OPS, *arrays, value_clip)
     stats = {"vf_clipfrac": weighted_sum(impl, clipped, mask)}
     return weighted_sum(impl, per_token, mask, aggregation), stats
 
@@ -98,18 +107,25 @@ def backend_kl_penalty(impl, logprobs, ref_logprobs, estimator):
     return kl_estimate(convert(logprobs) - convert(ref_logprobs), estimator, xp)
 
 
+def backend_shift_values(impl, raw):
+    """The core's ``shift_values`` over a backend's float32 arrays (as its value models
+    call it)."""
+    return shift_values(BACKENDS[impl][1](raw), xp=jnp if impl == "jax" else torch)
+
+
 LOSSES = {
     "policy_loss": backend_policy_loss,
     "value_loss": backend_value_loss,
     "kl_penalty": backend_kl_penalty,
+    "shift_values": backend_shift_values,
 }
 
 
 def call(impl: str, name: str, *arrays, **kwargs):
     """``name(*arrays, **kwargs)`` of the reference (``impl`` "numpy") or a backend, with
     float32 array inputs, results as float64 numpy. A backend's ``policy_loss`` and
-    ``value_loss`` are its per-token terms under the loss weights, its ``kl_penalty`` the
-    core's estimate over its arrays (``LOSSES``)."""
+    ``value_loss`` are its per-token terms under the loss weights, its ``kl_penalty`` and
+    ``shift_values`` the core's over its arrays (``LOSSES``)."""
     if impl == "numpy":
         return numpy_tree(
             getattr(ref, name)(*[np.asarray(a, np.float32) for a in arrays], **kwargs)
@@ -271,7 +287,9 @@ def test_mismatch_stats_match_the_monitor(impl, seed):
     metrics the core computes in numpy in recompute mode."""
     c, _, sampled = correction_case(seed, "tis", "token")
     module, convert = BACKENDS[impl]
-    stats = module.mismatch_stats(convert(c["old_logprobs"]), convert(sampled), convert(c["mask"]))
+    stats = mismatch_stats(
+        module.OPS, convert(c["old_logprobs"]), convert(sampled), convert(c["mask"])
+    )
     assert all(to_numpy(v).shape == () for v in stats.values())
     got = first_update_metrics({k: float(to_numpy(v)) for k, v in stats.items()})
     expected = mismatch_metrics(c["old_logprobs"], sampled, c["mask"])
@@ -304,8 +322,6 @@ def test_entropy_matches_reference(impl, seed):
 
 @pytest.mark.parametrize("impl", ["jax", "torch"])
 def test_shift_values_matches_reference(impl):
-    from strop.objectives.gae import shift_values
-
     raw = np.random.default_rng(0).normal(size=(3, 6)).astype(np.float32)
     assert_tree_close(call(impl, "shift_values", raw), shift_values(raw))
 
@@ -327,16 +343,16 @@ def test_backend_stats_are_0d_and_gradient_free():
     )  # fmt: skip
     t_logits = torch.from_numpy(logits).requires_grad_(True)
     t_micro = {k: torch.from_numpy(v) for k, v in micro.items()}
-    loss, stats = torch_losses.policy_micro_loss(t_logits, t_micro, objective)
+    loss, stats = policy_micro_loss(torch_losses.OPS, t_logits, t_micro, objective)
     assert loss.requires_grad and loss.dtype == torch.float32 and loss.ndim == 0
     assert {"clipfrac", "approx_kl", "dual_clip_frac", "kl_loss"} <= stats.keys()
     assert all(s.ndim == 0 and not s.requires_grad for s in stats.values())
     j_micro = {k: jnp.asarray(v) for k, v in micro.items()}
-    j_loss, j_stats = jax_losses.policy_micro_loss(jnp.asarray(logits), j_micro, objective)
+    j_loss, j_stats = policy_micro_loss(jax_losses.OPS, jnp.asarray(logits), j_micro, objective)
     assert j_loss.dtype == jnp.float32 and all(s.shape == () for s in j_stats.values())
 
     def stats_sum(lg):
-        return sum(jax_losses.policy_micro_loss(lg, j_micro, objective)[1].values())
+        return sum(policy_micro_loss(jax_losses.OPS, lg, j_micro, objective)[1].values())
 
     assert not np.asarray(jax.grad(stats_sum)(jnp.asarray(logits))).any()  # stop_gradient
     args = (c["logprobs"], c["old_logprobs"], c["advantages"], c["mask"])

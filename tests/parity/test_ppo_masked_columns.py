@@ -18,6 +18,7 @@ import torch
 
 from strop.backends.jax import losses as jax_losses
 from strop.backends.torch import losses as torch_losses
+from strop.objectives.micro import critic_micro_loss, policy_micro_loss
 from strop.objectives.ppo import PolicyObjective, ValueObjective, aggregation_weights
 from tests import losses_reference as ref
 from tests.parity.test_ppo_losses import backend_policy_loss, backend_value_loss
@@ -198,12 +199,12 @@ def step_losses(impl: str, logits, values, micro):
     """(policy, critic) micro-batch losses: (loss, stats, gradient) each."""
     if impl == "jax":
         m = {k: jnp.asarray(v) for k, v in micro.items()}
-        policy = lambda lg: jax_losses.policy_micro_loss(lg, m, POLICY)  # noqa: E731
-        critic = lambda v: jax_losses.critic_micro_loss(v, m, CRITIC)  # noqa: E731
+        policy = lambda lg: policy_micro_loss(jax_losses.OPS, lg, m, POLICY)  # noqa: E731
+        critic = lambda v: critic_micro_loss(jax_losses.OPS, v, m, CRITIC)  # noqa: E731
     else:
         m = {k: torch.from_numpy(v) for k, v in micro.items()}
-        policy = lambda lg: torch_losses.policy_micro_loss(lg, m, POLICY)  # noqa: E731
-        critic = lambda v: torch_losses.critic_micro_loss(v, m, CRITIC)  # noqa: E731
+        policy = lambda lg: policy_micro_loss(torch_losses.OPS, lg, m, POLICY)  # noqa: E731
+        critic = lambda v: critic_micro_loss(torch_losses.OPS, v, m, CRITIC)  # noqa: E731
     return value_and_grad(impl, policy, logits), value_and_grad(impl, critic, values)
 
 

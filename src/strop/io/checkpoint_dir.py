@@ -3,7 +3,7 @@ message a failed save gives on every backend.
 
 Each backend keeps its own format (Orbax, DCP) under ``<checkpoint dir>/<step>/``; what
 they share (refusing the other's directory, reporting a failed save with the free
-space) lives here so the two stay alike.
+space, :class:`StepCheckpoints`) lives here so the two stay alike.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from strop.errors import CheckpointError, ConfigError
 from strop.io.checksums import checksum_problem
@@ -152,6 +154,63 @@ def require_intact(step: int, directory: Path, steps: list[int]) -> None:
     raise CheckpointError(
         f"{damaged}; step {intact} is intact: delete {where} to resume from step {intact}"
     )
+
+
+class StepCheckpoints:
+    """What both backends' ``TrainCheckpoints`` share: one run's checkpoints in
+    ``directory`` (one sub-directory per step; another backend's directory is refused),
+    each stored with the run's ``identity``, the last ``keep`` kept. A backend's subclass
+    stores and reads the steps in its format and lists them (:meth:`all_steps`);
+    ``write_once`` is its ``write_once`` (the one process that verifies checksums)."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        identity: Mapping[str, Any],
+        keep: int,
+        *,
+        backend: str,
+        write_once: Callable[[Callable[[], object], str], None],
+    ) -> None:
+        if keep < 1:
+            raise CheckpointError(f"checkpoint keep must be at least 1, got {keep}")
+        self.directory = Path(directory).absolute()
+        self.identity = dict(identity)
+        self.keep = keep
+        self._write_once = write_once
+        refuse_other_backends_checkpoints(self.directory, backend)
+
+    def all_steps(self) -> list[int]:
+        """Steps with a complete checkpoint, oldest first."""
+        raise NotImplementedError
+
+    def _new_step(self, step: int, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+        """``extra`` as a dict, for a save of ``step``: one :class:`CheckpointError` line
+        when it is not JSON-serialisable or ``step`` is saved already."""
+        extra = dict(extra or {})
+        try:
+            json.dumps(extra)
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"checkpoint extra is not JSON-serialisable: {err}") from None
+        if step in self.all_steps():
+            raise CheckpointError(
+                f"checkpoint step {step} already exists in {self.directory}; resume from it "
+                "or use a new run directory"
+            )
+        return extra
+
+    def _require(self, step: int) -> None:
+        require_step(step, self.directory, self.all_steps())
+
+    def _verify(self, step: int) -> None:
+        """Raise one :class:`CheckpointError` line unless ``step`` is complete and its files
+        still match their checksums (:func:`require_intact`: one process reads them, every
+        process gets the verdict)."""
+        self._require(step)
+        self._write_once(
+            lambda: require_intact(step, self.directory, self.all_steps()),
+            f"verifying checkpoint step {step}",
+        )
 
 
 def short_reason(text: str, limit: int = 200) -> str:

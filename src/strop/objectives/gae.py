@@ -55,7 +55,7 @@ def _check_2d(name: str, x: np.ndarray, shape: tuple[int, ...] | None = None) ->
 def shift_values(raw, xp=np):
     """The value head's per-column outputs ``raw [B, L, ...]`` -> ``values [B, L, ...]`` with
     ``values[:, t] = V(x_<t) = raw[:, t - 1]`` and ``values[:, 0] = 0``; ``raw`` is an array
-    of the array module ``xp`` (``numpy``, ``jax.numpy`` or ``torch``: the backends bind
+    of the array module ``xp`` (``numpy``, ``jax.numpy`` or ``torch``: the backends pass
     theirs), differentiable there.
 
     ``raw[:, j]`` comes from the hidden state at column ``j``, which has read ``x_<=j``;

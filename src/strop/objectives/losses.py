@@ -5,8 +5,8 @@ per-token KL estimate (for the reward) and the critic's explained variance.
 
 The differentiable, float32 per-token terms the PPO steps train with are written once
 here (the policy losses, :func:`value_terms`) over a backend's :class:`ArrayOps`;
-``strop.backends.jax.losses`` and ``strop.backends.torch.losses`` bind them to their own
-arrays. ``tests/losses_reference.py`` holds their float64 numpy references. Inputs are
+``strop.backends.jax.losses`` and ``strop.backends.torch.losses`` define their ``OPS``,
+with which the backends call them. ``tests/losses_reference.py`` holds their float64 numpy references. Inputs are
 ``[B, L]`` in the teacher-forcing layout of :mod:`strop.objectives.gae` (column ``t`` is about
 emitting ``x_t``; ``mask[b, t] = 1`` marks response tokens); ``docs/ppo.md`` has each
 formula.

@@ -1,6 +1,6 @@
 """The actor's and the critic's loss over one micro-batch, written once over a backend's
-:class:`~strop.objectives.losses.ArrayOps`: each backend binds its ops and calls these with
-its forward's logits or values.
+:class:`~strop.objectives.losses.ArrayOps`: each backend calls these with its ``OPS``
+(``strop.backends.<name>.losses``) and its forward's logits or values.
 
 Micro-batch arrays are ``[rows, L]`` (column ``t`` is about ``x_t``, read from the logits at
 column ``t - 1``; see :mod:`strop.objectives.gae`). Losses are ``sum(per_token * loss_weights)``

@@ -22,7 +22,6 @@ damaged step is one line naming it and the newest intact one.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
@@ -40,10 +39,8 @@ from strop.backends.jax.orbax_noise import orbax_errors_quiet, quiet_unawaited_w
 from strop.backends.jax.sharding import write_once
 from strop.errors import CheckpointError, NonFiniteStateError
 from strop.io.checkpoint_dir import (
-    refuse_other_backends_checkpoints,
+    StepCheckpoints,
     remove_unfinished_saves,
-    require_intact,
-    require_step,
     save_failed,
     short_reason,
 )
@@ -124,7 +121,7 @@ def _nonfinite_paths(tree: dict) -> list[str]:
     ]
 
 
-class TrainCheckpoints:
+class TrainCheckpoints(StepCheckpoints):
     """The checkpoints of one run, in ``directory`` (e.g. ``<run_dir>/checkpoints``).
 
     Args:
@@ -135,11 +132,7 @@ class TrainCheckpoints:
     """
 
     def __init__(self, directory: str | os.PathLike, identity: Mapping[str, Any], keep: int = 3):
-        if keep < 1:
-            raise CheckpointError(f"checkpoint keep must be at least 1, got {keep}")
-        self.directory = Path(directory).absolute()
-        self.identity = dict(identity)
-        refuse_other_backends_checkpoints(self.directory, "jax")
+        super().__init__(directory, identity, keep, backend="jax", write_once=write_once)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             create=True,
@@ -167,7 +160,6 @@ class TrainCheckpoints:
         remove_unfinished_saves(self.directory, "jax")
 
     def all_steps(self) -> list[int]:
-        """Steps with a complete checkpoint, oldest first."""
         return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
@@ -190,16 +182,7 @@ class TrainCheckpoints:
     def _save(
         self, step: int, params: dict, optimizer: dict, extra: Mapping[str, Any] | None
     ) -> None:
-        extra = dict(extra or {})
-        try:
-            json.dumps(extra)
-        except (TypeError, ValueError) as err:
-            raise CheckpointError(f"checkpoint extra is not JSON-serialisable: {err}") from None
-        if step in self._manager.all_steps():
-            raise CheckpointError(
-                f"checkpoint step {step} already exists in {self.directory}; resume from it "
-                "or use a new run directory"
-            )
+        extra = self._new_step(step, extra)
         poisoned = _nonfinite_paths({"params": params, "optimizer": optimizer})
         if poisoned:
             raise NonFiniteStateError(step, poisoned, self.latest_step(), str(self.directory))
@@ -242,11 +225,7 @@ class TrainCheckpoints:
         return from_pure(params, pure_params), from_pure(optimizer, pure_optim), extra
 
     def _restore(self, step: int, params: dict, optimizer: dict) -> tuple[dict, dict, dict]:
-        self._require(step)
-        write_once(
-            lambda: require_intact(step, self.directory, self.all_steps()),
-            f"verifying checkpoint step {step}",
-        )
+        self._verify(step)
         self.check_identity(step)
         self._check_shapes(step, {"params": params, "optimizer": optimizer})
         args = ocp.args.Composite(
@@ -303,9 +282,6 @@ class TrainCheckpoints:
         self._require(step)
         metadata = self._manager.item_metadata(step).params
         return sorted(flatten(metadata.tree))
-
-    def _require(self, step: int) -> None:
-        require_step(step, self.directory, self.all_steps())
 
     def close(self) -> None:
         """Wait for pending work and release the manager's resources."""

@@ -21,6 +21,7 @@ The store grows (zeros, a new shape) when a call needs more slots or columns.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,22 +37,16 @@ from strop.backends.jax.generate import (
     _constrain_cache,
     _decode,
     _decode_inputs,
+    _DecodeInputs,
     _DecodeState,
+    _finished,
     _first_state,
     _mesh_of,
     prompt_bucket,
 )
 from strop.backends.jax.model import CausalLM, KVCache
-from strop.backends.jax.sampling import Sampling, sample_token
-from strop.backends.jax.sharding import inference_layout, put_rows, to_host
-from strop.generation import (
-    Decoding,
-    FinishReason,
-    Generation,
-    SamplingParams,
-    check_generate_args,
-    finished,
-)
+from strop.backends.jax.sharding import inference_layout, put_rows
+from strop.generation import Decoding, Generation, SamplingParams, check_generate_args
 
 
 @dataclass
@@ -131,28 +126,15 @@ class JaxContinuation:
         def put(array: np.ndarray) -> jax.Array:
             return put_rows(array, mesh)
 
-        eos, pad, key, sampling = _decode_inputs(
-            params, decoding.eos_ids, decoding.pad_id, seed, mesh
-        )
+        inputs = _decode_inputs(params, dataclasses.replace(decoding, seed=seed), mesh)
         cache, state = _chunk_prefill(
             model, store, put(ids), put(mask), put(positions), put(held), put(slot_of),
-            put(offsets), put(lengths), put(np.arange(batch) < n), eos, pad, key, steps,
-            sampling, mesh,
+            put(offsets), put(lengths), put(np.arange(batch) < n), inputs, mesh,
         )  # fmt: skip
         if steps > 1:
-            cache, state = _decode(model, cache, state, eos, pad, key, sampling, mesh)
+            cache, state = _decode(model, cache, state, inputs, mesh)
         self.store = _keep(store, cache, put(slot_of), put(offsets), mesh)
-
-        on_host = (to_host(x) for x in (state.tokens, state.logprobs, state.lengths))
-        tokens, logprobs, out_lengths = (np.array(x[:n]) for x in on_host)
-        eos_set = {int(e) for e in decoding.eos_ids}
-        reasons: list[FinishReason] = [
-            "stop" if k > 0 and int(row[k - 1]) in eos_set else "length"
-            for row, k in zip(tokens, out_lengths, strict=True)
-        ]
-        return finished(
-            tokens, logprobs, out_lengths, reasons, params, decoding.tokenizer, decoding.pad_id
-        )
+        return _finished(state, n, params, decoding)
 
     def _store_for(self, model: CausalLM, rows: int, span: int, mesh: Mesh, shards: int) -> KVCache:
         """The store, grown (zeros) to at least ``rows`` slots of ``span`` columns (its index
@@ -180,7 +162,7 @@ def _shift_rows(rows: jax.Array, starts: jax.Array, width: int) -> jax.Array:
     )
 
 
-@nnx.jit(static_argnums=(13, 14, 15))
+@nnx.jit(static_argnums=(11,))
 def _chunk_prefill(
     model: CausalLM,
     store: KVCache,
@@ -192,18 +174,14 @@ def _chunk_prefill(
     offsets: jax.Array,
     lengths: jax.Array,
     active: jax.Array,
-    eos: jax.Array,
-    pad: jax.Array,
-    key: jax.Array,
-    max_new_tokens: int,
-    sampling: Sampling,
+    inputs: _DecodeInputs,
     mesh: Mesh,
 ) -> tuple[KVCache, _DecodeState]:
     """A cache laid out as re-prefill's, its cached columns (``held``) copied from the
     slots, then the last ``C`` columns (``ids``) run through it; the first token sampled."""
     CONTINUATION_TRACES.prefill += 1
     span, chunk = held.shape[1], ids.shape[1]
-    first = span - (max_new_tokens - 1) - chunk  # the chunk's first column: P - C
+    first = span - (inputs.max_new_tokens - 1) - chunk  # the chunk's first column: P - C
 
     def shift_in(x: jax.Array) -> jax.Array:  # slot column j -> cache column offset + j
         rows = jnp.take(x, slots, axis=0, mode="fill", fill_value=0)
@@ -213,8 +191,7 @@ def _chunk_prefill(
     layers = tuple((shift_in(k), shift_in(v)) for k, v in store.layers)
     cache = _constrain_cache(KVCache(layers, held, jnp.int32(first)), mesh)
     out = model(ids, mask, positions, cache=cache, logits_to_keep=1)
-    token, logprob = sample_token(out.logits[:, -1], jax.random.fold_in(key, 0), sampling)
-    state = _first_state(token, logprob, active, lengths, eos, pad, max_new_tokens)
+    state = _first_state(out.logits[:, -1], active, lengths, inputs)
     return _constrain_cache(out.cache, mesh), state
 
 

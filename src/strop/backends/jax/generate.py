@@ -73,6 +73,7 @@ from strop.backends.jax.sharding import (
 )
 from strop.generation import (
     Decoder,
+    Decoding,
     FinishReason,
     Generation,
     SamplingParams,
@@ -140,6 +141,7 @@ def generate(
       A :class:`~strop.generation.Generation` of numpy arrays, ``len(prompts)`` rows.
     """
     check_generate_args(prompts, params, tokenizer)
+    decoding = Decoding(seed, tuple(eos_ids), pad_id, tokenizer)
     mesh = mesh if mesh is not None else _mesh_of(model)
     model = inference_layout(model)  # freed when this call returns
     # a prompt's rollouts side by side: prefill it once (rows still split over the shards)
@@ -151,23 +153,12 @@ def generate(
     def put(rows: np.ndarray) -> jax.Array:
         return put_rows(rows, mesh)
 
-    eos, pad, key, sampling = _decode_inputs(params, eos_ids, pad_id, seed, mesh)
-    cache, state = _prefill(
-        model, put(ids), put(mask), put(np.repeat(active, repeats)), eos, pad, key,
-        params.max_new_tokens, sampling, mesh, repeats,
-    )  # fmt: skip
+    inputs = _decode_inputs(params, decoding, mesh)
+    active = put(np.repeat(active, repeats))
+    cache, state = _prefill(model, put(ids), put(mask), active, inputs, mesh, repeats)
     if params.max_new_tokens > 1:
-        _, state = _decode(model, cache, state, eos, pad, key, sampling, mesh)
-
-    # Writable host copies without the dummy rows (stop strings edit them in place).
-    on_host = (to_host(x) for x in (state.tokens, state.logprobs, state.lengths))
-    tokens, logprobs, lengths = (np.array(x[: len(prompts)]) for x in on_host)
-    eos_set = {int(e) for e in eos_ids}
-    reasons: list[FinishReason] = [
-        "stop" if n > 0 and int(row[n - 1]) in eos_set else "length"
-        for row, n in zip(tokens, lengths, strict=True)
-    ]
-    return finished(tokens, logprobs, lengths, reasons, params, tokenizer, pad_id)
+        _, state = _decode(model, cache, state, inputs, mesh)
+    return _finished(state, len(prompts), params, decoding)
 
 
 def prompt_bucket(length: int) -> int:
@@ -176,20 +167,51 @@ def prompt_bucket(length: int) -> int:
     return max(MIN_PROMPT_BUCKET, 1 << max(length - 1, 0).bit_length())
 
 
-def _decode_inputs(
-    params: SamplingParams, eos_ids: Sequence[int], pad_id: int, seed: int, mesh: Mesh
-) -> tuple[jax.Array, jax.Array, jax.Array, Sampling]:
-    """What every prefill and decode call takes besides the rows: the EOS ids
-    (:func:`_eos_array`), the pad id and the PRNG key, replicated on ``mesh``, and the
-    static :class:`Sampling`."""
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["eos", "pad", "key"],
+    meta_fields=["sampling", "max_new_tokens"],
+)
+@dataclass(frozen=True)
+class _DecodeInputs:
+    """What every prefill and decode call takes besides the rows (:func:`_decode_inputs`):
+    the EOS ids (:func:`_eos_array`), the pad id and the PRNG key, replicated on the mesh,
+    and the static :class:`Sampling` and ``max_new_tokens`` (another value, another
+    compile)."""
+
+    eos: jax.Array
+    pad: jax.Array
+    key: jax.Array
+    sampling: Sampling
+    max_new_tokens: int
+
+
+def _decode_inputs(params: SamplingParams, decoding: Decoding, mesh: Mesh) -> _DecodeInputs:
+    """The :class:`_DecodeInputs` of one call, on ``mesh``."""
     replicated = NamedSharding(mesh, PartitionSpec())
-    eos = jax.device_put(_eos_array(eos_ids), replicated)
-    pad = jax.device_put(np.int32(pad_id), replicated)
+    eos = jax.device_put(_eos_array(decoding.eos_ids), replicated)
+    pad = jax.device_put(np.int32(decoding.pad_id), replicated)
     # Through the host: a device array cannot be put on other processes' devices.
-    key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
+    key_data = np.asarray(jax.random.key_data(jax.random.key(decoding.seed)))
     key = jax.random.wrap_key_data(jax.device_put(key_data, replicated))
     sampling = Sampling(float(params.temperature), int(params.top_k), float(params.top_p))
-    return eos, pad, key, sampling
+    return _DecodeInputs(eos, pad, key, sampling, params.max_new_tokens)
+
+
+def _finished(
+    state: _DecodeState, rows: int, params: SamplingParams, decoding: Decoding
+) -> Generation:
+    """The first ``rows`` rows of a decode loop's ``state`` (the dummy rows cut off) as a
+    :class:`~strop.generation.Generation` of host arrays, stop strings applied."""
+    # Writable host copies (stop strings edit them in place).
+    on_host = (to_host(x) for x in (state.tokens, state.logprobs, state.lengths))
+    tokens, logprobs, lengths = (np.array(x[:rows]) for x in on_host)
+    eos = {int(e) for e in decoding.eos_ids}
+    reasons: list[FinishReason] = [
+        "stop" if n > 0 and int(row[n - 1]) in eos else "length"
+        for row, n in zip(tokens, lengths, strict=True)
+    ]
+    return finished(tokens, logprobs, lengths, reasons, params, decoding.tokenizer, decoding.pad_id)
 
 
 def _eos_array(eos_ids: Sequence[int]) -> np.ndarray:
@@ -244,14 +266,14 @@ def _constrain_cache(cache: KVCache, mesh: Mesh) -> KVCache:
 
 
 def _record(
-    state: _DecodeState, token: jax.Array, logprob: jax.Array, eos: jax.Array, pad: jax.Array
+    state: _DecodeState, token: jax.Array, logprob: jax.Array, inputs: _DecodeInputs
 ) -> _DecodeState:
-    """Write the token sampled at ``state.step`` (``pad`` for rows already done)."""
+    """Write the token sampled at ``state.step`` (the pad id for rows already done)."""
     live = ~state.done
-    token = jnp.where(live, token.astype(jnp.int32), pad)
+    token = jnp.where(live, token.astype(jnp.int32), inputs.pad)
     logprob = jnp.where(live, logprob, 0.0)
     column = state.step
-    stopped = live & jnp.any(token[:, None] == eos[None, :], axis=-1)
+    stopped = live & jnp.any(token[:, None] == inputs.eos[None, :], axis=-1)
     return state._replace(
         tokens=jax.lax.dynamic_update_slice_in_dim(state.tokens, token[:, None], column, 1),
         logprobs=jax.lax.dynamic_update_slice_in_dim(state.logprobs, logprob[:, None], column, 1),
@@ -261,25 +283,21 @@ def _record(
     )
 
 
-@nnx.jit(static_argnums=(7, 8, 9, 10))
+@nnx.jit(static_argnums=(5, 6))
 def _prefill(
     model: CausalLM,
     ids: jax.Array,
     mask: jax.Array,
     active: jax.Array,
-    eos: jax.Array,
-    pad: jax.Array,
-    key: jax.Array,
-    max_new_tokens: int,
-    sampling: Sampling,
+    inputs: _DecodeInputs,
     mesh: Mesh,
     repeats: int = 1,
 ) -> tuple[KVCache, _DecodeState]:
     """Fill a fresh cache with the prompts and sample the first token; with ``repeats``,
     each prompt stands for that many rows side by side, which get copies of its cache."""
     TRACES.prefill += 1
-    width = ids.shape[1]
-    cache = _constrain_cache(model.init_cache(len(ids), width + max_new_tokens - 1), mesh)
+    span = ids.shape[1] + inputs.max_new_tokens - 1
+    cache = _constrain_cache(model.init_cache(len(ids), span), mesh)
     out = model(ids, mask, cache=cache, logits_to_keep=1)
     cache, logits = out.cache, out.logits[:, -1]
     if repeats > 1:
@@ -287,52 +305,38 @@ def _prefill(
         layers = tuple((rows(k), rows(v)) for k, v in cache.layers)
         cache = KVCache(layers, rows(cache.mask), cache.index)
         logits, mask = rows(logits), rows(mask)
-    token, logprob = sample_token(logits, jax.random.fold_in(key, 0), sampling)
     positions = mask.sum(axis=-1, dtype=jnp.int32)
-    state = _first_state(token, logprob, active, positions, eos, pad, max_new_tokens)
-    return _constrain_cache(cache, mesh), state
+    return _constrain_cache(cache, mesh), _first_state(logits, active, positions, inputs)
 
 
 def _first_state(
-    token: jax.Array,
-    logprob: jax.Array,
-    active: jax.Array,
-    positions: jax.Array,
-    eos: jax.Array,
-    pad: jax.Array,
-    max_new_tokens: int,
+    logits: jax.Array, active: jax.Array, positions: jax.Array, inputs: _DecodeInputs
 ) -> _DecodeState:
-    """A prefill's decode state: its first sampled ``token`` recorded for the ``active``
-    rows; ``positions [B]``: the position id of the token fed next."""
-    batch = len(token)
+    """A prefill's decode state: the first token sampled from its last ``logits [B, V]``,
+    recorded for the ``active`` rows; ``positions [B]``: the position id of the token fed
+    next."""
+    token, logprob = sample_token(logits, jax.random.fold_in(inputs.key, 0), inputs.sampling)
+    batch, steps = len(token), inputs.max_new_tokens
     state = _DecodeState(
-        tokens=jnp.full((batch, max_new_tokens), pad, dtype=jnp.int32),
-        logprobs=jnp.zeros((batch, max_new_tokens), dtype=jnp.float32),
+        tokens=jnp.full((batch, steps), inputs.pad, dtype=jnp.int32),
+        logprobs=jnp.zeros((batch, steps), dtype=jnp.float32),
         lengths=jnp.zeros((batch,), dtype=jnp.int32),
         done=~active,
         step=jnp.zeros((), dtype=jnp.int32),
         positions=positions,
     )
-    return _record(state, token, logprob, eos, pad)
+    return _record(state, token, logprob, inputs)
 
 
-@nnx.jit(static_argnums=(6, 7), donate_argnums=(1,))
+@nnx.jit(static_argnums=(4,), donate_argnums=(1,))
 def _decode(
-    model: CausalLM,
-    cache: KVCache,
-    state: _DecodeState,
-    eos: jax.Array,
-    pad: jax.Array,
-    key: jax.Array,
-    sampling: Sampling,
-    mesh: Mesh,
+    model: CausalLM, cache: KVCache, state: _DecodeState, inputs: _DecodeInputs, mesh: Mesh
 ) -> tuple[KVCache, _DecodeState]:
     """Sample the remaining tokens, one forward per step, until every row is done.
 
     The cache is returned so that its donated buffers can be updated in place.
     """
     TRACES.decode += 1
-    max_new_tokens = state.tokens.shape[1]
     # The step forward runs on a model merged inside the loop body's trace: an adapter
     # library may set attributes on modules during a call (Qwix LoRA does), which NNX
     # forbids on modules of an outer trace.
@@ -340,16 +344,15 @@ def _decode(
 
     def not_finished(carry: tuple[KVCache, _DecodeState]) -> jax.Array:
         _, state = carry
-        return (state.step < max_new_tokens) & ~jnp.all(state.done)
+        return (state.step < inputs.max_new_tokens) & ~jnp.all(state.done)
 
     def step(carry: tuple[KVCache, _DecodeState]) -> tuple[KVCache, _DecodeState]:
         cache, state = carry
         fed = jax.lax.dynamic_slice_in_dim(state.tokens, state.step - 1, 1, axis=1)
         out = nnx.merge(graphdef, weights)(fed, positions=state.positions[:, None], cache=cache)
-        token, logprob = sample_token(
-            out.logits[:, -1], jax.random.fold_in(key, state.step), sampling
-        )
-        state = _record(state._replace(positions=state.positions + 1), token, logprob, eos, pad)
+        key = jax.random.fold_in(inputs.key, state.step)
+        token, logprob = sample_token(out.logits[:, -1], key, inputs.sampling)
+        state = _record(state._replace(positions=state.positions + 1), token, logprob, inputs)
         return _constrain_cache(out.cache, mesh), state
 
     return jax.lax.while_loop(not_finished, step, (cache, state))

@@ -1,11 +1,10 @@
 """PPO losses in ``jax.numpy``: differentiable, float32, jit-friendly.
 
 This backend's array primitives (:data:`OPS`: ``select``, ``token_logprobs``,
-``token_entropy``, ``segment_mean``, ...) and :mod:`strop.objectives`' losses, written once
-for both backends, bound to them: ``policy_terms``, ``value_terms``, ``mismatch_stats`` and
-the micro-batch losses ``policy_micro_loss`` / ``critic_micro_loss``
-(:mod:`strop.objectives.micro`) that :mod:`strop.backends.jax.ppo_steps` calls with its
-forwards' logits and values. They follow the conventions of :mod:`strop.objectives.losses`
+``token_entropy``, ``segment_mean``, ...), over which :mod:`strop.objectives`' losses are
+written once for both backends: :mod:`strop.backends.jax.ppo_steps` calls the micro-batch
+losses (:mod:`strop.objectives.micro`) with ``OPS`` and its forwards' logits and values.
+They follow the conventions of :mod:`strop.objectives.losses`
 (see ``docs/ppo.md`` for the formulas) and are tested against the numpy float64 references
 in ``tests/losses_reference.py`` (``tests/parity/test_ppo_losses.py``,
 ``test_policy_losses.py``). Inputs are cast to float32. The clip arguments (``dual_clip``,
@@ -14,12 +13,9 @@ in ``tests/losses_reference.py`` (``tests/parity/test_ppo_losses.py``,
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 
-from strop.objectives import gae, losses, micro
 from strop.objectives.losses import ArrayOps
 
 F32 = jnp.float32
@@ -80,10 +76,3 @@ OPS = ArrayOps(
     stop_gradient=jax.lax.stop_gradient, token_logprobs=token_logprobs,
     token_entropy=token_entropy, segment_mean=segment_mean,
 )  # fmt: skip
-# strop.objectives' losses, over this backend's arrays
-shift_values = partial(gae.shift_values, xp=jnp)
-policy_terms = partial(losses.policy_terms, OPS)
-value_terms = partial(losses.value_terms, OPS)
-mismatch_stats = partial(losses.mismatch_stats, OPS)
-policy_micro_loss = partial(micro.policy_micro_loss, OPS)
-critic_micro_loss = partial(micro.critic_micro_loss, OPS)

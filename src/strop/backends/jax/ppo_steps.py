@@ -24,14 +24,12 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from strop.backends.jax.losses import (
-    critic_micro_loss,
-    policy_micro_loss,
-    shift_values,
-    token_logprobs,
-)
+from strop.backends.jax.losses import OPS, token_logprobs
+from strop.objectives.gae import shift_values
+from strop.objectives.micro import critic_micro_loss, policy_micro_loss
 from strop.objectives.ppo import SHARED_CRITIC_PREFIX, PolicyObjective, ValueObjective
 
 
@@ -67,7 +65,7 @@ def policy_loss(
         graphdef, trainable, frozen, micro["input_ids"], micro["attention_mask"],
         micro.get("positions"),
     )  # fmt: skip
-    return policy_micro_loss(logits, micro, objective)
+    return policy_micro_loss(OPS, logits, micro, objective)
 
 
 def _shared_forward(graphs, trainable, frozen, input_ids, attention_mask, positions):
@@ -77,7 +75,7 @@ def _shared_forward(graphs, trainable, frozen, input_ids, attention_mask, positi
     actor_graph, head_graph = graphs
     out = nnx.merge(actor_graph, trainable["actor"], frozen)(input_ids, attention_mask, positions)
     raw = nnx.merge(head_graph, trainable["head"])(out.hidden)[..., 0]
-    return out.logits, shift_values(raw)
+    return out.logits, shift_values(raw, xp=jnp)
 
 
 @partial(jax.jit, static_argnums=(0,))
@@ -97,8 +95,8 @@ def shared_loss(
         graphs, trainable, frozen, micro["input_ids"], micro["attention_mask"],
         micro.get("positions"),
     )  # fmt: skip
-    loss, stats = policy_micro_loss(logits, micro, policy)
-    value_loss, value_stats = critic_micro_loss(values, micro, value)
+    loss, stats = policy_micro_loss(OPS, logits, micro, policy)
+    value_loss, value_stats = critic_micro_loss(OPS, values, micro, value)
     stats = {"loss": jax.lax.stop_gradient(loss), **stats}
     stats.update({SHARED_CRITIC_PREFIX + k: v for k, v in value_stats.items()})
     return loss + value_loss, stats
@@ -113,4 +111,4 @@ def critic_loss(
         graphdef, trainable, frozen, micro["input_ids"], micro["attention_mask"],
         micro.get("positions"),
     )  # fmt: skip
-    return critic_micro_loss(values, micro, objective)
+    return critic_micro_loss(OPS, values, micro, objective)

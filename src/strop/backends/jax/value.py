@@ -3,7 +3,7 @@
 ``ValueModel.raw_values`` is the head applied at every column (``raw[:, j]`` has read
 ``x_<=j``, so it estimates ``V(s_{j+1})``); ``ValueModel.values`` shifts it into the
 token convention of :mod:`strop.objectives.gae` (``values[:, t] = V(x_<t) = raw[:, t - 1]``,
-``values[:, 0] = 0``) with :func:`strop.backends.jax.losses.shift_values`. See
+``values[:, 0] = 0``) with :func:`strop.objectives.gae.shift_values`. See
 ``docs/ppo.md``.
 
 The head is always float32 (kernel ``[E, 1]``, bias ``[1]``) whatever the model's dtype,
@@ -27,10 +27,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from strop.backends.jax.losses import shift_values
 from strop.backends.jax.model import CausalLM
 from strop.backends.jax.sharding import logical_to_sharding, to_host
 from strop.lora_init import value_head as initial_value_head
+from strop.objectives.gae import shift_values
 
 KERNEL_AXES = ("embed", None)
 BIAS_AXES = (None,)
@@ -104,7 +104,7 @@ class ValueModel(nnx.Module):
         positions: jax.Array | None = None,
     ) -> jax.Array:
         """``[B, L]`` float32 in the GAE convention: ``values[:, t] = V(x_<t)``."""
-        return shift_values(self.raw_values(input_ids, attention_mask, positions))
+        return shift_values(self.raw_values(input_ids, attention_mask, positions), xp=jnp)
 
     def set_head(self, kernel: np.ndarray, bias: float) -> None:
         """Set the head to ``kernel [E]`` and scalar ``bias`` (:meth:`ValueHead.set_weights`)."""

@@ -14,9 +14,8 @@ adapter each forward uses, what each update trains and a checkpoint holds).
   ``model.path``) and a frozen reference copy of the actor's initial weights.
 
 Under ``torchrun`` every model is FSDP2-sharded (DTensor parameters), the value head
-included, and each rank runs its share of every batch's rows. Updates run the model in
-eval mode (no dropout), as do the rollout's forwards, so the old and new
-log-probabilities of an unchanged policy agree exactly.
+included, and each rank runs its share of every batch's rows. Updates and rollouts run
+the model in eval mode (no dropout): an unchanged policy's log-probabilities agree exactly.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ from strop.backends.torch.lora import (
     set_adapter_weights,
     use_adapter,
 )
-from strop.backends.torch.losses import critic_micro_loss, policy_micro_loss, token_logprobs
+from strop.backends.torch.losses import OPS, token_logprobs
 from strop.backends.torch.model import build_model, forward_logits, frozen_copy, run_model
 from strop.backends.torch.train import Trainer, rank_rows, used_columns
 from strop.backends.torch.value import ValueModel
@@ -57,6 +56,7 @@ from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import run_checkpoints
 from strop.lora_init import critic_seed as critic_seed_of
+from strop.objectives.micro import critic_micro_loss, policy_micro_loss
 from strop.objectives.ppo import SHARED_CRITIC_PREFIX, PolicyObjective, ValueObjective
 from strop.objectives.roles import RolePlan
 
@@ -278,7 +278,7 @@ class TorchActorCritic(Sampler):
 
             def loss_fn(micro):
                 logits = forward_logits(loaded, *_model_inputs(micro))
-                return policy_micro_loss(logits, micro, self.policy_objective)
+                return policy_micro_loss(OPS, logits, micro, self.policy_objective)
 
             return self.actor_trainer.update(batch, names, micro_batches, loss_fn)
 
@@ -286,15 +286,16 @@ class TorchActorCritic(Sampler):
         """``critic.shared_trunk``: one update of the actor's adapters and the value head
         over ``policy loss + value_loss_coef x value loss``, both from one forward (logits
         and the final hidden state); the critic's stats under ``SHARED_CRITIC_PREFIX``."""
-        wanted = (*self.policy_objective.batch_names, *self.value_objective.batch_names)
+        policy, value = self.policy_objective, self.value_objective
+        wanted = (*policy.batch_names, *value.batch_names)
         batch, names = self._packed(batch, tuple(dict.fromkeys(wanted)), micro_batches)
         with self._role("actor") as loaded:
 
             def loss_fn(micro):
                 out = run_model(loaded, *_model_inputs(micro), output_hidden_states=True)
-                loss, stats = policy_micro_loss(out.logits.float(), micro, self.policy_objective)
+                loss, stats = policy_micro_loss(OPS, out.logits.float(), micro, policy)
                 values = self.critic.values_from_hidden(out.hidden_states[-1])
-                value_loss, value_stats = critic_micro_loss(values, micro, self.value_objective)
+                value_loss, value_stats = critic_micro_loss(OPS, values, micro, value)
                 stats = {"loss": loss.detach(), **stats}  # the policy's part, as logged
                 stats.update({SHARED_CRITIC_PREFIX + k: v for k, v in value_stats.items()})
                 return loss + value_loss, stats
@@ -307,7 +308,7 @@ class TorchActorCritic(Sampler):
 
             def loss_fn(micro):
                 values = self.critic.values(*_model_inputs(micro))
-                return critic_micro_loss(values, micro, self.value_objective)
+                return critic_micro_loss(OPS, values, micro, self.value_objective)
 
             return self.critic_trainer.update(batch, names, micro_batches, loss_fn)
 

@@ -52,10 +52,8 @@ from strop.backends.torch.fsdp import Placement, barrier, write_once
 from strop.backends.torch.lora import hf_module_path
 from strop.errors import CheckpointError, NonFiniteStateError
 from strop.io.checkpoint_dir import (
-    refuse_other_backends_checkpoints,
+    StepCheckpoints,
     remove_unfinished_saves,
-    require_intact,
-    require_step,
     save_failed,
     short_reason,
 )
@@ -192,7 +190,7 @@ def _write_json(path: Path, value: Any) -> None:
         os.fsync(f.fileno())
 
 
-class TrainCheckpoints:
+class TrainCheckpoints(StepCheckpoints):
     """The checkpoints of one run, in ``directory`` (e.g. ``<run_dir>/checkpoints``).
 
     Args:
@@ -210,13 +208,8 @@ class TrainCheckpoints:
         placement: Placement,
         keep: int = 3,
     ):
-        if keep < 1:
-            raise CheckpointError(f"checkpoint keep must be at least 1, got {keep}")
-        self.directory = Path(directory).absolute()
-        self.identity = dict(identity)
+        super().__init__(directory, identity, keep, backend="torch", write_once=write_once)
         self.placement = placement
-        self.keep = keep
-        refuse_other_backends_checkpoints(self.directory, "torch")
         if placement.is_main:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -229,7 +222,6 @@ class TrainCheckpoints:
         barrier(placement)
 
     def all_steps(self) -> list[int]:
-        """Steps with a complete checkpoint, oldest first."""
         if not self.directory.is_dir():
             return []
         return sorted(
@@ -255,16 +247,7 @@ class TrainCheckpoints:
         On failure raises :class:`CheckpointError`; earlier checkpoints are untouched and
         nothing half-written becomes visible.
         """
-        extra = dict(extra or {})
-        try:
-            json.dumps(extra)
-        except (TypeError, ValueError) as err:
-            raise CheckpointError(f"checkpoint extra is not JSON-serialisable: {err}") from None
-        if step in self.all_steps():
-            raise CheckpointError(
-                f"checkpoint step {step} already exists in {self.directory}; resume from it "
-                "or use a new run directory"
-            )
+        extra = self._new_step(step, extra)
         staging = self.directory / f"{_TMP_PREFIX}{step}"
         final = self.directory / str(step)
         model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
@@ -361,16 +344,4 @@ class TrainCheckpoints:
             hf_module_path(key.removeprefix("model."))
             for key in metadata.state_dict_metadata
             if key.startswith("model.")
-        )
-
-    def _require(self, step: int) -> None:
-        require_step(step, self.directory, self.all_steps())
-
-    def _verify(self, step: int) -> None:
-        """Raise one :class:`CheckpointError` line if a file of ``step`` no longer matches
-        its checksums (rank 0 reads them; every rank gets the verdict)."""
-        self._require(step)
-        write_once(
-            lambda: require_intact(step, self.directory, self.all_steps()),
-            f"verifying checkpoint step {step}",
         )

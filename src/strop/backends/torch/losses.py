@@ -1,11 +1,10 @@
 """PPO losses in torch: differentiable, float32.
 
 This backend's array primitives (:data:`OPS`: ``select``, ``token_logprobs``,
-``token_entropy``, ``segment_mean``, ...) and :mod:`strop.objectives`' losses, written once
-for both backends, bound to them: ``policy_terms``, ``value_terms``, ``mismatch_stats`` and
-the micro-batch losses ``policy_micro_loss`` / ``critic_micro_loss``
-(:mod:`strop.objectives.micro`) that ``actor_critic.py`` calls with its forwards' logits and
-values. They follow the conventions of :mod:`strop.objectives.losses` (see ``docs/ppo.md``
+``token_entropy``, ``segment_mean``, ...), over which :mod:`strop.objectives`' losses are
+written once for both backends: ``actor_critic.py`` calls the micro-batch losses
+(:mod:`strop.objectives.micro`) with ``OPS`` and its forwards' logits and values. They
+follow the conventions of :mod:`strop.objectives.losses` (see ``docs/ppo.md``
 for the formulas) and are tested against the numpy float64 references in
 ``tests/losses_reference.py`` (``tests/parity/test_ppo_losses.py``,
 ``test_policy_losses.py``). Inputs are tensors (numpy arrays are accepted and put on the
@@ -14,12 +13,9 @@ CPU) and are cast to float32; results live on the inputs' device.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 
-from strop.objectives import gae, losses, micro
 from strop.objectives.losses import ArrayOps
 
 F32 = torch.float32
@@ -84,10 +80,3 @@ OPS = ArrayOps(
     stop_gradient=torch.Tensor.detach, token_logprobs=token_logprobs,
     token_entropy=token_entropy, segment_mean=segment_mean,
 )  # fmt: skip
-# strop.objectives' losses, over this backend's arrays
-shift_values = partial(gae.shift_values, xp=torch)
-policy_terms = partial(losses.policy_terms, OPS)
-value_terms = partial(losses.value_terms, OPS)
-mismatch_stats = partial(losses.mismatch_stats, OPS)
-policy_micro_loss = partial(micro.policy_micro_loss, OPS)
-critic_micro_loss = partial(micro.critic_micro_loss, OPS)

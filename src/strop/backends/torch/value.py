@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from strop.backends.torch.losses import shift_values
 from strop.backends.torch.model import LoadedModel, run_model
 from strop.lora_init import value_head as initial_value_head
+from strop.objectives.gae import shift_values
 
 
 class ValueHead(nn.Module):
@@ -85,10 +85,11 @@ class ValueModel(nn.Module):
             return self.value_head(hidden)[..., 0]
 
     def values_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """:meth:`values` from a forward already run: ``hidden`` is its final normed hidden
-        state ``[B, L, E]`` (``critic.shared_trunk`` reads it off the actor's forward)."""
+        """:meth:`values` from the final normed hidden state ``hidden [B, L, E]`` of a
+        forward: :meth:`values` runs its own, ``critic.shared_trunk`` reads it off the
+        actor's forward."""
         with torch.autocast(hidden.device.type, enabled=False):
-            return shift_values(self.value_head(hidden)[..., 0])
+            return shift_values(self.value_head(hidden)[..., 0], xp=torch)
 
     def values(
         self,
@@ -97,7 +98,7 @@ class ValueModel(nn.Module):
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[B, L]`` float32 in the GAE convention: ``values[:, t] = V(x_<t)``."""
-        return shift_values(self.raw_values(input_ids, attention_mask, positions))
+        return self.values_from_hidden(self.hidden(input_ids, attention_mask, positions))
 
     forward = values
 
