@@ -253,7 +253,8 @@ def _evaluate_episodes(config: Config, path: str, job: Job) -> EvalResult:
     progress.phase("reading the data")
     config = _config_with_adapter(config)
     tokenizer = Tokenizer.from_pretrained(config.model.path)
-    episodes = Episodes.from_config(config, tokenizer, model_eos_ids(tokenizer, config.model.path))
+    stops = model_eos_ids(tokenizer, config.model.path)
+    episodes = Episodes.from_config(config, tokenizer, stops, job.environment)
     assert episodes is not None  # env.name is set
     prompts = PromptSet.read(path, config, tokenizer, config.eval.max_examples)
     check_context_length(  # before the weights load
