@@ -18,11 +18,10 @@ from typing import Any
 from strop import rewards
 from strop.config import Config
 from strop.data import Tokenizer
-from strop.io.model_spec import check_context_length
+from strop.io.model_spec import check_context_length, response_end_ids
 from strop.objectives.roles import RolePlan
 from strop.rl.episodes import Episodes
 from strop.rl.prompts import PromptSet
-from strop.scoring import eos_ids
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,7 @@ class PpoRun:
         ppo = config.ppo
         model_path = config.model.path
         tokenizer = Tokenizer.from_pretrained(model_path)
-        stops = eos_ids(tokenizer, model_path)
+        stops = response_end_ids(model_path, tokenizer.eos_token_id)
         episodes = Episodes.from_config(config, tokenizer, stops, environment)
         train = PromptSet.read(config.data.train_path, config, tokenizer, reward=reward)
         validation = None
