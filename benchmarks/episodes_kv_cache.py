@@ -34,6 +34,7 @@ from strop.config import load_config
 from strop.data import Tokenizer
 from strop.engines import NativeEngine
 from strop.generation import SamplingParams
+from strop.preflight import check_environment
 from strop.rl.episodes import Episodes
 
 TURNS = [4]
@@ -65,7 +66,8 @@ def run(backend: str, args: argparse.Namespace) -> list[list[str]]:
     ]  # fmt: skip
     config = load_config("ppo-lora-tiny", overrides)
     tok = Tokenizer.from_pretrained(args.model)
-    episodes = Episodes.from_config(config, tok, [tok.eos_token_id])
+    environment = check_environment(config.env.name, config.env.args)
+    episodes = Episodes.from_config(config, tok, [tok.eos_token_id], environment)
     episodes = dataclasses.replace(episodes, factory=Scripted)
     actor = get_backend(backend).build_actor_critic(config, total_updates=1, checkpoint_dir=None)
     actor.expect_prompts(episodes.longest_prefix)

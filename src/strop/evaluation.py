@@ -47,13 +47,12 @@ from strop.engines import RolloutEngine, rollout_engine
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
 from strop.io.atomic import write_text_atomically
-from strop.io.model_spec import check_context_length, read_model_spec
+from strop.io.model_spec import check_context_length, read_model_spec, response_end_ids
 from strop.io.peft import load_adapter
 from strop.job import Job, eval_job
 from strop.rl.episodes import Episodes
 from strop.rl.prompts import PromptSet
 from strop.scoring import build_reward_model, sample_and_score
-from strop.scoring import eos_ids as model_eos_ids
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +164,7 @@ def _sample_and_record(
     params = dataclasses.replace(
         SamplingParams.from_config(config.generation), temperature=config.eval.temperature
     )
-    eos_ids = model_eos_ids(tokenizer, config.model.path)
+    eos_ids = response_end_ids(config.model.path, tokenizer.eos_token_id)
     k = config.eval.num_samples
 
     records, tokens, stopped = [], 0, 0
@@ -253,7 +252,8 @@ def _evaluate_episodes(config: Config, path: str, job: Job) -> EvalResult:
     progress.phase("reading the data")
     config = _config_with_adapter(config)
     tokenizer = Tokenizer.from_pretrained(config.model.path)
-    episodes = Episodes.from_config(config, tokenizer, model_eos_ids(tokenizer, config.model.path))
+    stops = response_end_ids(config.model.path, tokenizer.eos_token_id)
+    episodes = Episodes.from_config(config, tokenizer, stops, job.environment)
     assert episodes is not None  # env.name is set
     prompts = PromptSet.read(path, config, tokenizer, config.eval.max_examples)
     check_context_length(  # before the weights load

@@ -115,7 +115,7 @@ def run_export(config: Config, out: str | os.PathLike, *, merged: bool) -> Expor
             update={"model": config.model.model_copy(update={"path": identity["base_model"]})}
         )
         logger.info("base model from the run's checkpoints: model.path=%s", config.model.path)
-    backend = preflight(config, job, checkpoint_dir, advice=EXPORT_ADVICE, exporting=True)
+    backend = preflight(config, job, checkpoint_dir, advice=EXPORT_ADVICE, exporting=True).backend
     if job == "ppo":
         engine = backend.build_actor_critic(
             config, total_updates=config.ppo.optimizer_updates(), checkpoint_dir=checkpoint_dir,

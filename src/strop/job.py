@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,14 +41,16 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Job:
     """What a command holds while it runs: its ``name`` (``"sft"``, ``"ppo"``,
-    ``"eval"``), its progress report, the run's backend (its builders, ``write_once``) and,
-    for training, the directory its checkpoints go to (``checkpoint.dir``, else
-    ``<run_dir>/checkpoints``)."""
+    ``"eval"``), its progress report, the run's backend (its builders, ``write_once``),
+    for training the directory its checkpoints go to (``checkpoint.dir``, else
+    ``<run_dir>/checkpoints``) and, with ``env.name``, the environment factory that
+    preflight built once (what its episodes make their environments with)."""
 
     name: str
     progress: RunProgress
     backend: Backend
     checkpoints: Path | None = None  # a training job's checkpoint directory
+    environment: Callable[[], Any] | None = None  # env.name's factory with env.args
 
 
 @contextmanager
@@ -57,7 +59,8 @@ def training_job(config: Config, job: str, steps: int, figures: Mapping[str, str
     then hold ``config.run_dir`` for it; its progress report shows ``figures`` (see
     :class:`RunProgress`)."""
     checkpoints = config.checkpoint_path()
-    backend = preflight(config, job, checkpoints)
+    checked = preflight(config, job, checkpoints)
+    backend = checked.backend
     progress = RunProgress(job, steps, figures, enabled=is_main_by_environment())
 
     def step_running() -> int:
@@ -68,17 +71,17 @@ def training_job(config: Config, job: str, steps: int, figures: Mapping[str, str
         progress,
         reporting_interrupts(step_running, checkpoints, config.backend),
     ):
-        yield Job(job, progress, backend, checkpoints)
+        yield Job(job, progress, backend, checkpoints, checked.environment)
 
 
 @contextmanager
 def eval_job(config: Config, figures: Mapping[str, str]) -> Iterator[Job]:
     """Preflight ``strop eval``, then hold ``config.run_dir`` for it; its progress report's
     total is set once the data is read."""
-    backend = preflight(config, "eval", checkpoint_dir=None)
+    checked = preflight(config, "eval", checkpoint_dir=None)
     progress = RunProgress("eval", 0, figures, enabled=is_main_by_environment())
-    with holding_run_dir(config, backend), progress:
-        yield Job("eval", progress, backend)
+    with holding_run_dir(config, checked.backend), progress:
+        yield Job("eval", progress, checked.backend, environment=checked.environment)
 
 
 class Steps(Protocol):

@@ -42,8 +42,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -96,21 +98,38 @@ def refuse_launcher_of_another_backend(config: Config) -> None:
         )
 
 
-def check_environment(name: str, args: Mapping[str, Any]) -> None:
+def check_environment(name: str, args: Mapping[str, Any]) -> Callable[[], Any]:
     """``env.name`` imported and its factory called once with ``env.args`` (the environment
     then dropped), so that a missing file, module or factory, or arguments the factory
     refuses, are one line (:class:`~strop.agents.environment.EnvironmentLoadError`) before
-    anything loads, not a failure of every episode at the first iteration."""
-    from strop.agents.environment import EnvironmentLoadError, load_environment
+    anything loads, not a failure of every episode at the first iteration. Returns that
+    factory with ``env.args``: what the run's episodes make their environments with."""
+    from strop.agents.environment import (
+        EnvironmentLoadError,
+        new_environment,
+        resolve_environment,
+    )
 
     try:
-        load_environment(name, **args)
+        factory = resolve_environment(name)
+        new_environment(factory, name, **args)
     except EnvironmentLoadError as exc:
         raise EnvironmentLoadError(f"env.name: {exc}") from None
+    return partial(factory, **args)
 
 
 TRAINING_JOBS = ("sft", "ppo", "dpo")
 """The jobs that train (and checkpoint): W&B, checkpoint and step checks apply."""
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What :func:`preflight` resolved for the job: the run's one backend and, for a PPO or
+    eval run with ``env.name``, the environment factory it built once
+    (:func:`check_environment`)."""
+
+    backend: Backend
+    environment: Callable[[], Any] | None = None
 
 
 def preflight(
@@ -120,11 +139,12 @@ def preflight(
     *,
     advice: str = RESUME_ADVICE,
     exporting: bool = False,
-) -> Backend:
+) -> Checked:
     """Everything ``job`` (``"sft"``, ``"ppo"``, ``"dpo"`` or ``"eval"``) can refuse before
     loading a tokenizer, data or weights, in the order of the module's docstring; raises
-    :class:`~strop.errors.StropError` subclasses, else returns the run's
-    :class:`~strop.backends.base.Backend` (asked once, here). Sets the level of strop's
+    :class:`~strop.errors.StropError` subclasses, else returns what it resolved
+    (:class:`Checked`): the run's :class:`~strop.backends.base.Backend` (asked once, here)
+    and its environment's factory. Sets the level of strop's
     log messages (``logging.level``). ``exporting``: ``strop export`` restores the newest
     checkpoint whatever the step count says, and needs neither W&B, the environment nor
     the rollout engine the run used; ``advice`` ends the message of a checkpoint another
@@ -138,8 +158,9 @@ def preflight(
         config.lora.base_quantization if config.lora.enabled else "none",
         backend=config.backend, distributed=launched_by_torchrun(),
     )  # fmt: skip
+    environment = None
     if job in ("ppo", "eval") and config.env.enabled and running:
-        check_environment(config.env.name, config.env.args)
+        environment = check_environment(config.env.name, config.env.args)
     backend = get_backend(config.backend)  # the one call of a command
     if config.logging.wandb and training and running:
         backend.write_once(require_wandb_login, "checking the W&B login")  # the main's
@@ -159,4 +180,4 @@ def preflight(
         if running:
             total = config.steps_of(job)
             refuse_run_past_its_end(checkpoint_dir, config.backend, job, total, config.run_dir)
-    return backend
+    return Checked(backend, environment)

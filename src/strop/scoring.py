@@ -15,7 +15,6 @@ from strop.backends.base import ActorCritic, Policy, RewardModel
 from strop.config import Config
 from strop.data import Tokenizer
 from strop.generation import Generation, SamplingParams
-from strop.io.model_spec import read_model_spec
 from strop.rewards import extract_answer
 
 
@@ -24,12 +23,6 @@ def build_reward_model(config: Config, directory: Path) -> RewardModel:
     backend at its first score: what ``rewards.resolve``/``rewards.load`` get as
     ``build_model``, over the run's config (``functools.partial``)."""
     return get_backend(config.backend).build_reward_model(config, directory)
-
-
-def eos_ids(tokenizer: Tokenizer, model_path: str) -> list[int]:
-    """The ids that end a response: the tokenizer's EOS and every EOS id of the model's
-    config (``generation_config`` may list several)."""
-    return sorted({tokenizer.eos_token_id, *read_model_spec(model_path).eos_token_ids})
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from strop.data import Tokenizer
 from strop.engines import NativeEngine
 from strop.generation import SamplingParams
 from strop.io.tiny import make_tiny_checkpoint
+from strop.preflight import check_environment
 from strop.rl.episodes import Episodes
 
 
@@ -59,10 +60,11 @@ def test_continuing_from_the_kv_cache_samples_what_re_prefilling_does(backend, t
     overrides += ["generation.max_new_tokens=6", "env.max_episode_tokens=250"]
     config = load_config("ppo-lora-tiny", overrides)
     tok = Tokenizer.from_pretrained(model)
-    cached = Episodes.from_config(config, tok, [tok.eos_token_id])
+    environment = check_environment(config.env.name, config.env.args)
+    cached = Episodes.from_config(config, tok, [tok.eos_token_id], environment)
     assert cached.kv_cache  # the default
     off = load_config("ppo-lora-tiny", [*overrides, "env.kv_cache=false"])
-    prefilled = Episodes.from_config(off, tok, [tok.eos_token_id])
+    prefilled = Episodes.from_config(off, tok, [tok.eos_token_id], environment)
     assert not prefilled.kv_cache
     cached = dataclasses.replace(cached, factory=Scripted)
     prefilled = dataclasses.replace(prefilled, factory=Scripted)

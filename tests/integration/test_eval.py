@@ -128,9 +128,10 @@ def test_eval_plays_episodes_and_counts_what_ppo_validation_counts(calc_inputs, 
     from strop.cli import evaluate
     from strop.data import Tokenizer
     from strop.generation import SamplingParams
+    from strop.io.model_spec import response_end_ids
+    from strop.preflight import check_environment
     from strop.rl.episodes import Episodes
     from strop.rl.prompts import PromptSet
-    from strop.scoring import eos_ids
 
     data, results = calc_inputs["validation"], {}
     run_eval(load_config("tiny", calc_overrides(data, tmp_path / "jax", "jax")))
@@ -149,7 +150,10 @@ def test_eval_plays_episodes_and_counts_what_ppo_validation_counts(calc_inputs, 
     # What strop ppo's validation (Episodes.validate, greedy) counts on the same weights.
     config = load_config("tiny", calc_overrides(data, tmp_path / "validate", "torch"))
     tok = Tokenizer.from_pretrained(config.model.path)
-    episodes = Episodes.from_config(config, tok, eos_ids(tok, config.model.path))
+    environment = check_environment(config.env.name, config.env.args)
+    episodes = Episodes.from_config(
+        config, tok, response_end_ids(config.model.path, tok.eos_token_id), environment
+    )
     prompts = PromptSet.read(data, config, tok)
     policy = get_backend("torch").build_policy(config, total_steps=1, checkpoint_dir=None)
     greedy = SamplingParams(max_new_tokens=40, temperature=0.0)

@@ -17,6 +17,7 @@ from strop.agents.rollout import RolloutLimits
 from strop.config import load_config
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
+from strop.preflight import check_environment
 from strop.rl.episodes import Episodes
 from strop.rl.prompts import PromptSet
 from tests.unit.test_agents_rollout import RECORDS, SCRIPTS, Scripted, tok  # noqa: F401
@@ -154,9 +155,10 @@ def test_a_sleeping_vllm_engine_stays_awake_through_an_iteration_s_episodes(tok,
 
 def test_the_run_s_episodes_come_from_the_config_and_need_a_chat_template(tok) -> None:  # noqa: F811
     config = load_config(None, ["env.name=calculator", "env.args={max_turns: 2}"])
-    episodes = Episodes.from_config(config, tok, [tok.eos_token_id])
+    environment = check_environment(config.env.name, config.env.args)  # preflight's
+    episodes = Episodes.from_config(config, tok, [tok.eos_token_id], environment)
     assert episodes.factory().max_turns == 2 and episodes.longest_prefix == 1023
-    assert Episodes.from_config(load_config(None, []), tok, [0]) is None
+    assert Episodes.from_config(load_config(None, []), tok, [0], None) is None
     no_template = SimpleNamespace(chat_template=None)
     with pytest.raises(ConfigError, match="rendered with the model's chat template"):
-        Episodes.from_config(config, no_template, [0])
+        Episodes.from_config(config, no_template, [0], environment)

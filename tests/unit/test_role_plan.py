@@ -118,8 +118,8 @@ def test_reference_adapter_critic_settings_warmup_and_rows():
 BACKENDS = Path(strop.backends.__file__).parent
 # The reward models (ppo.reward: model:DIR) are no PPO role: they read their row count.
 NOT_ROLES = {"jax/reward_model.py", "torch/reward_model.py"}
-# the sections, and Config's methods that read them
-READ = {"ppo", "critic", "critic_optim", "reference_adapter_path"}
+# the sections the plan reads
+READ = {"ppo", "critic"}
 
 
 def _reads_ppo_or_critic(path: Path, root: Path = BACKENDS) -> list[str]:
@@ -146,11 +146,11 @@ def test_backends_read_no_ppo_or_critic_setting():
 def test_the_check_finds_a_read(tmp_path):
     source = tmp_path / "x.py"
     source.write_text(
-        "a = self.config.ppo.pack\nb = config.critic.lr\nc = config.critic_optim()\n"
+        "a = self.config.ppo.pack\nb = config.critic.lr\nc = config.ppo.lr\n"
         "d = plan.critic_optim\ne = self.critic.lm\n"  # the plan's, a role's: not the config
     )
     assert _reads_ppo_or_critic(source, tmp_path) == [
         "x.py:1: config.ppo",
         "x.py:2: config.critic",
-        "x.py:3: config.critic_optim",
+        "x.py:3: config.ppo",
     ]

@@ -23,10 +23,11 @@ from strop.engines.vllm import VllmEngine
 from strop.engines.vllm_sync import VllmRollouts
 from strop.evaluation import run_eval
 from strop.generation import SamplingParams
+from strop.io.model_spec import response_end_ids
 from strop.metrics.sinks import read_metrics
+from strop.preflight import check_environment
 from strop.rl.episodes import Episodes
 from strop.rl.ppo import run_ppo
-from strop.scoring import eos_ids
 
 ENV_METRICS = {"env/turns", "env/tool_calls", "env/tool_errors", "env/truncated", "env/errors"}
 LOGPROB_BOUND = 2e-4  # float32: vLLM's and the trainer's kernels differ in reduction order
@@ -94,7 +95,10 @@ def test_ppo_on_vllm_episodes_syncs_before_each_iteration_and_greedy_turns_are_n
 
         # Greedy episodes on the trained weights: vLLM (synced again) = the native sampler.
         tok = Tokenizer.from_pretrained(config.model.path)
-        episodes = Episodes.from_config(config, tok, eos_ids(tok, config.model.path))
+        environment = check_environment(config.env.name, config.env.args)
+        episodes = Episodes.from_config(
+            config, tok, response_end_ids(config.model.path, tok.eos_token_id), environment
+        )
         lines = data["validation"].read_text().splitlines()
         cases = [json.loads(line) for line in lines]
         greedy = SamplingParams(max_new_tokens=40, temperature=0.0)

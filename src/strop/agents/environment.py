@@ -123,7 +123,12 @@ def resolve_environment(reference: str) -> Callable[..., Any]:
 def load_environment(reference: str, **kwargs: Any) -> Any:
     """A new environment: the factory ``reference`` names, called with ``kwargs``, checked
     to have ``reset`` and ``step``. Raises :class:`EnvironmentLoadError` (one line)."""
-    factory = resolve_environment(reference)
+    return new_environment(resolve_environment(reference), reference, **kwargs)
+
+
+def new_environment(factory: Callable[..., Any], reference: str, **kwargs: Any) -> Any:
+    """``factory`` (what ``reference`` names) called with ``kwargs``, the result checked to
+    have ``reset`` and ``step``. Raises :class:`EnvironmentLoadError` (one line)."""
     name = getattr(factory, "__name__", type(factory).__name__)
     try:
         env = factory(**kwargs)

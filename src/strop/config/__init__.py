@@ -214,20 +214,6 @@ class Config(_Section):
         """The steps a training ``job`` runs (``sft.steps``, ``ppo.steps``, ``dpo.steps``)."""
         return {"ppo": self.ppo.steps, "dpo": self.dpo.steps}.get(job, self.sft.steps)
 
-    def reference_adapter_path(self) -> str | None:
-        """The frozen SFT adapter that is PPO's reference policy, if any (ARCHITECTURE
-        invariant 6): ``ppo.reference_adapter``, else the ``lora.restore_path`` the run
-        starts from; None means the base model (adapters disabled)."""
-        if not self.lora.enabled:
-            return None
-        return self.ppo.reference_adapter or self.lora.restore_path
-
-    def critic_optim(self) -> OptimConfig:
-        """The critic's optimizer settings: ``optim`` with ``critic.lr`` if given."""
-        if self.critic.lr is None:
-            return self.optim
-        return self.optim.model_copy(update={"lr": self.critic.lr})
-
 
 def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """The validated config of a recipe (a YAML path or a built-in name; None = defaults)

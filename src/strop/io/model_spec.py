@@ -195,6 +195,13 @@ def read_model_spec(path: str | os.PathLike) -> ModelSpec:
     return ModelSpec.from_hf_config(cfg, source=str(config_path))
 
 
+def response_end_ids(path: str | os.PathLike, tokenizer_eos_id: int) -> list[int]:
+    """The ids that end a response of the model at ``path``: its tokenizer's EOS
+    (``tokenizer_eos_id``) and every EOS id of its config (``generation_config`` may list
+    several)."""
+    return sorted({tokenizer_eos_id, *read_model_spec(path).eos_token_ids})
+
+
 def check_context_length(
     model_path: str | None,
     job: str,

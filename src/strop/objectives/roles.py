@@ -61,6 +61,22 @@ class Rows:
     share_prompts: bool
 
 
+def _reference_adapter(config: Config) -> str | None:
+    """The frozen SFT adapter that is the reference policy, if any (ARCHITECTURE
+    invariant 6): ``ppo.reference_adapter``, else the ``lora.restore_path`` the run starts
+    from; None means the base model (adapters disabled), or a copy without LoRA."""
+    if not config.lora.enabled:
+        return None
+    return config.ppo.reference_adapter or config.lora.restore_path
+
+
+def _critic_optim(config: Config) -> OptimConfig:
+    """An own critic's optimizer settings: ``optim`` with ``critic.lr`` if given."""
+    if config.critic.lr is None:
+        return config.optim
+    return config.optim.model_copy(update={"lr": config.critic.lr})
+
+
 @dataclass(frozen=True)
 class RolePlan:
     """The roles of a PPO run (see the module's docstring) and what follows from them."""
@@ -82,10 +98,8 @@ class RolePlan:
         critic: CriticKind = "none"
         if ppo.has_critic:
             critic = "shared_trunk" if config.critic.shared_trunk else "own"
-        adapter = config.reference_adapter_path()
-        own_optim = None
-        if critic == "own":
-            own_optim = config.critic_optim()
+        adapter = _reference_adapter(config)
+        own_optim = _critic_optim(config) if critic == "own" else None
         return cls(
             lora=lora,
             critic=critic,

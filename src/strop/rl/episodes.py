@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 
 from strop.agents.continuation import continuation_generate
-from strop.agents.environment import resolve_environment
 from strop.agents.episode import EpisodeColumns
 from strop.agents.rollout import (
     EpisodeOutcome,
@@ -89,14 +88,20 @@ class Episodes:
 
     @classmethod
     def from_config(
-        cls, config: Config, tokenizer: Tokenizer, eos_ids: Sequence[int]
+        cls,
+        config: Config,
+        tokenizer: Tokenizer,
+        eos_ids: Sequence[int],
+        environment: Callable[[], Any] | None,
     ) -> Episodes | None:
-        """The run's episodes, None without ``env.name`` (whose factory preflight built
-        once: :func:`strop.preflight.check_environment`); a model without a chat template
-        is refused (:class:`ConfigError`), before any model loads."""
+        """The run's episodes, None without ``env.name``; ``environment``: its factory with
+        ``env.args``, which preflight built once (:func:`strop.preflight.check_environment`;
+        the job's). A model without a chat template is refused (:class:`ConfigError`),
+        before any model loads."""
         env = config.env
         if not env.enabled:
             return None
+        assert environment is not None, "env.name is set: preflight built its factory"
         if tokenizer.chat_template is None:
             raise ConfigError(
                 f"env.name={env.name}: episodes are rendered with the model's chat template, "
@@ -110,10 +115,9 @@ class Episodes:
             step_timeout_s=env.step_timeout_s,
             max_error_fraction=env.max_error_fraction,
         )
-        factory = partial(resolve_environment(env.name), **env.args)
         stops = tuple(int(i) for i in eos_ids)
         jax = config.backend == "jax"
-        return cls(factory, env.name, limits, tokenizer, stops, jax, env.kv_cache)
+        return cls(environment, env.name, limits, tokenizer, stops, jax, env.kv_cache)
 
     @property
     def longest_prefix(self) -> int:

@@ -102,7 +102,7 @@ def _train(
     and run its iterations (:func:`~strop.job.run_steps`)."""
     ppo, progress = config.ppo, job.progress
     progress.phase("reading the prompts")
-    run = PpoRun.read(config, reward)
+    run = PpoRun.read(config, reward, job.environment)
     if reward is not None:  # (with env.name there is none)
         reward.start()  # its worker imports the user's function while the models load
     progress.phase("loading the models")

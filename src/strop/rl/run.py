@@ -11,16 +11,17 @@ and the backend's ``build_actor_critic`` take what they need from it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from strop import rewards
 from strop.config import Config
 from strop.data import Tokenizer
-from strop.io.model_spec import check_context_length
+from strop.io.model_spec import check_context_length, response_end_ids
 from strop.objectives.roles import RolePlan
 from strop.rl.episodes import Episodes
 from strop.rl.prompts import PromptSet
-from strop.scoring import eos_ids
 
 
 @dataclass(frozen=True)
@@ -41,15 +42,21 @@ class PpoRun:
     plan: RolePlan
 
     @classmethod
-    def read(cls, config: Config, reward: rewards.WeightedReward | None) -> PpoRun:
+    def read(
+        cls,
+        config: Config,
+        reward: rewards.WeightedReward | None,
+        environment: Callable[[], Any] | None,
+    ) -> PpoRun:
         """Read the run's inputs (``reward``: the resolved ``ppo.reward``; None with
-        ``env.name``, whose environment scores the episodes); what they refuse is one line
+        ``env.name``, whose environment scores the episodes: ``environment``, its factory,
+        built once by preflight); what they refuse is one line
         (:class:`~strop.errors.StropError`), before any model loads."""
         ppo = config.ppo
         model_path = config.model.path
         tokenizer = Tokenizer.from_pretrained(model_path)
-        stops = eos_ids(tokenizer, model_path)
-        episodes = Episodes.from_config(config, tokenizer, stops)
+        stops = response_end_ids(model_path, tokenizer.eos_token_id)
+        episodes = Episodes.from_config(config, tokenizer, stops, environment)
         train = PromptSet.read(config.data.train_path, config, tokenizer, reward=reward)
         validation = None
         if config.data.eval_path and ppo.validate_every:
