@@ -715,7 +715,10 @@ def run_all(args: argparse.Namespace, work: Path) -> None:
     )
     summarize(results, config, unit)
     if args.dpo:
-        print("\nCPU seconds per step after the first, medians (the process's, all threads)")
+        print(
+            "\nCPU seconds per step after the first, medians (the process's, all threads), "
+            "and each run's steps in all"
+        )
         print("\n".join(peers_dpo.cpu_lines(results)))
         print(
             "\nFirst and last steps (step 1 from fresh adapters: log 2 = 0.693147 when the "

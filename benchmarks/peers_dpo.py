@@ -11,9 +11,9 @@ the pairs both read: synthetic GSM8K-style problems (:mod:`strop.data.synthetic`
 demo's), the prompt the demo's ``Question: ...\\nAnswer:``, the chosen answer the worked
 solution, the rejected one the same steps with the first step's result as the final
 answer (with one step, or when that is the right one, the right one plus one). Both read
-them in file order (strop ``data.shuffle=false``, TRL ``train_sampling_strategy="sequential"``), so step ``k``
-of each trains on the same 8 pairs; ``data.max_length`` 128 holds every pair (no cut on
-either side). The settings are strop's resolved config; TRL's script
+them in file order (strop ``data.shuffle=false``, TRL ``train_sampling_strategy=
+"sequential"``), so step ``k`` of each trains on the same 8 pairs; ``data.max_length`` 128
+holds every pair (no cut on either side). The settings are strop's resolved config; TRL's script
 (``benchmarks/peers/trl_dpo.py``) gets them as ``--job`` JSON, and the list of differences
 is drawn from them.
 
@@ -192,13 +192,20 @@ def strop_child(backend: str, pairs: Path, run_dir: Path, steps: int, seed: int,
 def cpu_lines(results: dict[str, list[dict]]) -> list[str]:
     """Per system, the median CPU seconds per step after the first (this process's, all
     its threads: what a busy machine's other processes disturb least; JAX's XLA pool runs
-    several threads), and the ratios strop/TRL."""
-    medians = {}
+    several threads) and the whole run's steps in wall-clock seconds, first steps and
+    compiles included (mean over runs); then the ratios strop/TRL of the CPU medians."""
+    medians, lines = {}, []
     for system, runs in results.items():
-        later = [x for r in runs if "error" not in r for x in r.get("cpu", [])[1:]]
+        good = [r for r in runs if "error" not in r]
+        later = [x for r in good for x in r.get("cpu", [])[1:]]
         if later:
             medians[system] = statistics.median(later)
-    lines = [f"  {system}: {median:.3f} CPU s/step" for system, median in medians.items()]
+            steps = len(good[0]["seconds"])
+            total = statistics.mean(sum(r["seconds"]) for r in good)
+            lines.append(
+                f"  {system}: {medians[system]:.3f} CPU s/step; all {steps} steps "
+                f"{total:.1f} s wall"
+            )
     for ours, theirs in PAIRS:
         if ours in medians and theirs in medians:
             lines.append(f"  {ours}/{theirs}: {medians[ours] / medians[theirs]:.2f}x (CPU time)")
