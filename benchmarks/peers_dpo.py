@@ -150,7 +150,8 @@ def differences(config) -> list[str]:
 def strop_child(backend: str, pairs: Path, run_dir: Path, steps: int, seed: int, variant: str):
     """Run ``strop dpo`` (its code path, ``run_dpo``) on ``pairs``; print RESULT: the
     seconds between the ends of consecutive steps (the first from the start of step 1;
-    wall-clock and this process's CPU time), each step's ``dpo/loss``, its time inside the step and step 1's answer tokens."""
+    wall-clock and this process's CPU time), each step's ``dpo/loss``, the median time
+    inside a step (``timing/step_s``) and step 1's answer tokens."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if backend == "torch":
         import torch
