@@ -115,7 +115,8 @@ def describe(config) -> str:
         f"{RECIPE}: {dpo.loss} loss, beta {dpo.beta:g}, reference: {dpo.reference} (adapters "
         f"off); {dpo.batch_size} pairs a step in {dpo.batch_size // dpo.micro_batch_size} "
         f"micro-batches of {dpo.micro_batch_size}; LoRA r{lora.rank}/a{lora.alpha:g} dropout "
-        f"{lora.dropout:g} on {', '.join(lora.target_modules)}; AdamW lr {optim.lr:g} "
+        f"{lora.dropout:g} on {', '.join(lora.target_modules)} (not the recipe's lm_head: "
+        f"TRL's fused LM head skips an adapter there); AdamW lr {optim.lr:g} "
         f"({optim.schedule}, warmup {optim.warmup_steps}), weight decay "
         f"{optim.weight_decay:g}, clip norm {optim.max_grad_norm}; max length "
         f"{config.data.max_length}; model {tiny_math().name} in {config.model.dtype}; "
@@ -144,6 +145,10 @@ def differences(config) -> list[str]:
         "the step: Hugging Face Trainer's loop (accelerate, a DataLoader and DPO's collator, "
         "its metrics gathered every logging step); strop's job loop (metrics.jsonl every "
         "logging step; checkpoints off here on both)",
+        "strop-jax only: its rows keep all their columns (twice max_length) and bucketed row "
+        "counts, one compiled program per shape (the steps that compile are the outliers of "
+        "its first steps, and of a later step that brings a new shape); XLA's thread pool "
+        "rather than one thread",
     ]
 
 
