@@ -139,6 +139,10 @@ def differences(config) -> list[str]:
         "the LM head: TRL's fused head (chunks over the positions, log-probs only, plus "
         "entropy, mean logit and top-1 per token for its logs); strop's model gives the "
         "logits, the core takes their log-softmax at the answer tokens",
+        "the adapters' start: B zero and A uniform in +-1/sqrt(in) on both (PEFT's "
+        "kaiming_uniform(a=sqrt(5))), so step 1 is log 2 on both; strop draws A as a function "
+        "of (seed, module path), TRL from torch's generator after manual_seed(seed): other "
+        "draws, so the losses part slightly after step 1",
         "tokenization: TRL tokenizes prompt + answer + EOS text together and splits where "
         "the prompt's tokens end; strop tokenizes the prompt and the answer apart (then EOS): "
         "the answer-token counts of step 1 are printed below to compare",
