@@ -277,7 +277,7 @@ def differences(config) -> dict[str, list[str]]:
 # ---------------------------------------------------------------- setup
 
 
-def setup(peers: list[str]) -> None:
+def setup(peers: list[str], mode: str = "") -> None:
     """Create benchmarks/.venvs/<peer> and install each peer's pinned packages."""
     for peer in peers:
         steps = REQUIREMENTS[peer]
@@ -291,10 +291,7 @@ def setup(peers: list[str]) -> None:
                 [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *packages],
                 check=True,
             )
-    print(
-        "done; run: .venv/bin/python benchmarks/peers.py"
-        + (" --grpo" if "trl-grpo" in peers else "")
-    )
+    print(f"done; run: .venv/bin/python benchmarks/peers.py {mode}".rstrip())
 
 
 # ---------------------------------------------------------------- strop's side
@@ -623,7 +620,8 @@ def main() -> None:
         args.iterations = peers_dpo.STEPS if args.dpo else 8
     if args.setup:
         grpo = args.grpo or args.agent or args.dpo
-        setup(["trl-grpo"] if grpo else [p for p in REQUIREMENTS if p != "trl-grpo"])
+        mode = "--dpo" if args.dpo else "--agent" if args.agent else "--grpo" if grpo else ""
+        setup(["trl-grpo"] if grpo else [p for p in REQUIREMENTS if p != "trl-grpo"], mode)
         return
     if args.child:
         strop_child(
