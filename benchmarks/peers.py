@@ -46,6 +46,15 @@ TRL GRPO venv; script ``benchmarks/peers/trl_grpo_agent.py``)::
 
     .venv/bin/python benchmarks/peers.py --setup --grpo   # the same venv
     .venv/bin/python benchmarks/peers.py --agent [--iterations 4] [--rounds 2]
+
+``--dpo``: preference optimisation (``benchmarks/peers_dpo.py``): ``strop dpo`` with the
+``dpo-lora-tiny`` recipe on the tiny-math model, both backends, against TRL 1.16's
+``DPOTrainer`` on the same pairs, LoRA and batches (the TRL GRPO venv; script
+``benchmarks/peers/trl_dpo.py``); seconds per optimizer step, and each side's first-step
+loss (log 2 when the jobs match)::
+
+    .venv/bin/python benchmarks/peers.py --setup --dpo    # the same venv
+    .venv/bin/python benchmarks/peers.py --dpo [--iterations 20] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -67,7 +76,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import peers_agent  # noqa: E402
+from benchmarks import peers_agent, peers_dpo  # noqa: E402
 from benchmarks.report import cpu_name, print_table  # noqa: E402
 
 PEERS_DIR = REPO / "benchmarks" / "peers"
@@ -78,10 +87,10 @@ REQUIREMENTS = {
     "tunix": [["google-tunix==0.1.7"]],
     "trl-grpo": [["torch==2.13.0"], ["trl==1.16.0", "peft==0.21.2"]],
 }
-VENV_OF = {peers_agent.PEER: "trl-grpo"}  # a peer that runs in another's venv
+VENV_OF = {peers_agent.PEER: "trl-grpo", peers_dpo.PEER: peers_dpo.VENV}  # in another's venv
 SYSTEMS = (
     "strop-torch", "strop-torch-shared", "trl", "strop-jax", "strop-jax-shared", "tunix",
-    "trl-grpo", peers_agent.PEER,
+    "trl-grpo", peers_agent.PEER, peers_dpo.PEER,
 )  # fmt: skip
 PAIRS = (
     ("strop-torch", "trl"),
@@ -90,6 +99,7 @@ PAIRS = (
     ("strop-jax-shared", "tunix"),
     ("strop-torch", "trl-grpo"),
     ("strop-torch", peers_agent.PEER),
+    *peers_dpo.PAIRS,
 )
 # strop-*-shared: the same job with critic.shared_trunk=true (the value head on the
 # actor's adapters, one update per mini-batch for both losses)
@@ -102,7 +112,7 @@ GRPO_SYSTEMS = ("strop-torch", "trl-grpo")
 AGENT_SYSTEMS = ("strop-torch", peers_agent.PEER)
 SCRIPTS = {
     "trl": "trl_ppo.py", "tunix": "tunix_ppo.py", "trl-grpo": "trl_grpo.py",
-    peers_agent.PEER: peers_agent.SCRIPT,
+    peers_agent.PEER: peers_agent.SCRIPT, peers_dpo.PEER: peers_dpo.SCRIPT,
 }  # fmt: skip
 GRPO = ["ppo.advantage_estimator=grpo"]
 N_TRAIN, N_VALIDATION = 2000, 256  # strop.demo's split sizes
@@ -260,13 +270,14 @@ def differences(config) -> dict[str, list[str]]:
     return {
         "trl": trl, "tunix": tunix, "trl-grpo": trl_grpo,
         peers_agent.PEER: peers_agent.differences(config),
+        peers_dpo.PEER: peers_dpo.differences(config),
     }  # fmt: skip
 
 
 # ---------------------------------------------------------------- setup
 
 
-def setup(peers: list[str]) -> None:
+def setup(peers: list[str], mode: str = "") -> None:
     """Create benchmarks/.venvs/<peer> and install each peer's pinned packages."""
     for peer in peers:
         steps = REQUIREMENTS[peer]
@@ -280,10 +291,7 @@ def setup(peers: list[str]) -> None:
                 [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *packages],
                 check=True,
             )
-    print(
-        "done; run: .venv/bin/python benchmarks/peers.py"
-        + (" --grpo" if "trl-grpo" in peers else "")
-    )
+    print(f"done; run: .venv/bin/python benchmarks/peers.py {mode}".rstrip())
 
 
 # ---------------------------------------------------------------- strop's side
@@ -297,12 +305,17 @@ def strop_child(
     seed: int,
     grpo: bool = False,
     agent: bool = False,
+    dpo: bool = False,
 ) -> None:
     """Run strop's PPO (the `strop ppo` code path) with the demo recipe (``grpo``: with
     GRPO advantages, no critic; ``agent``: GRPO on calculator episodes with tiny-calc;
-    ``backend`` may carry a variant's overrides); print RESULT."""  # fmt: skip
+    ``dpo``: ``strop dpo`` instead, :func:`peers_dpo.strop_child`; ``backend`` may carry
+    a variant's overrides); print RESULT."""  # fmt: skip
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     backend, _, variant = backend.partition(VARIANT)
+    if dpo:
+        peers_dpo.strop_child(backend, data / "pairs.jsonl", run_dir, iterations, seed, variant)
+        return
     shared = backend.endswith("-shared")
     backend = backend.removesuffix("-shared")
     if backend == "torch":
@@ -353,19 +366,21 @@ def strop_child(
 
 def command_for(
     system: str, data: Path, work: Path, iterations: int, seed: int, job: dict, grpo: bool,
-    agent: bool = False,
+    agent: bool = False, dpo: bool = False,
 ) -> list[str]:  # fmt: skip
     if system.startswith("strop-"):
         backend = system.removeprefix("strop-")  # torch or jax, maybe with -shared
         return [sys.executable, __file__, "--child", backend, "--data", str(data),
                 "--run-dir", str(work / f"{system}-{os.urandom(4).hex()}"),
                 "--iterations", str(iterations), "--seed", str(seed),
-                *(["--grpo"] if grpo else []), *(["--agent"] if agent else [])]  # fmt: skip
+                *(["--grpo"] if grpo else []), *(["--agent"] if agent else []),
+                *(["--dpo"] if dpo else [])]  # fmt: skip
     python = VENVS / VENV_OF.get(system, system) / "bin" / "python"
     script = PEERS_DIR / SCRIPTS[system]
     model = peers_agent.tiny_calc() if agent else tiny_math()
     return [str(python), str(script), "--model", str(model), "--train",
-            str(data / "train.jsonl"), "--iterations", str(iterations), "--seed", str(seed),
+            str(data / ("pairs.jsonl" if dpo else "train.jsonl")),
+            "--iterations", str(iterations), "--seed", str(seed),
             "--job", json.dumps(job),
             *(["--strop-src", str(REPO / "src")] if agent else [])]  # fmt: skip
 
@@ -466,7 +481,9 @@ def system_name(text: str) -> str:
     return text
 
 
-def summarize(results: dict[str, list[dict]], config) -> None:
+def summarize(
+    results: dict[str, list[dict]], config, unit: str = "iteration (64 rollouts)"
+) -> None:
     stats: dict[str, dict] = {}
     rows = []
     for system in results:
@@ -496,10 +513,11 @@ def summarize(results: dict[str, list[dict]], config) -> None:
                 " / ".join(f"{r.get('others_cpu', 0):.0%}" for r in good),
             ]
         )
-    headers = ["system", "median s/iter", "min-max", "median per round", "n",
-               "1st iter s", "mean reward", "others' CPU"]  # fmt: skip
+    short = "step" if "step" in unit else "iter"
+    headers = ["system", f"median s/{short}", "min-max", "median per round", "n",
+               f"1st {short} s", "mean reward", "others' CPU"]  # fmt: skip
     print(
-        "Seconds per iteration (64 rollouts), iterations after the first of each run;\n"
+        f"Seconds per {unit}, {short}s after the first of each run;\n"
         "others' CPU: the share of the CPUs that other processes kept busy during each run\n"
     )
     print_table(headers, rows)
@@ -566,7 +584,10 @@ def summarize(results: dict[str, list[dict]], config) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setup", action="store_true", help="build the peers' virtualenvs")
-    parser.add_argument("--iterations", type=int, default=8, help="PPO iterations per run")
+    parser.add_argument(
+        "--iterations", type=int,
+        help=f"PPO iterations per run (default 8); --dpo: optimizer steps ({peers_dpo.STEPS})",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=2, help="runs of each system, interleaved")
     parser.add_argument(
         "--grpo",
@@ -580,6 +601,11 @@ def main() -> None:
         "TRL's GRPOTrainer with tools= (the --grpo venv)",
     )
     parser.add_argument(
+        "--dpo",
+        action="store_true",
+        help="DPO: strop dpo (dpo-lora-tiny, both backends) vs TRL's DPOTrainer (the --grpo venv)",
+    )
+    parser.add_argument(
         "--systems", nargs="+", type=system_name,
         help=f"of {', '.join(SYSTEMS)}; a strop one may end in +key=value,... "
         "(the same job with those overrides); default: the mode's",
@@ -590,19 +616,25 @@ def main() -> None:
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.iterations is None:
+        args.iterations = peers_dpo.STEPS if args.dpo else 8
     if args.setup:
-        grpo = args.grpo or args.agent
-        setup(["trl-grpo"] if grpo else [p for p in REQUIREMENTS if p != "trl-grpo"])
+        grpo = args.grpo or args.agent or args.dpo
+        mode = "--dpo" if args.dpo else "--agent" if args.agent else "--grpo" if grpo else ""
+        setup(["trl-grpo"] if grpo else [p for p in REQUIREMENTS if p != "trl-grpo"], mode)
         return
     if args.child:
         strop_child(
             args.child, Path(args.data), Path(args.run_dir), args.iterations, args.seed,
-            args.grpo, args.agent,
+            args.grpo, args.agent, args.dpo,
         )  # fmt: skip
         return
-    if args.grpo and args.agent:
-        parser.error("--grpo and --agent are two jobs: pick one")
-    mode = AGENT_SYSTEMS if args.agent else GRPO_SYSTEMS if args.grpo else PPO_SYSTEMS
+    if args.grpo + args.agent + args.dpo > 1:
+        parser.error("--grpo, --agent and --dpo are three jobs: pick one")
+    mode = (
+        AGENT_SYSTEMS if args.agent else GRPO_SYSTEMS if args.grpo
+        else peers_dpo.SYSTEMS if args.dpo else PPO_SYSTEMS
+    )  # fmt: skip
     args.systems = args.systems or list(mode)
     if args.iterations < 2:
         parser.error("--iterations must be at least 2 (the first of each run is not counted)")
@@ -615,7 +647,11 @@ def run_all(args: argparse.Namespace, work: Path) -> None:
     from strop.data.synthetic import write_splits
 
     data = work / "data"
-    if args.agent:
+    if args.dpo:
+        pairs = peers_dpo.write_pairs(data / "pairs.jsonl", args.seed)
+        config = peers_dpo.dpo_config(pairs, [f"seed={args.seed}"])
+        job = peers_dpo.job_settings(config)
+    elif args.agent:
         opening = peers_agent.write_data(data, args.seed, N_TRAIN, N_VALIDATION)
         config = demo_config([f"seed={args.seed}", *peers_agent.OVERRIDES])
         job = peers_agent.job_settings(job_settings(config), config, opening)
@@ -626,7 +662,9 @@ def run_all(args: argparse.Namespace, work: Path) -> None:
 
     command = " ".join(["benchmarks/peers.py", *sys.argv[1:]])
     print(
-        "Multi-turn GRPO iteration: strop vs TRL's GRPOTrainer (tools=), on calculator episodes"
+        "DPO step: strop dpo vs TRL's DPOTrainer, on the same pairs, model, LoRA and batches"
+        if args.dpo
+        else "Multi-turn GRPO iteration: strop vs TRL's GRPOTrainer (tools=), on calculator episodes"
         if args.agent
         else "GRPO iteration: strop vs TRL's GRPOTrainer, on strop demo's job with GRPO advantages"
         if args.grpo
@@ -637,12 +675,17 @@ def run_all(args: argparse.Namespace, work: Path) -> None:
           f"{platform.system()} {platform.release()}")  # fmt: skip
     print(f"command:   .venv/bin/python {command}")
     print(f"strop:     {strop_revision()}")
-    print(f"versions:  {versions(args.grpo or args.agent)}")
-    print(f"job:       {describe(config)}")
+    print(f"versions:  {versions(args.grpo or args.agent or args.dpo)}")
+    print(f"job:       {peers_dpo.describe(config) if args.dpo else describe(config)}")
+    if args.dpo:
+        print(
+            f"pairs:     {peers_dpo.N_PAIRS} written by benchmarks/peers_dpo.py (seed {args.seed})"
+        )
     if args.agent:
         print(f"episodes:  {peers_agent.describe(config)}")
+    what = "optimizer steps" if args.dpo else "iterations"
     print(f"run:       {args.rounds} round(s) of {' -> '.join(args.systems)}, "
-          f"{args.iterations} iterations each; torch at 1 thread, JAX at XLA's default")  # fmt: skip
+          f"{args.iterations} {what} each; torch at 1 thread, JAX at XLA's default")  # fmt: skip
     print(flush=True)
 
     results: dict[str, list[dict]] = {s: [] for s in args.systems}
@@ -650,8 +693,9 @@ def run_all(args: argparse.Namespace, work: Path) -> None:
     for round_ in range(args.rounds):
         for system in args.systems:
             cmd = command_for(
-                system, data, work, args.iterations, args.seed, job, args.grpo, args.agent
-            )
+                system, data, work, args.iterations, args.seed, job, args.grpo, args.agent,
+                args.dpo,
+            )  # fmt: skip
             log = logs / f"{system}-round{round_ + 1}.log"
             result = run_system(cmd, log, args.timeout)
             results[system].append(result)
@@ -661,9 +705,24 @@ def run_all(args: argparse.Namespace, work: Path) -> None:
                 else " ".join(f"{s:.2f}" for s in result["seconds"])
                 + f"  (others' CPU use meanwhile: {result['others_cpu']:.0%})"
             )
-            print(f"round {round_ + 1} {system:<11} s/iter: {shown}", flush=True)
+            per = "step" if args.dpo else "iter"
+            print(f"round {round_ + 1} {system:<11} s/{per}: {shown}", flush=True)
     print()
-    summarize(results, config)
+    unit = (
+        f"optimizer step ({config.dpo.batch_size} pairs)" if args.dpo else "iteration (64 rollouts)"
+    )
+    summarize(results, config, unit)
+    if args.dpo:
+        print(
+            "\nCPU seconds per step after the first, medians (the process's, all threads), "
+            "and each run's steps in all"
+        )
+        print("\n".join(peers_dpo.cpu_lines(results)))
+        print(
+            "\nFirst and last steps (step 1 from fresh adapters: log 2 = 0.693147 when the "
+            "jobs match)"
+        )
+        print("\n".join(peers_dpo.first_step_lines(results)))
     if args.agent:
         print("\nEpisodes (rewards are in the table above)")
         print("\n".join(peers_agent.episode_lines(results)))

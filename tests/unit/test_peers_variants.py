@@ -9,7 +9,7 @@ import argparse
 import json
 
 import pytest
-from benchmarks import peers, peers_agent
+from benchmarks import peers, peers_agent, peers_dpo
 
 
 @pytest.mark.parametrize(
@@ -69,3 +69,40 @@ def test_the_agent_differences_are_reported_against_strop_torch(capsys):
     assert f"strop-torch/{peers_agent.PEER}: 0.25x" in out
     assert "max_tool_calling_iterations=3" in out and "no dual clip (strop: dual_clip 3)" in out
     assert "1.50 model turns, 0.50 tool calls per episode" in peers_agent.episode_lines(results)[0]
+
+
+def test_the_dpo_job_hands_trl_the_same_pairs_lora_and_batches(tmp_path):
+    """--dpo: one pair file (distinct answers) both read; TRL's script in the trl-grpo venv
+    gets strop's resolved LoRA targets (as PEFT's regex), batch, micro-batch and length."""
+    pairs = peers_dpo.write_pairs(tmp_path / "pairs.jsonl", seed=0, count=64)
+    records = [json.loads(line) for line in pairs.read_text().splitlines()]
+    assert len(records) == 64 and all(r["chosen"] != r["rejected"] for r in records)
+    config = peers_dpo.dpo_config(pairs, ["seed=0"])
+    assert (config.dpo.loss, config.dpo.reference, config.data.shuffle) == (
+        "sigmoid",
+        "base",
+        False,
+    )
+    job = peers_dpo.job_settings(config)
+    assert job["lora_targets"] == ".*_proj" and job["lora_rank"] == config.lora.rank
+    assert (job["batch_size"], job["micro_batch_size"]) == (8, 4)
+    cmd = peers.command_for(peers_dpo.PEER, tmp_path, tmp_path, 5, 0, job, False, dpo=True)
+    assert cmd[0] == str(peers.VENVS / "trl-grpo" / "bin" / "python")
+    assert cmd[1].endswith("trl_dpo.py") and cmd[cmd.index("--train") + 1] == str(pairs)
+    assert json.loads(cmd[cmd.index("--job") + 1]) == job
+    assert "--dpo" in peers.command_for("strop-jax", tmp_path, tmp_path, 5, 0, job, False, dpo=True)
+
+
+def test_the_dpo_summary_reports_ratios_cpu_time_and_first_step_losses(capsys):
+    def run(seconds: float, loss: float) -> dict:
+        return {"seconds": [9.0, seconds, seconds], "cpu": [9.0, seconds / 2, seconds / 2],
+                "loss": [loss, 0.6], "tokens": 426.0, "others_cpu": 0.0}  # fmt: skip
+
+    results = {"strop-torch": [run(1.0, 0.6931472)], peers_dpo.PEER: [run(4.0, 0.6931472)]}
+    peers.summarize(results, peers.demo_config(), "optimizer step (8 pairs)")
+    out = capsys.readouterr().out
+    assert f"strop-torch/{peers_dpo.PEER}: 0.25x" in out and "median s/step" in out
+    assert "TRL tokenizes prompt + answer + EOS text together" in out
+    assert f"  strop-torch/{peers_dpo.PEER}: 0.25x (CPU time)" in peers_dpo.cpu_lines(results)
+    first = peers_dpo.first_step_lines(results)
+    assert first[1].startswith(f"  {peers_dpo.PEER}: step 1 loss 0.693147 (log 2")
