@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from strop.data.synthetic import write_splits
 from strop.dpo.demo import build_pairs, run_dpo_demo
 from strop.errors import ConfigError, DataError
 
@@ -63,3 +64,12 @@ def test_inputs_the_demo_writes_itself_are_refused(key, tmp_path):
 def test_greedy_sampling_for_the_pairs_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"eval\.temperature=0\.0: strop demo dpo samples"):
         run_dpo_demo(["eval.temperature=0", "eval.num_samples=1", f"run_dir={tmp_path}"])
+
+
+def test_a_pairs_file_without_pairs_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    """Every sampled problem all right or all wrong leaves an empty pairs file: one line
+    saying how to sample more, not a DPO run on nothing (a rerun reuses the file)."""
+    write_splits(tmp_path / "data", 0, 4, 4)
+    (tmp_path / "data" / "pairs.jsonl").write_text("")
+    with pytest.raises(DataError, match=r"no preference pairs: .* delete the file"):
+        run_dpo_demo(["backend=torch", f"run_dir={tmp_path}"])
