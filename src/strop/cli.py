@@ -306,7 +306,7 @@ def demo(overrides: Overrides = None) -> None:
 
 
 def _dpo_demo(overrides: Sequence[str]) -> None:
-    from strop.dpo.demo import run_dpo_demo
+    from strop.demo_dpo import run_dpo_demo
 
     result = run_dpo_demo(overrides)
     if not result.dpo.is_main:
