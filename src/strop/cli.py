@@ -276,10 +276,10 @@ def demo(overrides: Overrides = None) -> None:
     """LoRA-PPO on the shipped tiny math model (CPU, minutes): accuracy before and after.
 
     With env.name=calculator: LoRA-GRPO on the shipped tiny calculator agent's episodes.
-    `strop demo dpo [key=value ...]`: LoRA-DPO on pairs from the tiny math model's own
-    samples (recipe demo-dpo)."""
-    if overrides and overrides[0] == "dpo":
-        _dpo_demo(overrides[1:])
+
+    strop demo dpo ...: LoRA-DPO on pairs from the tiny math model's own samples."""
+    if "dpo" in (overrides or ()):  # `strop demo dpo [key=value ...]`, the word anywhere
+        _dpo_demo([o for o in overrides or () if o != "dpo"])
         return
     from strop.demo import run_demo
 

@@ -73,3 +73,14 @@ def test_a_pairs_file_without_pairs_is_refused_before_any_model_loads(tmp_path, 
     (tmp_path / "data" / "pairs.jsonl").write_text("")
     with pytest.raises(DataError, match=r"no preference pairs: .* delete the file"):
         run_dpo_demo(["backend=torch", f"run_dir={tmp_path}"])
+
+
+def test_the_word_dpo_picks_the_dpo_demo_wherever_it_stands(capsys):
+    """`strop demo backend=torch dpo ...` is `strop demo dpo backend=torch ...`, not a bad
+    override of the PPO demo."""
+    from strop.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "backend=torch", "dpo", "eval.adapter=somewhere"])
+    assert exit_info.value.code == 2
+    assert "strop demo dpo writes its own problems" in capsys.readouterr().err
