@@ -140,7 +140,7 @@ def _demo(config: Config, overrides: list[str], began: float) -> DpoDemoResult:
     demo = DpoDemoResult(
         dpo=result,
         backend=config.backend,
-        problems=config.eval.max_examples,
+        problems=min(config.eval.max_examples or N_TRAIN, N_TRAIN),
         samples_per_problem=config.eval.num_samples,
         pairs=pairs,
         pairs_path=pairs_path,
