@@ -275,7 +275,12 @@ def plot(
 def demo(overrides: Overrides = None) -> None:
     """LoRA-PPO on the shipped tiny math model (CPU, minutes): accuracy before and after.
 
-    With env.name=calculator: LoRA-GRPO on the shipped tiny calculator agent's episodes."""
+    With env.name=calculator: LoRA-GRPO on the shipped tiny calculator agent's episodes.
+
+    strop demo dpo ...: LoRA-DPO on pairs from the tiny math model's own samples."""
+    if "dpo" in (overrides or ()):  # `strop demo dpo [key=value ...]`, the word anywhere
+        _dpo_demo([o for o in overrides or () if o != "dpo"])
+        return
     from strop.demo import run_demo
 
     result = run_demo(overrides or ())
@@ -297,6 +302,40 @@ def demo(overrides: Overrides = None) -> None:
     table.add_row("plot", str(result.plot_path or "-"))
     table.add_row("metrics", str(result.ppo.run_dir / "metrics.jsonl"))
     table.add_row("tensorboard", str(result.ppo.run_dir / "tensorboard"))
+    Console().print(table)
+
+
+def _dpo_demo(overrides: Sequence[str]) -> None:
+    from strop.demo_dpo import run_dpo_demo
+
+    result = run_dpo_demo(overrides)
+    if not result.dpo.is_main:
+        return
+    table = Table(title="strop demo dpo", show_header=False)
+    table.add_row("backend", result.backend)
+    table.add_row(
+        "preference pairs",
+        f"{result.pairs} from {result.problems} problems x {result.samples_per_problem} "
+        f"samples ({result.pairs_path})",
+    )
+    table.add_row("DPO steps", str(result.dpo.final_step))
+    if result.dpo.resumed_from is not None:
+        table.add_row("resumed from step", str(result.dpo.resumed_from))
+    if result.dpo.losses:
+        table.add_row(
+            "dpo/loss first -> last", f"{result.dpo.losses[0]:.4f} -> {result.dpo.losses[-1]:.4f}"
+        )
+    before, after = result.accuracy_before, result.accuracy_after
+    if before is not None and after is not None:
+        table.add_row(
+            "validation accuracy (greedy)",
+            f"{before:.1%} -> {after:.1%} ({100 * (after - before):+.1f} points)",
+        )
+    table.add_row("time", f"{result.seconds:.0f} s")
+    table.add_row("adapter (PEFT)", str(result.dpo.export_path or "-"))
+    table.add_row("plot", str(result.plot_path or "-"))
+    table.add_row("metrics", str(result.dpo.run_dir / "metrics.jsonl"))
+    table.add_row("summary", str(result.dpo.run_dir / "demo.json"))
     Console().print(table)
 
 
