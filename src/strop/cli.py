@@ -18,13 +18,14 @@ import signal
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 import strop
+from strop import summaries
 from strop.backends import shut_down_loaded_backends
 from strop.config import dump_config, load_config
 from strop.errors import StropError
@@ -160,12 +161,18 @@ def info() -> None:
     Console().print(table)
 
 
+def _print(summary: Callable[[str, Any], Table], title: str, result: Any) -> None:
+    """A training command's closing table (:mod:`strop.summaries`), on the main process."""
+    if result.is_main:
+        Console().print(summary(title, result))
+
+
 @app.command()
 def sft(recipe: Recipe, overrides: Overrides = None) -> None:
     """Fine-tune (LoRA or full) as RECIPE says; resumes from the run's latest checkpoint."""
     from strop.sft.loop import run_sft
 
-    _print_sft_summary("strop sft", run_sft(load_config(recipe, overrides or ())))
+    _print(summaries.training_summary, "strop sft", run_sft(load_config(recipe, overrides or ())))
 
 
 @app.command()
@@ -174,27 +181,7 @@ def dpo(recipe: Recipe, overrides: Overrides = None) -> None:
     says; resumes from the run's latest checkpoint."""
     from strop.dpo.loop import run_dpo
 
-    _print_sft_summary("strop dpo", run_dpo(load_config(recipe, overrides or ())))
-
-
-def _run_table(title: str, result, steps: str) -> Table:
-    """The rows every training command's summary starts with."""
-    table = Table(title=title, show_header=False)
-    table.add_row("run directory", str(result.run_dir))
-    table.add_row(steps, str(result.final_step))
-    if result.resumed_from is not None:
-        table.add_row("resumed from step", str(result.resumed_from))
-    return table
-
-
-def _print_sft_summary(title: str, result) -> None:
-    if not result.is_main:
-        return
-    table = _run_table(title, result, "steps")
-    if result.losses:
-        table.add_row("loss first -> last", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
-    table.add_row("exported", str(result.export_path or "-"))
-    Console().print(table)
+    _print(summaries.training_summary, "strop dpo", run_dpo(load_config(recipe, overrides or ())))
 
 
 @app.command()
@@ -203,28 +190,7 @@ def ppo(recipe: Recipe, overrides: Overrides = None) -> None:
     rloo or reinforce_pp); resumes from the latest checkpoint."""
     from strop.rl.ppo import run_ppo
 
-    _print_ppo_summary("strop ppo", run_ppo(load_config(recipe, overrides or ())))
-
-
-def _print_ppo_summary(title: str, result) -> None:
-    if not result.is_main:
-        return
-    table = _run_table(title, result, "iterations")
-    if result.history:
-        first, last = result.history[0], result.history[-1]
-        table.add_row(
-            "train/reward first -> last",
-            f"{first['train/reward']:.3f} -> {last['train/reward']:.3f}",
-        )
-        accuracies = [
-            r["validation/accuracy"] for r in result.history if "validation/accuracy" in r
-        ]
-        if accuracies:
-            table.add_row("validation/accuracy (last)", f"{accuracies[-1]:.1%}")
-        seconds = sum(r["timing/step"] for r in result.history)
-        table.add_row("time per iteration", f"{seconds / len(result.history):.2f} s")
-    table.add_row("exported actor", str(result.export_path or "-"))
-    Console().print(table)
+    _print(summaries.ppo_summary, "strop ppo", run_ppo(load_config(recipe, overrides or ())))
 
 
 @app.command("eval")
@@ -233,29 +199,8 @@ def evaluate(recipe: Recipe, overrides: Overrides = None) -> None:
     from strop.evaluation import run_eval
 
     result = run_eval(load_config(recipe, overrides or ()))
-    if not result.is_main:
-        return
-    table = Table(title="strop eval", show_header=False)
-    table.add_row("data", f"{result.path} ({result.examples} examples)")
-    k = result.samples_per_example
-    table.add_row(f"pass@{k}" if k > 1 else "accuracy", f"{result.pass_at_k:.2%}")
-    if k > 1:
-        table.add_row("accuracy per sample", f"{result.accuracy:.2%}")
-    if result.metrics:  # env.name: episodes
-        table.add_row("mean sampled tokens per episode", f"{result.mean_response_tokens:.1f}")
-        table.add_row("ended by the environment", f"{result.stopped_fraction:.1%}")
-        for name, value in result.metrics.items():  # env/*, reward/<part>
-            table.add_row(name, f"{value:.3g}")
-    else:
-        table.add_row("mean response tokens", f"{result.mean_response_tokens:.1f}")
-        table.add_row("stopped (EOS / stop string)", f"{result.stopped_fraction:.1%}")
-    if result.reward_timeouts:
-        table.add_row("reward timeouts (scored 0)", str(result.reward_timeouts))
-    if result.reward_errors:
-        table.add_row("reward errors (scored 0)", str(result.reward_errors))
-    table.add_row("time", f"{result.seconds:.1f} s ({result.tokens_per_s:,.0f} tok/s)")
-    table.add_row("per-example results", result.results_path)
-    Console().print(table)
+    if result.is_main:
+        Console().print(summaries.eval_summary(result))
 
 
 @app.command()
@@ -284,59 +229,16 @@ def demo(overrides: Overrides = None) -> None:
     from strop.demo import run_demo
 
     result = run_demo(overrides or ())
-    if not result.ppo.is_main:
-        return
-    table = Table(title="strop demo", show_header=False)
-    table.add_row("backend", result.backend)
-    table.add_row("iterations", str(result.ppo.final_step))
-    if result.ppo.resumed_from is not None:
-        table.add_row("resumed from iteration", str(result.ppo.resumed_from))
-    before, after = result.accuracy_before, result.accuracy_after
-    if before is not None and after is not None:
-        table.add_row(
-            "validation accuracy (greedy)",
-            f"{before:.1%} -> {after:.1%} ({100 * (after - before):+.1f} points)",
-        )
-    table.add_row("time", f"{result.seconds:.0f} s ({result.tokens_per_s:,.0f} sampled tok/s)")
-    table.add_row("adapter (PEFT)", str(result.ppo.export_path or "-"))
-    table.add_row("plot", str(result.plot_path or "-"))
-    table.add_row("metrics", str(result.ppo.run_dir / "metrics.jsonl"))
-    table.add_row("tensorboard", str(result.ppo.run_dir / "tensorboard"))
-    Console().print(table)
+    if result.ppo.is_main:
+        Console().print(summaries.demo_summary(result))
 
 
 def _dpo_demo(overrides: Sequence[str]) -> None:
     from strop.demo_dpo import run_dpo_demo
 
     result = run_dpo_demo(overrides)
-    if not result.dpo.is_main:
-        return
-    table = Table(title="strop demo dpo", show_header=False)
-    table.add_row("backend", result.backend)
-    table.add_row(
-        "preference pairs",
-        f"{result.pairs} from {result.problems} problems x {result.samples_per_problem} "
-        f"samples ({result.pairs_path})",
-    )
-    table.add_row("DPO steps", str(result.dpo.final_step))
-    if result.dpo.resumed_from is not None:
-        table.add_row("resumed from step", str(result.dpo.resumed_from))
-    if result.dpo.losses:
-        table.add_row(
-            "dpo/loss first -> last", f"{result.dpo.losses[0]:.4f} -> {result.dpo.losses[-1]:.4f}"
-        )
-    before, after = result.accuracy_before, result.accuracy_after
-    if before is not None and after is not None:
-        table.add_row(
-            "validation accuracy (greedy)",
-            f"{before:.1%} -> {after:.1%} ({100 * (after - before):+.1f} points)",
-        )
-    table.add_row("time", f"{result.seconds:.0f} s")
-    table.add_row("adapter (PEFT)", str(result.dpo.export_path or "-"))
-    table.add_row("plot", str(result.plot_path or "-"))
-    table.add_row("metrics", str(result.dpo.run_dir / "metrics.jsonl"))
-    table.add_row("summary", str(result.dpo.run_dir / "demo.json"))
-    Console().print(table)
+    if result.dpo.is_main:
+        Console().print(summaries.dpo_demo_summary(result))
 
 
 @app.command("plan")
@@ -370,7 +272,7 @@ def plan_command(
     if as_json:
         typer.echo(json.dumps(plan.to_dict(), indent=1))
         return
-    Console().print(_plan_table(plan, config.model.path))
+    Console().print(summaries.plan_table(plan, config.model.path))
 
 
 def _visible_device_memory(backend: str) -> tuple[int | None, str]:
@@ -384,30 +286,6 @@ def _visible_device_memory(backend: str) -> tuple[int | None, str]:
         if torch.cuda.is_available():
             return torch.cuda.mem_get_info()[1], "torch.cuda (device 0)"
     return device, source
-
-
-def _size(size: int) -> str:
-    """GiB with two decimals, or MiB below one GiB (tiny models)."""
-    return f"{size / (1 << 30):.2f} GiB" if size >= 1 << 30 else f"{size / (1 << 20):.1f} MiB"
-
-
-def _plan_table(plan, model: str) -> Table:
-    table = Table(title=f"strop plan: {plan.job} on {model}")
-    for name, justify in (("part", "left"), ("when", "left"), ("size", "right"),
-                          ("how", "left")):  # fmt: skip
-        table.add_column(name, justify=justify)
-    for part in plan.parts:
-        table.add_row(part.name, part.phase, _size(part.bytes), part.detail)
-    table.add_section()
-    table.add_row("peak", "", _size(plan.peak_bytes),
-                  "resident + the largest of rollout, forward, backward")  # fmt: skip
-    if plan.device_bytes is None:
-        table.add_row("device", "", "?", "unknown: pass --device-gib N")
-    else:
-        verdict = "fits" if plan.fits else "does NOT fit"
-        table.add_row("device", "", _size(plan.device_bytes),
-                      f"{verdict} ({plan.device_source})")  # fmt: skip
-    return table
 
 
 ExportRun = Annotated[
@@ -438,7 +316,7 @@ def export(
     if not out:
         raise StropError("--out DIRECTORY is required")
     result = run_export(export_config(run, overrides or ()), out, merged=merged)
-    what = "the actor of PPO" if result.job == "ppo" else "SFT"
+    what = {"ppo": "the actor of PPO", "dpo": "DPO"}.get(result.job, "SFT")
     typer.echo(f"exported {what} step {result.step} to {result.path}")
 
 
