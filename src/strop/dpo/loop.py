@@ -29,6 +29,7 @@ from strop.data.batching import SftBatcher
 from strop.data.preferences import load_preference_pairs
 from strop.dpo.evaluate import EVAL_PREFIX, PairEvaluator
 from strop.errors import ConfigError
+from strop.io.run_identity import PolicyRun
 from strop.job import Job, PolicySteps, RunResult, run_steps, training_job
 from strop.objectives.preference import STATS, PreferenceObjective
 
@@ -107,9 +108,7 @@ def _train(config: Config, stop_after: int | None, job: Job) -> DpoResult:
         evaluator = PairEvaluator.of(config, ids, tokenizer.pad_token_id)
 
     progress.phase("loading the model")
-    policy = job.backend.build_policy(
-        config, total_steps=config.dpo.steps, checkpoint_dir=config.checkpoint_path(), job="dpo"
-    )
+    policy = job.backend.build_policy(config, PolicyRun.of(config, "dpo"))
     if config.dpo.objective().needs_reference:  # before a checkpoint is restored
         policy.prepare_reference()  # full fine-tuning: a frozen copy of the model
     steps = DpoSteps(config, policy, order, tokenizer.pad_token_id, evaluator)

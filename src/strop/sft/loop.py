@@ -16,6 +16,7 @@ from strop.config import Config
 from strop.data import Tokenizer, load_sft_examples, make_sft_batcher
 from strop.data.batching import SftBatcher
 from strop.errors import ConfigError
+from strop.io.run_identity import PolicyRun
 from strop.job import Job, PolicySteps, RunResult, run_steps, training_job
 
 logger = logging.getLogger(__name__)
@@ -67,9 +68,7 @@ def _train(config: Config, stop_after: int | None, job: Job) -> SftResult:
         )
 
     progress.phase("loading the model")
-    policy = job.backend.build_policy(
-        config, total_steps=sft.steps, checkpoint_dir=config.checkpoint_path()
-    )
+    policy = job.backend.build_policy(config, PolicyRun.of(config, "sft"))
     steps = SftSteps(config, policy, batcher, eval_batcher)
     run = run_steps(config, steps, job, total=sft.steps, stop_after=stop_after)
     return SftResult.of(config, run, policy, losses=[rec["train/loss"] for rec in run.records])
