@@ -200,12 +200,12 @@ def train_policy(
     with the model's tokenizer before the model loads (a bad record is refused first), then
     :func:`run_steps` of what ``read`` returned, made over the job's policy
     (:meth:`PolicyRun.of <strop.io.run_identity.PolicyRun.of>`)."""
-    with training_job(config, job, config.steps_of(job), figures) as running:  # preflight first
+    total = config.steps_of(job)
+    with training_job(config, job, total, figures) as running:  # preflight first
         running.progress.phase("reading the data")
         steps = read(Tokenizer.from_pretrained(config.model.path))
         running.progress.phase("loading the model")
         policy = running.backend.build_policy(config, PolicyRun.of(config, job))
-        total = config.steps_of(job)
         return run_steps(config, steps(policy), running, total=total, stop_after=stop_after), policy
 
 
