@@ -149,7 +149,7 @@ def sampler(system: str, model_dir: Path, device: str, dtype: str, max_prompt: i
         from strop.backends.torch.generate import generate, sampler_keywords
         from strop.generation import Decoding
 
-        policy = get_backend("torch").build_policy(config, total_steps=1, checkpoint_dir=None)
+        policy = get_backend("torch").build_policy(config)
 
         def run(prompts, params: SamplingParams, seed: int):
             decoding = Decoding(seed, tuple(eos), PAD)  # one prompt width: one compile

@@ -42,6 +42,7 @@ def measure(backend: str, lora: bool, model_dir: str, args: argparse.Namespace) 
     """Runs inside the child process: build, warm up, time ``args.steps`` steps."""
     from strop.backends import get_backend
     from strop.config import load_config
+    from strop.io.run_identity import PolicyRun
 
     config = load_config(
         "tiny",
@@ -59,7 +60,7 @@ def measure(backend: str, lora: bool, model_dir: str, args: argparse.Namespace) 
     )
     with tempfile.TemporaryDirectory() as checkpoints:
         policy = get_backend(backend).build_policy(
-            config, total_steps=args.steps + WARMUP_STEPS, checkpoint_dir=checkpoints
+            config, PolicyRun(total_steps=args.steps + WARMUP_STEPS, checkpoint_dir=checkpoints)
         )
         times, losses = [], []
         for step in range(WARMUP_STEPS + args.steps):

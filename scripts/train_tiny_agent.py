@@ -135,7 +135,7 @@ def measure(
 
     overrides = [f"backend={backend}", f"model.path={model_dir}", "lora.enabled=false"]
     config = load_config("tiny", [*overrides, "mesh.fsdp=1", "mesh.data=-1", f"run_dir={run_dir}"])
-    policy = get_backend(backend).build_policy(config, total_steps=1, checkpoint_dir=None)
+    policy = get_backend(backend).build_policy(config)
     tok = Tokenizer.from_pretrained(model_dir)
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=temperature)
     decoding = Decoding(seed=seed, eos_ids=(tok.eos_token_id,), pad_id=tok.pad_token_id)

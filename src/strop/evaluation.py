@@ -146,7 +146,7 @@ def _evaluate(config: Config, path: str, reward, job: Job) -> EvalResult:
 
     reward.start()  # its worker imports the user's function while the model loads
     progress.phase("loading the model")
-    policy = job.backend.build_policy(config, total_steps=1, checkpoint_dir=None)
+    policy = job.backend.build_policy(config)
     if config.eval.adapter is not None:  # before the engine: a new engine samples it
         policy.load_adapter(config.eval.adapter)
     with rollout_engine(config, policy, max_prompt_tokens=longest) as rollouts:
@@ -263,7 +263,7 @@ def _evaluate_episodes(config: Config, path: str, job: Job) -> EvalResult:
     )  # fmt: skip
     progress.set_total(len(prompts))
     progress.phase("loading the model")
-    policy = job.backend.build_policy(config, total_steps=1, checkpoint_dir=None)
+    policy = job.backend.build_policy(config)
     if config.eval.adapter is not None:  # before the engine: a new engine samples it
         policy.load_adapter(config.eval.adapter)
     with rollout_engine(config, policy, max_prompt_tokens=episodes.longest_prefix) as rollouts:

@@ -25,6 +25,7 @@ from strop.io.checkpoint_dir import (
     refuse_other_backends_checkpoints,
     stored_identity,
 )
+from strop.io.run_identity import PolicyRun
 from strop.io.run_record import CONFIG_FILE
 from strop.io.writable import require_writable_parent
 from strop.objectives.roles import RolePlan
@@ -122,9 +123,7 @@ def run_export(config: Config, out: str | os.PathLike, *, merged: bool) -> Expor
             plan=RolePlan.from_config(config),
         )  # fmt: skip
     else:
-        engine = backend.build_policy(
-            config, total_steps=config.steps_of(job), checkpoint_dir=checkpoint_dir, job=job
-        )
+        engine = backend.build_policy(config, PolicyRun.of(config, job))
     step = engine.latest_checkpoint()
     if step is None:
         raise CheckpointError(f"no complete checkpoint in {Path(checkpoint_dir).absolute()}")

@@ -10,7 +10,9 @@
   record (``config.yaml``, ``versions.json``: once the resume succeeded), the steps,
   metrics on the logging cadence, checkpoints on theirs (never cut by Ctrl-C), and the
   final export (the adapter with LoRA, else the merged model). A command supplies only
-  what one of its steps does (:class:`Steps`).
+  what one of its steps does (:class:`Steps`);
+- :func:`train_policy`: SFT's and DPO's run (a :class:`Policy` trained on data read first);
+  such a command supplies only its data's reading and its steps (:class:`PolicySteps`).
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Self
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Self
 
 from strop.backends.base import Backend, Policy, TrainableModel
 from strop.config import Config
+from strop.data import Tokenizer
 from strop.interrupts import deferred_interrupts, reporting_interrupts
 from strop.io.checkpoint_dir import refuse_step_past_the_end
+from strop.io.run_identity import PolicyRun
 from strop.io.run_record import CONFIG_FILE, record_run
 from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY, count_skipped, likely_causes
@@ -183,6 +187,26 @@ class PolicySteps:
             "timing/step_s": seconds,
             "throughput/tokens_per_s": tokens / seconds,
         }
+
+
+def train_policy(
+    config: Config,
+    job: Literal["sft", "dpo"],
+    figures: Mapping[str, str],
+    read: Callable[[Tokenizer], Callable[[Policy], PolicySteps]],
+    stop_after: int | None,
+) -> tuple[Finished, Policy]:
+    """Run a supervised ``job`` (SFT, DPO) in its :func:`training_job`: ``read`` its data
+    with the model's tokenizer before the model loads (a bad record is refused first), then
+    :func:`run_steps` of what ``read`` returned, made over the job's policy
+    (:meth:`PolicyRun.of <strop.io.run_identity.PolicyRun.of>`)."""
+    total = config.steps_of(job)
+    with training_job(config, job, total, figures) as running:  # preflight first
+        running.progress.phase("reading the data")
+        steps = read(Tokenizer.from_pretrained(config.model.path))
+        running.progress.phase("loading the model")
+        policy = running.backend.build_policy(config, PolicyRun.of(config, job))
+        return run_steps(config, steps(policy), running, total=total, stop_after=stop_after), policy
 
 
 def run_steps(

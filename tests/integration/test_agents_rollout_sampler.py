@@ -38,7 +38,7 @@ def test_torch_sampler_plays_two_turn_episodes(tmp_path) -> None:
 
     overrides = ["backend=torch", f"model.path={MODEL}", "mesh.fsdp=1", "mesh.data=-1"]
     config = load_config("tiny", [*overrides, f"run_dir={tmp_path}"])
-    policy = get_backend("torch").build_policy(config, total_steps=1, checkpoint_dir=None)
+    policy = get_backend("torch").build_policy(config)
     tok = Tokenizer.from_pretrained(MODEL)
     params = SamplingParams(max_new_tokens=10, temperature=1.0)
     decoding = Decoding(seed=3, eos_ids=(tok.eos_token_id,), pad_id=tok.pad_token_id)

@@ -155,7 +155,7 @@ def test_eval_plays_episodes_and_counts_what_ppo_validation_counts(calc_inputs, 
         config, tok, response_end_ids(config.model.path, tok.eos_token_id), environment
     )
     prompts = PromptSet.read(data, config, tok)
-    policy = get_backend("torch").build_policy(config, total_steps=1, checkpoint_dir=None)
+    policy = get_backend("torch").build_policy(config)
     greedy = SamplingParams(max_new_tokens=40, temperature=0.0)
     found, samples = episodes.validate(policy, prompts, range(6), greedy, 6, seed=0)
     assert summary["accuracy"] == summary["pass_at_k"] == found / 6

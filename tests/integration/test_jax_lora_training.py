@@ -25,6 +25,7 @@ from strop.backends.jax.train import Trainer
 from strop.config import LoraConfig, OptimConfig
 from strop.errors import ConfigError
 from strop.io.peft import load_adapter, save_adapter
+from strop.io.run_identity import PolicyRun
 from tests.tiny_models import TINY, padded_batch
 
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
@@ -217,7 +218,7 @@ def test_a_bfloat16_base_keeps_float32_adapters_that_compute_in_bfloat16(tiny_mo
         "model.dtype=bfloat16", "model.param_dtype=bfloat16", "lora.enabled=true",
         "lora.rank=4", "optim.lr=1e-4", "optim.warmup_steps=0",
     ])  # fmt: skip
-    policy = get_backend("jax").build_policy(config, total_steps=10, checkpoint_dir=None)
+    policy = get_backend("jax").build_policy(config, PolicyRun(total_steps=10))
     adapters = jax.tree.leaves(nnx.state(policy.model, nnx.LoRAParam))
     assert adapters and {a.dtype for a in adapters} == {np.dtype("float32")}
     base = nnx.state(policy.model, BASE_WEIGHTS)

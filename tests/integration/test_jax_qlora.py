@@ -17,6 +17,7 @@ from strop.backends.jax.policy import JaxPolicy
 from strop.config import load_config
 from strop.generation import SamplingParams
 from strop.io.model_spec import read_model_spec
+from strop.io.run_identity import PolicyRun
 from strop.rl.experience import build_experience, minibatches
 from tests.distributed.cases import global_batch
 from tests.parity.test_ppo_backends import make_config, random_weights, rollout_batch
@@ -31,7 +32,7 @@ def policy_for(model_dir, tmp_path, *overrides) -> JaxPolicy:
             "optim.lr=1e-2", *overrides,
         ],
     )  # fmt: skip
-    return JaxPolicy(config, total_steps=20, checkpoint_dir=None)
+    return JaxPolicy(config, PolicyRun(total_steps=20))
 
 
 def quantized_state(model: nnx.Module) -> dict[str, np.ndarray]:

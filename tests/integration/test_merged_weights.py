@@ -10,6 +10,7 @@ import pytest
 from strop.backends import get_backend
 from strop.config import load_config
 from strop.io.hf import SafetensorsReader
+from strop.io.run_identity import PolicyRun
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
@@ -21,7 +22,7 @@ def test_merged_weights_are_what_export_merged_writes(backend, lora, tiny_model_
     for name, model in (
         ("policy", built.build_policy(
             load_config("tiny", [*overrides, f"run_dir={tmp_path / 'sft'}"]),
-            total_steps=2, checkpoint_dir=None)),
+            PolicyRun(total_steps=2))),
         ("actor", built.build_actor_critic(
             load_config("ppo-lora-tiny", [*overrides, f"run_dir={tmp_path / 'ppo'}"]),
             total_updates=2, checkpoint_dir=None)),

@@ -27,6 +27,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from strop.config import load_config
+from strop.io.run_identity import PolicyRun
 from strop.io.tiny import make_tiny_checkpoint
 from strop.metrics.sinks import read_metrics
 from strop.rl.ppo import run_ppo
@@ -133,7 +134,7 @@ def test_skipped_sft_step_leaves_params_and_optimizer_bit_identical(sft_task, tm
 def _build_policy(config):
     from strop.backends import get_backend
 
-    return get_backend(config.backend).build_policy(config, total_steps=6, checkpoint_dir=None)
+    return get_backend(config.backend).build_policy(config, PolicyRun(total_steps=6))
 
 
 def _trainable_and_optimizer(policy) -> dict[str, np.ndarray]:

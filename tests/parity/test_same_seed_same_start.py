@@ -29,6 +29,7 @@ from strop.backends.torch import lora as torch_lora
 from strop.backends.torch.actor_critic import TorchActorCritic
 from strop.config import load_config
 from strop.io.model_spec import read_model_spec
+from strop.io.run_identity import PolicyRun
 from strop.rl.experience import build_experience, minibatches
 from tests.distributed.cases import global_batch
 from tests.parity.test_ppo_backends import make_config, rollout_batch
@@ -57,7 +58,7 @@ def sft_policy(backend, model_dir, tmp_path, *overrides):
             *overrides,
         ],
     )
-    return get_backend(backend).build_policy(config, total_steps=10, checkpoint_dir=None)
+    return get_backend(backend).build_policy(config, PolicyRun(total_steps=10))
 
 
 def expected_adapters(weights, seed: int, rank: int):

@@ -27,6 +27,7 @@ from strop.backends.base import (
 )
 from strop.config import load_config
 from strop.generation import Decoding, Sampler, SamplingParams
+from strop.io.run_identity import PolicyRun
 
 PROTOCOLS = (Sampler, ModelHandle, TrainableModel, Policy, ActorCritic, RewardModel, Backend)
 FRAMEWORK = {"jax": "jax", "torch": "torch"}
@@ -142,7 +143,7 @@ def test_a_backend_lacking_a_function_is_no_backend():
     class Partial:
         name = "partial"
 
-        def build_policy(self, config, *, total_steps, checkpoint_dir): ...
+        def build_policy(self, config, run=None): ...
 
     assert not isinstance(Partial(), Backend)
     assert not isinstance(object(), TrainableModel)
@@ -179,8 +180,7 @@ def test_built_models_are_instances_of_their_protocols(name, tiny_model_dir, tmp
     overrides = [f"backend={name}", f"model.path={model}", "mesh.fsdp=1", "mesh.data=-1"]
     policy = backend.build_policy(
         load_config("tiny", [*overrides, f"run_dir={tmp_path / 'sft'}"]),
-        total_steps=2,
-        checkpoint_dir=None,
+        PolicyRun(total_steps=2),
     )
     assert isinstance(policy, Policy) and isinstance(policy, TrainableModel)
     assert policy.backend == name and policy.is_main

@@ -14,6 +14,7 @@ import pytest
 from strop.cli import main
 from strop.config import load_config
 from strop.io.model_spec import ModelSpec, read_model_spec
+from strop.io.run_identity import PolicyRun
 from strop.plan import GIB, base_weight_bytes, parameter_count, plan_memory
 
 QWEN_7B = {
@@ -119,7 +120,7 @@ def test_sft_plan_within_15_percent_of_measured_peak(tmp_path, shape, rows, leng
         f"lora.enabled={str(lora).lower()}", f"sft.micro_batch_size={rows}",
         f"sft.batch_size={rows}", f"data.max_length={length}",
     ])  # fmt: skip
-    policy = get_backend("torch").build_policy(config, total_steps=4, checkpoint_dir=None)
+    policy = get_backend("torch").build_policy(config, PolicyRun(total_steps=4))
     ids = np.random.default_rng(0).integers(0, shape[3], (rows, length)).astype(np.int32)
     batch = {"input_ids": ids, "attention_mask": np.ones_like(ids), "loss_mask": np.ones_like(ids)}
     policy.train_step(batch, 1)  # the optimizer's moments exist from here on
@@ -195,7 +196,7 @@ def test_jax_sft_plan_within_15_percent_of_xla_buffers(tmp_path, shape, length, 
                  f"data.max_length={length}"]  # fmt: skip
     config = load_config("tiny", [*overrides, f"sft.micro_batch_size={rows}",
                                   f"sft.batch_size={rows}"])  # fmt: skip
-    trainer = get_backend("jax").build_policy(config, total_steps=4, checkpoint_dir=None).trainer
+    trainer = get_backend("jax").build_policy(config, PolicyRun(total_steps=4)).trainer
     ids = np.random.default_rng(0).integers(0, shape[3], (rows, length)).astype(np.int32)
     batch = {"input_ids": ids, "attention_mask": np.ones_like(ids), "loss_mask": np.ones_like(ids)}
     arrays = put_micro_batches(with_loss_weights(batch), SFT_BATCH, 1, trainer.mesh)

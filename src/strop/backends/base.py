@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from strop.errors import StropError
 from strop.generation import Sampler
 from strop.io.model_spec import ModelSpec
 from strop.io.peft import read_adapter_for, write_adapter_once
+from strop.io.run_identity import INFERENCE, PolicyRun
 
 if TYPE_CHECKING:
     from strop.config import Config
@@ -318,17 +319,9 @@ class Backend(Protocol):
         ``mesh``: this backend's mesh object or axis sizes, default FSDP over all devices."""
         ...
 
-    def build_policy(
-        self,
-        config: Config,
-        *,
-        total_steps: int,
-        checkpoint_dir: str | os.PathLike | None,
-        job: Literal["sft", "dpo"] = "sft",
-    ) -> Policy:
-        """The :class:`Policy` of ``config`` (SFT, DPO, eval, export of an SFT or DPO run);
-        the learning-rate schedule spans ``total_steps``, checkpoints of ``job`` live in
-        ``checkpoint_dir`` (``None``: none are kept)."""
+    def build_policy(self, config: Config, run: PolicyRun = INFERENCE) -> Policy:
+        """The :class:`Policy` of ``config`` (SFT, DPO, eval, export of an SFT or DPO run)
+        with the schedule and checkpoints ``run`` asks for (default: one step, none kept)."""
         ...
 
     def build_actor_critic(

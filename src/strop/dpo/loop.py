@@ -1,7 +1,8 @@
 """The preference optimisation loop (``strop dpo``), backend-neutral.
 
-The run skeleton is SFT's and PPO's (:func:`strop.job.training_job`, :func:`strop.job.run_steps`:
-resume, checkpoints, metrics, the adapter's export); a step is :class:`DpoSteps`'. Batch
+The run skeleton is SFT's (:func:`strop.job.train_policy`: the data read first, then
+:func:`strop.job.run_steps`: resume, checkpoints, metrics, the adapter's export); a step is
+:class:`DpoSteps`'. Batch
 ``step`` is a pure function of the seed and the step (the pairs' order is
 :class:`~strop.data.batching.SftBatcher`'s), so a run resumes exactly. A step lays its pairs
 out as ``dpo.batch_size / dpo.micro_batch_size`` shared-prompt layouts
@@ -16,12 +17,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
+from strop.backends.base import Policy
 from strop.batch.pairs import lay_out_chunks
 from strop.config import Config
 from strop.data import Tokenizer
@@ -29,7 +32,7 @@ from strop.data.batching import SftBatcher
 from strop.data.preferences import load_preference_pairs
 from strop.dpo.evaluate import EVAL_PREFIX, PairEvaluator
 from strop.errors import ConfigError
-from strop.job import Job, PolicySteps, RunResult, run_steps, training_job
+from strop.job import PolicySteps, RunResult, train_policy
 from strop.objectives.preference import STATS, PreferenceObjective
 
 logger = logging.getLogger(__name__)
@@ -82,14 +85,14 @@ def run_dpo(config: Config, *, stop_after: int | None = None) -> DpoResult:
     writes what ``strop sft`` writes, with the ``dpo/*`` statistics in the metrics."""
     check_dpo(config)
     figures = {"loss": "loss {:.4f}", "accuracy": "accuracy {:.0%}"}
-    with training_job(config, "dpo", config.dpo.steps, figures) as job:  # preflight first
-        return _train(config, stop_after, job)
+    run, policy = train_policy(config, "dpo", figures, partial(_read, config), stop_after)
+    return DpoResult.of(config, run, policy, losses=[rec["dpo/loss"] for rec in run.records])
 
 
-def _train(config: Config, stop_after: int | None, job: Job) -> DpoResult:
-    data, progress = config.data, job.progress
-    progress.phase("reading the data")
-    tokenizer = Tokenizer.from_pretrained(config.model.path)
+def _read(config: Config, tokenizer: Tokenizer) -> Callable[[Policy], DpoSteps]:
+    """The preference pairs in their order (and ``data.eval_path``'s, to score): the steps
+    of a policy (:func:`strop.job.train_policy`)."""
+    data = config.data
     pairs, stats = load_preference_pairs(data.train_path, data, tokenizer)
     logger.info(
         "preference data: %d pairs, %d prompt and %d answer tokens",
@@ -106,15 +109,12 @@ def _train(config: Config, stop_after: int | None, job: Job) -> DpoResult:
         ids = [pair.ids for pair in held_out]
         evaluator = PairEvaluator.of(config, ids, tokenizer.pad_token_id)
 
-    progress.phase("loading the model")
-    policy = job.backend.build_policy(
-        config, total_steps=config.dpo.steps, checkpoint_dir=config.checkpoint_path(), job="dpo"
-    )
-    if config.dpo.objective().needs_reference:  # before a checkpoint is restored
-        policy.prepare_reference()  # full fine-tuning: a frozen copy of the model
-    steps = DpoSteps(config, policy, order, tokenizer.pad_token_id, evaluator)
-    run = run_steps(config, steps, job, total=config.dpo.steps, stop_after=stop_after)
-    return DpoResult.of(config, run, policy, losses=[rec["dpo/loss"] for rec in run.records])
+    def steps(policy: Policy) -> DpoSteps:
+        if config.dpo.objective().needs_reference:  # before a checkpoint is restored
+            policy.prepare_reference()  # full fine-tuning: a frozen copy of the model
+        return DpoSteps(config, policy, order, tokenizer.pad_token_id, evaluator)
+
+    return steps
 
 
 @dataclass

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -97,6 +98,32 @@ def run_checkpoints(
         return None
     identity = job_identity(config, backend, job)
     return kind(directory, identity, *args, keep=config.checkpoint.keep)
+
+
+@dataclass(frozen=True)
+class PolicyRun:
+    """What a job asks of the policy it builds (``Backend.build_policy``): a learning-rate
+    schedule spanning ``total_steps``, and checkpoints of ``job`` in ``checkpoint_dir``
+    (``None``: none are kept). The default, :data:`INFERENCE`, serves eval and benchmarks:
+    one step, no checkpoints."""
+
+    total_steps: int = 1
+    checkpoint_dir: str | os.PathLike | None = None
+    job: Literal["sft", "dpo"] = "sft"
+
+    @classmethod
+    def of(cls, config: Config, job: Literal["sft", "dpo"]) -> PolicyRun:
+        """``config``'s run of ``job``: its steps, its checkpoint directory."""
+        return cls(config.steps_of(job), config.checkpoint_path(), job)
+
+    def checkpoints(
+        self, kind: Callable[..., T], config: Config, backend: str, *args: Any
+    ) -> T | None:
+        """:func:`run_checkpoints` of this run on ``backend``."""
+        return run_checkpoints(kind, config, self.checkpoint_dir, backend, self.job, *args)
+
+
+INFERENCE = PolicyRun()  # a policy built to sample or score: one step, no checkpoints
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

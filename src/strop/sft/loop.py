@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
+from strop.backends.base import Policy
 from strop.config import Config
 from strop.data import Tokenizer, load_sft_examples, make_sft_batcher
 from strop.data.batching import SftBatcher
 from strop.errors import ConfigError
-from strop.job import Job, PolicySteps, RunResult, run_steps, training_job
+from strop.job import PolicySteps, RunResult, train_policy
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +48,14 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
             "to train without evaluation"
         )
     figures = {"loss": "loss {:.4f}", "tokens_per_s": "{:,.0f} tok/s"}
-    with training_job(config, "sft", config.sft.steps, figures) as job:  # preflight first
-        return _train(config, stop_after, job)
+    run, policy = train_policy(config, "sft", figures, partial(_read, config), stop_after)
+    return SftResult.of(config, run, policy, losses=[rec["train/loss"] for rec in run.records])
 
 
-def _train(config: Config, stop_after: int | None, job: Job) -> SftResult:
-    sft, progress = config.sft, job.progress
-    progress.phase("reading the data")
-    tokenizer = Tokenizer.from_pretrained(config.model.path)
+def _read(config: Config, tokenizer: Tokenizer) -> Callable[[Policy], SftSteps]:
+    """The training data's batches (and with ``sft.eval_every`` the held-out data's): the
+    steps of a policy (:func:`strop.job.train_policy`)."""
+    sft = config.sft
     train_examples, stats = load_sft_examples(config.data.train_path, config.data, tokenizer)
     logger.info(
         "train data: %d examples, %d loss tokens", stats.num_examples, stats.num_loss_tokens
@@ -65,14 +67,7 @@ def _train(config: Config, stop_after: int | None, job: Job) -> SftResult:
         eval_batcher = make_sft_batcher(
             eval_examples, config.data, tokenizer, sft.micro_batch_size, config.seed
         )
-
-    progress.phase("loading the model")
-    policy = job.backend.build_policy(
-        config, total_steps=sft.steps, checkpoint_dir=config.checkpoint_path()
-    )
-    steps = SftSteps(config, policy, batcher, eval_batcher)
-    run = run_steps(config, steps, job, total=sft.steps, stop_after=stop_after)
-    return SftResult.of(config, run, policy, losses=[rec["train/loss"] for rec in run.records])
+    return lambda policy: SftSteps(config, policy, batcher, eval_batcher)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from flax import nnx
@@ -34,7 +34,7 @@ from strop.backends.jax.train import Trainer, token_loss_sum
 from strop.backends.jax.weights import hf_weights, load_hf_model, save_hf_model
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
-from strop.io.run_identity import run_checkpoints
+from strop.io.run_identity import INFERENCE, PolicyRun
 from strop.quantization import say_merged_export_dequantizes
 
 logger = logging.getLogger(__name__)
@@ -53,14 +53,7 @@ class JaxPolicy(PolicyMethods, Sampler):
     # the modules and write_once that PolicyMethods calls: this package's
     preference, lora, write_once = preference, lora, staticmethod(write_once)
 
-    def __init__(
-        self,
-        config: Config,
-        *,
-        total_steps: int,
-        checkpoint_dir: str | os.PathLike | None,
-        job: Literal["sft", "dpo"] = "sft",
-    ):
+    def __init__(self, config: Config, run: PolicyRun = INFERENCE):
         check_supported(config.lora)
         self.config = config
         self.mesh = make_mesh(config.mesh)
@@ -75,9 +68,9 @@ class JaxPolicy(PolicyMethods, Sampler):
         self.model = model
         self.trainable = trainable_filter(config.lora.enabled)
         self.trainer = Trainer(
-            model, self.mesh, config.optim, total_steps=total_steps, trainable=self.trainable
+            model, self.mesh, config.optim, total_steps=run.total_steps, trainable=self.trainable
         )
-        self.checkpoints = run_checkpoints(TrainCheckpoints, config, checkpoint_dir, "jax", job)
+        self.checkpoints = run.checkpoints(TrainCheckpoints, config, "jax")
 
     @property
     def is_main(self) -> bool:

@@ -10,7 +10,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from strop.backends.torch.model import build_model, forward_logits
 from strop.backends.torch.train import BATCH_KEYS, Trainer, sft_micro_loss, token_loss_sum
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
-from strop.io.run_identity import run_checkpoints
+from strop.io.run_identity import INFERENCE, PolicyRun
 from strop.objectives.sft import SFT_BATCH, target_tokens, with_loss_weights
 
 _UPDATES_KEY = "optimizer_updates"  # the schedule's clock, kept in the checkpoint's extra
@@ -39,14 +39,7 @@ class TorchPolicy(PolicyMethods, Sampler):
     # the modules and write_once that PolicyMethods calls: this package's
     preference, lora, write_once = preference, lora, staticmethod(write_once)
 
-    def __init__(
-        self,
-        config: Config,
-        *,
-        total_steps: int,
-        checkpoint_dir: str | os.PathLike | None,
-        job: Literal["sft", "dpo"] = "sft",
-    ):
+    def __init__(self, config: Config, run: PolicyRun = INFERENCE):
         self.config = config
         self.placement = place(config.mesh)
         self.loaded = build_model(
@@ -61,10 +54,10 @@ class TorchPolicy(PolicyMethods, Sampler):
         )
         preference.load_reference(self.loaded, config)  # frozen, before the trainer
         self.model = self.loaded.model
-        self.trainer = Trainer(self.loaded, config.optim, total_steps=total_steps, seed=config.seed)
-        self.checkpoints = run_checkpoints(
-            TrainCheckpoints, config, checkpoint_dir, "torch", job, self.placement
+        self.trainer = Trainer(
+            self.loaded, config.optim, total_steps=run.total_steps, seed=config.seed
         )
+        self.checkpoints = run.checkpoints(TrainCheckpoints, config, "torch", self.placement)
 
     @property
     def is_main(self) -> bool:
