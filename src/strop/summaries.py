@@ -75,12 +75,18 @@ def eval_summary(result: Any) -> Table:
     return table
 
 
-def _accuracy_row(table: Table, before: float | None, after: float | None) -> None:
+def _demo_outcome(table: Table, result: Any, run: Any, time: str) -> None:
+    """A demo's closing rows: greedy accuracy before -> after, time, what it wrote."""
+    before, after = result.accuracy_before, result.accuracy_after
     if before is not None and after is not None:
         table.add_row(
             "validation accuracy (greedy)",
             f"{before:.1%} -> {after:.1%} ({100 * (after - before):+.1f} points)",
         )
+    table.add_row("time", time)
+    table.add_row("adapter (PEFT)", str(run.export_path or "-"))
+    table.add_row("plot", str(result.plot_path or "-"))
+    table.add_row("metrics", str(run.run_dir / "metrics.jsonl"))
 
 
 def demo_summary(result: Any) -> Table:
@@ -91,11 +97,8 @@ def demo_summary(result: Any) -> Table:
     table.add_row("iterations", str(ppo.final_step))
     if ppo.resumed_from is not None:
         table.add_row("resumed from iteration", str(ppo.resumed_from))
-    _accuracy_row(table, result.accuracy_before, result.accuracy_after)
-    table.add_row("time", f"{result.seconds:.0f} s ({result.tokens_per_s:,.0f} sampled tok/s)")
-    table.add_row("adapter (PEFT)", str(ppo.export_path or "-"))
-    table.add_row("plot", str(result.plot_path or "-"))
-    table.add_row("metrics", str(ppo.run_dir / "metrics.jsonl"))
+    time = f"{result.seconds:.0f} s ({result.tokens_per_s:,.0f} sampled tok/s)"
+    _demo_outcome(table, result, ppo, time)
     table.add_row("tensorboard", str(ppo.run_dir / "tensorboard"))
     return table
 
@@ -116,11 +119,7 @@ def dpo_demo_summary(result: Any) -> Table:
         table.add_row("resumed from step", str(dpo.resumed_from))
     if dpo.losses:
         table.add_row("dpo/loss first -> last", f"{dpo.losses[0]:.4f} -> {dpo.losses[-1]:.4f}")
-    _accuracy_row(table, result.accuracy_before, result.accuracy_after)
-    table.add_row("time", f"{result.seconds:.0f} s")
-    table.add_row("adapter (PEFT)", str(dpo.export_path or "-"))
-    table.add_row("plot", str(result.plot_path or "-"))
-    table.add_row("metrics", str(dpo.run_dir / "metrics.jsonl"))
+    _demo_outcome(table, result, dpo, f"{result.seconds:.0f} s")
     table.add_row("summary", str(dpo.run_dir / "demo.json"))
     return table
 
