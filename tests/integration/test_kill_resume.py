@@ -1,5 +1,5 @@
-"""SIGKILL at seeded-random moments of `strop sft` and `strop ppo` (some mid-save), and
-failing saves.
+"""SIGKILL at seeded-random moments of `strop sft`, `strop ppo` and `strop dpo` (some
+mid-save), and failing saves.
 
 Each backend's run is killed many times, resuming after every kill: each resume must
 start from the newest *complete* checkpoint on disk (never a half-written one: Orbax's
@@ -30,6 +30,7 @@ pytestmark = pytest.mark.slow
 
 SFT = [sys.executable, "-m", "strop", "sft", "sft-lora-tiny"]
 PPO = [sys.executable, "-m", "strop", "ppo", "ppo-lora-tiny"]
+DPO = [sys.executable, "-m", "strop", "dpo", "dpo-lora-tiny"]
 STEPS = {"jax": 30, "torch": 40}
 KILLS = {"jax": 8, "torch": 8}
 MAX_DELAY_S = {"jax": 0.8, "torch": 0.4}  # the longest a step (with its save) is timed for
@@ -236,6 +237,55 @@ def test_ppo_sigkill_then_resume_gives_the_same_metrics(tmp_path, ppo_inputs, ja
     want = read_metrics(tmp_path / "straight" / "metrics.jsonl")
     got = read_metrics(run_dir / "metrics.jsonl")
     assert _metric_steps(run_dir) == [r["step"] for r in want]
+    assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
+
+
+@pytest.fixture(scope="module")
+def dpo_inputs(tmp_path_factory):
+    """Preference pairs ("What is a + b?", the right sum chosen, a wrong one rejected) and a
+    tiny random one-layer model whose tokenizer has read them, as overrides."""
+    from strop.io.tiny import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("dpo-data")
+    rng = random.Random(0)
+    records = []
+    for _ in range(48):
+        a, b = rng.randrange(50), rng.randrange(50)
+        records.append({"prompt": f"What is {a} + {b}?", "chosen": f" {a + b}",
+                        "rejected": f" {a + b + rng.randrange(1, 9)}"})  # fmt: skip
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    texts = [r["prompt"] + r["chosen"] + r["rejected"] for r in records]
+    make_tiny_checkpoint(root / "model", texts, seed=0, layers=1)
+    return [f"model.path={root / 'model'}", f"data.train_path={root / 'pairs.jsonl'}"]
+
+
+@pytest.mark.acceptance  # as SFT's; make test kills PPO's run (the same job skeleton) and
+@pytest.mark.parametrize("backend", ["jax", "torch"])  # stops and resumes DPO's (test_dpo_run)
+def test_dpo_sigkill_then_resume_gives_the_same_metrics(tmp_path, dpo_inputs, jax_cache, backend):
+    """`strop dpo` (LoRA, the reference the base with the adapters off, the pairs' order a
+    function of seed and step) killed twice: every step's metrics equal an uninterrupted
+    run's."""
+    env = _env(jax_cache)
+    common = [
+        f"backend={backend}", "dpo.steps=8", "dpo.batch_size=4", "dpo.micro_batch_size=2",
+        "optim.lr=0.01", "checkpoint.every_steps=1", "checkpoint.keep=2",
+        "logging.tensorboard=false", *dpo_inputs,
+    ]  # fmt: skip
+    straight = subprocess.run(
+        [*DPO, f"run_dir={tmp_path / 'straight'}", *common], env=env, capture_output=True
+    )
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    run_dir = tmp_path / "killed"
+    kills, mid_save, resumes = _kill_and_resume(
+        [*DPO, f"run_dir={run_dir}", *common], env, run_dir / "checkpoints", backend,
+        2, MAX_DELAY_S[backend], random.Random(f"dpo-kill-{backend}"), tmp_path,
+    )  # fmt: skip
+    print(f"dpo {backend}: {kills} kills, {mid_save} mid-save, {resumes} resumes")
+    want = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    got = read_metrics(run_dir / "metrics.jsonl")
+    assert _metric_steps(run_dir) == [r["step"] for r in want] == list(range(1, 9))
+    assert want[-1]["dpo/loss"] != want[0]["dpo/loss"]  # it trains
     assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
 
 
