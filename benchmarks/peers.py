@@ -85,7 +85,8 @@ VENVS = REPO / "benchmarks" / ".venvs"
 REQUIREMENTS = {
     "trl": [["torch==2.13.0"], ["trl==1.12.0", "peft==0.21.2"]],
     "tunix": [["google-tunix==0.1.7"]],
-    "trl-grpo": [["torch==2.13.0"], ["trl==1.16.0", "peft==0.21.2"]],
+    # ml_dtypes: the agent job's TRL script imports strop's calculator (strop.io.hf needs it)
+    "trl-grpo": [["torch==2.13.0"], ["trl==1.16.0", "peft==0.21.2", "ml_dtypes==0.6.0"]],
 }
 VENV_OF = {peers_agent.PEER: "trl-grpo", peers_dpo.PEER: peers_dpo.VENV}  # in another's venv
 SYSTEMS = (
