@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.report import cpu_name, print_table  # noqa: E402
+from benchmarks.report import child_result, cpu_name, print_table  # noqa: E402
 
 _CHILD_ARGS = ("pairs", "prompt", "answer", "micro_batches", "steps", "warmup", "lora_rank",
                "dtype", "device")  # fmt: skip
@@ -114,23 +114,14 @@ def measure(backend: str, lora: bool, args: argparse.Namespace) -> dict:
 
 
 def run_child(args: argparse.Namespace, backend: str, mode: str) -> dict:
-    """One configuration in a fresh process; a failure or a timeout is returned, not
-    raised, so that the other configurations still run."""
+    """One configuration in a fresh process (:func:`benchmarks.report.child_result`)."""
     command = [sys.executable, __file__, "--model", args.model, "--child", backend, mode,
                *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                  if k in _CHILD_ARGS)]  # fmt: skip
     env = dict(os.environ)
     if args.device == "cpu":  # neither backend may pick up an accelerator
         env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=args.timeout, env=env
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout} s"}
-    if done.returncode != 0:
-        return {"error": done.stderr.strip()[-1500:] or f"exit {done.returncode}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_result(command, args.timeout, env)
 
 
 def device_name(device: str) -> str:

@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.report import cpu_name, print_table  # noqa: E402
+from benchmarks.report import child_result, cpu_name, print_table  # noqa: E402
 
 # Dense bf16 peak of the chips a run may land on (vendor datasheets, without sparsity).
 DATASHEET_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -165,19 +164,12 @@ def versions() -> str:
 
 
 def run_child(args: argparse.Namespace, *child: str) -> dict:
-    """One configuration in a fresh process; a failure is returned, not raised, so that
-    the other configurations still run."""
+    """One configuration in a fresh process (:func:`benchmarks.report.child_result`)."""
     command = [sys.executable, __file__, "--model", args.model, "--child", *child,
                *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                  if k in ("batch", "length", "micro_batches", "steps", "warmup", "lora_rank",
                           "dtype"))]  # fmt: skip
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout} s"}
-    if done.returncode != 0:
-        return {"error": done.stderr.strip()[-1500:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_result(command, args.timeout)
 
 
 def gib(n: float | None) -> str:

@@ -1,8 +1,11 @@
-"""What every benchmark prints the same way: the machine's CPU name and plain-text tables."""
+"""What every benchmark does the same way: the machine's CPU name, plain-text tables, and
+one configuration measured in a fresh process."""
 
 from __future__ import annotations
 
+import json
 import platform
+import subprocess
 from pathlib import Path
 
 
@@ -25,3 +28,16 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def child_result(command: list[str], timeout: float, env: dict[str, str] | None = None) -> dict:
+    """Run one configuration's ``command`` (a child process that prints its result as JSON
+    on its last line); a failure or a timeout is returned as ``{"error": ...}``, not raised,
+    so that the other configurations still run."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    if done.returncode != 0:
+        return {"error": done.stderr.strip()[-1500:] or f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -223,21 +223,28 @@ def test_ppo_sigkill_then_resume_gives_the_same_metrics(tmp_path, ppo_inputs, ja
         "ppo.validation_size=8", "generation.max_new_tokens=16", "checkpoint.every_steps=1",
         "checkpoint.keep=2", "logging.tensorboard=false", *ppo_inputs,
     ]  # fmt: skip
+    want, got = _straight_then_killed_twice(PPO, common, env, backend, tmp_path)
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
+
+
+def _straight_then_killed_twice(
+    command: list[str], common: list[str], env: dict, backend: str, tmp_path: Path
+) -> tuple[list[dict], list[dict]]:
+    """The metrics of an uninterrupted run, then of one killed twice and resumed."""
     straight = subprocess.run(
-        [*PPO, f"run_dir={tmp_path / 'straight'}", *common], env=env, capture_output=True
+        [*command, f"run_dir={tmp_path / 'straight'}", *common], env=env, capture_output=True
     )
     assert straight.returncode == 0, straight.stderr[-2000:]
-
+    job = command[3]  # python -m strop JOB RECIPE
     run_dir = tmp_path / "killed"
     kills, mid_save, resumes = _kill_and_resume(
-        [*PPO, f"run_dir={run_dir}", *common], env, run_dir / "checkpoints", backend,
-        2, MAX_DELAY_S[backend], random.Random(f"ppo-kill-{backend}"), tmp_path,
+        [*command, f"run_dir={run_dir}", *common], env, run_dir / "checkpoints", backend,
+        2, MAX_DELAY_S[backend], random.Random(f"{job}-kill-{backend}"), tmp_path,
     )  # fmt: skip
-    print(f"ppo {backend}: {kills} kills, {mid_save} mid-save, {resumes} resumes")
-    want = read_metrics(tmp_path / "straight" / "metrics.jsonl")
-    got = read_metrics(run_dir / "metrics.jsonl")
-    assert _metric_steps(run_dir) == [r["step"] for r in want]
-    assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
+    print(f"{job} {backend}: {kills} kills, {mid_save} mid-save, {resumes} resumes")
+    return (read_metrics(tmp_path / "straight" / "metrics.jsonl"),
+            read_metrics(run_dir / "metrics.jsonl"))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -271,20 +278,8 @@ def test_dpo_sigkill_then_resume_gives_the_same_metrics(tmp_path, dpo_inputs, ja
         "optim.lr=0.01", "checkpoint.every_steps=1", "checkpoint.keep=2",
         "logging.tensorboard=false", *dpo_inputs,
     ]  # fmt: skip
-    straight = subprocess.run(
-        [*DPO, f"run_dir={tmp_path / 'straight'}", *common], env=env, capture_output=True
-    )
-    assert straight.returncode == 0, straight.stderr[-2000:]
-
-    run_dir = tmp_path / "killed"
-    kills, mid_save, resumes = _kill_and_resume(
-        [*DPO, f"run_dir={run_dir}", *common], env, run_dir / "checkpoints", backend,
-        2, MAX_DELAY_S[backend], random.Random(f"dpo-kill-{backend}"), tmp_path,
-    )  # fmt: skip
-    print(f"dpo {backend}: {kills} kills, {mid_save} mid-save, {resumes} resumes")
-    want = read_metrics(tmp_path / "straight" / "metrics.jsonl")
-    got = read_metrics(run_dir / "metrics.jsonl")
-    assert _metric_steps(run_dir) == [r["step"] for r in want] == list(range(1, 9))
+    want, got = _straight_then_killed_twice(DPO, common, env, backend, tmp_path)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 9))
     assert want[-1]["dpo/loss"] != want[0]["dpo/loss"]  # it trains
     assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
 
