@@ -486,6 +486,44 @@ def test_a_prompt_s_rollouts_prefill_it_once_and_sample_what_each_row_would(mode
     assert len({tuple(r) for r in shared.tokens.tolist()}) > len(prompts) // 3  # rows differ
 
 
+def test_a_session_s_first_call_prefills_each_prompt_once_then_continues(models):
+    """A KV-cache session's first call (episodes' openings, nothing cached) prefills a
+    prompt's rollouts side by side once, as generate does, sampling generate's tokens; the
+    next call continues from each row's copied cache and samples what re-prefilling does."""
+    import strop.backends.torch.continuation as continuation
+    from strop.agents.continuation import SlotAssignment
+    from strop.generation import Decoding
+
+    model = models["qwen2"]
+    prompts = [p for p in ragged_prompts(seed=5) for _ in range(2)]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    session = continuation.TorchContinuation(
+        lambda: contextlib.nullcontext((model, {})), Decoding(0, (), PAD, None)
+    )
+    slots = list(range(len(prompts)))
+    rows = []  # of each prefill
+    forward = continuation._forward
+
+    def counted(model, cache, ids, *rest):
+        rows.append(len(ids))
+        return forward(model, cache, ids, *rest)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(continuation, "_forward", counted)
+        first = session.generate(prompts, params, 7, SlotAssignment(slots, [0] * len(slots)))
+    assert rows == [len(prompts) // 2]
+    expected = generate(model, prompts, params, eos_ids=[], pad_id=PAD, seed=7)
+    np.testing.assert_array_equal(first.tokens, expected.tokens)
+    np.testing.assert_allclose(first.logprobs, expected.logprobs, atol=1e-5)
+    turns = [t[:n].tolist() for t, n in zip(first.tokens, first.lengths, strict=True)]
+    follow = [p + t + [11, 12, 13] for p, t in zip(prompts, turns, strict=True)]
+    cached = [len(p) + len(t) - 1 for p, t in zip(prompts, turns, strict=True)]
+    second = session.generate(follow, params, 8, SlotAssignment(slots, cached))
+    expected = generate(model, follow, params, eos_ids=[], pad_id=PAD, seed=8)
+    np.testing.assert_array_equal(second.tokens, expected.tokens)
+    np.testing.assert_allclose(second.logprobs, expected.logprobs, atol=1e-5)
+
+
 def test_a_rows_sample_does_not_depend_on_the_batch_around_it(models):
     """A row's randomness is f(seed, step, prompt, sample index): the same prompt samples
     the same tokens alone at row 0 and at row 3 of a batch of 6 with other neighbours, and

@@ -118,6 +118,15 @@ def test_structured_tool_calls_and_chat_records():
     assert env.tool_schemas[0]["function"]["name"] == "add"
 
 
+def test_environments_made_per_episode_share_their_function_s_tool():
+    """A ToolEnv is made per episode: a function's tool (its pydantic model, its schema) is
+    built once per function and limits, not at every episode (64 a calculator iteration)."""
+    first, second = calculator_environment(), calculator_environment()
+    assert first.tools["calculate"] is second.tools["calculate"]
+    assert ToolEnv([add]).tools["add"] is ToolEnv([add]).tools["add"]
+    assert ToolEnv([add], tool_timeout_s=1.0).tools["add"].timeout_s == 1.0  # limits differ
+
+
 def test_tool_env_refuses_what_it_cannot_run():
     with pytest.raises(ConfigError, match="two tools are named 'add'"):
         ToolEnv([add, add])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 from strop.agents.environment import Message, StepResult
@@ -35,6 +36,12 @@ from strop.errors import ConfigError, DataError
 
 Score = Callable[[Mapping[str, Any], list[Message]], Mapping[str, float]]
 ERROR_NAME = "error"  # the tool message's name when a call names no tool we could read
+
+_tool_of = lru_cache(maxsize=256)(Tool.from_function)
+"""A function's :class:`~strop.agents.tools.Tool`, built once per function and limits: an
+environment is made per episode, and building a tool (its pydantic model and JSON schema)
+took more time than the calculator episode's tool calls. Tools are never changed once
+built, so environments share them."""
 
 
 class ToolEnv:
@@ -70,9 +77,7 @@ class ToolEnv:
             tool = (
                 item
                 if isinstance(item, Tool)
-                else Tool.from_function(
-                    item, timeout_s=tool_timeout_s, max_output_chars=max_output_chars
-                )
+                else _tool_of(item, timeout_s=tool_timeout_s, max_output_chars=max_output_chars)
             )
             if tool.name in self.tools:
                 raise ConfigError(f"two tools are named {tool.name!r}; tool names must differ")

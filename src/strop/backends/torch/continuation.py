@@ -9,8 +9,9 @@ per-row draws :func:`~strop.generation.row_uniforms` and the same decode loop), 
 samples what re-prefill samples; only the prefill differs: each row's cached ids are copied
 from its slot into the columns they would have, the cache's write offset is set after them,
 and just the last ``C`` columns are run through the model, ``C`` the ids no row has cached
-rounded up to :data:`~strop.backends.torch.generate.PROMPT_BUCKET` (at most ``P``). After
-decoding, each row's cache is copied back into its slot. The store grows (zeros) when a
+rounded up to :data:`~strop.backends.torch.generate.PROMPT_BUCKET` (at most ``P``); when
+no row has anything cached, a prompt's rollouts side by side are prefilled once (as
+``generate`` does). After decoding, each row's cache is copied back into its slot. The store grows (zeros) when a
 call needs more slots or columns.
 """
 
@@ -30,6 +31,7 @@ from strop.backends.torch.generate import (
     _cache_keyword,
     _decode_loop,
     _forward,
+    _repeat_rows,
     run_sampling,
 )
 from strop.generation import (
@@ -37,6 +39,7 @@ from strop.generation import (
     Generation,
     SamplingParams,
     check_generate_args,
+    prompt_repeats,
     row_uniforms,
 )
 
@@ -116,9 +119,15 @@ class TorchContinuation:
         if not params.greedy:
             uniforms = torch.from_numpy(row_uniforms(prefixes, decoding.seed, steps)).to(device)
         keyword = _cache_keyword(model)
-        logits = _forward(
-            model, kv_cache, ids.to(device), positions.to(device), attention_mask, keyword
-        )
+        # nothing cached (a session's first call): a prompt's rollouts side by side are
+        # prefilled once and its cache copied to its rows, as generate does
+        repeats = prompt_repeats(prefixes) if first == 0 else 1
+        once = slice(None, None, repeats)
+        ids, positions = ids[once].to(device), positions[once].to(device)
+        logits = _forward(model, kv_cache, ids, positions, attention_mask[once], keyword)
+        if repeats > 1:
+            _repeat_rows(kv_cache, repeats)
+            logits = logits.repeat_interleave(repeats, 0)
         out = _decode_loop(
             model, kv_cache, logits, lengths[:, None].clone(), attention_mask, params, uniforms,
             decoding, compile_mode,
