@@ -11,8 +11,8 @@ from its slot into the columns they would have, the cache's write offset is set 
 and just the last ``C`` columns are run through the model, ``C`` the ids no row has cached
 rounded up to :data:`~strop.backends.torch.generate.PROMPT_BUCKET` (at most ``P``); when
 no row has anything cached, a prompt's rollouts side by side are prefilled once (as
-``generate`` does). After decoding, each row's cache is copied back into its slot. The store grows (zeros) when a
-call needs more slots or columns.
+``generate`` does). After decoding, each row's cache is copied back into its slot. The
+store grows (zeros) when a call needs more slots or columns.
 """
 
 from __future__ import annotations
