@@ -39,6 +39,7 @@ from strop.config import Config, load_config
 from strop.config.sources import overrides_set
 from strop.data import read_data_file
 from strop.data.synthetic import split_paths, write_splits
+from strop.demo import N_TRAIN, N_VALIDATION  # strop demo's problems: the same splits
 from strop.dpo.loop import DpoResult, run_dpo
 from strop.errors import ConfigError, DataError
 from strop.evaluation import EvalResult, run_eval
@@ -47,8 +48,6 @@ from strop.plot import plot_run
 from strop.preflight import holding_run_dir
 
 RECIPE = "demo-dpo"
-N_TRAIN = 2000  # the problems `strop demo` writes (the pairs come from the first eval.max_examples)
-N_VALIDATION = 256  # held-out problems for the greedy validation accuracy (strop demo's)
 PAIRS_FILE = "pairs.jsonl"
 SUMMARY_FILE = "demo.json"
 
