@@ -49,7 +49,7 @@ from strop.backends.jax.model import CausalLM
 from strop.backends.jax.sharding import make_mesh
 from strop.backends.jax.train import Trainer, make_optimizer
 from strop.config import LoraConfig, OptimConfig
-from strop.io.model_spec import ModelSpec
+from strop.models import parse_config
 
 LORA = LoraConfig(enabled=True, rank=8, alpha=16)
 WARMUP_STEPS = 2
@@ -198,7 +198,7 @@ def bench_tiny(steps: int, batch: int, length: int) -> None:
 
 def bench_qwen25_shapes() -> None:
     print("[2] Qwen2.5-1.5B shapes, no weights (nnx.eval_shape / jax.eval_shape), float32 params")
-    spec = ModelSpec.from_hf_config(QWEN25_CONFIG)
+    spec = parse_config(QWEN25_CONFIG)
     start = time.perf_counter()
     base = nnx.eval_shape(lambda: CausalLM(spec, rngs=nnx.Rngs(0)))
     lora_model = nnx.eval_shape(

@@ -64,13 +64,13 @@ def reshape_checkpoint(
     ``dtype``, keeping its tokenizer files and special-token ids; ``config``: more
     ``config.json`` keys to set."""
     from strop.io.hf import SIDECAR_FILES, write_checkpoint
-    from strop.io.model_spec import ModelSpec
     from strop.io.tiny import random_tensors
+    from strop.models import parse_config
 
     directory = Path(directory)
     config = {**json.loads((directory / "config.json").read_text()), **SHAPES[shape], **config}
     config.pop("head_dim", None)  # hidden / heads, as in the real model
-    spec = ModelSpec.from_hf_config(config)
+    spec = parse_config(config)
     with tempfile.TemporaryDirectory() as sidecar:
         for name in SIDECAR_FILES:
             if (directory / name).is_file():

@@ -60,13 +60,10 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal
 
 from strop.errors import ConfigError
-from strop.io.model_spec import (
-    LAYER_LINEARS,
-    ModelSpec,
-    read_model_spec,
-    require_model_directory,
-)
+from strop.io.model_spec import read_model_spec, require_model_directory
 from strop.lora_targets import match_targets
+from strop.models import ModelSpec
+from strop.models.counts import layer_linear_shapes, parameter_count
 from strop.objectives.roles import RolePlan
 
 if TYPE_CHECKING:
@@ -133,25 +130,6 @@ class MemoryPlan:
 # shapes ------------------------------------------------------------------------------------
 
 
-def linear_paths(spec: ModelSpec) -> list[str]:
-    """Every linear's module path, as LoRA's target patterns see them."""
-    layers = [f"model.layers.{i}.{name}" for i in range(spec.num_layers) for name in LAYER_LINEARS]
-    return [*layers, "lm_head"]
-
-
-def parameter_count(spec: ModelSpec) -> int:
-    """Every parameter of the decoder (a tied lm_head counts once)."""
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    layer_linears = sum(
-        out * inp for out, inp in (spec.linear_shape(f"model.layers.0.{n}") for n in LAYER_LINEARS)
-    )
-    biases = (q + 2 * kv) * spec.qkv_bias + spec.hidden_size * spec.o_bias
-    per_layer = layer_linears + biases + 2 * spec.hidden_size  # two RMSNorm weights
-    embed = spec.vocab_size * spec.hidden_size
-    head = 0 if spec.tie_word_embeddings else embed
-    return spec.num_layers * per_layer + embed + head + spec.hidden_size
-
-
 def base_weight_bytes(spec: ModelSpec, param_dtype: str, quantization: str = "none") -> int:
     """The base model's bytes: every parameter at ``param_dtype``, or, quantized
     (``nf4``/``int8``), the layers' linear weights at :data:`QUANTIZED_BITS` (int8: plus a
@@ -162,18 +140,18 @@ def base_weight_bytes(spec: ModelSpec, param_dtype: str, quantization: str = "no
     if quantization not in QUANTIZED_BITS:
         raise ConfigError(f"lora.base_quantization={quantization!r}: strop plan knows none, "
                           f"{', '.join(QUANTIZED_BITS)}")  # fmt: skip
-    shapes = [spec.linear_shape(f"model.layers.0.{n}") for n in LAYER_LINEARS]
-    weights = spec.num_layers * sum(out * inp for out, inp in shapes)
+    shapes = layer_linear_shapes(spec)
+    weights = sum(out * inp for out, inp in shapes)
     quantized = weights * QUANTIZED_BITS[quantization] / 8
     if quantization == "int8":
-        quantized += spec.num_layers * sum(out for out, _ in shapes) * 4
+        quantized += sum(out for out, _ in shapes) * 4
     return int(full - weights * DTYPE_BYTES[param_dtype] + quantized)
 
 
 def adapter_numbers(spec: ModelSpec, patterns: list[str], rank: int) -> tuple[int, list[str]]:
     """LoRA numbers of one adapter (``rank x (in + out)`` per targeted linear) and the
     targeted paths; a pattern matching no linear is the ConfigError training gives."""
-    targets = match_targets(patterns, linear_paths(spec))
+    targets = match_targets(patterns, spec.linear_paths())
     numbers = 0
     for path in targets:
         out, inp = spec.linear_shape(path)

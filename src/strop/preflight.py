@@ -55,7 +55,12 @@ from strop.engines import check_engine
 from strop.errors import ConfigError
 from strop.io import run_lock
 from strop.io.checkpoint_dir import refuse_other_backends_checkpoints, refuse_run_past_its_end
-from strop.io.model_spec import check_context_length, require_model_directory
+from strop.io.model_spec import (
+    CONFIG_FILE,
+    check_context_length,
+    read_model_spec,
+    require_model_directory,
+)
 from strop.io.run_identity import RESUME_ADVICE, check_checkpoint
 from strop.metrics.wandb_sink import require_wandb, require_wandb_login
 from strop.quantization import refuse_unsupported as refuse_unsupported_quantization
@@ -170,6 +175,8 @@ def preflight(
         refuse_other_backends_checkpoints(checkpoint_dir, config.backend)
     config.mesh.check_layout(backend.device_count(), config.rows_per_pass(job))
     require_model_directory(config.model.path, "model.path")
+    if config.model.path is not None and (Path(config.model.path) / CONFIG_FILE).is_file():
+        backend.check_model(read_model_spec(config.model.path))  # a family it cannot build
     check_context_length(
         config.model.path, job, max_length=config.data.max_length,
         max_new_tokens=config.generation.max_new_tokens,

@@ -187,9 +187,9 @@ def transformers_inv_freq(configs: list[dict], **env: str) -> tuple[str, list[np
 
 def strop_inv_freq(config: dict) -> np.ndarray:
     from strop.backends.jax.rope import rope_inv_freq
-    from strop.io.model_spec import ModelSpec
+    from strop.models import parse_config
 
-    ours = rope_inv_freq(ModelSpec.from_hf_config({**config, "model_type": "llama"}))
+    ours = rope_inv_freq(parse_config({**config, "model_type": "llama"}).layers[0].rope)
     assert ours.dtype == np.float32
     return ours
 

@@ -21,7 +21,7 @@ from strop.backends.jax.actor_critic import JaxActorCritic
 from strop.backends.torch.actor_critic import TorchActorCritic
 from strop.backends.torch.train import used_columns
 from strop.config import load_config
-from strop.io.model_spec import LAYER_LINEARS, read_model_spec
+from strop.io.model_spec import read_model_spec
 from strop.rl.experience import build_experience, minibatches
 
 TOL = 1e-4
@@ -369,7 +369,7 @@ def test_a_reference_adapter_is_the_reference_policy(qwen2, backend, tmp_path):
     rng = np.random.default_rng(3)
     weights = {}
     for layer in range(spec.num_layers):
-        for module in LAYER_LINEARS:
+        for module in spec.layer_linears(layer):
             out_features, in_features = spec.linear_shape(f"model.layers.{layer}.{module}")
             weights[f"model.layers.{layer}.{module}"] = (
                 rng.normal(0, 0.3, (8, in_features)).astype(np.float32),

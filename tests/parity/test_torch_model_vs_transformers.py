@@ -27,7 +27,7 @@ def reference_logits(model_dir, ids, mask) -> np.ndarray:
 def test_logits_equal_transformers(tiny_model_dir, kind, left):
     ids, mask = padded_batch(left=left)
     handle = strop.load_model(tiny_model_dir(kind), backend="torch")
-    assert handle.backend == "torch" and handle.spec.model_type in ("qwen2", "llama")
+    assert handle.backend == "torch" and handle.spec.family in ("qwen2", "llama")
     real = mask.astype(bool)
     ours = handle.logits(ids, mask)
     assert ours.dtype == np.float32

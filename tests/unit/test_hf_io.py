@@ -14,8 +14,9 @@ from safetensors.numpy import save_file
 import strop
 from strop.errors import BackendUnavailableError, ModelError, OutputExistsError
 from strop.io.hf import SafetensorsReader, write_checkpoint
-from strop.io.model_spec import ModelSpec, read_model_spec
+from strop.io.model_spec import read_model_spec
 from strop.io.peft import save_adapter
+from strop.models import parse_config
 from tests.tiny_models import QWEN25_CONFIG
 
 LLAMA31_ROPE = {
@@ -28,10 +29,11 @@ LLAMA31_ROPE = {
 
 
 def test_qwen25_config():
-    spec = ModelSpec.from_hf_config(QWEN25_CONFIG)
+    spec = parse_config(QWEN25_CONFIG)
     assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (28, 12, 2, 128)
     assert spec.qkv_bias and not spec.o_bias and spec.tie_word_embeddings
-    assert spec.rope_theta == 1e6 and spec.rope_scaling is None
+    rope = spec.layers[0].rope
+    assert rope.theta == 1e6 and rope.kind == "default" and rope.rotary_dim == 128
     assert spec.eos_token_ids == (151645,)
     assert spec.architecture == "Qwen2ForCausalLM"
 
@@ -49,10 +51,10 @@ def test_llama31_config_legacy_rope_scaling():
         "rope_scaling": LLAMA31_ROPE,
         "eos_token_id": [128001, 128008, 128009],
     }
-    spec = ModelSpec.from_hf_config(cfg)
-    assert spec.rope_scaling is not None and spec.rope_scaling.kind == "llama3"
-    assert spec.rope_scaling.original_max_position_embeddings == 8192
-    assert spec.rope_theta == 500000.0 and not spec.qkv_bias and spec.head_dim == 128
+    spec = parse_config(cfg)
+    rope = spec.layers[0].rope
+    assert rope.kind == "llama3" and rope.get("original_max_position_embeddings") == 8192
+    assert rope.theta == 500000.0 and not spec.qkv_bias and spec.head_dim == 128
     assert spec.eos_token_ids == (128001, 128008, 128009)
 
 
@@ -66,26 +68,27 @@ def test_llama3_rope_frequencies_match_transformers():
         hidden_size=512, num_attention_heads=4, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE
     )
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
-    spec = ModelSpec.from_hf_config(hf_config.to_dict())
-    ours = rope_inv_freq(spec)
+    spec = parse_config(hf_config.to_dict())
+    ours = rope_inv_freq(spec.layers[0].rope)
     np.testing.assert_allclose(ours, expected.numpy(), rtol=1e-6)
-    assert not np.allclose(ours, rope_inv_freq(ModelSpec.from_hf_config(QWEN25_CONFIG))[:64])
+    assert not np.allclose(ours, rope_inv_freq(parse_config(QWEN25_CONFIG).layers[0].rope)[:64])
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
-        ({"use_sliding_window": True}, "use_sliding_window"),
-        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"model_type": None}, "no model_type"),
+        ({"use_sliding_window": True, "layer_types": ["sliding_attention"]}, "must list 28"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported for model_type 'qwen2'"),
         ({"num_key_value_heads": 5}, "not a multiple"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "ntk-by-parts"}}, "rope type 'ntk-by-parts'"),
+        ({"rope_scaling": {"rope_type": "yarn"}}, "rope type 'yarn' needs factor"),
         ({"hidden_size": "big"}, "hidden_size must be a positive integer"),
     ],
 )
 def test_unsupported_configs_are_clear_errors(change, message):
     with pytest.raises(ModelError, match=message):
-        ModelSpec.from_hf_config({**QWEN25_CONFIG, **change})
+        parse_config({**QWEN25_CONFIG, **change})
 
 
 def test_read_model_spec_errors(tmp_path):

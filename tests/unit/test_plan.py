@@ -13,9 +13,11 @@ import pytest
 
 from strop.cli import main
 from strop.config import load_config
-from strop.io.model_spec import ModelSpec, read_model_spec
+from strop.io.model_spec import read_model_spec
 from strop.io.run_identity import PolicyRun
-from strop.plan import GIB, base_weight_bytes, parameter_count, plan_memory
+from strop.models import parse_config
+from strop.models.counts import parameter_count
+from strop.plan import GIB, base_weight_bytes, plan_memory
 
 QWEN_7B = {
     "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
@@ -45,7 +47,7 @@ def run(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_qwen_7b_counts():
-    spec = ModelSpec.from_hf_config(QWEN_7B)
+    spec = parse_config(QWEN_7B)
     assert parameter_count(spec) == 7_615_616_512  # Qwen2.5-7B's published count
     assert base_weight_bytes(spec, "bfloat16") == 2 * 7_615_616_512
     nf4 = base_weight_bytes(spec, "bfloat16", "nf4")  # lora.base_quantization's hook

@@ -213,14 +213,25 @@ def test_hostile_shard_index(tmp_path, real_tensors, weight_map, message):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"num_hidden_layers": 10**9}, "num_hidden_layers=1000000000, but the weights hold only"),
+        ({"num_hidden_layers": 10**9}, "num_hidden_layers=1000000000 is more than any decoder"),
+        ({"num_hidden_layers": 400}, "num_hidden_layers=400, but the weights hold only"),
         ({"intermediate_size": None}, "intermediate_size must be a positive integer, got None"),
         ({"num_key_value_heads": -2}, "num_key_value_heads must be a positive integer"),
         ({"hidden_size": True}, "hidden_size must be a positive integer, got True"),
-        ({"rms_norm_eps": "tiny"}, "malformed RoPE or size field"),
-        ({"rope_scaling": {"rope_type": "linear"}}, "malformed RoPE or size field"),
+        ({"rms_norm_eps": "tiny"}, "malformed size field"),
+        ({"rope_scaling": {"rope_type": "linear"}}, "rope type 'linear' needs factor"),
+        ({"rope_parameters": {"rope_theta": "big"}}, "rope_theta must be a number"),
     ],
-    ids=["huge-layers", "no-intermediate", "negative-kv", "bool-size", "bad-eps", "rope-no-factor"],
+    ids=[
+        "huge-layers",
+        "more-layers-than-weights",
+        "no-intermediate",
+        "negative-kv",
+        "bool-size",
+        "bad-eps",
+        "rope-no-factor",
+        "rope-theta-text",
+    ],
 )
 def test_hostile_config_json(tmp_path, real_tensors, change, message):
     directory = model_dir(tmp_path, real_tensors)

@@ -24,9 +24,9 @@ import numpy as np
 
 from strop.errors import StropError
 from strop.generation import Sampler
-from strop.io.model_spec import ModelSpec
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import INFERENCE, PolicyRun
+from strop.models import ModelSpec
 
 if TYPE_CHECKING:
     from strop.config import Config
@@ -367,6 +367,7 @@ class BackendFunctions:
     build_actor_critic: Callable[..., ActorCritic]
     build_reward_model: Callable[..., RewardModel]
     device_count: Callable[[], int]
+    check_model: Callable[[ModelSpec], None]
     write_once: Callable[[Callable[[], object], str], None]
     shut_down: Callable[[], bool]
 

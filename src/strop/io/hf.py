@@ -24,8 +24,9 @@ from safetensors.numpy import save_file
 
 from strop.errors import ModelError, StropError
 from strop.io.atomic import atomic_directory
-from strop.io.model_spec import CONFIG_FILE, ModelSpec, read_model_spec
+from strop.io.model_spec import CONFIG_FILE, read_model_spec
 from strop.io.untrusted import read_json, shown_name
+from strop.models import ModelSpec
 
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"

@@ -1,184 +1,22 @@
-"""The architecture of a HF checkpoint, parsed from its ``config.json``: :class:`ModelSpec`.
+"""Reading a HF checkpoint's ``config.json`` into a :class:`~strop.models.ModelSpec`
+(its family parses it: :mod:`strop.models`), and the checks made from it before any weight
+is read: the model directory itself, the context length, the ids that end a response.
 
-Backend-neutral. Only Qwen2 and Llama decoders are accepted; anything else, or a size
-field that is missing or absurd, is a one-line :class:`~strop.errors.ModelError` naming
-the file, before any weight is read.
+Backend-neutral. A missing or unreadable file, or a field that is missing or absurd, is a
+one-line :class:`~strop.errors.ModelError` naming the file.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
 
 from strop.errors import ConfigError, ModelError
 from strop.io.untrusted import read_json
+from strop.models import ModelSpec, parse_config
 
 CONFIG_FILE = "config.json"
-_SUPPORTED_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-LAYER_LINEARS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
-"""The linear layers of a decoder layer, by their HF names (``model.layers.N.<name>``)."""
-_LAYER_LINEAR = re.compile(r"model\.layers\.(?P<layer>0|[1-9][0-9]{0,5})\.(?P<linear>\w+\.\w+)")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling. ``kind`` is ``linear`` or ``llama3`` (Llama 3.1+)."""
-
-    kind: Literal["linear", "llama3"]
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The architecture of a Qwen2/Llama decoder, parsed from a HF ``config.json``.
-
-    One dataclass for both families: Qwen2 is Llama with biases on q/k/v.
-    ``raw`` keeps the original config so a saved checkpoint round-trips unchanged.
-    """
-
-    model_type: Literal["qwen2", "llama"]
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling | None
-    qkv_bias: bool
-    o_bias: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
-
-    @property
-    def architecture(self) -> str:
-        """The transformers class name, e.g. ``Qwen2ForCausalLM``."""
-        return _SUPPORTED_MODEL_TYPES[self.model_type]
-
-    def linear_shape(self, module: str) -> tuple[int, int] | None:
-        """The HF ``nn.Linear.weight`` shape ``(out, in)`` of ``module`` (a dotted path such
-        as ``model.layers.3.self_attn.q_proj``), or ``None`` if the model has no such linear
-        layer. What a LoRA adapter on ``module`` must fit: A ``[r, in]``, B ``[out, r]``."""
-        if module == "lm_head":
-            return (self.vocab_size, self.hidden_size)
-        found = _LAYER_LINEAR.fullmatch(module)
-        if found is None or int(found["layer"]) >= self.num_layers:
-            return None
-        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        h, i = self.hidden_size, self.intermediate_size
-        shapes = [(q_out, h), (kv_out, h), (kv_out, h), (h, q_out), (i, h), (i, h), (h, i)]
-        return dict(zip(LAYER_LINEARS, shapes, strict=True)).get(found["linear"])
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], *, source: str = "config.json") -> ModelSpec:
-        """Parse a HF config dict; raise :class:`ModelError` for anything unsupported."""
-        model_type = cfg.get("model_type")
-        if model_type not in _SUPPORTED_MODEL_TYPES:
-            raise ModelError(
-                f"{source}: model_type {model_type!r} is not supported; strop supports "
-                f"{', '.join(sorted(_SUPPORTED_MODEL_TYPES))} (Qwen2/Qwen2.5, Llama 2/3)"
-            )
-        required = (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-        )
-        for key in (*required, "num_key_value_heads", "head_dim"):
-            value = cfg.get(key)
-            if value is None and key not in required:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ModelError(f"{source}: {key} must be a positive integer, got {value!r}")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
-        if cfg.get("mlp_bias"):
-            raise ModelError(f"{source}: mlp_bias=true is not supported")
-        if model_type == "qwen2" and cfg.get("use_sliding_window"):
-            raise ModelError(f"{source}: use_sliding_window=true is not supported")
-
-        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        if heads % kv_heads:
-            raise ModelError(
-                f"{source}: num_attention_heads={heads} is not a multiple of "
-                f"num_key_value_heads={kv_heads}"
-            )
-        head_dim = cfg.get("head_dim") or hidden // heads
-        try:
-            theta, scaling = _parse_rope(cfg, source)
-            eps = float(cfg.get("rms_norm_eps", 1e-6))
-            max_positions = int(cfg.get("max_position_embeddings", 32768))
-        except (AttributeError, KeyError, TypeError, ValueError) as err:
-            raise ModelError(f"{source}: malformed RoPE or size field ({err!r})") from None
-        attention_bias = bool(cfg.get("attention_bias", False))
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
-            model_type=model_type,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=hidden,
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            intermediate_size=cfg["intermediate_size"],
-            rms_norm_eps=eps,
-            rope_theta=theta,
-            rope_scaling=scaling,
-            # Qwen2 always has q/k/v biases; Llama's attention_bias covers q/k/v/o.
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type == "llama" and attention_bias,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=max_positions,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            raw=dict(cfg),
-        )
-
-
-def _parse_rope(cfg: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
-    """RoPE theta and scaling from either the transformers-5 ``rope_parameters`` layout or
-    the older top-level ``rope_theta`` + ``rope_scaling``."""
-    params = cfg.get("rope_parameters") or {}
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    scaling = cfg.get("rope_scaling") or params
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in _SUPPORTED_ROPE_TYPES:
-        raise ModelError(
-            f"{source}: rope type {kind!r} is not supported; supported: "
-            f"{', '.join(_SUPPORTED_ROPE_TYPES)}"
-        )
-    if kind == "default":
-        return float(theta), None
-    fields = {"kind": kind, "factor": float(scaling["factor"])}
-    for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-        if name in scaling:
-            fields[name] = scaling[name]
-    return float(theta), RopeScaling(**fields)
 
 
 def read_model_spec(path: str | os.PathLike) -> ModelSpec:
@@ -192,7 +30,7 @@ def read_model_spec(path: str | os.PathLike) -> ModelSpec:
     cfg = read_json(config_path, ModelError)
     if not isinstance(cfg, dict):
         raise ModelError(f"{config_path}: expected a JSON object")
-    return ModelSpec.from_hf_config(cfg, source=str(config_path))
+    return parse_config(cfg, source=str(config_path))
 
 
 def response_end_ids(path: str | os.PathLike, tokenizer_eos_id: int) -> list[int]:

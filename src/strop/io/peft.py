@@ -23,8 +23,9 @@ from strop.config import LoraConfig
 from strop.errors import CheckpointError, ConfigError
 from strop.io.atomic import atomic_directory
 from strop.io.hf import open_safetensors
-from strop.io.model_spec import ModelSpec, read_model_spec
+from strop.io.model_spec import read_model_spec
 from strop.io.untrusted import read_json, shown_name
+from strop.models import ModelSpec
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -164,7 +165,7 @@ def load_adapter(
             raise CheckpointError(
                 f"{weights_path}: {module} has A {list(a)}, B {list(b)}; expected rank r={rank}"
             )
-        if spec is not None:
+        if spec is not None and spec.registered:  # else transformers' class knows its linears
             linear = spec.linear_shape(module)
             if linear is None:
                 raise CheckpointError(

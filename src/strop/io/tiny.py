@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from strop.io.hf import write_checkpoint
-from strop.io.model_spec import ModelSpec
+from strop.models import ModelSpec, parse_config
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -110,7 +110,7 @@ def make_tiny_checkpoint(
     config = tiny_qwen2_config(tokenizer.get_vocab_size(), hidden=hidden, layers=layers)
     config["pad_token_id"] = tokenizer.token_to_id("<|endoftext|>")
     config["eos_token_id"] = tokenizer.token_to_id("<|im_end|>")
-    spec = ModelSpec.from_hf_config(config)
+    spec = parse_config(config)
     with tempfile.TemporaryDirectory() as sidecar:
         tokenizer.save(str(Path(sidecar) / "tokenizer.json"))
         tokenizer_config = {

@@ -3,6 +3,7 @@
 from strop.backends.jax.actor_critic import JaxActorCritic
 from strop.backends.jax.compile_cache import enable_compilation_cache
 from strop.backends.jax.handle import JaxModelHandle, load_model
+from strop.backends.jax.model import check_model
 from strop.backends.jax.policy import JaxPolicy
 from strop.backends.jax.reward_model import JaxRewardModel, build_reward_model
 from strop.backends.jax.sharding import device_count, shut_down, write_once
@@ -20,6 +21,7 @@ __all__ = [
     "build_actor_critic",
     "build_policy",
     "build_reward_model",
+    "check_model",
     "device_count",
     "load_model",
     "shut_down",

@@ -15,7 +15,7 @@ from strop.backends.base import ModelHandle
 from strop.backends.jax.model import CausalLM
 from strop.backends.jax.sharding import make_mesh, put_rows, to_host
 from strop.backends.jax.weights import load_hf_model, save_hf_model
-from strop.io.model_spec import ModelSpec
+from strop.models import ModelSpec
 
 
 @nnx.jit

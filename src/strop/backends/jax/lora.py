@@ -23,7 +23,8 @@ import numpy as np
 import qwix
 from flax import nnx
 
-from strop.backends.jax.model import CausalLM, Dense
+from strop.backends.jax.layers import Dense
+from strop.backends.jax.model import CausalLM
 from strop.backends.jax.sharding import to_host
 from strop.config import Config, LoraConfig
 from strop.errors import ConfigError
@@ -71,7 +72,7 @@ def apply_lora(model: CausalLM, config: LoraConfig, seed: int) -> CausalLM:
     The adapters start from :func:`strop.lora_init.adapters` for ``seed`` (A uniform in
     ±1/sqrt(in), B zero), the values the torch backend starts from. They are float32 over
     any base, so that updates under a bfloat16 ulp still count, and compute in the model's
-    dtype (:class:`~strop.backends.jax.model.Dense` casts them for each call).
+    dtype (:class:`~strop.backends.jax.layers.Dense` casts them for each call).
     """
     targets = match_targets(config.target_modules, list(dense_modules(model)))
     qwix_paths = "|".join(re.escape(path.replace(".", "/")) for path in targets)

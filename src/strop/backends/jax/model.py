@@ -1,4 +1,7 @@
-"""A Qwen2/Llama decoder in Flax NNX, numerically equal to ``transformers``.
+"""The decoder of every family the JAX backend builds, in Flax NNX, numerically equal to
+``transformers``: one decoder made of shared blocks, configured by the
+:class:`~strop.models.ModelSpec` its family parsed (never by the family's name).
+:func:`check_model` refuses, in one line, a spec declaring what these blocks do not do yet.
 
 Module and attribute names mirror the Hugging Face ones (``model.layers.3.self_attn.q_proj``),
 so module paths read the same as in PEFT and weight names map one to one. Each weight
@@ -15,9 +18,7 @@ updated in the output. Without one, the forward is the plain full-sequence (trai
 
 from __future__ import annotations
 
-import contextlib
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -25,137 +26,61 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from strop.backends.jax import rope
 from strop.backends.jax.attention import cached_attention, causal_attention
+from strop.backends.jax.layers import Dense, Embedding, RMSNorm
 from strop.backends.jax.rope import apply_rope, rope_inv_freq
 from strop.batch.packing import PREFIX_STRIDE
-from strop.io.model_spec import ModelSpec
+from strop.errors import ModelError
+from strop.models import LayerSpec, ModelSpec
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtype, init):
-    """A parameter with logical axes; placement on devices happens when weights load."""
-    return nnx.Param(
-        init(rngs.params(), tuple(shape), dtype), out_sharding=tuple(axes), eager_sharding=False
-    )
+def missing_features(spec: ModelSpec) -> list[str]:
+    """What ``spec`` declares that this decoder does not build yet, in words."""
+    if not spec.registered:
+        return [f"model_type {spec.family!r} (no family of strop's declares it)"]
+    checks = {
+        "q/k norms": spec.qk_norm != "none",
+        f"{spec.norm_placement} norms": spec.norm_placement != "pre",
+        "RMSNorm scaling by 1 + weight": spec.norm_weight_offset != 0.0,
+        f"activation {spec.activation}": spec.activation != "silu",
+        "an embedding scale": spec.embedding_scale is not None,
+        "query_pre_attn_scalar": spec.query_scale is not None,
+        "attention logit soft-capping": spec.attn_logit_softcap is not None,
+        "final logit soft-capping": spec.final_logit_softcap is not None,
+        "fused q/k/v or gate/up projections": spec.fused_qkv or spec.fused_gate_up,
+        "routed experts (MoE)": spec.moe is not None,
+        "MLP biases": spec.mlp_bias,
+        "sliding-window attention": bool(spec.sliding_windows),
+        "layers without RoPE": any(layer.rope is None for layer in spec.layers),
+    }
+    missing = [feature for feature, used in checks.items() if used]
+    for layer in spec.layers:
+        if layer.rope is None:
+            continue
+        if layer.rope.kind not in rope.KINDS:
+            missing.append(f"rope type {layer.rope.kind!r}")
+        if layer.rope.rotary_dim != spec.head_dim:
+            missing.append("partial rotary embeddings")
+    return list(dict.fromkeys(missing))
 
 
-class Dense(nnx.Module):
-    """``y = x @ kernel + bias`` with ``x [..., *in_shape]`` and ``y [..., *out_shape]``.
-
-    The kernel is flat, ``[prod(in_shape), prod(out_shape)]``: HF's
-    ``nn.Linear(prod(in_shape), prod(out_shape)).weight`` transposed, and the bias is
-    ``[prod(out_shape)]``. ``x`` is flattened to ``[rows, prod(in_shape)]`` before the
-    einsum and the output unflattened after it, so callers see the multi-dimensional
-    shapes (``[B, L, H, D]`` from q) while the einsum (the one Qwix intercepts, adding
-    ``kernel_lora_a [in, r]`` and ``kernel_lora_b [r, out]``) is a plain 2-D matrix
-    product, the form XLA:CPU's fast matmul path takes forward and backward.
-
-    A flat dim carries one logical axis, the leading name of its group (``heads`` for
-    ``heads x head_dim``); :meth:`kernel_blocks` says how many elements one unit of that name
-    spans (``head_dim``), so sharding splits it only into whole heads.
-    """
-
-    def __init__(
-        self,
-        in_shape: tuple[int, ...],
-        out_shape: tuple[int, ...],
-        in_axes: tuple[str, ...],
-        out_axes: tuple[str, ...],
-        *,
-        use_bias: bool,
-        dtype,
-        param_dtype,
-        rngs: nnx.Rngs,
-    ):
-        self.in_shape, self.out_shape = in_shape, out_shape
-        self.dtype = dtype
-        n_in, n_out = math.prod(in_shape), math.prod(out_shape)
-        init = nnx.initializers.normal(0.02)
-        self.kernel = _param(rngs, (n_in, n_out), (in_axes[0], out_axes[0]), param_dtype, init)
-        self.bias = (
-            _param(rngs, (n_out,), (out_axes[0],), param_dtype, nnx.initializers.zeros)
-            if use_bias
-            else None
+def check_model(spec: ModelSpec) -> None:
+    """Refuse (:class:`ModelError`, one line) a model this decoder cannot build."""
+    missing = missing_features(spec)
+    if missing:
+        raise ModelError(
+            f"{spec.architecture} ({spec.family}) uses {', '.join(missing)}, which the jax "
+            "backend does not implement yet: use backend=torch (docs/models.md)"
         )
-
-    def kernel_blocks(self) -> tuple[int, int]:
-        """Elements per unit of each kernel dim's logical axis (``head_dim`` for ``heads``)."""
-        return math.prod(self.in_shape[1:]), math.prod(self.out_shape[1:])
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        # Rows as one dim too: with "...a,ab" the kernel's gradient came out of XLA:CPU as
-        # a transposed dot off its fast path (1.6x the multi-dimensional kernel's time).
-        lead = x.shape[: x.ndim - len(self.in_shape)]
-        x = x.reshape(math.prod(lead), math.prod(self.in_shape)).astype(self.dtype)
-        kernel = self.kernel
-        if isinstance(kernel, nnx.Variable):  # else Qwix's quantized kernel (a frozen
-            kernel = kernel[...].astype(self.dtype)  # QLoRA base), which its einsum takes
-        with self._adapters_in_compute_dtype():
-            y = jnp.einsum("na,ab->nb", x, kernel)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(self.dtype)
-        return y.reshape(*lead, *self.out_shape)
-
-    @contextlib.contextmanager
-    def _adapters_in_compute_dtype(self) -> Iterator[None]:
-        """Qwix's LoRA einsum (run inside this block) reads ``kernel_lora_a``/``_b`` as
-        stored, and float32 adapters (:func:`strop.backends.jax.lora.apply_lora` keeps them
-        so over a lower-precision base) would turn this projection's output, and all that
-        follows it, to float32. For the call they are replaced by their casts to ``dtype``,
-        as torch's autocast casts its weights, and put back after it; gradients reach the
-        float32 values through the cast. The attributes are swapped, not the variables'
-        values: a sampler's loop body may run a module merged there from variables of an
-        outer trace, which NNX lets it set attributes on but not mutate."""
-        names = [
-            name
-            for name in ("kernel_lora_a", "kernel_lora_b")
-            if getattr(self, name, None) is not None
-            and getattr(self, name).get_value().dtype != self.dtype
-        ]
-        stored = {name: getattr(self, name) for name in names}
-        for name, variable in stored.items():
-            setattr(self, name, type(variable)(variable.get_value().astype(self.dtype)))
-        try:
-            yield
-        finally:
-            for name, variable in stored.items():
-                setattr(self, name, variable)
-
-
-class Embedding(nnx.Module):
-    """Token embedding table ``[V, E]``; also the output projection when tied."""
-
-    def __init__(self, vocab: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.dtype = dtype
-        init = nnx.initializers.normal(0.02)
-        self.embedding = _param(rngs, (vocab, hidden), ("vocab", "embed"), param_dtype, init)
-
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
-
-    def attend(self, x: jax.Array) -> jax.Array:
-        """Logits ``x @ embedding.T`` for a tied LM head."""
-        return jnp.einsum("...e,ve->...v", x, self.embedding[...].astype(self.dtype))
-
-
-class RMSNorm(nnx.Module):
-    """RMSNorm as in HF: normalise in float32, cast back, then scale."""
-
-    def __init__(self, hidden: int, eps: float, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.eps, self.dtype = eps, dtype
-        self.weight = _param(rngs, (hidden,), ("norm",), param_dtype, nnx.initializers.ones)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(self.dtype) * normed.astype(self.dtype)
 
 
 class Attention(nnx.Module):
     """Grouped-query causal self-attention (plain dot-product, softmax in float32)."""
 
-    def __init__(self, spec: ModelSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, spec: ModelSpec, layer: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         e, h, k, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
         common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
         qkv = {"use_bias": spec.qkv_bias, **common}
@@ -165,7 +90,7 @@ class Attention(nnx.Module):
         self.o_proj = Dense(
             (h, d), (e,), ("heads", "head_dim"), ("embed",), use_bias=spec.o_bias, **common
         )
-        self.inv_freq = tuple(rope_inv_freq(spec).tolist())  # static data, not a weight
+        self.inv_freq = tuple(rope_inv_freq(layer.rope).tolist())  # static data, not a weight
         self.num_groups = h // k
 
     def __call__(
@@ -214,10 +139,10 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm transformer block: attention and MLP, each with a residual."""
 
-    def __init__(self, spec: ModelSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, spec: ModelSpec, layer: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **common)
-        self.self_attn = Attention(spec, **common)
+        self.self_attn = Attention(spec, layer, **common)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **common)
         self.mlp = MLP(spec, **common)
 
@@ -240,7 +165,7 @@ class DecoderStack(nnx.Module):
     def __init__(self, spec: ModelSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, **common)
-        self.layers = nnx.List([DecoderLayer(spec, **common) for _ in range(spec.num_layers)])
+        self.layers = nnx.List([DecoderLayer(spec, layer, **common) for layer in spec.layers])
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **common)
 
     def __call__(
@@ -301,6 +226,7 @@ class CausalLM(nnx.Module):
     """Decoder plus LM head (separate, or tied to the embeddings)."""
 
     def __init__(self, spec: ModelSpec, *, dtype="float32", param_dtype="float32", rngs=None):
+        check_model(spec)
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         common = {"dtype": DTYPES[dtype], "param_dtype": DTYPES[param_dtype], "rngs": rngs}
         self.spec = spec

@@ -9,11 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strop.io.model_spec import ModelSpec
+from strop.models import Rope
+
+KINDS = ("default", "linear", "llama3")
+"""The RoPE types this decoder computes (of :data:`strop.models.rope.ROPE_KINDS`)."""
 
 
-def rope_inv_freq(spec: ModelSpec) -> np.ndarray:
-    """RoPE inverse frequencies ``[D/2]`` (float32), with linear or llama3 scaling.
+def rope_inv_freq(rope: Rope) -> np.ndarray:
+    """RoPE inverse frequencies ``[rotary_dim / 2]`` (float32), with linear or llama3
+    scaling.
 
     The float32 values ``transformers`` computes (``compute_default_rope_parameters``,
     ``_compute_llama3_parameters``, ``_compute_linear_scaling_rope_parameters``), operation
@@ -24,20 +28,21 @@ def rope_inv_freq(spec: ModelSpec) -> np.ndarray:
     which moves logits over long sequences (angles of hundreds of radians).
     """
     f32 = np.float32
-    dim = spec.head_dim
+    dim = rope.rotary_dim
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(f32) / f32(dim)
-    base = float(f32(spec.rope_theta))
+    base = float(f32(rope.theta))
     powers = np.array([math.pow(base, float(e)) for e in exponents], np.float64).astype(f32)
     inv_freq = f32(1.0) / powers
-    scaling = spec.rope_scaling
-    if scaling is None:
+    if rope.kind == "default":
         return inv_freq
-    factor = f32(scaling.factor)
-    if scaling.kind == "linear":
+    if rope.kind not in KINDS:
+        raise NotImplementedError(f"rope type {rope.kind!r}")  # refused at check_model
+    factor = f32(rope.get("factor"))
+    if rope.kind == "linear":
         return inv_freq / factor
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
-    old_len = scaling.original_max_position_embeddings
-    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    old_len = rope.get("original_max_position_embeddings")
+    low, high = rope.get("low_freq_factor"), rope.get("high_freq_factor")
     low_wavelen, high_wavelen = f32(old_len / low), f32(old_len / high)
     wavelen = (f32(1.0) / inv_freq) * f32(2 * math.pi)  # torch: 2 * pi / inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)

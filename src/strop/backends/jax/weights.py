@@ -21,7 +21,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from rich.progress import track
 
-from strop.backends.jax.model import CausalLM, Dense, Embedding, RMSNorm
+from strop.backends.jax.layers import Dense, Embedding, RMSNorm
+from strop.backends.jax.model import CausalLM
 from strop.backends.jax.sharding import is_main_process, logical_to_sharding, to_host, write_once
 from strop.io.hf import SafetensorsReader, check_tensors, open_checkpoint, write_checkpoint_once
 

@@ -13,6 +13,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 from strop.backends.torch.actor_critic import TorchActorCritic
 from strop.backends.torch.fsdp import device_count, shut_down, write_once
 from strop.backends.torch.handle import TorchModelHandle, load_model
+from strop.backends.torch.model import check_model
 from strop.backends.torch.policy import TorchPolicy
 from strop.backends.torch.reward_model import TorchRewardModel, build_reward_model
 
@@ -27,6 +28,7 @@ __all__ = [
     "build_actor_critic",
     "build_policy",
     "build_reward_model",
+    "check_model",
     "device_count",
     "load_model",
     "shut_down",

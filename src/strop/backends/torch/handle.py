@@ -14,7 +14,7 @@ from strop.backends.torch.fsdp import place, write_once
 from strop.backends.torch.model import LoadedModel, build_model, forward_logits, hf_weights
 from strop.config import Config, MeshConfig
 from strop.io.hf import write_checkpoint_once
-from strop.io.model_spec import ModelSpec
+from strop.models import ModelSpec
 from strop.quantization import say_merged_export_dequantizes
 
 

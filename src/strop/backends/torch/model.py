@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,8 +38,21 @@ from strop.batch.packing import PREFIX_STRIDE
 from strop.config import Config, LoraConfig
 from strop.errors import ModelError
 from strop.io.hf import SafetensorsReader, check_tensors, open_checkpoint
-from strop.io.model_spec import ModelSpec
+from strop.models import ModelSpec
 from strop.quantization import refuse_unsupported
+
+logger = logging.getLogger(__name__)
+
+
+def check_model(spec: ModelSpec) -> None:
+    """Every decoder transformers builds runs here; one that no family of strop's declares
+    is said once (the jax backend refuses it, and parity with JAX is not tested for it)."""
+    if not spec.registered:
+        logger.warning(
+            "model_type %r is not a family strop declares: the torch backend runs it as "
+            "transformers' %s; the jax backend does not have it (docs/models.md)",
+            spec.family, spec.architecture,
+        )  # fmt: skip
 
 
 @dataclass
@@ -104,10 +118,15 @@ def build_model(
     stored_dtype = TORCH_DTYPES[param_dtype]
     quantization = lora.base_quantization if lora is not None and lora.enabled else "none"
     refuse_unsupported(quantization, backend="torch", distributed=placement.distributed)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(
-            hf_config, dtype=stored_dtype, trust_remote_code=trust_remote_code
-        )
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(
+                hf_config, dtype=stored_dtype, trust_remote_code=trust_remote_code
+            )
+    except ValueError as err:  # transformers has no causal LM class for this config
+        raise ModelError(
+            f"{path}: not a causal language model transformers builds ({err})"
+        ) from None
     # Names and shapes from the headers, against the meta model, before any allocation.
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     check_tensors(reader, expected, tied=spec.tie_word_embeddings)

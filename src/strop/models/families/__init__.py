@@ -1,0 +1,1 @@
+"""One module per decoder family, each defining ``FAMILIES`` (see :mod:`strop.models`)."""
