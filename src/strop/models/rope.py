@@ -58,8 +58,10 @@ def rope_parameters_by_layer_type(cfg: Mapping[str, Any]) -> dict[str | None, di
     ``rope_parameters`` as written, else the older top-level ``rope_theta`` (default
     10000) updated with ``rope_scaling``."""
     params = cfg.get("rope_parameters")
-    if isinstance(params, Mapping) and params and all(
-        isinstance(v, Mapping) for v in params.values()
+    if (
+        isinstance(params, Mapping)
+        and params
+        and all(isinstance(v, Mapping) for v in params.values())
     ):
         return {key: dict(value) for key, value in params.items()}
     merged: dict[str, Any] = {"rope_theta": cfg.get("rope_theta", 10000.0)}
