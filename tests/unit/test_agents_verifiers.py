@@ -85,7 +85,10 @@ def test_a_stop_on_the_trace_ends_the_episode(tmp_path, monkeypatch):
     env = load_environment("verifiers:vf_one_turn")
     (result,) = play(env, RECORD, [CALL, "#### 943"])
     assert result.messages is None and env.trace.stop_condition == "one_turn"
-    assert result.rewards == {"correct": 0.0, "used_tool": 0.0}
+    # The stop runs after the step's tool results are in the trace, as in verifiers' session:
+    # the trace scored holds them.
+    assert [m.role for m in env.trace.messages] == ["system", "user", "assistant", "tool"]
+    assert result.rewards == {"correct": 0.0, "used_tool": 0.5}
 
 
 SCRATCHPAD = """

@@ -25,7 +25,8 @@ harness) does, in this process:
   its own context holding its episode's state, as verifiers' own tool server runs them.
 * **step**: :class:`~strop.agents.tool_env.ToolEnv`'s (no call ends the episode; calls are
   run and answered; ``max_turns`` cuts it), then the task's ``@vf.stop`` predicates over the
-  ``vf.Trace`` end it when one is true.
+  ``vf.Trace`` (the step's tool results in it, as in verifiers' session) end it when one is
+  true; the trace scored then holds those results.
 * **Reward**: at the end, verifiers' own ``Task.score`` over a ``vf.Trace`` of the
   conversation (assistant turns with their parsed ``tool_calls``, the tool results); each
   reward (each key of one returning several) is a part, its score times its weight, as in
@@ -170,11 +171,12 @@ class VerifiersEnv(ToolEnv):
 
     async def step(self, messages: list[Message]) -> StepResult:
         result = await super().step(messages)
-        if result.messages is not None:
+        if result.messages is None:
+            self._record(messages)
+        else:  # stops see the step's tool results, and a stopped trace is scored with them
             self._record(messages + result.messages)
             if not await self._stopped():
                 return result
-        self._record(messages)
         await run_async(self.task.score(self.trace))
         rewards = {
             name: reward.value for name, reward in self.trace.rewards.items() if reward is not None
