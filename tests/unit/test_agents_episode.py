@@ -260,3 +260,17 @@ def test_special_token_text_in_messages_and_tools_is_plain_text(family) -> None:
     # Benign text is unchanged: exactly the tokenization of a fresh render.
     fresh = tok.apply_chat_template(benign.messages, add_generation_prompt=True, tools=benign.tools)
     assert benign.ids == tok.encode(fresh)
+
+
+def test_lone_surrogates_in_messages_render_as_replacement_characters(family) -> None:
+    """A tool result echoing what the model wrote (a JSON "\\ud800" escape decodes to a lone
+    surrogate, which no tokenizer can encode) renders with U+FFFD in its place; a surrogate
+    pair written as two escapes is the character it stands for."""
+    name, tok, _ = family
+    ep = Episode(tok, [{"role": "user", "content": "Echo \ud800."}], tools=TOOLS)
+    ep.add_sampled([*tok.encode(call_text(name, "add", {"a": 2, "b": 3})), tok.eos_token_id])
+    ep.add_messages([{"role": "tool", "name": "add", "content": "bad: \ud800 \ud83d\ude00"}])
+    assert ep.messages[0]["content"] == "Echo \ufffd."
+    assert ep.messages[-1]["content"] == "bad: \ufffd \U0001f600"
+    rendered = tok.apply_chat_template(ep.messages, add_generation_prompt=True, tools=TOOLS)
+    assert ep.ids == tok.encode(rendered)

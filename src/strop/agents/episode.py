@@ -89,7 +89,7 @@ class Episode:
         if not messages:
             raise DataError("an episode starts from at least one message (the prompt)")
         self.tokenizer = tokenizer
-        self.tools = None if tools is None else [dict(t) for t in tools]
+        self.tools = None if tools is None else [_valid_text(dict(t)) for t in tools]
         self._plain = _PlainText(tokenizer)
         self._history: list[dict[str, Any]] = [_as_message(m) for m in messages]
         self._text = self._render(self._history, add_generation_prompt=True)
@@ -247,7 +247,24 @@ class Episode:
 def _as_message(message: Message) -> dict[str, Any]:
     if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
         raise DataError(f"a message is a dict with a 'role', got {message!r:.80}")
-    return dict(message)
+    return _valid_text(dict(message))
+
+
+def _valid_text(value: Any) -> Any:
+    """``value`` with its strings made encodable: a lone surrogate (what a JSON ``"\\ud800"``
+    escape the model wrote decodes to; no tokenizer can encode it) becomes U+FFFD, and a
+    pair written as two escapes becomes the character it stands for."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        return value
+    if isinstance(value, Mapping):
+        return {key: _valid_text(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_valid_text(item) for item in value]
+    return value
 
 
 class _PlainText:

@@ -178,6 +178,8 @@ class Tool:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except json.JSONDecodeError as exc:
                 return f"the arguments are not valid JSON ({exc.msg} at character {exc.pos})"
+            except RecursionError:
+                return "the arguments are JSON nested too deeply to read"
         if arguments is None:
             arguments = {}
         if not isinstance(arguments, Mapping):
