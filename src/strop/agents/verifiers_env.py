@@ -158,13 +158,13 @@ class VerifiersEnv(ToolEnv):
 
             def call(_method: Any = method, _state: Any = state, **kwargs: Any) -> Any:
                 if inspect.iscoroutinefunction(_method):  # its body runs on the loop
-                    return _text(run_sync(_in_state(_state, _method(**kwargs))))
+                    return run_sync(_in_state(_state, _method(**kwargs)))
                 token = _call_state.set(_state)  # a plain tool runs here, in its thread
                 try:
                     result = _method(**kwargs)
                 finally:
                     _call_state.reset(token)
-                return _text(run_sync(_in_state(_state, result)))
+                return run_sync(_in_state(_state, result))
 
             tools.append(dataclasses.replace(tool, function=call))
         return tools
@@ -250,13 +250,3 @@ async def _in_state(state: Any, value: Any) -> Any:
         return await value if inspect.isawaitable(value) else value
     finally:
         _call_state.reset(token)
-
-
-def _text(value: Any) -> str:
-    """A tool's result as the text an MCP server would send: text as it is, else JSON."""
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return str(value)
