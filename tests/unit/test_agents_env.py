@@ -304,3 +304,13 @@ def test_an_unknown_tool_s_huge_name_is_cut_in_the_tool_message():
     (reply,) = result.messages
     assert len(reply["name"]) <= 80 and reply["name"].startswith("xxx")
     assert len(reply["content"]) <= 500 and "there is no tool named" in reply["content"]
+
+
+def test_a_trl_conversational_prompt_only_record_opens_an_episode():
+    """TRL's prompt-only records in the conversational format: ``prompt`` is a chat."""
+    env = ToolEnv([add], system_prompt="Be brief.")
+    chat = [{"role": "user", "content": "What is 2 + 3?"}]
+    assert asyncio.run(call_maybe_async(env.reset, {"prompt": chat, "answer": "5"})) == [
+        {"role": "system", "content": "Be brief."},
+        *chat,
+    ]

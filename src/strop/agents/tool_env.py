@@ -1,8 +1,9 @@
 """An environment whose turns are tool calls: :class:`ToolEnv`.
 
 ``reset(record)`` gives the system prompt (when set) and the record's prompt: its
-``messages`` (a chat; a last assistant turn, the reference answer, is dropped), else its
-``prompt`` or ``question`` text as one user turn.
+``messages`` or a ``prompt`` that is a chat (TRL's conversational prompt-only records; a
+last assistant turn, the reference answer, is dropped), else its ``prompt`` or
+``question`` text as one user turn.
 
 ``step(messages)`` reads the last message, the assistant's: its ``tool_calls`` when the
 caller parsed them already, else the calls in its ``content`` (:mod:`strop.agents.tool_calls`,
@@ -179,15 +180,17 @@ def with_run_limits(
 
 
 def prompt_messages(record: Mapping[str, Any]) -> list[Message]:
-    """The opening turns of ``record``: its ``messages`` without a last assistant turn,
-    else its ``prompt`` or ``question`` as a user turn. DataError when it has none."""
-    chat = record.get("messages")
-    if isinstance(chat, list) and chat:
-        turns = [dict(m) for m in chat]
-        if turns[-1].get("role") == "assistant":
-            turns = turns[:-1]
-        if turns:
-            return turns
+    """The opening turns of ``record``: its ``messages`` (or a ``prompt`` that is a chat, as
+    TRL's conversational prompt-only records have it) without a last assistant turn, else
+    its ``prompt`` or ``question`` text as a user turn. DataError when it has none."""
+    for key in ("messages", "prompt"):
+        chat = record.get(key)
+        if isinstance(chat, list) and chat and all(isinstance(m, Mapping) for m in chat):
+            turns = [dict(m) for m in chat]
+            if turns[-1].get("role") == "assistant":
+                turns = turns[:-1]
+            if turns:
+                return turns
     for key in ("prompt", "question"):
         if isinstance(record.get(key), str):
             return [{"role": "user", "content": record[key]}]
