@@ -2,7 +2,7 @@
 environment package would be), for ``env.name=verifiers:tests.verifiers_calc``.
 
 Each task is an arithmetic question (``prompt``) with its ``answer``; the toolset has one
-tool, ``calculate(expression)`` (bare name: ``TOOL_PREFIX = None``), which the shipped
+tool, ``calculate(expression)`` (``async def``, as most verifiers tools are) (bare name: ``TOOL_PREFIX = None``), which the shipped
 tiny-calc model calls; the rewards are ``correct`` (the reply's last number is the answer,
 weight 1) and ``used_tool`` (a tool result in the trace, weight 0.5). ``calls_made`` counts
 ``calculate``'s calls in the task's state. A record of a data file is a task's data:
@@ -11,6 +11,7 @@ weight 1) and ``used_tool`` (a tool result in the trace, weight 0.5). ``calls_ma
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import verifiers.v1 as vf
@@ -31,8 +32,9 @@ class Calculator(vf.Toolset[vf.ToolsetConfig, CalcState]):
     TOOL_PREFIX = None
 
     @vf.tool
-    def calculate(self, expression: str) -> str:
+    async def calculate(self, expression: str) -> str:
         """Evaluate an arithmetic expression."""
+        await asyncio.sleep(0)  # most verifiers tools are async def: they must see the state
         self.state.calls += 1
         value = evaluate(expression)
         return str(int(value) if float(value).is_integer() else value)

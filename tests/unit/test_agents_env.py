@@ -274,3 +274,43 @@ def test_bad_references_are_one_line(env_file, reference, says):
     assert isinstance(caught.value, StropError)
     assert message.startswith(f"environment {reference!r}: ") and "\n" not in message
     assert says in message
+
+
+def test_calls_past_max_tool_calls_per_turn_do_not_run():
+    ran = []
+
+    def record_it(x: int) -> str:
+        ran.append(x)
+        return "ok"
+
+    env = ToolEnv([record_it], max_tool_calls_per_turn=8)
+    _, (result,) = _run(
+        env, {"prompt": "go"}, ["".join(_call("record_it", x=i) for i in range(300))]
+    )
+    assert ran == list(range(8))
+    assert [m["content"] for m in result.messages[:8]] == ["ok"] * 8
+    (refusal,) = result.messages[8:]
+    assert refusal["name"] == "error" and "292 more tool calls were not run" in refusal["content"]
+    assert result.info == {"tool_calls": 300, "tool_errors": 292, "truncated": 0}
+    assert ToolEnv([record_it]).max_tool_calls_per_turn == 8  # the default
+    with pytest.raises(ConfigError, match="max_tool_calls_per_turn must be at least 1"):
+        ToolEnv([record_it], max_tool_calls_per_turn=0)
+
+
+def test_an_unknown_tool_s_huge_name_is_cut_in_the_tool_message():
+    env = ToolEnv([add])
+    name = "x" * 200_000
+    _, (result,) = _run(env, {"prompt": "go"}, [_call(name, a=1)])
+    (reply,) = result.messages
+    assert len(reply["name"]) <= 80 and reply["name"].startswith("xxx")
+    assert len(reply["content"]) <= 500 and "there is no tool named" in reply["content"]
+
+
+def test_a_trl_conversational_prompt_only_record_opens_an_episode():
+    """TRL's prompt-only records in the conversational format: ``prompt`` is a chat."""
+    env = ToolEnv([add], system_prompt="Be brief.")
+    chat = [{"role": "user", "content": "What is 2 + 3?"}]
+    assert asyncio.run(call_maybe_async(env.reset, {"prompt": chat, "answer": "5"})) == [
+        {"role": "system", "content": "Be brief."},
+        *chat,
+    ]

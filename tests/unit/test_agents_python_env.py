@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from strop.agents.environment import load_environment
+from strop.agents.environment import EnvironmentLoadError, load_environment
 from strop.agents.rollout import RolloutLimits, run_episodes
 from strop.agents.sandbox import SandboxLimits, SandboxUnavailableError, run_python
 from strop.agents.tools import Tool, ToolOutcome
@@ -63,3 +63,11 @@ def test_a_function_can_report_its_own_error_and_long_text_is_cut():
     ok, failed = tool.call({"text": "fine"}), tool.call({"text": "bad"})
     assert not ok.error and failed.error
     assert failed.text.startswith("badbad") and "[truncated: 250 more characters]" in failed.text
+
+
+def test_sandbox_limits_come_as_a_mapping_from_env_args():
+    """env.args={limits: {wall_time_s: 2}}: a mapping, as YAML gives it; a bad key is one line."""
+    env = load_environment("python", limits={"wall_time_s": 2, "memory_mb": 256})
+    assert env.tools["python"].timeout_s == 2 + 5
+    with pytest.raises(EnvironmentLoadError, match="limits: unknown setting 'wall_time'"):
+        load_environment("python", limits={"wall_time": 2})

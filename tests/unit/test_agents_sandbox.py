@@ -232,3 +232,8 @@ def test_bad_limits_are_one_line_errors():
         SandboxLimits(wall_time_s=0)
     with pytest.raises(StropError, match="is not an executable file"):
         SandboxLimits(python="/nonexistent/python3")
+
+
+def test_a_lone_surrogate_in_the_code_is_the_snippet_s_error():
+    result = run('print("\ud800")')
+    assert not result.ok and result.exit_code == 1 and "SyntaxError" in result.error

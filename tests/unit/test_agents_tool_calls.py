@@ -5,6 +5,8 @@ strop.data.tokenizer."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from strop.agents.tool_calls import (
@@ -178,3 +180,34 @@ def test_render_then_parse_round_trip(tmp_path, template, fmt, end, calls):
     assert parsed.errors == []
     assert [(c.name, c.arguments) for c in parsed.tool_calls] == calls
     assert parsed.content == content
+
+
+@pytest.mark.parametrize(
+    ("text", "fmt"),
+    [
+        ("<tool_call>" + "[" * 3000 + "</tool_call>", "hermes"),
+        ('<tool_call>{"name": "f", "arguments": ' + "[" * 3000 + "</tool_call>", "hermes"),
+        ("<|python_tag|>" + "[" * 3000, "llama3_json"),
+        ('{"name": "f", "parameters": ' + '{"a": ' * 3000, "llama3_json"),
+    ],
+    ids=["hermes-list", "hermes-arguments", "llama3-list", "llama3-object"],
+)
+def test_deeply_nested_json_is_a_parse_error_not_a_recursion_error(text, fmt):
+    (error,) = parse_tool_calls(text, fmt).calls
+    assert isinstance(error, ToolCallError) and "nested too deeply" in error.message
+
+
+def test_a_closing_tag_inside_an_argument_string_is_part_of_the_argument():
+    code = "print('</tool_call>')"
+    call = json.dumps({"name": "python", "arguments": {"code": code}})
+    text = f"Let me run it.\n<tool_call>\n{call}\n</tool_call>\n<tool_call>\n{call}\n</tool_call>"
+    parsed = parse_tool_calls(text, "hermes")
+    assert parsed.content == "Let me run it."
+    assert parsed.calls == [ToolCall("python", {"code": code})] * 2
+    # Unclosed at the end (generation stopped there), and text after a closed one.
+    parsed = parse_tool_calls(f"<tool_call>\n{call}", "hermes")
+    assert parsed.calls == [ToolCall("python", {"code": code})]
+    # JSON that does not end at a closing tag is read up to the next one, as before.
+    plain = '{"name": "f", "arguments": {}}'
+    parsed = parse_tool_calls(f"<tool_call>{plain} and more</tool_call>done", "hermes")
+    assert isinstance(parsed.calls[0], ToolCallError) and parsed.content == "done"

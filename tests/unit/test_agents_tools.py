@@ -4,6 +4,7 @@ error observation, never an exception or a hang."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Literal, Optional
@@ -146,16 +147,12 @@ def _exits() -> str:
     raise SystemExit(3)
 
 
-def _none() -> str:
-    return None  # type: ignore[return-value]
+def _object() -> str:
+    return object()  # type: ignore[return-value]
 
 
-def _dict() -> str:
-    return {"a": 1}  # type: ignore[return-value]
-
-
-def _bytes() -> str:
-    return b"abc"  # type: ignore[return-value]
+def _bad_bytes() -> str:
+    return b"\xff\xfe"  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize(
@@ -163,14 +160,46 @@ def _bytes() -> str:
     [
         (_raises, "_raises raised ValueError: bad 1 second line"),
         (_exits, "_exits raised SystemExit: 3"),
-        (_none, "_none returned NoneType, not text"),
-        (_dict, "_dict returned dict, not text"),
-        (_bytes, "_bytes returned bytes, not text"),
+        (_object, "_object returned a object, which has no text or JSON form"),
+        (_bad_bytes, "_bad_bytes returned bytes that are not UTF-8 text"),
     ],
 )
 def test_hostile_outcomes_are_error_observations(fn, says):
     out = Tool.from_function(fn).call({"x": 1} if fn is _raises else {})
     assert out == ToolOutcome(f"error: {says}", error=True)
+
+
+@dataclasses.dataclass
+class _Point:
+    x: int
+    y: float
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (3, "3"),
+        (2.5, "2.5"),
+        (True, "true"),
+        (None, "null"),
+        ({"a": [1, "é"]}, '{"a": [1, "é"]}'),
+        ((1, 2), "[1, 2]"),
+        (b"abc", "abc"),
+        (_Point(1, 0.5), '{"x": 1, "y": 0.5}'),
+    ],
+    ids=["int", "float", "bool", "none", "dict", "tuple", "bytes", "dataclass"],
+)
+def test_a_plain_value_a_tool_returns_is_sent_as_text(value, text):
+    """As TRL and MCP servers send them: text as it is, plain values as JSON (before: the
+    call ran, its state changed, and the model was told it failed)."""
+    calls = []
+
+    def count() -> str:
+        calls.append(1)
+        return value  # type: ignore[return-value]
+
+    assert Tool.from_function(count).call({}) == ToolOutcome(text)
+    assert calls == [1]
 
 
 def test_huge_output_is_truncated():

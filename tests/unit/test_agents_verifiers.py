@@ -85,7 +85,74 @@ def test_a_stop_on_the_trace_ends_the_episode(tmp_path, monkeypatch):
     env = load_environment("verifiers:vf_one_turn")
     (result,) = play(env, RECORD, [CALL, "#### 943"])
     assert result.messages is None and env.trace.stop_condition == "one_turn"
-    assert result.rewards == {"correct": 0.0, "used_tool": 0.0}
+    # The stop runs after the step's tool results are in the trace, as in verifiers' session:
+    # the trace scored holds them.
+    assert [m.role for m in env.trace.messages] == ["system", "user", "assistant", "tool"]
+    assert result.rewards == {"correct": 0.0, "used_tool": 0.5}
+
+
+SCRATCHPAD = """
+import asyncio
+import verifiers.v1 as vf
+from tests.verifiers_calc import CalcTaskset
+
+class PadState(vf.State):
+    slot: str = ""
+
+class Pad(vf.Toolset[vf.ToolsetConfig, PadState]):
+    TOOL_PREFIX = None
+
+    async def setup(self):
+        self.loop = asyncio.get_running_loop()  # a client bound to its loop, as many are
+
+    @vf.tool
+    async def remember(self, text: str) -> str:
+        \"\"\"Write text to the scratchpad and read it back.\"\"\"
+        assert asyncio.get_running_loop() is self.loop, "called on another loop than setup's"
+        self.state.slot = text
+        await asyncio.sleep(0.02)  # the other episodes write meanwhile
+        return self.state.slot
+
+class PadTask(vf.Task[vf.TaskData, PadState]):
+    @classmethod
+    def toolsets(cls, config):
+        return [Pad(vf.ToolsetConfig())]
+
+    @vf.reward
+    async def kept(self, task: vf.TaskData, trace: vf.Trace) -> float:
+        return float(trace.state.slot != "" and trace.state.slot in task.prompt)
+
+class PadTaskset(vf.Taskset[PadTask, vf.TasksetConfig]):
+    load = CalcTaskset.load
+
+__all__ = ["PadTaskset"]
+"""
+
+
+def test_async_tools_of_concurrent_episodes_keep_their_own_state(tmp_path, monkeypatch):
+    """verifiers' scratchpad isolation case: 8 episodes at once on one loop, each async
+    tool call writes its episode's state, sleeps, reads it back; setup's loop is the tools'."""
+    (tmp_path / "vf_scratchpad.py").write_text(SCRATCHPAD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    envs = [load_environment("verifiers:vf_scratchpad") for _ in range(8)]
+    words = [f"word{i}" for i in range(8)]
+
+    async def episode(env, word):
+        messages = await env.reset({"prompt": f"Remember {word}."})
+        call = {"name": "remember", "arguments": {"text": word}}
+        messages.append({"role": "assistant", "content": f"<tool_call>{call}</tool_call>"})
+        messages[-1]["content"] = messages[-1]["content"].replace("'", '"')
+        first = await env.step(messages)
+        messages += first.messages
+        messages.append({"role": "assistant", "content": "Done."})
+        return first.messages[0]["content"], (await env.step(messages)).rewards
+
+    async def run():
+        return await asyncio.gather(*(episode(e, w) for e, w in zip(envs, words, strict=True)))
+
+    results = asyncio.run(run())
+    assert [text for text, _ in results] == words
+    assert [rewards for _, rewards in results] == [{"kept": 1.0}] * 8
 
 
 HEAD = "import verifiers.v1 as vf\nfrom tests.verifiers_calc import CalcTask, CalcTaskset\n"

@@ -43,6 +43,7 @@ def test_defaults_keep_single_turn_runs_as_they_were() -> None:
     assert (env.name, env.args, env.enabled) == ("none", {}, False)
     assert (env.max_turns, env.max_episode_tokens) == (4, 1024)
     assert (env.step_timeout_s, env.max_error_fraction) == (60.0, 0.5)
+    assert env.max_tool_calls_per_turn == 8
     assert config.ppo.reward == "gsm8k"
 
 
@@ -71,6 +72,10 @@ def test_an_environment_scores_the_episodes_and_the_config_round_trips(tmp_path)
         (["env.max_episode_tokens=-4"], "env.max_episode_tokens: Input should be greater than 0"),
         (["env.step_timeout_s=nan"], "env.step_timeout_s: Input should be a finite number"),
         (["env.max_error_fraction=1.5"], "env.max_error_fraction: Input should be less than"),
+        (
+            ["env.max_tool_calls_per_turn=0"],
+            "env.max_tool_calls_per_turn: Input should be greater than 0",
+        ),
         (["env.args=3"], "env.args: Input should be a valid dictionary"),
         (["env.nmae=calculator"], "did you mean 'env.name'?"),
     ],

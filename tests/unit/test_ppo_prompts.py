@@ -61,3 +61,17 @@ def test_only_long_prompts_is_an_error(tmp_path, tok):
     path = write_prompts(tmp_path / "train.jsonl", QUESTIONS[1::2])
     with pytest.raises(ConfigError, match="no prompts to train or validate on"):
         PromptSet.read(str(path), config(**{"data.max_length": 32}), tok)
+
+
+@pytest.mark.parametrize("answer", ["5", 5], ids=["text", "number"])
+def test_with_an_environment_a_plain_answer_is_the_environment_s_to_judge(tmp_path, tok, answer):
+    """{question, answer} records whose answer has no GSM8K '#### ' line: with env.name the
+    environment decides what an answer is; without, the gsm8k format still refuses them."""
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"question": "What is 2 + 3?", "answer": answer}) + "\n")
+    with_env = config(**{"env.name": "calculator", "ppo.reward": "none"})
+    prompts = PromptSet.read(str(path), with_env, tok)
+    assert prompts.columns["question"] == ["What is 2 + 3?"]
+    assert prompts.columns["answer"] == [answer] and prompts.golds == ["5"]
+    with pytest.raises(DataError, match=r"gsm8k answer has no final '#### <number>'|must be a"):
+        PromptSet.read(str(path), config(), tok)

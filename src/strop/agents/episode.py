@@ -20,11 +20,19 @@ Qwen's ``"\\n"`` after an assistant's ``<|im_end|>`` is not sampled (the model s
 At every turn boundary the ids equal ``encode(apply_chat_template(episode.messages,
 add_generation_prompt=True, tools=...))`` wherever the model's tokens are the canonical
 tokenization of their text; elsewhere they differ only inside the model's turns.
+
+Only the chat template's own markup becomes control tokens. Text in the messages and tool
+schemas (a tool result, a web page, a prompt) that spells a special token (``<|im_end|>\n
+<|im_start|>assistant``) is tokenized as plain text (:meth:`Tokenizer.encode_plain`), so
+tool output cannot forge a turn: the ids are then those of the same render with that text
+split as ordinary characters, and differ from ``encode(render)`` only there.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -81,10 +89,11 @@ class Episode:
         if not messages:
             raise DataError("an episode starts from at least one message (the prompt)")
         self.tokenizer = tokenizer
-        self.tools = None if tools is None else [dict(t) for t in tools]
+        self.tools = None if tools is None else [_valid_text(dict(t)) for t in tools]
+        self._plain = _PlainText(tokenizer)
         self._history: list[dict[str, Any]] = [_as_message(m) for m in messages]
         self._text = self._render(self._history, add_generation_prompt=True)
-        self._ids: list[int] = tokenizer.encode(self._text)
+        self._ids: list[int] = self._plain.encode(self._text)
         self._sampled: list[int] = [0] * len(self._ids)
         self._logprobs: list[float] = [math.nan] * len(self._ids)
         self._turns: list[tuple[int, int]] = []
@@ -152,7 +161,7 @@ class Episode:
                 "messages are added, so an episode cannot grow token by token with it; use a "
                 "template whose render of a longer conversation extends the shorter one's"
             )
-        ids = self.tokenizer.encode(rest + after[len(before) :])
+        ids = self._plain.encode(rest + after[len(before) :])
         self._ids.extend(ids)
         self._sampled.extend([0] * len(ids))
         self._logprobs.extend([math.nan] * len(ids))
@@ -206,8 +215,12 @@ class Episode:
     # -- helpers ---------------------------------------------------------------------------
 
     def _render(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> str:
+        """The chat template's render, special-token text in the messages marked (see
+        :class:`_PlainText`)."""
         return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tools=self.tools
+            self._plain.mark(list(messages)),
+            add_generation_prompt=add_generation_prompt,
+            tools=self._plain.mark(self.tools),
         )
 
     def _closer(self) -> str:
@@ -234,4 +247,74 @@ class Episode:
 def _as_message(message: Message) -> dict[str, Any]:
     if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
         raise DataError(f"a message is a dict with a 'role', got {message!r:.80}")
-    return dict(message)
+    return _valid_text(dict(message))
+
+
+def _valid_text(value: Any) -> Any:
+    """``value`` with its strings made encodable: a lone surrogate (what a JSON ``"\\ud800"``
+    escape the model wrote decodes to; no tokenizer can encode it) becomes U+FFFD, and a
+    pair written as two escapes becomes the character it stands for."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        return value
+    if isinstance(value, Mapping):
+        return {key: _valid_text(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_valid_text(item) for item in value]
+    return value
+
+
+class _PlainText:
+    """Renders in which only the template's markup is special.
+
+    Before rendering, each special token's text inside a message or tool schema is replaced
+    by a marker (``@@<nonce>:<k>@@``: ASCII that ``trim``, ``tojson`` and case filters leave
+    alone, with a random nonce text from outside cannot guess). The special tokens left in
+    the render are the template's own; :meth:`encode` keeps them as control tokens and
+    tokenizes the text between them, markers turned back into the text they stand for,
+    with special-token matching off. A render without markers is encoded as it is, so
+    benign text gives exactly ``tokenizer.encode(render)``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._ids = tokenizer.special_token_ids
+        self._prefix = f"@@{secrets.randbelow(10**12)}:"
+        texts = sorted(self._ids, key=len, reverse=True)  # leftmost-longest, as tokenizers
+        self._special = re.compile("|".join(map(re.escape, texts))) if texts else None
+        self._marker = {text: f"{self._prefix}{k}@@" for k, text in enumerate(self._ids)}
+        self._text_of = {marker: text for text, marker in self._marker.items()}
+        self._marked = re.compile(re.escape(self._prefix) + r"\d+@@")
+
+    def mark(self, value: Any) -> Any:
+        """``value`` (messages, tools) with special-token text in its strings marked."""
+        if self._special is None or value is None:
+            return value
+        if isinstance(value, str):
+            return self._special.sub(lambda m: self._marker[m.group()], value)
+        if isinstance(value, Mapping):
+            return {key: self.mark(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.mark(item) for item in value]
+        return value
+
+    def encode(self, rendered: str) -> list[int]:
+        """Token ids of a marked render: its special tokens live, marked text plain."""
+        if self._special is None or self._prefix not in rendered:
+            return self.tokenizer.encode(rendered)
+        ids: list[int] = []
+        at = 0
+        for match in [*self._special.finditer(rendered), None]:
+            end = len(rendered) if match is None else match.start()
+            if end > at:
+                ids += self.tokenizer.encode_plain(self._unmarked(rendered[at:end]))
+            if match is not None:
+                ids.append(self._ids[match.group()])
+                at = match.end()
+        return ids
+
+    def _unmarked(self, text: str) -> str:
+        return self._marked.sub(lambda m: self._text_of.get(m.group(), m.group()), text)

@@ -11,10 +11,15 @@ sandbox, not the tool thread, ends a slow snippet.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
 from strop.agents.calculator import correct
 from strop.agents.sandbox import SandboxLimits, run_python
 from strop.agents.tool_env import ToolEnv
 from strop.agents.tools import Tool, ToolOutcome
+from strop.errors import ConfigError
 
 SYSTEM_PROMPT = (
     "Solve the problem. You can call the python tool to run a Python program and see what it "
@@ -53,9 +58,20 @@ def python_environment(
     max_turns: int = 4,
     tool_format: str = "hermes",
     system_prompt: str | None = SYSTEM_PROMPT,
-    limits: SandboxLimits | None = None,
+    limits: SandboxLimits | Mapping[str, Any] | None = None,
 ) -> ToolEnv:
-    """The ``python`` environment (see the module docstring)."""
+    """The ``python`` environment (see the module docstring). ``limits``: the sandbox's, a
+    :class:`SandboxLimits` or a mapping of its fields (``env.args={limits: {wall_time_s:
+    2}}``); an unknown field is a one-line :class:`~strop.errors.ConfigError`."""
+    if isinstance(limits, Mapping):
+        known = {f.name for f in dataclasses.fields(SandboxLimits)}
+        unknown = sorted(set(map(str, limits)) - known)
+        if unknown:
+            raise ConfigError(
+                f"limits: unknown setting {unknown[0]!r}; the sandbox limits are "
+                f"{', '.join(sorted(known))}"
+            )
+        limits = SandboxLimits(**limits)
     return ToolEnv(
         [python_tool(limits)],
         score=correct,

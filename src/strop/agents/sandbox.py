@@ -273,7 +273,9 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
     proc = None
     try:
         code_path = os.path.join(tmp, "snippet.py")
-        with open(code_path, "w", encoding="utf-8") as f:
+        # A lone surrogate (a JSON "\\ud800" escape the model wrote) is written as its bytes:
+        # the snippet's own SyntaxError, as a file with those bytes gives.
+        with open(code_path, "w", encoding="utf-8", errors="surrogatepass") as f:
             f.write(code)
         if uid is not None:
             os.chown(tmp, uid, uid)

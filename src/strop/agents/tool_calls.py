@@ -4,8 +4,11 @@ Two formats, named as vLLM names its tool parsers:
 
 * ``hermes`` (alias ``qwen``; Qwen2.5, Qwen3, Hermes): each call is a JSON object in tags,
   ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, possibly several, after
-  optional text (the message's content). A last ``<tool_call>`` whose closing tag is missing
-  (generation stopped at it) is read to the end of the text.
+  optional text (the message's content). The object is read as JSON from the opening tag, so
+  a ``</tool_call>`` inside one of its strings (code that prints it) is part of the string;
+  a call whose JSON does not end at a closing tag is read to the next one. A last
+  ``<tool_call>`` whose closing tag is missing (generation stopped at it) is read to the end
+  of the text.
 * ``llama3_json`` (Llama 3.1 / 3.2 / 3.3): the message *is* a JSON object
   ``{"name": "f", "parameters": {...}}`` (``arguments`` is accepted too), optionally after
   ``<|python_tag|>``; several may be separated by ``;``. Text before ``<|python_tag|>`` is
@@ -13,7 +16,8 @@ Two formats, named as vLLM names its tool parsers:
 
 :func:`parse_tool_calls` never raises: a call whose JSON is malformed, that has no
 ``name``, or whose arguments are not an object becomes a :class:`ToolCallError` in its
-place, for the environment to answer with an error observation.
+place, for the environment to answer with an error observation; so does JSON nested too
+deeply for Python's decoder (``[`` 3,000 times).
 :func:`detect_format` picks the format from a chat template's text.
 """
 
@@ -29,7 +33,7 @@ from strop.errors import ConfigError
 
 FORMATS = ("hermes", "llama3_json")
 _ALIASES = {"hermes": "hermes", "qwen": "hermes", "llama3_json": "llama3_json"}
-_HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
 _MAX_SHOWN = 60
@@ -113,17 +117,37 @@ def parse_tool_calls(text: str, format: str = "hermes") -> ParsedMessage:
 
 
 def _parse_hermes(text: str) -> ParsedMessage:
-    matches = list(_HERMES_CALL.finditer(text))
-    if not matches:
-        return ParsedMessage(text.strip())
-    outside, at = [], 0
-    for match in matches:
-        outside.append(text[at : match.start()])
-        at = match.end()
+    outside: list[str] = []
+    calls: list[ToolCall | ToolCallError] = []
+    at = 0
+    while (start := text.find(HERMES_OPEN, at)) >= 0:
+        outside.append(text[at:start])
+        body = start + len(HERMES_OPEN)
+        call, at = _hermes_json(text, body)
+        if call is None:  # not one JSON object up to a closing tag: the text up to the next
+            close = text.find(HERMES_CLOSE, body)
+            end = len(text) if close < 0 else close
+            call, at = _read_call(text[body:end], ("arguments",)), end + len(HERMES_CLOSE)
+        calls.append(call)
     outside.append(text[at:])
     content = "\n".join(part.strip() for part in outside if part.strip())
-    calls = [_read_call(match.group(1), ("arguments",)) for match in matches]
     return ParsedMessage(content, calls)
+
+
+def _hermes_json(text: str, at: int) -> tuple[ToolCall | ToolCallError | None, int]:
+    """The call whose JSON starts at ``at`` (after whitespace) and is followed by the
+    closing tag or the end of the text, and where the text goes on; ``(None, at)`` if none."""
+    start = len(text) - len(text[at:].lstrip())
+    try:
+        value, end = _DECODER.raw_decode(text, start)
+    except (json.JSONDecodeError, RecursionError):
+        return None, at
+    rest = len(text) - len(text[end:].lstrip())
+    if rest == len(text):
+        return _checked(value, ("arguments",)), rest
+    if text.startswith(HERMES_CLOSE, rest):
+        return _checked(value, ("arguments",)), rest + len(HERMES_CLOSE)
+    return None, at
 
 
 def _parse_llama3_json(text: str) -> ParsedMessage:
@@ -139,7 +163,7 @@ def _parse_llama3_json(text: str) -> ParsedMessage:
     while at < len(body):
         try:
             value, end = _DECODER.raw_decode(body, at)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             calls.append(ToolCallError(_bad_json(exc, body[at:])))
             break
         calls.append(_checked(value, ("parameters", "arguments")))
@@ -160,7 +184,7 @@ def _read_call(raw: str, keys: tuple[str, ...]) -> ToolCall | ToolCallError:
     body = raw.strip()
     try:
         value = json.loads(body)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         return ToolCallError(_bad_json(exc, body))
     return _checked(value, keys)
 
@@ -179,7 +203,7 @@ def _checked(value: Any, keys: tuple[str, ...]) -> ToolCall | ToolCallError:
     key = next((k for k in keys if k in value), None)
     arguments = {} if key is None else value[key]
     if isinstance(arguments, str):  # stringified arguments (OpenAI style)
-        with contextlib.suppress(json.JSONDecodeError):
+        with contextlib.suppress(json.JSONDecodeError, RecursionError):
             arguments = json.loads(arguments) if arguments.strip() else {}
     if arguments is None:
         arguments = {}
@@ -192,6 +216,8 @@ def _checked(value: Any, keys: tuple[str, ...]) -> ToolCall | ToolCallError:
     return ToolCall(name, arguments)
 
 
-def _bad_json(exc: json.JSONDecodeError, body: str) -> str:
+def _bad_json(exc: json.JSONDecodeError | RecursionError, body: str) -> str:
     shown = body if len(body) <= _MAX_SHOWN else body[:_MAX_SHOWN] + "..."
+    if isinstance(exc, RecursionError):
+        return f"the tool call's JSON is nested too deeply to read: {shown!r}"
     return f"the tool call is not valid JSON ({exc.msg} at character {exc.pos}): {shown!r}"

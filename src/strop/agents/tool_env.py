@@ -1,8 +1,9 @@
 """An environment whose turns are tool calls: :class:`ToolEnv`.
 
 ``reset(record)`` gives the system prompt (when set) and the record's prompt: its
-``messages`` (a chat; a last assistant turn, the reference answer, is dropped), else its
-``prompt`` or ``question`` text as one user turn.
+``messages`` or a ``prompt`` that is a chat (TRL's conversational prompt-only records; a
+last assistant turn, the reference answer, is dropped), else its ``prompt`` or
+``question`` text as one user turn.
 
 ``step(messages)`` reads the last message, the assistant's: its ``tool_calls`` when the
 caller parsed them already, else the calls in its ``content`` (:mod:`strop.agents.tool_calls`,
@@ -12,10 +13,12 @@ in the env's ``tool_format``). Then:
   gives the reward parts of the final answer;
 * calls, on the assistant's ``max_turns``-th turn: the episode ends unrun, ``truncated``
   in ``info``, and the answer is scored as it stands (usually 0: there is none);
-* else every call runs (:meth:`~strop.agents.tools.Tool.call`: never raises, bounded in
-  time and output) and one ``{"role": "tool", "name", "content"}`` message per call comes
-  back, in the order of the calls. A call that could not be read and a call to an unknown
-  tool are answered with an error message of their own.
+* else the first ``max_tool_calls_per_turn`` calls run (:meth:`~strop.agents.tools.Tool.call`:
+  never raises, bounded in time and output) and one ``{"role": "tool", "name", "content"}``
+  message per call comes back, in the order of the calls; the calls past that limit do not
+  run and are answered with one error message. A call that could not be read and a call to
+  an unknown tool are answered with an error message of their own (a name that is no tool's
+  shown cut to ``MAX_NAME_CHARS``).
 
 ``info`` counts this step's ``tool_calls`` (every call the model attempted), ``tool_errors``
 (those answered with an error) and ``truncated`` (1 when max_turns cut the episode).
@@ -36,6 +39,8 @@ from strop.errors import ConfigError, DataError
 
 Score = Callable[[Mapping[str, Any], list[Message]], Mapping[str, float]]
 ERROR_NAME = "error"  # the tool message's name when a call names no tool we could read
+DEFAULT_MAX_TOOL_CALLS_PER_TURN = 8
+MAX_NAME_CHARS = 64  # the longest tool name (Tool.from_function): longer ones are cut
 
 _tool_of = lru_cache(maxsize=256)(Tool.from_function)
 """A function's :class:`~strop.agents.tools.Tool`, built once per function and limits: an
@@ -57,6 +62,7 @@ class ToolEnv:
         ``llama3_json``.
       tool_timeout_s, max_output_chars: the limits of a call to a tool made here from a
         function (a :class:`~strop.agents.tools.Tool` given keeps its own).
+      max_tool_calls_per_turn: the most calls of one assistant turn that run (>= 1).
     """
 
     def __init__(
@@ -69,9 +75,15 @@ class ToolEnv:
         tool_format: str = "hermes",
         tool_timeout_s: float | None = DEFAULT_TIMEOUT_S,
         max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
+        max_tool_calls_per_turn: int = DEFAULT_MAX_TOOL_CALLS_PER_TURN,
     ) -> None:
         if max_turns < 1:
             raise ConfigError(f"max_turns must be at least 1, got {max_turns}")
+        if max_tool_calls_per_turn < 1:
+            raise ConfigError(
+                f"max_tool_calls_per_turn must be at least 1, got {max_tool_calls_per_turn}"
+            )
+        self.max_tool_calls_per_turn = max_tool_calls_per_turn
         self.tools: dict[str, Tool] = {}
         for item in tools:
             tool = (
@@ -112,10 +124,18 @@ class ToolEnv:
             info["truncated"] = 1
             return StepResult(None, self._scored(messages), info)
         replies = []
-        for call in calls:
+        for call in calls[: self.max_tool_calls_per_turn]:
             name, outcome = await self._answer(call)
             info["tool_errors"] += outcome.error
             replies.append({"role": "tool", "name": name, "content": outcome.text})
+        skipped = len(calls) - self.max_tool_calls_per_turn
+        if skipped > 0:
+            info["tool_errors"] += skipped
+            text = (
+                f"error: {skipped} more tool calls were not run: at most "
+                f"{self.max_tool_calls_per_turn} calls of one turn run"
+            )
+            replies.append({"role": "tool", "name": ERROR_NAME, "content": text})
         return StepResult(replies, {}, info)
 
     def calls_of(self, message: Message) -> list[ToolCall | ToolCallError]:
@@ -127,12 +147,14 @@ class ToolEnv:
 
     async def _answer(self, call: ToolCall | ToolCallError) -> tuple[str, ToolOutcome]:
         if isinstance(call, ToolCallError):
-            return call.name or ERROR_NAME, ToolOutcome(f"error: {call.message}", error=True)
+            name = shown_name(call.name) if call.name else ERROR_NAME
+            return name, ToolOutcome(f"error: {call.message}", error=True)
         tool = self.tools.get(call.name)
         if tool is None:
             known = ", ".join(self.tools) or "none"
-            text = f"error: there is no tool named {call.name!r}; the tools are: {known}"
-            return call.name, ToolOutcome(text[:500], error=True)
+            said = shown_name(call.name)
+            text = f"error: there is no tool named {said!r}; the tools are: {known}"
+            return said, ToolOutcome(text[:500], error=True)
         return call.name, await tool.acall(call.arguments)
 
     def _scored(self, messages: list[Message]) -> dict[str, float]:
@@ -141,16 +163,34 @@ class ToolEnv:
         return {name: float(value) for name, value in self.score(self.record, messages).items()}
 
 
+def with_run_limits(
+    factory: Callable[[], Any], *, max_tool_calls_per_turn: int
+) -> Callable[[], Any]:
+    """``factory`` whose :class:`ToolEnv` environments take the run's cap on calls per turn
+    (``env.max_tool_calls_per_turn``); an environment of another kind is returned as made."""
+
+    def environment() -> Any:
+        env = factory()
+        if isinstance(env, ToolEnv):
+            env.max_tool_calls_per_turn = max_tool_calls_per_turn
+        return env
+
+    environment.__name__ = getattr(factory, "__name__", type(factory).__name__)
+    return environment
+
+
 def prompt_messages(record: Mapping[str, Any]) -> list[Message]:
-    """The opening turns of ``record``: its ``messages`` without a last assistant turn,
-    else its ``prompt`` or ``question`` as a user turn. DataError when it has none."""
-    chat = record.get("messages")
-    if isinstance(chat, list) and chat:
-        turns = [dict(m) for m in chat]
-        if turns[-1].get("role") == "assistant":
-            turns = turns[:-1]
-        if turns:
-            return turns
+    """The opening turns of ``record``: its ``messages`` (or a ``prompt`` that is a chat, as
+    TRL's conversational prompt-only records have it) without a last assistant turn, else
+    its ``prompt`` or ``question`` text as a user turn. DataError when it has none."""
+    for key in ("messages", "prompt"):
+        chat = record.get(key)
+        if isinstance(chat, list) and chat and all(isinstance(m, Mapping) for m in chat):
+            turns = [dict(m) for m in chat]
+            if turns[-1].get("role") == "assistant":
+                turns = turns[:-1]
+            if turns:
+                return turns
     for key in ("prompt", "question"):
         if isinstance(record.get(key), str):
             return [{"role": "user", "content": record[key]}]
@@ -158,6 +198,11 @@ def prompt_messages(record: Mapping[str, Any]) -> list[Message]:
         f"a record needs 'messages', 'prompt' or 'question' to start an episode; it has "
         f"{', '.join(sorted(map(str, record))) or 'no keys'}"
     )
+
+
+def shown_name(name: str) -> str:
+    """A tool name the model wrote, cut to :data:`MAX_NAME_CHARS` (with ``...``)."""
+    return name if len(name) <= MAX_NAME_CHARS else f"{name[:MAX_NAME_CHARS]}..."
 
 
 def final_answer(messages: Sequence[Message]) -> str | None:
@@ -179,10 +224,9 @@ def _structured(entry: Any) -> ToolCall | ToolCallError:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
-            return ToolCallError(
-                f"the arguments of the call to {name} are not JSON ({exc.msg})", name
-            )
+        except (json.JSONDecodeError, RecursionError) as exc:
+            why = getattr(exc, "msg", "nested too deeply")
+            return ToolCallError(f"the arguments of the call to {name} are not JSON ({why})", name)
     if not isinstance(arguments, dict):
         return ToolCallError(f"the arguments of the call to {name} must be a JSON object", name)
     return ToolCall(name, arguments)

@@ -9,10 +9,12 @@ positional-only parameters and types with no JSON schema. :attr:`Tool.schema` is
 ``{"type": "function", "function": {...}}`` dict chat templates take as ``tools=``.
 
 :meth:`Tool.call` never raises: what the model wrote is hostile input. Arguments that do
-not validate, a function that raises, a result that is not a ``str`` (``None``, a dict,
-bytes) and a call that runs past ``timeout_s`` each come back as a :class:`ToolOutcome`
-with ``error=True`` and a short message the model can read; long output is truncated to
-``max_output_chars``. A function that knows its call failed (a snippet that raised) returns
+not validate, a function that raises, a result with no text form (:func:`result_text`) and
+a call that runs past ``timeout_s`` each come back as a :class:`ToolOutcome` with
+``error=True`` and a short message the model can read; long output is truncated to
+``max_output_chars``. A result that is not text but a plain value (a number, ``None``, a
+dict, a list, a dataclass or pydantic model) is sent as JSON, as MCP servers and TRL send
+tool results. A function that knows its call failed (a snippet that raised) returns
 a :class:`ToolOutcome` itself, ``error=True``: counted as a tool error, its text shown. Arguments are coerced as pydantic does in its lax mode (``"3"`` for an
 ``int`` is 3); unknown ones are refused.
 
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pydantic
+import pydantic_core
 
 from strop.errors import ConfigError
 
@@ -178,6 +181,8 @@ class Tool:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except json.JSONDecodeError as exc:
                 return f"the arguments are not valid JSON ({exc.msg} at character {exc.pos})"
+            except RecursionError:
+                return "the arguments are JSON nested too deeply to read"
         if arguments is None:
             arguments = {}
         if not isinstance(arguments, Mapping):
@@ -226,12 +231,16 @@ class Tool:
             said = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
             return self._error(f"{self.name} raised {said}")
         result = box.get("result")
-        if isinstance(result, ToolOutcome) and isinstance(result.text, str):
-            limit = self.max_output_chars
-            return ToolOutcome(self._truncated(result.text, limit), error=bool(result.error))
-        if not isinstance(result, str):
-            return self._error(f"{self.name} returned {type(result).__name__}, not text")
-        return ToolOutcome(self._truncated(result, self.max_output_chars), error=False)
+        error = isinstance(result, ToolOutcome) and bool(result.error)
+        if isinstance(result, ToolOutcome):
+            result = result.text
+        text = result_text(result)
+        if text is None:
+            if isinstance(result, bytes):
+                return self._error(f"{self.name} returned bytes that are not UTF-8 text")
+            kind = type(result).__name__
+            return self._error(f"{self.name} returned a {kind}, which has no text or JSON form")
+        return ToolOutcome(self._truncated(text, self.max_output_chars), error=error)
 
     async def acall(self, arguments: Any) -> ToolOutcome:
         """:meth:`call` in a worker thread, so an event loop keeps running meanwhile."""
@@ -246,6 +255,23 @@ class Tool:
         if len(text) <= limit:
             return text
         return f"{text[:limit]}\n[truncated: {len(text) - limit} more characters]"
+
+
+def result_text(value: Any) -> str | None:
+    """The text a tool's result is sent to the model as: text as it is, UTF-8 bytes decoded,
+    any other value pydantic can make JSON (numbers, ``None``, dicts, lists, dataclasses,
+    pydantic models, ...) as that JSON; None when it has no such form."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    try:
+        return json.dumps(pydantic_core.to_jsonable_python(value), ensure_ascii=False)
+    except (pydantic_core.PydanticSerializationError, TypeError, ValueError):
+        return None
 
 
 async def _awaited(awaitable: Any) -> Any:

@@ -20,9 +20,13 @@ harness) does, in this process:
   awaited) and of the taskset's (``Taskset.toolsets``: set up once), named as verifiers'
   chat program names them (``<server>_<tool>``; the bare name under ``TOOL_PREFIX = None``)
   and called in this process with the episode's ``trace.state`` as their ``self.state``.
+  Every verifiers coroutine (setup, ``async def`` tools, stops, scoring) runs on one
+  long-lived loop (:func:`~strop.agents.verifiers_load.verifiers_loop`), each tool call in
+  its own context holding its episode's state, as verifiers' own tool server runs them.
 * **step**: :class:`~strop.agents.tool_env.ToolEnv`'s (no call ends the episode; calls are
   run and answered; ``max_turns`` cuts it), then the task's ``@vf.stop`` predicates over the
-  ``vf.Trace`` end it when one is true.
+  ``vf.Trace`` (the step's tool results in it, as in verifiers' session) end it when one is
+  true; the trace scored then holds those results.
 * **Reward**: at the end, verifiers' own ``Task.score`` over a ``vf.Trace`` of the
   conversation (assistant turns with their parsed ``tool_calls``, the tool results); each
   reward (each key of one returning several) is a part, its score times its weight, as in
@@ -38,6 +42,7 @@ What needs verifiers' runtime, model client or interception server is refused in
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -53,6 +58,7 @@ from strop.agents.verifiers_load import (
     describe,
     import_module,
     load,
+    run_async,
     run_sync,
 )
 from strop.errors import DataError
@@ -117,8 +123,8 @@ class VerifiersEnv(ToolEnv):
         )
         own = list(type(task).toolsets(task.config))
         for toolset in own:
-            await toolset.setup()
-            await toolset.setup_task(task)
+            await run_async(toolset.setup())
+            await run_async(toolset.setup_task(task))
         self.tools = {}
         for toolset in (*loaded.shared_toolsets, *own):
             for tool in self._tools_of(toolset):
@@ -151,23 +157,27 @@ class VerifiersEnv(ToolEnv):
             state = self.trace.state if toolset._state_cls is type(self.trace.state) else None
 
             def call(_method: Any = method, _state: Any = state, **kwargs: Any) -> Any:
-                token = _call_state.set(_state)
+                if inspect.iscoroutinefunction(_method):  # its body runs on the loop
+                    return run_sync(_in_state(_state, _method(**kwargs)))
+                token = _call_state.set(_state)  # a plain tool runs here, in its thread
                 try:
-                    return _text(run_sync(_method(**kwargs)))
+                    result = _method(**kwargs)
                 finally:
                     _call_state.reset(token)
+                return run_sync(_in_state(_state, result))
 
             tools.append(dataclasses.replace(tool, function=call))
         return tools
 
     async def step(self, messages: list[Message]) -> StepResult:
         result = await super().step(messages)
-        if result.messages is not None:
+        if result.messages is None:
+            self._record(messages)
+        else:  # stops see the step's tool results, and a stopped trace is scored with them
             self._record(messages + result.messages)
             if not await self._stopped():
                 return result
-        self._record(messages)
-        await self.task.score(self.trace)
+        await run_async(self.task.score(self.trace))
         rewards = {
             name: reward.value for name, reward in self.trace.rewards.items() if reward is not None
         }
@@ -178,7 +188,7 @@ class VerifiersEnv(ToolEnv):
         from verifiers.v1.trace import Trace
 
         for fn in self.task.hooks("stop"):
-            if await call_hook(fn, {Trace: self.trace}):
+            if await run_async(call_hook(fn, {Trace: self.trace})):
                 self.trace.stop(fn.__name__)
                 return True
         return False
@@ -230,11 +240,13 @@ def trace_messages(messages: list[Message], tool_format: str) -> list[Message]:
     return out
 
 
-def _text(value: Any) -> str:
-    """A tool's result as the text an MCP server would send: text as it is, else JSON."""
-    if isinstance(value, str):
-        return value
+async def _in_state(state: Any, value: Any) -> Any:
+    """``value`` awaited (when it is awaitable) with ``state`` as verifiers' current call
+    state (``Toolset.state``), in this task's own context, as verifiers' server does."""
+    from verifiers.v1.mcp.server import _call_state
+
+    token = _call_state.set(state)
     try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return str(value)
+        return await value if inspect.isawaitable(value) else value
+    finally:
+        _call_state.reset(token)

@@ -27,6 +27,8 @@ SUPPORTED = (
 )
 _LOADED: dict[tuple[str, str], Loaded] = {}
 _LOCK = threading.Lock()
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass
@@ -181,24 +183,34 @@ def _remote(toolsets: list[Any]) -> str | None:
     return None
 
 
+def verifiers_loop() -> asyncio.AbstractEventLoop:
+    """The one event loop every verifiers coroutine of the process runs on: toolset
+    ``setup``/``setup_task``, ``async def`` tools, stops and scoring. Started on first use
+    in a daemon thread and kept, so a client or helper process a toolset's ``setup`` made
+    (bound to its loop) still works when the tools call it, as in verifiers' own server."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="strop-verifiers", daemon=True).start()
+            _LOOP = loop
+        return _LOOP
+
+
 def run_sync(awaitable: Any) -> Any:
-    """``awaitable``'s result, from sync code whether or not an event loop is running."""
+    """``awaitable``'s result, run on :func:`verifiers_loop`, from a thread that is not the
+    loop's (it blocks until the result is there)."""
     if not inspect.isawaitable(awaitable):
         return awaitable
-    box: dict[str, Any] = {}
+    return asyncio.run_coroutine_threadsafe(_await(awaitable), verifiers_loop()).result()
 
-    def run() -> None:
-        try:
-            box["value"] = asyncio.run(_await(awaitable))
-        except BaseException as exc:
-            box["error"] = exc
 
-    worker = threading.Thread(target=run, name="strop-verifiers-setup", daemon=True)
-    worker.start()
-    worker.join()
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+async def run_async(awaitable: Any) -> Any:
+    """``awaitable``'s result, run on :func:`verifiers_loop`, awaited from another loop."""
+    if not inspect.isawaitable(awaitable):
+        return awaitable
+    future = asyncio.run_coroutine_threadsafe(_await(awaitable), verifiers_loop())
+    return await asyncio.wrap_future(future)
 
 
 async def _await(awaitable: Any) -> Any:

@@ -50,6 +50,13 @@ class EnvConfig(_Section):
         description="Deadline of one reset or step of the environment; past it the episode "
         "fails (reward 0, counted in env/errors). null: no deadline.",
     )
+    max_tool_calls_per_turn: int = Field(
+        8,
+        gt=0,
+        description="The most tool calls of one model turn that run in an environment of "
+        "strop's tools (calculator, python, verifiers:..., any ToolEnv); the calls past it "
+        "do not run and are answered with one error message.",
+    )
     kv_cache: bool = Field(
         True,
         description="The native samplers (JAX, torch) continue each episode from the KV "

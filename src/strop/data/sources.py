@@ -13,7 +13,9 @@ A data path is a JSONL file (one JSON object per line; blank lines are ignored),
   template as ``tools=``, as ``transformers``' ``apply_chat_template`` takes them.
 - ``gsm8k``: ``{"question": str, "answer": str}``; the answer ends with ``#### <number>``.
   The prompt is ``prompt_template`` with ``{question}`` replaced; the completion is
-  ``" " + answer`` and ``reference`` is the text after ``#### ``.
+  ``" " + answer`` and ``reference`` is the text after ``#### ``. With ``gsm8k_golds=False``
+  (episodes: the environment decides what an answer is) the records are read by key
+  instead: the answer is any string or number.
 - ``auto``: the format of the first record that has the keys of one of the above.
 - by key (``prompt_key`` set; format ``keys``): the prompt is ``record[prompt_key]``, a string
   (put into ``prompt_template``) or a chat (a list of role/content turns, rendered with the
@@ -89,10 +91,12 @@ def read_examples(
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     prompt_key: str | None = None,
     answer_key: str | None = None,
+    gsm8k_golds: bool = True,
 ) -> tuple[list[Example], ReadStats]:
     """Read every record of a data file (JSONL, or a table :mod:`strop.data.tables` reads);
     raise DataError naming ``path:line`` (``path:row``) for a bad one. With ``prompt_key``
-    every record is read by key (see the module docstring), whatever ``format`` says."""
+    every record is read by key (see the module docstring), whatever ``format`` says;
+    ``gsm8k_golds=False`` reads gsm8k records by key (no ``#### `` answer required)."""
     path = Path(path)
     keys = _check_keys(prompt_key, answer_key)
     settings = ("data.prompt_key", "data.answer_key")
@@ -103,7 +107,8 @@ def read_examples(
         nonlocal fmt
         if fmt is None:
             fmt = detect_format(record)
-        example = _to_example(record, fmt, str(path), number, prompt_template, keys)
+        own = keys if fmt != "gsm8k" or gsm8k_golds else ("question", "answer")
+        example = _to_example(record, fmt, str(path), number, prompt_template, own)
         if table:
             _check_size(example, max_record_bytes)
         return dataclasses.replace(example, columns=record)
@@ -136,12 +141,15 @@ def read_examples(
     return examples, ReadStats(str(path), fmt, len(examples), skipped)
 
 
-def read_data_file(path: str | Path, data: DataConfig) -> tuple[list[Example], ReadStats]:
+def read_data_file(
+    path: str | Path, data: DataConfig, *, gsm8k_golds: bool = True
+) -> tuple[list[Example], ReadStats]:
     """:func:`read_examples` of ``path`` as the run's ``data:`` section says (format, keys,
-    skipping, prompt template, record size cap)."""
+    skipping, prompt template, record size cap); ``gsm8k_golds`` as there."""
     return read_examples(
         path,
         data.format,
+        gsm8k_golds=gsm8k_golds,
         skip_bad_lines=data.skip_bad_lines,
         prompt_template=data.prompt_template,
         max_record_bytes=data.max_record_bytes,

@@ -101,6 +101,25 @@ class Tokenizer:
         its id, as in transformers)."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` with every special token's text (``<|im_end|>``) split as
+        ordinary text: text from outside the model (tool output, web pages, a user) can
+        never become a control token this way. Non-special added tokens still match."""
+        return self._plain_backend.encode(text, add_special_tokens=False).ids
+
+    @cached_property
+    def _plain_backend(self) -> _HfTokenizer:
+        plain = _HfTokenizer.from_str(self._tok.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    @cached_property
+    def special_token_ids(self) -> dict[str, int]:
+        """The special (control) tokens' texts and ids: the added tokens marked special,
+        which :meth:`encode` matches in text and :meth:`encode_plain` does not."""
+        added = self._tok.get_added_tokens_decoder()
+        return {token.content: i for i, token in sorted(added.items()) if token.special}
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """``[encode(t) for t in texts]``, computed in parallel by the Rust tokenizer."""
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]

@@ -45,6 +45,7 @@ from strop.agents.rollout import (
     episode_metrics,
     run_episodes,
 )
+from strop.agents.tool_env import with_run_limits
 from strop.config import Config
 from strop.data import Tokenizer
 from strop.errors import ConfigError
@@ -117,7 +118,8 @@ class Episodes:
         )
         stops = tuple(int(i) for i in eos_ids)
         jax = config.backend == "jax"
-        return cls(environment, env.name, limits, tokenizer, stops, jax, env.kv_cache)
+        factory = with_run_limits(environment, max_tool_calls_per_turn=env.max_tool_calls_per_turn)
+        return cls(factory, env.name, limits, tokenizer, stops, jax, env.kv_cache)
 
     @property
     def longest_prefix(self) -> int:

@@ -61,7 +61,8 @@ class PromptSet:
         episodes = config.env.enabled
         if reward is None and not episodes:
             reward = rewards.resolve(config.ppo.reward, setting="ppo.reward")
-        examples, _ = read_data_file(path, config.data)
+        # With episodes the environment decides what an answer is: no GSM8K '#### ' check.
+        examples, _ = read_data_file(path, config.data, gsm8k_golds=not episodes)
         golds_of: dict[str, dict[int, str]] = {}  # component -> id(example) -> gold
         for component in reward.components if reward is not None else ():
             if component.reward.gold is not None or component is reward.primary:
