@@ -1,4 +1,5 @@
-"""Tiny random Qwen2 and Llama checkpoints built with ``transformers`` for tests."""
+"""Tiny random checkpoints of every model family, built with ``transformers``' own config
+and model classes for tests (nothing downloaded)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ TINY = {
 
 # kind -> (architecture, extra config). Covers biases, tied heads, head_dim != hidden/heads
 # and Llama 3 RoPE scaling.
-KINDS = {
+KINDS = {  # the first families: Qwen2 and Llama (BASE_KINDS)
     "qwen2": ("qwen2", {"tie_word_embeddings": False}),
     "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}),
     "llama3": (
@@ -36,6 +37,45 @@ KINDS = {
         },
     ),
 }
+
+
+# kind -> (model_type, extra config): one tiny model per family, carrying the flags that
+# make its decoder differ from the common one. Sliding windows are shorter than
+# padded_batch's longest row (12 tokens), so every parity test crosses them.
+FAMILY_KINDS = {
+    "qwen3": ("qwen3", {"head_dim": 32}),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "norm_topk_prob": True, "mlp_only_layers": [1], "decoder_sparse_step": 1},
+    ),
+    "mistral": ("mistral", {"head_dim": 32, "sliding_window": 5}),
+    "ministral": (
+        "ministral",
+        {"head_dim": 16, "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    "gemma3": (
+        "gemma3_text",
+        {"head_dim": 32, "sliding_window": 4, "query_pre_attn_scalar": 24,
+         "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": True,
+         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+    ),
+    "phi3": (
+        "phi3",
+        {"partial_rotary_factor": 0.5, "max_position_embeddings": 64,
+         "original_max_position_embeddings": 8,
+         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.5,
+                             "short_factor": [1.0, 1.1, 1.2, 1.3],
+                             "long_factor": [1.0, 2.0, 4.0, 8.0]}},
+    ),
+    "olmo2": ("olmo2", {}),
+    "smollm3": ("smollm3", {"no_rope_layer_interval": 2}),
+}  # fmt: skip
+BASE_KINDS = tuple(KINDS)
+SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # within the vocab
+KINDS.update({kind: (t, {**SPECIAL_IDS, **extra}) for kind, (t, extra) in FAMILY_KINDS.items()})
 
 
 # Qwen2.5-1.5B-Instruct's config.json (transformers 4 layout), for shape-only checks.
@@ -65,15 +105,12 @@ QWEN25_CONFIG = {
 def build_tiny_model(kind: str, seed: int = 0, **overrides):
     """A transformers causal LM of the given kind with random weights (eval mode, float32)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    arch, extra = KINDS[kind]
-    config_cls, model_cls = {
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "llama": (LlamaConfig, LlamaForCausalLM),
-    }[arch]
+    model_type, extra = KINDS[kind]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**TINY, **extra, **overrides})).eval()
+    config = AutoConfig.for_model(model_type, **{**TINY, **extra, **overrides})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # make biases and norms non-trivial so they are really tested
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
