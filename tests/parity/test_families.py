@@ -1,0 +1,136 @@
+"""Every model family against transformers, on both backends: one test per (backend,
+family) on a tiny random checkpoint carrying the family's flags (tests/tiny_models.py).
+
+Each test checks, on sequences longer than every sliding window:
+- the logits of right- and left-padded rows equal transformers' to 1e-4 (float32);
+- two sequences packed into one row (segment ids, positions restarting) give each
+  sequence's logits alone;
+- greedy sampling with strop's own sampler equals transformers' ``generate``, token for
+  token.
+
+A family a backend does not build yet is listed in ``PENDING``: its test is a strict
+xfail, so it fails the suite the day it starts passing (take it off the list then).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+import strop
+from tests.tiny_models import FAMILY_KINDS, TINY, padded_batch
+
+ATOL = 1e-4
+PAD = 0
+NEW_TOKENS = 10
+PROMPTS = ([5, 17, 33, 8, 91, 12, 7], [44, 3], [9, 120, 61, 2, 18, 200, 31, 77, 6, 15, 99])
+PENDING = {
+    "jax": set(FAMILY_KINDS),
+    "torch": {"qwen3_moe", "mistral", "ministral", "gemma3"},
+}
+
+
+def cases(backend: str) -> list:
+    return [
+        pytest.param(
+            kind,
+            marks=pytest.mark.xfail(strict=True, reason=f"{backend} does not build {kind} yet"),
+        )
+        if kind in PENDING[backend]
+        else kind
+        for kind in FAMILY_KINDS
+    ]
+
+
+def hf_model(model_dir: str):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(positions),
+        )
+    return out.logits.numpy()
+
+
+def hf_greedy(model, prompts) -> list[list[int]]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=PAD
+    )
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, generation_config=config)
+    return out[:, width:].tolist()
+
+
+def packed_row(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Rows 0 and 2 of a right-padded batch packed one after the other into one row."""
+    first, second = ids[0][mask[0] == 1], ids[2][mask[2] == 1]
+    packed = np.concatenate([first, second])[None]
+    segments = np.concatenate([np.full(len(first), 1), np.full(len(second), 2)])[None]
+    positions = np.concatenate([np.arange(len(first)), np.arange(len(second))])[None]
+    return packed, segments, positions, len(first)
+
+
+def strop_greedy(backend: str, handle, model_dir: str, prompts) -> list[list[int]]:
+    from strop.generation import SamplingParams
+
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
+    if backend == "jax":
+        from strop.backends.jax.generate import generate
+
+        out = generate(handle.model, list(prompts), params, eos_ids=(), pad_id=PAD, seed=0,
+                       mesh=handle.mesh)  # fmt: skip
+    else:
+        from strop.backends.torch.generate import generate
+
+        out = generate(hf_model(model_dir), list(prompts), params, eos_ids=[], pad_id=PAD, seed=0)
+    return out.responses()
+
+
+def check_family(backend: str, model_dir: str) -> None:
+    mesh = {"fsdp": 1} if backend == "jax" else None
+    handle = strop.load_model(model_dir, backend=backend, **({"mesh": mesh} if mesh else {}))
+    reference = hf_model(model_dir)
+    for left in (False, True):
+        ids, mask = padded_batch(left=left)
+        expected = hf_logits(reference, ids, mask)
+        ours = handle.logits(ids, mask)
+        valid = mask.astype(bool)
+        assert np.abs(ours[valid] - expected[valid]).max() < ATOL, f"left padding: {left}"
+    assert np.abs(expected).max() > 10 * ATOL  # a comparison that can fail
+
+    ids, mask = padded_batch()
+    packed, segments, positions, cut = packed_row(ids, mask)
+    together = handle.logits(packed, segments, positions)[0]
+    alone = hf_logits(reference, ids, mask)
+    np.testing.assert_allclose(together[:cut], alone[0, :cut], atol=ATOL)
+    np.testing.assert_allclose(together[cut:], alone[2, : mask[2].sum()], atol=ATOL)
+
+    assert strop_greedy(backend, handle, model_dir, PROMPTS) == hf_greedy(reference, PROMPTS)
+
+
+@pytest.mark.parametrize("kind", cases("jax"))
+def test_jax_family_equals_transformers(tiny_model_dir, kind):
+    check_family("jax", tiny_model_dir(kind))
+
+
+@pytest.mark.parametrize("kind", cases("torch"))
+def test_torch_family_equals_transformers(tiny_model_dir, kind):
+    check_family("torch", tiny_model_dir(kind))
+
+
+def test_the_prompts_cross_every_sliding_window():
+    windows = [extra.get("sliding_window", 0) for _, extra in FAMILY_KINDS.values()]
+    assert max(len(p) for p in PROMPTS) > max(windows) and TINY["vocab_size"] > 200
