@@ -255,7 +255,10 @@ def plan_command(
         ),
     ] = None,
     job: Annotated[
-        str, typer.Option("--job", help="sft, ppo, or auto (ppo when the recipe sets ppo:).")
+        str,
+        typer.Option(
+            "--job", help="sft, dpo, ppo, or auto (the recipe's ppo: or dpo: section, else sft)."
+        ),
     ] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
