@@ -1,7 +1,7 @@
 """Every model family trains, on each backend: LoRA-GRPO (2 iterations) on a tiny random
 checkpoint of the family with a tokenizer; in the acceptance tier also LoRA-PPO with a
 critic, LoRA SFT and LoRA DPO, and the PEFT adapter each run exports loads in transformers
-+ PEFT and gives the logits strop trained.
++ PEFT over the family's base (its merge giving the same logits) and changes them.
 
 `make test` runs LoRA-GRPO on every family on torch (no compiles: seconds each); the JAX
 runs and the other kinds of run are in the acceptance tier (docs/models.md)."""
@@ -117,8 +117,8 @@ def test_ppo_sft_dpo_and_the_peft_adapter_on_every_family(family_task, tmp_path,
 
 
 def assert_peft_loads_it(model_dir, adapter_dir, backend: str) -> None:
-    """transformers + PEFT load the exported adapter over the base, and give what strop's
-    backend gives with the same adapter restored."""
+    """transformers + PEFT load the exported adapter over the base; merged, it gives the
+    same logits; and it moved them from the base's as strop's backend computes those."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
