@@ -11,18 +11,22 @@ import pytest
 
 from strop.config import load_config
 from strop.errors import StropError
+from strop.objectives import corrections
 from strop.objectives.ppo import PolicyObjective
 from strop.rl import rollout_correction as rc
 
 SAFETY_BOUND = 20.0  # verl's rollout_corr_helper: log-ratios clamped before exp
 
 
-def oracle_weights(old, sampled, mask, mode, level, threshold):
+def oracle_weights(old, sampled, mask, mode, level, bounds):
     """verl (``rollout_is`` token/sequence, truncate; the geometric level of its
-    ``rollout_rs``) and TRL (``token|sequence_truncate|mask``): per row, the log-ratio
-    ``log pi_old / pi_rollout`` at the level, clamped to +-20, exponentiated; truncate
-    (``tis``) clamps at the threshold, mask (``mis``) zeroes the weights above it;
-    ``icepop`` keeps (weight 1) the tokens whose ratio is inside [1/C, C]."""
+    ``rollout_rs``), TRL (``token|sequence_truncate|mask``, ``vllm_importance_sampling_clip_min``)
+    and OpenRLHF (``icepop``): per row, the log-ratio ``log pi_old / pi_rollout`` at the
+    level, clamped to +-20, exponentiated; with ``bounds = (low, high)``, truncate
+    (``tis``) clamps at ``high``, mask (``mis``) zeroes the weights above it, ``icepop``
+    keeps the ratio inside ``[low, high]`` and zeroes it outside, ``reject`` (verl's
+    ``rollout_rs`` k1 options) keeps weight 1 inside and 0 outside."""
+    low, high = bounds
     out = np.zeros(old.shape)
     for b in range(old.shape[0]):
         tokens = [t for t in range(old.shape[1]) if mask[b, t] > 0]
@@ -35,12 +39,15 @@ def oracle_weights(old, sampled, mask, mode, level, threshold):
             else:
                 log_ratio = math.fsum(diffs) / len(diffs)
             ratio = math.exp(min(max(log_ratio, -SAFETY_BOUND), SAFETY_BOUND))
+            inside = low <= ratio <= high
             if mode == "tis":
-                out[b, t] = min(ratio, threshold)
+                out[b, t] = min(ratio, high)
             elif mode == "mis":
-                out[b, t] = 0.0 if ratio > threshold else ratio
+                out[b, t] = 0.0 if ratio > high else ratio
             elif mode == "icepop":
-                out[b, t] = 1.0 if 1.0 / threshold <= ratio <= threshold else 0.0
+                out[b, t] = ratio if inside else 0.0
+            elif mode == "reject":
+                out[b, t] = 1.0 if inside else 0.0
             else:
                 out[b, t] = 1.0
     return out
@@ -76,24 +83,29 @@ def random_case(seed: int, rows: int = 12, width: int = 20):
     return old, sampled, mask
 
 
+BOUNDS = {"tis": (0.0, 2.0), "mis": (0.0, 1.5), "icepop": (0.6, 1.5), "reject": (0.5, 1.8)}
+
+
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("level", rc.LEVELS)
-@pytest.mark.parametrize("mode", rc.MODES)
+@pytest.mark.parametrize("level", corrections.LEVELS)
+@pytest.mark.parametrize("mode", corrections.MODES)
 def test_weights_match_the_oracle(seed, mode, level):
     old, sampled, mask = random_case(seed)
-    threshold = 1.5 if mode != "tis" else 2.0
-    got = rc.correction_weights(old, sampled, mask, mode, level, threshold)
-    expected = oracle_weights(old, sampled, mask, mode, level, threshold)
+    bounds = BOUNDS.get(mode, (0.0, 2.0))
+    got = corrections.correction_weights(old, sampled, mask, mode, level, bounds)
+    expected = oracle_weights(old, sampled, mask, mode, level, bounds)
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-12)
     assert np.isfinite(got).all() and (got[mask == 0] == 0).all()
-    if mode in ("mis", "icepop"):  # the case drops some tokens and keeps others
-        on = got[mask > 0]
+    on = got[mask > 0]
+    if mode != "none" and mode != "tis":  # the case drops some tokens and keeps others
         assert (on == 0).any() and (on > 0).any()
+    if mode == "icepop":  # and weighs the kept ones by their ratio
+        assert ((on > 0) & (on != 1)).any()
 
 
 def test_none_is_one_on_every_response_token():
     old, sampled, mask = random_case(0)
-    np.testing.assert_array_equal(rc.correction_weights(old, sampled, mask, "none"), mask)
+    np.testing.assert_array_equal(corrections.correction_weights(old, sampled, mask, "none"), mask)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -137,7 +149,8 @@ def test_correct_adds_the_weights_only_with_a_correction():
     corrected, metrics = rc.correct(arrays, old, sampled, on)
     weights = corrected[rc.WEIGHTS]
     assert weights.dtype == np.float32
-    np.testing.assert_allclose(weights, oracle_weights(old, sampled, mask, "mis", "token", 2.0))
+    expected = oracle_weights(old, sampled, mask, "mis", "token", (0.0, 2.0))
+    np.testing.assert_allclose(weights, expected)
     kept = weights[mask > 0]
     assert metrics["mismatch/masked_fraction"] == pytest.approx((kept == 0).mean())
     assert metrics["mismatch/is_weight_mean"] == pytest.approx(kept.mean())
@@ -153,3 +166,66 @@ def test_the_weights_reach_the_update_only_with_a_correction():
 def test_a_correction_with_the_samplers_logprobs_is_refused():
     with pytest.raises(StropError, match=r"needs ppo\.old_logprobs=recompute"):
         load_config("ppo-lora-tiny", ["ppo.rollout_correction=tis", "ppo.old_logprobs=sampler"])
+
+
+def test_reject_takes_the_rejected_tokens_out_of_the_response_mask():
+    """``reject`` adds no weights: the rejected tokens leave ``response_mask``, which the
+    mini-batches' loss weights (and so every loss's normaliser) come from."""
+    old, sampled, mask = random_case(2)
+    ppo = load_config("ppo-lora-tiny", ["ppo.rollout_correction=reject"]).ppo
+    assert ppo.rollout_correction_bounds == (0.5, 2.0)  # verl's decoupled_seq_is_rs band
+    corrected, metrics = rc.correct({"response_mask": mask}, old, sampled, ppo)
+    assert rc.WEIGHTS not in corrected
+    kept = oracle_weights(old, sampled, mask, "reject", "token", (0.5, 2.0))
+    np.testing.assert_array_equal(corrected["response_mask"], mask * kept)
+    assert corrected["response_mask"].dtype == mask.dtype
+    assert 0 < metrics["mismatch/masked_fraction"] < 1
+    assert (
+        rc.WEIGHTS
+        not in PolicyObjective.from_config(
+            load_config("ppo-lora-tiny", ["ppo.rollout_correction=reject"])
+        ).batch_names
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, bounds",
+    [
+        (["ppo.rollout_correction=icepop"], (0.5, 5.0)),  # OpenRLHF's default
+        (["ppo.rollout_correction=icepop", "ppo.rollout_correction_high=3"], (0.5, 3.0)),
+        (["ppo.rollout_correction=reject", "ppo.rollout_correction_low=0.8"], (0.8, 2.0)),
+        (["ppo.rollout_correction=tis"], (0.0, 2.0)),
+        (["ppo.rollout_correction=mis", "ppo.rollout_correction_threshold=4"], (0.0, 4.0)),
+    ],
+)
+def test_each_mode_reads_its_bounds(overrides, bounds):
+    assert load_config("ppo-lora-tiny", overrides).ppo.rollout_correction_bounds == bounds
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["ppo.rollout_correction=icepop", "ppo.rollout_correction_threshold=3"],
+         r"ppo\.rollout_correction_threshold does not apply to ppo\.rollout_correction=icepop, "
+         r"which reads ppo\.rollout_correction_low/_high"),
+        (["ppo.rollout_correction=tis", "ppo.rollout_correction_high=3"],
+         r"ppo\.rollout_correction_high does not apply to ppo\.rollout_correction=tis"),
+        (["ppo.rollout_correction=reject", "ppo.rollout_correction_low=1",
+          "ppo.rollout_correction_high=1"], r"must be below"),
+        (["ppo.rollout_correction=icepop", "ppo.rollout_correction_low=2"], r"less than or equal"),
+        (["ppo.rollout_correction=ice"], r"unknown rollout correction 'ice'"),
+    ],
+)  # fmt: skip
+def test_bounds_a_mode_does_not_read_are_refused(overrides, message):
+    with pytest.raises(StropError, match=message):
+        load_config("ppo-lora-tiny", overrides)
+
+
+def test_a_run_config_with_a_correction_loads_again(tmp_path):
+    """config.yaml holds every field, the unset bounds as null: it loads as it was."""
+    from strop.config import dump_config
+
+    config = load_config("ppo-lora-tiny", ["ppo.rollout_correction=icepop"])
+    (tmp_path / "config.yaml").write_text(dump_config(config))
+    again = load_config(tmp_path / "config.yaml")
+    assert again.ppo.rollout_correction_bounds == (0.5, 5.0)
