@@ -320,3 +320,19 @@ def verl_rejection_loss(
     clip_pg_losses2 = np.minimum(-adv * clip_ratio_c, clip_pg_losses1)
     pg_losses = np.where(adv < 0, clip_pg_losses2, clip_pg_losses1)
     return float((pg_losses * modified).sum() / modified.sum())
+
+
+def verl_agg_loss(loss_mat, loss_mask, loss_agg_mode: str) -> float:
+    """verl's ``agg_loss`` (one rank, no global counts), in float64: ``token-mean``, the
+    masked sum over the mask's count; ``seq-mean-token-mean``, each row's masked mean
+    (over its count + 1e-8), averaged over the rows with a token (TRL's ``loss_type`` grpo
+    and sapo average the same, over every row)."""
+    loss_mat, mask = _f64(loss_mat), _f64(loss_mask)
+    if loss_agg_mode == "token-mean":
+        return float((loss_mat * mask).sum() / mask.sum())
+    if loss_agg_mode == "seq-mean-token-mean":
+        counts = mask.sum(axis=-1)
+        seq_losses = (loss_mat * mask).sum(axis=-1) / (counts + 1e-8)
+        seq_mask = (counts > 0).astype(np.float64)
+        return float((seq_losses * seq_mask).sum() / seq_mask.sum())
+    raise ValueError(loss_agg_mode)

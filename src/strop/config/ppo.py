@@ -81,7 +81,7 @@ class PpoConfig(_Section):
     )
     loss_aggregation: Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"] = Field(
         "token_mean",
-        description="Average the losses over all tokens, per sequence then over sequences, or (Dr. GRPO) each sequence's token sum over generation.max_new_tokens, averaged over sequences.",
+        description="Average the losses over all tokens, per sequence then over sequences, or (Dr. GRPO) each sequence's token sum over generation.max_new_tokens, averaged over sequences. Unset: the policy loss's own (sequence_mean for gspo and sapo, as verl and TRL define them; token_mean otherwise).",
     )
     kl_coef: float = Field(
         0.05, ge=0, description="Weight of the KL penalty against the reference policy."
@@ -280,7 +280,10 @@ class PpoConfig(_Section):
                 "the sampler's, and with old_logprobs=sampler the two are the same numbers"
             )
         check_bounds(self.rollout_correction, {n: getattr(self, n) for n in self.model_fields_set})
-        reads = resolve_policy_loss(self.policy_loss).reads
+        loss = resolve_policy_loss(self.policy_loss)
+        if self.aggregation_placed_by_loss:  # not set: not in fields_set, as kl_in_reward
+            self.__dict__["loss_aggregation"] = loss.aggregation
+        reads = loss.reads
         if "ref_logprobs" in reads and not self.reference_forward:
             raise ValueError(
                 f"ppo.policy_loss={self.policy_loss} reads ref_logprobs: set ppo.kl_coef > 0 "
@@ -307,6 +310,14 @@ class PpoConfig(_Section):
             self.rollout_correction, self.rollout_correction_threshold,
             self.rollout_correction_low, self.rollout_correction_high,
         )  # fmt: skip
+
+    @property
+    def aggregation_placed_by_loss(self) -> bool:
+        """Whether ``loss_aggregation`` is the policy loss's own rather than token_mean
+        (GSPO, SAPO: :attr:`~strop.objectives.losses.PolicyLoss.aggregation`), the user
+        having set none."""
+        own = resolve_policy_loss(self.policy_loss).aggregation
+        return own != "token_mean" and "loss_aggregation" not in self.model_fields_set
 
     @property
     def kl_placed_by_estimator(self) -> bool:

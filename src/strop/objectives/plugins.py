@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 
 from strop.errors import StropError
-from strop.objectives.losses import POLICY_LOSSES, PolicyLoss, check_reads
+from strop.objectives.losses import POLICY_LOSSES, PolicyLoss, check_declaration
 from strop.references import (
     BadReference,
     import_function,
@@ -75,7 +75,7 @@ def _load(ref: str) -> PolicyLoss:
         entry = PolicyLoss(fn)
     elif not isinstance(entry, PolicyLoss) or not isinstance(entry.sequence_level, bool):
         raise ValueError(f"{attr!r} in {where}: declare its needs with @policy_loss(...)")
-    check_reads(entry.reads)
+    check_declaration(entry)
     described = f"{attr}() in {where}"
     return dataclasses.replace(entry, fn=_reported(entry.fn, described, found.path))
 
