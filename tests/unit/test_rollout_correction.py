@@ -229,3 +229,96 @@ def test_a_run_config_with_a_correction_loads_again(tmp_path):
     (tmp_path / "config.yaml").write_text(dump_config(config))
     again = load_config(tmp_path / "config.yaml")
     assert again.ppo.rollout_correction_bounds == (0.5, 5.0)
+
+
+def _log_softmax(z):
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def top_p_case(temperature: float, top_p: float, seed: int = 0, noise: float = 0.0):
+    """One model's logits at 16 positions of one row, a token drawn at each from the
+    top-p-truncated distribution at ``temperature`` (as vLLM samples), and the log-probs
+    of it: ``processed`` (vLLM's processed_logprobs: the truncated distribution's),
+    ``raw`` (its raw_logprobs: before the temperature, untruncated), from an engine whose
+    logits are the trainer's plus ``noise``; the trainer's at the temperature and at 1."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(scale=2.0, size=(16, 12))
+    engine = logits + rng.normal(scale=noise, size=logits.shape)
+    scaled = _log_softmax(engine / temperature)
+    order = np.argsort(-scaled, axis=-1)
+    kept_mass = np.cumsum(np.exp(np.take_along_axis(scaled, order, -1)), -1)
+    keep = np.zeros_like(scaled, bool)
+    for t in range(len(scaled)):  # the smallest set of top tokens holding top_p
+        keep[t, order[t, : int(np.searchsorted(kept_mass[t], top_p)) + 1]] = True
+    truncated = _log_softmax(np.where(keep, engine / temperature, -np.inf))
+    tokens = [rng.choice(12, p=np.exp(row)) for row in truncated]
+    pick = lambda lp: np.array([[lp[t, x] for t, x in enumerate(tokens)]])  # noqa: E731
+    return {
+        "processed": pick(truncated),
+        "raw": pick(_log_softmax(engine)),
+        "old": pick(_log_softmax(logits / temperature)),
+        "old_at_1": pick(_log_softmax(logits)),
+        "mask": np.ones((1, 16), np.float32),
+    }
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
+def test_vllm_top_p_reads_as_the_native_samplers_at_every_temperature(temperature):
+    """vLLM at top_p 0.8 with ppo.old_logprobs=recompute: at T != 1 its processed
+    log-probs carried the truncation, so mismatch/* reported it as an engine gap and tis
+    down-weighted every token; at T = 1 (raw) nothing. The log-probs vLLM now returns
+    there (raw, at 1) are brought to the rollout temperature: an engine computing as the
+    trainer reads 0 and weighs 1 at every temperature, as the native samplers do."""
+    from strop.engines import sampler_logprobs_temperature
+
+    config = load_config("ppo-lora-tiny", [
+        "generation.engine=vllm", "generation.top_p=0.8", f"generation.temperature={temperature}",
+        "ppo.rollout_correction=tis",
+    ])  # fmt: skip
+    at = sampler_logprobs_temperature(config)
+    assert at == 1.0  # raw_logprobs: the untruncated distribution vLLM has
+    case = top_p_case(temperature, 0.8)
+    if temperature != 1.0:  # what the processed log-probs read before
+        before = rc.correct(
+            {"response_mask": case["mask"]}, case["old"], case["processed"], config.ppo
+        )[1]
+        assert before["mismatch/kl"] > 1e-3 and before["mismatch/is_weight_mean"] < 0.99
+    sampled = rc.at_rollout_temperature(case["raw"], case["old"], case["old_at_1"], at, temperature)
+    arrays, metrics = rc.correct({"response_mask": case["mask"]}, case["old"], sampled, config.ppo)
+    assert metrics["mismatch/abs_logprob_diff_max"] < 1e-12
+    np.testing.assert_allclose(arrays[rc.WEIGHTS], 1.0, atol=1e-12)
+
+
+def test_an_engine_gap_at_1_is_scaled_to_the_rollout_temperature():
+    """With the engine's logits off the trainer's, the converted gap is the untruncated
+    gap at 1 over T, close to the exact one at T (the trainer's normaliser stands in for
+    the engine's, which vLLM does not return)."""
+    temperature = 0.7
+    case = top_p_case(temperature, 0.8, seed=1, noise=0.05)
+    sampled = rc.at_rollout_temperature(
+        case["raw"], case["old"], case["old_at_1"], 1.0, temperature
+    )
+    np.testing.assert_allclose(
+        case["old"] - sampled, (case["old_at_1"] - case["raw"]) / temperature, atol=1e-12
+    )
+    assert 0 < np.abs(case["old"] - sampled).max() < 0.5
+
+
+@pytest.mark.parametrize(
+    ("overrides", "mode", "at"),
+    [
+        (["generation.temperature=0.7", "generation.top_p=0.8"], "raw_logprobs", 1.0),
+        (["generation.temperature=0.7", "generation.top_k=5"], "raw_logprobs", 1.0),
+        (["generation.temperature=0.7"], "processed_logprobs", 0.7),
+        (["generation.temperature=1.0", "generation.top_p=0.8"], "raw_logprobs", 1.0),
+    ],
+)
+def test_vllm_returns_an_untruncated_distribution(overrides, mode, at):
+    from strop.engines import sampler_logprobs_temperature
+    from strop.engines.vllm import logprobs_mode
+
+    config = load_config("ppo-lora-tiny", ["generation.engine=vllm", *overrides])
+    assert (logprobs_mode(config), sampler_logprobs_temperature(config)) == (mode, at)
+    native = load_config("ppo-lora-tiny", overrides)
+    assert sampler_logprobs_temperature(native) == native.generation.temperature

@@ -42,6 +42,29 @@ PREFIX = "mismatch_"
 not logged as ``policy/*``; the first update's become ``mismatch/*`` in sampler mode."""
 
 
+def at_rollout_temperature(
+    sampled: np.ndarray,
+    trainer: np.ndarray,
+    trainer_at: np.ndarray,
+    at: float,
+    temperature: float,
+) -> np.ndarray:
+    """The sampler's log-probabilities ``[B, L]`` (float64) of the untruncated distribution
+    at the rollout ``temperature`` T, from its ``sampled`` ones at the temperature ``at``
+    (vLLM's ``raw_logprobs``, at 1, where top-k/top-p cut at another temperature), with the
+    trainer's at both (``trainer``: at T, the old log-probabilities; ``trainer_at``: at
+    ``at``).
+
+    ``log p_T(x) = (at / T) log p_at(x) - log sum_v p_at(v)^(at / T)``: the sum needs the
+    whole distribution, which the sampler does not return, so the trainer's stands in for
+    it: ``trainer + (at / T) (sampled - trainer_at)``. A sampler computing as the trainer
+    does then reads 0 against it at every temperature, as the native samplers do, whatever
+    top-k/top-p cut; a gap is the untruncated distributions' at ``at``, times ``at / T``."""
+    scale = at / temperature
+    trainer, trainer_at = np.asarray(trainer, np.float64), np.asarray(trainer_at, np.float64)
+    return trainer + scale * (np.asarray(sampled, np.float64) - trainer_at)
+
+
 def mismatch_metrics(old: np.ndarray, sampled: np.ndarray, mask: np.ndarray) -> dict[str, float]:
     """``mismatch/kl`` (k3 of KL(sampler || trainer)), ``mismatch/abs_logprob_diff_mean``
     and ``_max`` over the response tokens of ``mask``; none without a response token."""
