@@ -41,6 +41,8 @@ TOOL = {
 NO_THINKING = {"enable_thinking": False}
 # (family, template kwargs): the families' modes, as their model cards use them.
 MODES = [
+    ("qwen2.5", {}),
+    ("llama3.1", {}),
     ("qwen3", {}),
     ("qwen3", NO_THINKING),
     ("gemma3", {}),
@@ -78,6 +80,8 @@ def test_each_family_renders_as_transformers(families, family, kwargs) -> None:
 # Which templates render a conversation as a prefix of a longer one's, as they ship: SFT of
 # one assistant turn, SFT of several, an episode that grows by a user message.
 AS_THEY_ARE = {
+    ("qwen2.5", ()): (True, True, True),
+    ("llama3.1", ()): (True, True, True),
     ("qwen3", ()): (True, False, False),  # drops earlier turns' <think>, empty one on the last
     ("qwen3", ("enable_thinking",)): (True, False, False),
     ("gemma3", ()): (True, True, True),
