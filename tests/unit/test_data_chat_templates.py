@@ -5,6 +5,8 @@ Phi-4-mini, SmolLM3) against transformers' apply_chat_template as the oracle;
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from strop.data.prompts import prompt_ids
 from strop.data.sft import tokenize_examples
 from strop.data.sources import Example
 from strop.errors import ConfigError, DataError
+from strop.rl.run import PpoRun
 from tests.chat_templates import QWEN3, save_chat_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -239,3 +242,24 @@ def test_qwen3_training_sft_trains_on_every_turn_s_thinking(families) -> None:
     [tokenized], _ = tokenize_examples([example], tok, 512)
     trained = tok.decode(tokenized.input_ids[tokenized.loss_mask == 1])
     assert trained == THOUGHT + "It is 5.<|im_end|>\nThe answer is 20.<|im_end|>\n"
+
+
+def test_a_ppo_run_renders_its_prompts_with_the_data_settings(families, tmp_path) -> None:
+    """The settings reach a job, not only the tokenizer: PpoRun.read's prompts."""
+    model = shutil.copytree(families["qwen3"], tmp_path / "model")
+    config = transformers.Qwen3Config(
+        vocab_size=1024, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+    )  # fmt: skip
+    config.save_pretrained(model)
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": CHAT[:1], "answer": "5"}) + "\n")
+    settings = [
+        f"model.path={model}", f"data.train_path={data}", "data.prompt_key=prompt",
+        "data.answer_key=answer", "data.chat_template=qwen3-training",
+        "data.chat_template_kwargs={enable_thinking: false}",
+    ]  # fmt: skip
+    run = PpoRun.read(load_config(None, settings), None, None)
+    [prompt] = run.train.ids
+    assert run.tokenizer.chat_template == read_chat_template("qwen3-training")
+    assert run.tokenizer.decode(prompt).endswith("<|im_start|>assistant\n" + NO_THOUGHT)
