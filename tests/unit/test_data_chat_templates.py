@@ -20,7 +20,7 @@ from strop.data.sft import tokenize_examples
 from strop.data.sources import Example
 from strop.errors import ConfigError, DataError
 from strop.rl.run import PpoRun
-from tests.chat_templates import QWEN3, save_chat_tokenizer
+from tests.chat_templates import PHI4_MINI_INSTRUCT, QWEN3, save_chat_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -242,6 +242,30 @@ def test_qwen3_training_sft_trains_on_every_turn_s_thinking(families) -> None:
     [tokenized], _ = tokenize_examples([example], tok, 512)
     trained = tok.decode(tokenized.input_ids[tokenized.loss_mask == 1])
     assert trained == THOUGHT + "It is 5.<|im_end|>\nThe answer is 20.<|im_end|>\n"
+
+
+def test_phi4_mini_training_grows_where_phi4_mini_cannot(families) -> None:
+    """Phi-4-mini's template ends a finished chat with eos_token; its training copy renders
+    prompts as it does, and multi-turn SFT and episodes with it."""
+    oracle = transformers.AutoTokenizer.from_pretrained(families["phi4-mini"])
+    training = read_chat_template("phi4-mini-training")
+    for chat in ([SYSTEM, CHAT[0]], [SYSTEM, *CHAT[:3]]):
+        prompts = [
+            oracle.apply_chat_template(
+                chat, chat_template=template, tokenize=False, add_generation_prompt=True
+            )
+            for template in (PHI4_MINI_INSTRUCT, training)
+        ]
+        assert prompts[0] == prompts[1]
+    tok = policy_tokenizer(_config(families["phi4-mini"], chat_template="phi4-mini-training"))
+    example = Example("s.jsonl", 1, messages=(SYSTEM, *CHAT))
+    [tokenized], _ = tokenize_examples([example], tok, 512)
+    trained = tok.decode(tokenized.input_ids[tokenized.loss_mask == 1])
+    assert trained == "It is 5.<|end|>The answer is 20.<|end|>"
+    episode = Episode(tok, [SYSTEM, CHAT[0]])
+    episode.add_sampled(_ids(tok, "It is 5.<|end|>"))  # stopped on <|end|>, the closer
+    episode.add_messages([CHAT[2]])
+    assert episode.ids == _ids(tok, tok.apply_chat_template([SYSTEM, *CHAT[:3]], True))
 
 
 def test_a_ppo_run_renders_its_prompts_with_the_data_settings(families, tmp_path) -> None:

@@ -151,7 +151,7 @@ class DataConfig(_Section):
     )
     chat_template: str | None = Field(
         None,
-        description="A chat template in place of the checkpoint's, for the policy's every render: a jinja file's path, or a built-in training copy: qwen3-training (Qwen3's template keeping every assistant turn as sampled, so multi-turn episodes can grow; docs/agents.md). null = the checkpoint's own.",
+        description="A chat template in place of the checkpoint's, for the policy's every render: a jinja file's path, or a built-in training copy (qwen3-training: Qwen3's template keeping every assistant turn as sampled, so multi-turn episodes can grow; phi4-mini-training; docs/agents.md). null = the checkpoint's own.",
     )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
