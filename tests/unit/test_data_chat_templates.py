@@ -173,12 +173,24 @@ def test_chat_template_is_a_file_or_a_built_in(families, tmp_path) -> None:
 
 @pytest.mark.parametrize("kwargs", [{}, NO_THINKING], ids=["thinking", "non-thinking"])
 def test_qwen3_training_renders_as_qwen3_wherever_qwen3_is_a_prefix(families, kwargs) -> None:
-    """Prompts (with and without tools, a system message) and a last assistant turn render
-    the same; only the rewriting of earlier turns is gone."""
+    """Prompts (with and without tools, a system message) and a last assistant turn that
+    holds its thinking (none in non-thinking mode), with or without tool calls, render the
+    same; only the rewriting of earlier turns is gone."""
     oracle = transformers.AutoTokenizer.from_pretrained(families["qwen3"])
     training = read_chat_template("qwen3-training")
-    answer = "The answer is 20." if kwargs else THOUGHT + "The answer is 20."
-    for chat in ([CHAT[0]], [SYSTEM, CHAT[0]], [SYSTEM, CHAT[0], {**CHAT[3], "content": answer}]):
+    thought = "" if kwargs else THOUGHT
+    answer = {**CHAT[3], "content": thought + "The answer is 20."}
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2}}}
+    calls = [
+        {"role": "assistant", "content": thought + text, "tool_calls": [call]}
+        for text in ("", "Adding.")
+    ]
+    for chat in (
+        [CHAT[0]],
+        [SYSTEM, CHAT[0]],
+        [SYSTEM, CHAT[0], answer],
+        *([CHAT[0], c] for c in calls),
+    ):
         for tools in (None, [TOOL]):
             rendered = [
                 oracle.apply_chat_template(
