@@ -27,7 +27,7 @@ from strop.io.checkpoint_dir import (
 )
 from strop.io.run_identity import PolicyRun
 from strop.io.run_record import CONFIG_FILE
-from strop.io.writable import require_writable_parent
+from strop.io.writable import require_output_dir
 from strop.objectives.roles import RolePlan
 from strop.preflight import preflight
 
@@ -101,7 +101,7 @@ def _recorded(run_dir: Path, overrides: list[str]) -> Config:
 def run_export(config: Config, out: str | os.PathLike, *, merged: bool) -> ExportResult:
     """Restore the newest checkpoint of ``config.run_dir`` (or ``checkpoint.dir``) and write
     the trained model to ``out``: a merged HF checkpoint, or else a PEFT adapter."""
-    require_writable_parent(out, "--out")  # before anything loads
+    require_output_dir(out, "--out")  # before anything loads
     checkpoint_dir = config.checkpoint_path()
     refuse_other_backends_checkpoints(checkpoint_dir, config.backend)  # "train first" misleads
     identity = stored_identity(checkpoint_dir, config.backend)

@@ -10,22 +10,35 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from strop.errors import OutputExistsError, StropError
+from strop.errors import StropError
+from strop.io.writable import refuse_non_empty
 
 
 @contextmanager
 def atomic_directory(target: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield an empty staging directory beside ``target``; on success it becomes ``target``.
+    """Yield an empty staging directory; on success its contents become ``target``.
 
-    A non-empty ``target`` is refused unless ``overwrite`` is set.
+    ``target`` may be new, an existing empty directory, or (with ``overwrite``) an existing
+    directory to replace; anything else is refused (:class:`OutputExistsError`).
 
-    If the body raises, the staging directory is removed and ``target`` is untouched. An
-    existing ``target`` is moved aside before the rename and deleted after it, so at every
-    moment either the old or the new complete directory is in place.
+    If the body raises, the staging directory is removed and ``target`` is untouched.
+
+    - A new ``target``: the staging directory is its sibling, renamed into place.
+    - An existing empty directory is kept and filled, never renamed (it may be a mount
+      point, a container's output volume, which cannot be): the staging directory is
+      inside it, its entries are moved up once complete (renames within one filesystem,
+      one per entry: a kill between two of them leaves part of the output there).
+    - With ``overwrite`` an existing ``target`` is moved aside before the rename and
+      deleted after it, so at every moment the old or the new complete directory is there.
     """
     target = Path(target)
-    if target.exists() and not overwrite and not (target.is_dir() and not any(target.iterdir())):
-        raise OutputExistsError(f"{target}: already exists; choose a new directory")
+    empty = target.is_dir() and not any(target.iterdir())
+    if target.exists() and not empty and not overwrite:
+        refuse_non_empty(target, str(target))
+    if empty:
+        with _filled_in_place(target) as staging:
+            yield staging
+        return
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
@@ -39,6 +52,25 @@ def atomic_directory(target: str | os.PathLike, *, overwrite: bool = False) -> I
             os.replace(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+@contextmanager
+def _filled_in_place(target: Path) -> Iterator[Path]:
+    """A staging directory inside the empty directory ``target``, whose entries become
+    ``target``'s once the body succeeds; on failure ``target`` is left empty."""
+    staging = Path(tempfile.mkdtemp(prefix=".strop-staging-", dir=target))
+    try:
+        yield staging
+        for entry in list(staging.iterdir()):
+            os.replace(entry, target / entry.name)
+        staging.rmdir()
+    except BaseException:
+        for entry in target.iterdir():  # staging, and what was moved up before the failure
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
         raise
 
 

@@ -10,7 +10,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from strop.errors import ConfigError
+from strop.errors import ConfigError, OutputExistsError
 
 
 def require_writable_dir(path: str | os.PathLike, what: str) -> Path:
@@ -26,6 +26,33 @@ def require_writable_parent(path: str | os.PathLike, what: str) -> Path:
     writes through a staging entry beside it, renamed into place)."""
     _check(Path(path).absolute().parent, f"{what} {path}")
     return Path(path)
+
+
+def require_output_dir(path: str | os.PathLike, what: str) -> Path:
+    """Check the directory ``path`` that a command creates (an export's ``--out``): it must
+    be new (its parent able to take it) or an existing *empty* directory strop can write
+    in, which is written into, not replaced (:func:`strop.io.atomic.atomic_directory`: a
+    container's output volume is such a directory, and a mount point cannot be renamed)."""
+    path = Path(path)
+    if path.is_dir():
+        refuse_non_empty(path, f"{what} {path}")
+        _check(path, f"{what} {path}")
+    elif path.exists() or path.is_symlink():
+        raise ConfigError(
+            f"{what} {path}: is a file, not a directory; choose another path or move the file"
+        )
+    else:
+        _check(path.absolute().parent, f"{what} {path}")
+    return path
+
+
+def refuse_non_empty(directory: Path, named: str) -> None:
+    """Raise :class:`OutputExistsError` if ``directory`` holds anything (``named`` starts
+    the message: the setting and the path)."""
+    if any(directory.iterdir()):
+        raise OutputExistsError(
+            f"{named}: already exists and is not empty; choose a new or empty directory"
+        )
 
 
 def _check(directory: Path, named: str) -> None:
