@@ -107,11 +107,16 @@ def refuse_other_backends_checkpoints(directory: str | os.PathLike, backend: str
 
 def save_failed(step: int, directory: Path, reason: str, previous: int | None) -> CheckpointError:
     """The error for a save of ``step`` that failed with ``reason`` (one line), naming the
-    intact ``previous`` checkpoint and the free space where the save went."""
+    intact ``previous`` checkpoint (``None``: none was written yet) and the free space
+    where the save went."""
+    kept = (
+        "no checkpoint was written yet"
+        if previous is None
+        else f"the previous checkpoint ({previous}) is intact"
+    )
     return CheckpointError(
-        f"saving checkpoint step {step} to {directory} failed: {reason}; the previous "
-        f"checkpoint ({previous}) is intact. Check free space{_free_space(directory)} and "
-        "permissions of the run directory."
+        f"saving checkpoint step {step} to {directory} failed: {reason}; {kept}. Check free "
+        f"space{_free_space(directory)} and permissions of the run directory."
     )
 
 
@@ -221,11 +226,16 @@ def short_reason(text: str, limit: int = 200) -> str:
 
 
 def _free_space(directory: Path) -> str:
+    """`` (N MiB free there)``, in KiB under 10 MiB (a full disk's few hundred KiB are not
+    "0 MiB"); nothing when it cannot be read."""
     try:
         stat = os.statvfs(directory)
     except OSError:
         return ""
-    return f" ({stat.f_bavail * stat.f_frsize / 2**20:.0f} MiB free there)"
+    free = stat.f_bavail * stat.f_frsize
+    if free < 10 * 2**20:
+        return f" ({free / 2**10:.0f} KiB free there)"
+    return f" ({free / 2**20:.0f} MiB free there)"
 
 
 def refuse_run_past_its_end(
