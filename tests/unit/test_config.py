@@ -354,3 +354,23 @@ def test_ppo_lora_tiny_leaves_room_for_an_answer_to_end() -> None:
     """At 24 new tokens the shipped tiny-math model had 64% of its responses cut
     (train/truncated_fraction), at 48 none: the recipe's comment has the figures."""
     assert load_config("ppo-lora-tiny").generation.max_new_tokens >= 48
+
+
+def test_a_run_directory_is_the_config_it_recorded(tmp_path: Path) -> None:
+    """`strop ppo runs/x` takes the run directory as its config.yaml, as `strop export` does
+    (before: "recipe 'runs/x' not found: no such file"); the run continues there, even
+    from a directory moved since it was written."""
+    trained = load_config("ppo-lora-tiny", ["optim.lr=3e-5", "run_dir=runs/elsewhere"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(dump_config(trained))
+    assert load_config(run) == trained.model_copy(update={"run_dir": str(run)})
+    assert load_config(str(run), ["ppo.steps=7"]).ppo.steps == 7  # overrides on top
+    with pytest.raises(ConfigError, match=r"optim\.lr.*\(got -1 from override"):
+        load_config(run, ["optim.lr=-1"])
+    (tmp_path / "empty").mkdir()
+    assert config_error(str(tmp_path / "empty")) == (
+        f"recipe {str(tmp_path / 'empty')!r} is a directory without config.yaml (a run "
+        "directory holds one once its first run started): name a recipe file, a built-in "
+        "recipe or a run directory"
+    )
