@@ -46,8 +46,8 @@ def test_a_qlora_run_saves_resumes_and_exports(sft_inputs, tmp_path, backend, ki
     resumed = run_sft(config)
     assert (resumed.resumed_from, resumed.final_step) == (1, 2)
 
-    adapter = run_export(config, tmp_path / "adapter", merged=False)
-    assert (adapter.job, adapter.step) == ("sft", 2)
+    adapter = run_export(config, tmp_path / "adapter", merged=None)  # a LoRA run's own: adapter
+    assert (adapter.job, adapter.step, adapter.merged) == ("sft", 2, False)
     exported = load_file(adapter.path / "adapter_model.safetensors")
     at_the_end = load_file(resumed.export_path / "adapter_model.safetensors")
     assert exported.keys() == at_the_end.keys()
