@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from strop.errors import StropError
-from strop.io.writable import refuse_non_empty
+from strop.io.writable import refuse_non_empty, writing
 
 
 @contextmanager
@@ -74,13 +74,24 @@ def _filled_in_place(target: Path) -> Iterator[Path]:
         raise
 
 
-def write_text_atomically(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a staging file renamed into place."""
+def write_text_atomically(path: str | os.PathLike, text: str, *, what: str = "") -> None:
+    """Write ``text`` to ``path`` through a staging file renamed into place; a failure is
+    one :class:`~strop.errors.WriteError` line naming ``what`` (default: the file's name)."""
+    write_bytes_atomically(path, text.encode("utf-8"), what=what)
+
+
+def write_bytes_atomically(path: str | os.PathLike, data: bytes, *, what: str = "") -> None:
+    """The same for ``data``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f".{path.name}.tmp")
-    staging.write_text(text, encoding="utf-8")
-    os.replace(staging, path)
+    with writing(what or path.name, path):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staging.write_bytes(data)
+            os.replace(staging, path)
+        except BaseException:
+            staging.unlink(missing_ok=True)
+            raise
 
 
 def write_on_one_process(

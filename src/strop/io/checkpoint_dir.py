@@ -17,6 +17,7 @@ from typing import Any
 
 from strop.errors import CheckpointError, ConfigError
 from strop.io.checksums import checksum_problem
+from strop.io.writable import free_space
 
 # Where each backend keeps a checkpoint's identity, relative to the step's directory
 # (``<checkpoint dir>/<step>/``): Orbax's JsonSave item, DCP checkpoints' plain file.
@@ -116,7 +117,7 @@ def save_failed(step: int, directory: Path, reason: str, previous: int | None) -
     )
     return CheckpointError(
         f"saving checkpoint step {step} to {directory} failed: {reason}; {kept}. Check free "
-        f"space{_free_space(directory)} and permissions of the run directory."
+        f"space{free_space(directory)} and permissions of the run directory."
     )
 
 
@@ -223,19 +224,6 @@ def short_reason(text: str, limit: int = 200) -> str:
     page: a traceback per rank, a TensorStore spec)."""
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
-
-
-def _free_space(directory: Path) -> str:
-    """`` (N MiB free there)``, in KiB under 10 MiB (a full disk's few hundred KiB are not
-    "0 MiB"); nothing when it cannot be read."""
-    try:
-        stat = os.statvfs(directory)
-    except OSError:
-        return ""
-    free = stat.f_bavail * stat.f_frsize
-    if free < 10 * 2**20:
-        return f" ({free / 2**10:.0f} KiB free there)"
-    return f" ({free / 2**20:.0f} MiB free there)"
 
 
 def refuse_run_past_its_end(
