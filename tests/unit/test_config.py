@@ -402,3 +402,23 @@ def test_the_log_says_what_the_policy_loss_decides(caplog) -> None:
     assert "dual_clip" not in logged("ppo.policy_loss=cispo", "ppo.dual_clip=null")
     assert logged("ppo.policy_loss=gspo", "ppo.loss_aggregation=sequence_mean") == ""
     assert logged("ppo.policy_loss=ppo") == ""
+
+
+def test_a_run_directory_is_the_config_it_recorded(tmp_path: Path) -> None:
+    """`strop ppo runs/x` takes the run directory as its config.yaml, as `strop export` does
+    (before: "recipe 'runs/x' not found: no such file"); the run continues there, even
+    from a directory moved since it was written."""
+    trained = load_config("ppo-lora-tiny", ["optim.lr=3e-5", "run_dir=runs/elsewhere"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(dump_config(trained))
+    assert load_config(run) == trained.model_copy(update={"run_dir": str(run)})
+    assert load_config(str(run), ["ppo.steps=7"]).ppo.steps == 7  # overrides on top
+    with pytest.raises(ConfigError, match=r"optim\.lr.*\(got -1 from override"):
+        load_config(run, ["optim.lr=-1"])
+    (tmp_path / "empty").mkdir()
+    assert config_error(str(tmp_path / "empty")) == (
+        f"recipe {str(tmp_path / 'empty')!r} is a directory without config.yaml (a run "
+        "directory holds one once its first run started): name a recipe file, a built-in "
+        "recipe or a run directory"
+    )
