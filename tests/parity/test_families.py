@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 import strop
 from strop.batch.packing import PREFIX_STRIDE
-from tests.tiny_models import FAMILY_KINDS, TINY, padded_batch
+from tests.tiny_models import FAMILY_KINDS, TINY, padded_batch, save_tiny_model
 
 ATOL = 1e-4
 PAD = 0
@@ -160,3 +160,23 @@ def test_torch_family_equals_transformers(tiny_model_dir, kind):
 def test_the_prompts_cross_every_sliding_window():
     windows = [extra.get("sliding_window", 0) for _, extra in FAMILY_KINDS.values()]
     assert max(len(p) for p in PROMPTS) > max(windows) and TINY["vocab_size"] > 200
+
+
+def test_jax_gemma3_soft_caps_are_transformers(tmp_path):
+    """Gemma 3 with soft caps small enough to bind (the tiny model's logits reach about
+    0.6): its final logits are capped as transformers caps them, and its attention-logit
+    cap, which transformers' Gemma 3 keeps in its config but never applies, is not applied."""
+    import jax
+
+    from strop.backends.jax.sharding import make_mesh
+
+    caps = {"final_logit_softcapping": 0.3, "attn_logit_softcapping": 0.05}
+    model_dir = str(save_tiny_model("gemma3", tmp_path, **caps))
+    mesh = make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
+    ours = strop.load_model(model_dir, mesh=mesh).logits(*padded_batch())
+    ids, mask = padded_batch()
+    expected = hf_logits(hf_model(model_dir), ids, mask)
+    valid = mask.astype(bool)
+    assert np.abs(ours[valid] - expected[valid]).max() < ATOL
+    uncapped = AutoModelForCausalLM.from_pretrained(model_dir, final_logit_softcapping=None)
+    assert np.abs(hf_logits(uncapped, ids, mask) - expected).max() > 10 * ATOL  # it binds
