@@ -120,13 +120,28 @@ class Embedding(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm as in HF: normalise in float32, cast back, then scale."""
+    """RMSNorm as in HF over the last dim (``size`` wide): normalise in float32, then scale
+    by the weight, either in the compute dtype after casting back (Llama, Qwen) or, with
+    ``scale_in_float32``, in float32 before casting (OLMo 2). ``axis`` is the weight's
+    logical axis (``norm`` over the hidden size, ``head_dim`` for a per-head q/k norm)."""
 
-    def __init__(self, hidden: int, eps: float, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.eps, self.dtype = eps, dtype
-        self.weight = _param(rngs, (hidden,), ("norm",), param_dtype, nnx.initializers.ones)
+    def __init__(
+        self,
+        size: int,
+        eps: float,
+        *,
+        axis: str = "norm",
+        scale_in_float32: bool = False,
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+    ):
+        self.eps, self.dtype, self.scale_in_float32 = eps, dtype, scale_in_float32
+        self.weight = _param(rngs, (size,), (axis,), param_dtype, nnx.initializers.ones)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.scale_in_float32:
+            return (self.weight[...].astype(jnp.float32) * normed).astype(self.dtype)
         return self.weight[...].astype(self.dtype) * normed.astype(self.dtype)
