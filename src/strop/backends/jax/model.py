@@ -42,8 +42,7 @@ def missing_features(spec: ModelSpec) -> list[str]:
     if not spec.registered:
         return [f"model_type {spec.family!r} (no family of strop's declares it)"]
     checks = {
-        "q/k norms": spec.qk_norm != "none",
-        f"{spec.norm_placement} norms": spec.norm_placement != "pre",
+        f"{spec.norm_placement} norms": spec.norm_placement not in LAYER_NORMS,
         "RMSNorm scaling by 1 + weight": spec.norm_weight_offset != 0.0,
         f"activation {spec.activation}": spec.activation != "silu",
         "an embedding scale": spec.embedding_scale is not None,
@@ -52,9 +51,7 @@ def missing_features(spec: ModelSpec) -> list[str]:
         "final logit soft-capping": spec.final_logit_softcap is not None,
         "fused q/k/v or gate/up projections": spec.fused_qkv or spec.fused_gate_up,
         "routed experts (MoE)": spec.moe is not None,
-        "MLP biases": spec.mlp_bias,
         "sliding-window attention": bool(spec.sliding_windows),
-        "layers without RoPE": any(layer.rope is None for layer in spec.layers),
     }
     missing = [feature for feature, used in checks.items() if used]
     for layer in spec.layers:
@@ -77,8 +74,24 @@ def check_model(spec: ModelSpec) -> None:
         )
 
 
+def qk_norms(spec: ModelSpec, *, dtype, param_dtype, rngs) -> tuple[RMSNorm | None, ...]:
+    """The RMSNorms on queries and keys (HF's ``q_norm``, ``k_norm``) ``spec.qk_norm``
+    declares: none, per head (weights ``[D]``, Qwen3) or over the whole projection
+    (``[H * D]`` and ``[K * D]``, OLMo 2)."""
+    if spec.qk_norm == "none":
+        return None, None
+    h, k, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    sizes, axis = ((d, d), "head_dim") if spec.qk_norm == "head" else ((h * d, k * d), "norm")
+    return tuple(
+        RMSNorm(size, spec.rms_norm_eps, axis=axis, scale_in_float32=spec.norm_scale_in_float32,
+                dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        for size in sizes
+    )  # fmt: skip
+
+
 class Attention(nnx.Module):
-    """Grouped-query causal self-attention (plain dot-product, softmax in float32)."""
+    """Grouped-query causal self-attention (plain dot-product, softmax in float32), with
+    the q/k norms and the RoPE (or none: NoPE) its spec and layer declare."""
 
     def __init__(self, spec: ModelSpec, layer: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         e, h, k, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -90,7 +103,10 @@ class Attention(nnx.Module):
         self.o_proj = Dense(
             (h, d), (e,), ("heads", "head_dim"), ("embed",), use_bias=spec.o_bias, **common
         )
-        self.inv_freq = tuple(rope_inv_freq(layer.rope).tolist())  # static data, not a weight
+        self.q_norm, self.k_norm = qk_norms(spec, **common)
+        self.qk_norm = spec.qk_norm
+        # static data, not a weight; None on a layer without RoPE
+        self.inv_freq = None if layer.rope is None else tuple(rope_inv_freq(layer.rope).tolist())
         self.num_groups = h // k
 
     def __call__(
@@ -108,10 +124,12 @@ class Attention(nnx.Module):
         first written at slots ``write_index .. write_index + L - 1`` and the queries attend
         over all S slots (``Lk = S``).
         """
-        inv_freq = np.asarray(self.inv_freq, dtype=np.float32)
-        q = apply_rope(self.q_proj(x), positions, inv_freq)  # [B, L, H, D]
-        k = apply_rope(self.k_proj(x), positions, inv_freq)  # [B, L, K, D]
+        q = self._qk_normed(self.q_norm, self.q_proj(x))  # [B, L, H, D]
+        k = self._qk_normed(self.k_norm, self.k_proj(x))  # [B, L, K, D]
         v = self.v_proj(x)
+        if self.inv_freq is not None:
+            inv_freq = np.asarray(self.inv_freq, dtype=np.float32)
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         if kv is not None:
             k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), write_index, 1)
             v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), write_index, 1)
@@ -121,13 +139,26 @@ class Attention(nnx.Module):
         attend = cached_attention if kv is not None else causal_attention
         return self.o_proj(attend(q, k, v, mask).reshape(b, length, heads, d)), kv
 
+    def _qk_normed(self, norm: RMSNorm | None, x: jax.Array) -> jax.Array:
+        """``x [B, L, N, D]`` through ``norm``: per head, or over its N x D values at once."""
+        if norm is None:
+            return x
+        if self.qk_norm == "head":
+            return norm(x)
+        return norm(x.reshape(*x.shape[:-2], -1)).reshape(x.shape)
+
 
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, the three with biases under ``mlp_bias``."""
 
     def __init__(self, spec: ModelSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         e, m = spec.hidden_size, spec.intermediate_size
-        common = {"use_bias": False, "dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
+        common = {
+            "use_bias": spec.mlp_bias,
+            "dtype": dtype,
+            "param_dtype": param_dtype,
+            "rngs": rngs,
+        }
         self.gate_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
         self.up_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
         self.down_proj = Dense((m,), (e,), ("mlp",), ("embed",), **common)
@@ -136,14 +167,27 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+LAYER_NORMS = {
+    "pre": {"before_attention": "input_layernorm", "before_mlp": "post_attention_layernorm"},
+    "post": {"after_attention": "post_attention_layernorm",
+             "after_mlp": "post_feedforward_layernorm"},
+}  # fmt: skip
+"""A layer's RMSNorms for each ``norm_placement``: where each sits -> its HF name (Llama's
+``post_attention_layernorm`` is the norm before its MLP, OLMo 2's the one after attention)."""
+
+
 class DecoderLayer(nnx.Module):
-    """Pre-norm transformer block: attention and MLP, each with a residual."""
+    """Transformer block: attention and MLP, each with a residual, and the RMSNorms
+    ``spec.norm_placement`` puts before or after them (:data:`LAYER_NORMS`)."""
 
     def __init__(self, spec: ModelSpec, layer: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **common)
+        self.norm_placement = spec.norm_placement
+        for name in LAYER_NORMS[spec.norm_placement].values():
+            norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps,
+                           scale_in_float32=spec.norm_scale_in_float32, **common)  # fmt: skip
+            setattr(self, name, norm)
         self.self_attn = Attention(spec, layer, **common)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **common)
         self.mlp = MLP(spec, **common)
 
     def __call__(
@@ -154,9 +198,15 @@ class DecoderLayer(nnx.Module):
         kv: tuple[jax.Array, jax.Array] | None = None,
         write_index: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        attended, kv = self.self_attn(self.input_layernorm(x), positions, mask, kv, write_index)
-        x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        normed = self._norm("before_attention", x)
+        attended, kv = self.self_attn(normed, positions, mask, kv, write_index)
+        x = x + self._norm("after_attention", attended)
+        return x + self._norm("after_mlp", self.mlp(self._norm("before_mlp", x))), kv
+
+    def _norm(self, where: str, x: jax.Array) -> jax.Array:
+        """``x`` through the norm at ``where`` in this layer, or as it is if none sits there."""
+        name = LAYER_NORMS[self.norm_placement].get(where)
+        return x if name is None else getattr(self, name)(x)
 
 
 class DecoderStack(nnx.Module):
@@ -166,7 +216,8 @@ class DecoderStack(nnx.Module):
         common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, **common)
         self.layers = nnx.List([DecoderLayer(spec, layer, **common) for layer in spec.layers])
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **common)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps,
+                            scale_in_float32=spec.norm_scale_in_float32, **common)  # fmt: skip
 
     def __call__(
         self,
