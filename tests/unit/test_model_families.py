@@ -79,3 +79,23 @@ def test_a_flag_the_family_does_not_declare_is_refused_by_name(model_type, chang
     cfg = {**spec_of(model_type).raw, **change}
     with pytest.raises(ModelError, match=message):
         parse_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "flags"),
+    [("llama", {"attention_bias": True, "mlp_bias": True}), ("smollm3", {"mlp_bias": True}),
+     ("qwen3", {"attention_bias": True}), ("olmo2", {}), ("gemma3_text", {}), ("phi3", {}),
+     ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+                    "mlp_only_layers": [0]})],
+)  # fmt: skip
+def test_the_parameter_count_is_transformers_own(model_type, flags):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from strop.models.counts import parameter_count
+
+    config = AutoConfig.for_model(model_type, **TINY, pad_token_id=0, **flags)
+    with torch.device("meta"):  # shapes only
+        model = AutoModelForCausalLM.from_config(config)
+    expected = sum(parameter.numel() for parameter in model.parameters())
+    assert parameter_count(parse_config(config.to_dict())) == expected
