@@ -50,6 +50,7 @@ def test_gemma3_layer_types_and_their_ropes_in_both_layouts():
     assert kinds == [4, 4, 4, 4, 4, None]  # every 6th layer global
     assert (new.layers[0].rope.theta, new.layers[5].rope.theta) == (1e4, 1e6)
     assert new.norm_placement == "sandwich" and new.norm_weight_offset == 1.0
+    assert new.norm_scale_in_float32  # (x * (1 + w)).to(dtype), as OLMo 2's norms
     assert new.embedding_scale == 8.0 and new.query_scale == 0.25
     old = {**new.raw, "rope_theta": 2e6, "rope_local_base_freq": 5e3,
            "rope_scaling": {"rope_type": "linear", "factor": 8.0}}  # fmt: skip
