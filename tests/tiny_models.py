@@ -43,7 +43,7 @@ KINDS = {  # the first families: Qwen2 and Llama (BASE_KINDS)
 # make its decoder differ from the common one. Sliding windows are shorter than
 # padded_batch's longest row (12 tokens), so every parity test crosses them.
 FAMILY_KINDS = {
-    "qwen3": ("qwen3", {"head_dim": 32}),
+    "qwen3": ("qwen3", {"head_dim": 32, "attention_bias": True}),
     "qwen3_moe": (
         "qwen3_moe",
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -71,7 +71,7 @@ FAMILY_KINDS = {
                              "long_factor": [1.0, 2.0, 4.0, 8.0]}},
     ),
     "olmo2": ("olmo2", {}),
-    "smollm3": ("smollm3", {"no_rope_layer_interval": 2}),
+    "smollm3": ("smollm3", {"no_rope_layer_interval": 2, "mlp_bias": True}),
 }  # fmt: skip
 BASE_KINDS = tuple(KINDS)
 SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # within the vocab

@@ -120,6 +120,39 @@ def test_bfloat16_params_and_compute(tiny_model_dir):
     assert max_error_on_valid(ours, expected, mask) < 0.05 * np.abs(expected).max()
 
 
+@pytest.mark.parametrize("family", ["qwen3", "olmo2"])
+def test_rms_norm_rounds_in_bfloat16_as_the_familys_own(family):
+    """Llama-style norms cast the normalised values to bfloat16 and then scale; OLMo 2's
+    scale in float32 and cast the product: the two differ in bfloat16, and each family's
+    spec picks its transformers norm's order, bit for bit."""
+    from flax import nnx
+    from transformers import AutoConfig
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from strop.backends.jax.layers import RMSNorm
+    from strop.models import parse_config
+
+    spec = parse_config(AutoConfig.for_model(family, **TINY).to_dict())
+    rng = np.random.default_rng(0)
+    x = (3 * rng.standard_normal((8, spec.hidden_size))).astype(np.float32)
+    weight = (1 + 0.5 * rng.standard_normal(spec.hidden_size)).astype(np.float32)
+    reference = {"qwen3": Qwen3RMSNorm, "olmo2": Olmo2RMSNorm}[family](spec.hidden_size)
+    with torch.no_grad():
+        reference.weight.copy_(torch.tensor(weight))
+        expected = reference.bfloat16()(torch.tensor(x).bfloat16()).float().numpy()
+
+    def ours(scale_in_float32: bool) -> np.ndarray:
+        bf16 = jax.numpy.bfloat16
+        norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, scale_in_float32=scale_in_float32,
+                       dtype=bf16, param_dtype=bf16, rngs=nnx.Rngs(0))  # fmt: skip
+        norm.weight.set_value(jax.numpy.asarray(weight, bf16))
+        return np.asarray(norm(jax.numpy.asarray(x, bf16)), np.float32)
+
+    np.testing.assert_array_equal(ours(spec.norm_scale_in_float32), expected)
+    assert np.any(ours(not spec.norm_scale_in_float32) != expected)  # the order matters
+
+
 # --- RoPE: the inverse frequencies and long sequences -------------------------------------
 
 LLAMA31_SCALING = {

@@ -50,6 +50,7 @@ def test_gemma3_layer_types_and_their_ropes_in_both_layouts():
     assert kinds == [4, 4, 4, 4, 4, None]  # every 6th layer global
     assert (new.layers[0].rope.theta, new.layers[5].rope.theta) == (1e4, 1e6)
     assert new.norm_placement == "sandwich" and new.norm_weight_offset == 1.0
+    assert new.norm_scale_in_float32  # (x * (1 + w)).to(dtype), as OLMo 2's norms
     assert new.embedding_scale == 8.0 and new.query_scale == 0.25
     old = {**new.raw, "rope_theta": 2e6, "rope_local_base_freq": 5e3,
            "rope_scaling": {"rope_type": "linear", "factor": 8.0}}  # fmt: skip
@@ -79,3 +80,23 @@ def test_a_flag_the_family_does_not_declare_is_refused_by_name(model_type, chang
     cfg = {**spec_of(model_type).raw, **change}
     with pytest.raises(ModelError, match=message):
         parse_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "flags"),
+    [("llama", {"attention_bias": True, "mlp_bias": True}), ("smollm3", {"mlp_bias": True}),
+     ("qwen3", {"attention_bias": True}), ("olmo2", {}), ("gemma3_text", {}), ("phi3", {}),
+     ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+                    "mlp_only_layers": [0]})],
+)  # fmt: skip
+def test_the_parameter_count_is_transformers_own(model_type, flags):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from strop.models.counts import parameter_count
+
+    config = AutoConfig.for_model(model_type, **TINY, pad_token_id=0, **flags)
+    with torch.device("meta"):  # shapes only
+        model = AutoModelForCausalLM.from_config(config)
+    expected = sum(parameter.numel() for parameter in model.parameters())
+    assert parameter_count(parse_config(config.to_dict())) == expected

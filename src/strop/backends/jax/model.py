@@ -61,11 +61,8 @@ def missing_features(spec: ModelSpec) -> list[str]:
     if not spec.registered:
         return [f"model_type {spec.family!r} (no family of strop's declares it)"]
     checks = {
-        "q/k norms over the whole projection": spec.qk_norm == "projection",
         "fused q/k/v or gate/up projections": spec.fused_qkv or spec.fused_gate_up,
         "routed experts (MoE)": spec.moe is not None,
-        "MLP biases": spec.mlp_bias,
-        "layers without RoPE": any(layer.rope is None for layer in spec.layers),
     }
     missing = [feature for feature, used in checks.items() if used]
     for layer in spec.layers:
@@ -88,10 +85,26 @@ def check_model(spec: ModelSpec) -> None:
         )
 
 
+def qk_norms(spec: ModelSpec, *, dtype, param_dtype, rngs) -> tuple[RMSNorm | None, ...]:
+    """The RMSNorms on queries and keys (HF's ``q_norm``, ``k_norm``) ``spec.qk_norm``
+    declares: none, per head (weights ``[D]``, Qwen3) or over the whole projection
+    (``[H * D]`` and ``[K * D]``, OLMo 2)."""
+    if spec.qk_norm == "none":
+        return None, None
+    h, k, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    sizes, axis = ((d, d), "head_dim") if spec.qk_norm == "head" else ((h * d, k * d), "norm")
+    return tuple(
+        RMSNorm(size, spec.rms_norm_eps, axis=axis, offset=spec.norm_weight_offset,
+                scale_in_float32=spec.norm_scale_in_float32, dtype=dtype,
+                param_dtype=param_dtype, rngs=rngs)
+        for size in sizes
+    )  # fmt: skip
+
+
 class Attention(nnx.Module):
     """Grouped-query causal self-attention (plain dot-product, softmax in float32), over
-    the layer's sliding window if it has one; queries and keys RMS-normed per head first
-    when ``spec.qk_norm == "head"``."""
+    the layer's sliding window if it has one, with the q/k norms and the RoPE (or none:
+    NoPE) its spec and layer declare."""
 
     def __init__(self, spec: ModelSpec, layer: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         e, h, k, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -103,8 +116,10 @@ class Attention(nnx.Module):
         self.o_proj = Dense(
             (h, d), (e,), ("heads", "head_dim"), ("embed",), use_bias=spec.o_bias, **common
         )
-        self.q_norm, self.k_norm = _head_norms(spec, **common)
-        self.inv_freq = tuple(rope_inv_freq(layer.rope).tolist())  # static data, not a weight
+        self.q_norm, self.k_norm = qk_norms(spec, **common)
+        self.qk_norm = spec.qk_norm
+        # static data, not a weight; None on a layer without RoPE
+        self.inv_freq = None if layer.rope is None else tuple(rope_inv_freq(layer.rope).tolist())
         self.num_groups = h // k
         self.sliding_window = layer.sliding_window
         self.scale, self.softcap = spec.scale, spec.attn_logit_softcap
@@ -125,13 +140,12 @@ class Attention(nnx.Module):
         first written at slots ``write_index .. write_index + L - 1`` and the queries attend
         over all S slots (``Lk = S``).
         """
-        inv_freq = np.asarray(self.inv_freq, dtype=np.float32)
-        q, k = self.q_proj(x), self.k_proj(x)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, inv_freq)  # [B, L, H, D]
-        k = apply_rope(k, positions, inv_freq)  # [B, L, K, D]
+        q = self._qk_normed(self.q_norm, self.q_proj(x))  # [B, L, H, D]
+        k = self._qk_normed(self.k_norm, self.k_proj(x))  # [B, L, K, D]
         v = self.v_proj(x)
+        if self.inv_freq is not None:
+            inv_freq = np.asarray(self.inv_freq, dtype=np.float32)
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         if kv is not None:
             k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), write_index, 1)
             v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), write_index, 1)
@@ -143,25 +157,27 @@ class Attention(nnx.Module):
                      softcap=self.softcap)  # fmt: skip
         return self.o_proj(out.reshape(b, length, heads, d)), kv
 
-
-def _head_norms(spec: ModelSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
-    """``(q_norm, k_norm)``: RMSNorms over ``head_dim`` (one weight shared by the heads)
-    for ``qk_norm == "head"``, else ``(None, None)``."""
-    if spec.qk_norm != "head":
-        return None, None
-    norm = functools.partial(RMSNorm, spec.head_dim, spec.rms_norm_eps,
-                             offset=spec.norm_weight_offset, dtype=dtype,
-                             param_dtype=param_dtype, rngs=rngs)  # fmt: skip
-    return norm(), norm()
+    def _qk_normed(self, norm: RMSNorm | None, x: jax.Array) -> jax.Array:
+        """``x [B, L, N, D]`` through ``norm``: per head, or over its N x D values at once."""
+        if norm is None:
+            return x
+        if self.qk_norm == "head":
+            return norm(x)
+        return norm(x.reshape(*x.shape[:-2], -1)).reshape(x.shape)
 
 
 class MLP(nnx.Module):
     """Gated MLP: ``down(act(gate(x)) * up(x))``, ``act`` the spec's activation (SwiGLU for
-    silu, GeGLU for gelu_tanh)."""
+    silu, GeGLU for gelu_tanh), the three with biases under ``mlp_bias``."""
 
     def __init__(self, spec: ModelSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         e, m = spec.hidden_size, spec.intermediate_size
-        common = {"use_bias": False, "dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
+        common = {
+            "use_bias": spec.mlp_bias,
+            "dtype": dtype,
+            "param_dtype": param_dtype,
+            "rngs": rngs,
+        }
         self.gate_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
         self.up_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
         self.down_proj = Dense((m,), (e,), ("mlp",), ("embed",), **common)
@@ -180,8 +196,8 @@ class DecoderLayer(nnx.Module):
         common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
         self.norms = NORMS[spec.norm_placement]
         for name in filter(None, self.norms):
-            norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps,
-                           offset=spec.norm_weight_offset, **common)  # fmt: skip
+            norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, offset=spec.norm_weight_offset,
+                           scale_in_float32=spec.norm_scale_in_float32, **common)  # fmt: skip
             setattr(self, name, norm)
         self.self_attn = Attention(spec, layer, **common)
         self.mlp = MLP(spec, **common)
@@ -210,9 +226,8 @@ class DecoderStack(nnx.Module):
         common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, **common)
         self.layers = nnx.List([DecoderLayer(spec, layer, **common) for layer in spec.layers])
-        self.norm = RMSNorm(
-            spec.hidden_size, spec.rms_norm_eps, offset=spec.norm_weight_offset, **common
-        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, offset=spec.norm_weight_offset,
+                            scale_in_float32=spec.norm_scale_in_float32, **common)  # fmt: skip
         self.embedding_scale = spec.embedding_scale
 
     def __call__(
