@@ -23,13 +23,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from strop.backends.jax import rope
 from strop.backends.jax.attention import cached_attention, causal_attention
 from strop.backends.jax.layers import Dense, Embedding, RMSNorm
-from strop.backends.jax.rope import apply_rope, rope_inv_freq
+from strop.backends.jax.rope import apply_rope, rope_cos_sin
 from strop.batch.packing import PREFIX_STRIDE
 from strop.errors import ModelError
 from strop.models import LayerSpec, ModelSpec
@@ -62,8 +61,6 @@ def missing_features(spec: ModelSpec) -> list[str]:
             continue
         if layer.rope.kind not in rope.KINDS:
             missing.append(f"rope type {layer.rope.kind!r}")
-        if layer.rope.rotary_dim != spec.head_dim:
-            missing.append("partial rotary embeddings")
     return list(dict.fromkeys(missing))
 
 
@@ -90,7 +87,7 @@ class Attention(nnx.Module):
         self.o_proj = Dense(
             (h, d), (e,), ("heads", "head_dim"), ("embed",), use_bias=spec.o_bias, **common
         )
-        self.inv_freq = tuple(rope_inv_freq(layer.rope).tolist())  # static data, not a weight
+        self.rope = layer.rope  # static: the tables are computed when traced
         self.num_groups = h // k
 
     def __call__(
@@ -108,10 +105,9 @@ class Attention(nnx.Module):
         first written at slots ``write_index .. write_index + L - 1`` and the queries attend
         over all S slots (``Lk = S``).
         """
-        inv_freq = np.asarray(self.inv_freq, dtype=np.float32)
-        q = apply_rope(self.q_proj(x), positions, inv_freq)  # [B, L, H, D]
-        k = apply_rope(self.k_proj(x), positions, inv_freq)  # [B, L, K, D]
-        v = self.v_proj(x)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        cos, sin = rope_cos_sin(self.rope, positions)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:
             k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), write_index, 1)
             v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), write_index, 1)
