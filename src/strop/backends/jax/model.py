@@ -49,7 +49,6 @@ def missing_features(spec: ModelSpec) -> list[str]:
         "query_pre_attn_scalar": spec.query_scale is not None,
         "attention logit soft-capping": spec.attn_logit_softcap is not None,
         "final logit soft-capping": spec.final_logit_softcap is not None,
-        "fused q/k/v or gate/up projections": spec.fused_qkv or spec.fused_gate_up,
         "routed experts (MoE)": spec.moe is not None,
         "MLP biases": spec.mlp_bias,
         "sliding-window attention": bool(spec.sliding_windows),
@@ -75,20 +74,40 @@ def check_model(spec: ModelSpec) -> None:
 
 
 class Attention(nnx.Module):
-    """Grouped-query causal self-attention (plain dot-product, softmax in float32)."""
+    """Grouped-query causal self-attention (plain dot-product, softmax in float32).
+
+    The queries, keys and values come from three projections (``q_proj``, ``k_proj``,
+    ``v_proj``) or, where the spec says ``fused_qkv`` (Phi-3), from one ``qkv_proj`` whose
+    output is the q heads, then the k heads, then the v heads, as transformers' layout:
+    one Dense module, so LoRA adapts it as one linear, as PEFT does. Its output dim is not
+    sharded over ``tensor``: contiguous slices of it cut across the q/k/v boundaries, so
+    no split into whole heads leaves each device its own q, k and v heads.
+    """
 
     def __init__(self, spec: ModelSpec, layer: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         e, h, k, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
         common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
         qkv = {"use_bias": spec.qkv_bias, **common}
-        self.q_proj = Dense((e,), (h, d), ("embed",), ("heads", "head_dim"), **qkv)
-        self.k_proj = Dense((e,), (k, d), ("embed",), ("kv_heads", "head_dim"), **qkv)
-        self.v_proj = Dense((e,), (k, d), ("embed",), ("kv_heads", "head_dim"), **qkv)
+        self.fused_qkv = spec.fused_qkv
+        if spec.fused_qkv:
+            self.qkv_proj = Dense((e,), (h + 2 * k, d), ("embed",), (None, "head_dim"), **qkv)
+        else:
+            self.q_proj = Dense((e,), (h, d), ("embed",), ("heads", "head_dim"), **qkv)
+            self.k_proj = Dense((e,), (k, d), ("embed",), ("kv_heads", "head_dim"), **qkv)
+            self.v_proj = Dense((e,), (k, d), ("embed",), ("kv_heads", "head_dim"), **qkv)
         self.o_proj = Dense(
             (h, d), (e,), ("heads", "head_dim"), ("embed",), use_bias=spec.o_bias, **common
         )
         self.rope = layer.rope  # static: the tables are computed when traced
-        self.num_groups = h // k
+        self.num_heads, self.num_groups = h, h // k
+
+    def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries ``[B, L, H, D]``, keys and values ``[B, L, K, D]`` of ``x [B, L, E]``."""
+        if not self.fused_qkv:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        fused = self.qkv_proj(x)  # [B, L, H + 2K, D]
+        h, k = self.num_heads, self.num_heads // self.num_groups
+        return fused[:, :, :h], fused[:, :, h : h + k], fused[:, :, h + k :]
 
     def __call__(
         self,
@@ -105,7 +124,7 @@ class Attention(nnx.Module):
         first written at slots ``write_index .. write_index + L - 1`` and the queries attend
         over all S slots (``Lk = S``).
         """
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.project_qkv(x)
         cos, sin = rope_cos_sin(self.rope, positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:
@@ -119,17 +138,36 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``.
+
+    ``gate_proj`` and ``up_proj``, or, where the spec says ``fused_gate_up`` (Phi-3), one
+    ``gate_up_proj`` whose output is the gate units then the up units (transformers'
+    layout; one Dense module, so LoRA adapts it as one linear, as PEFT does). Its output
+    dim is not sharded over ``tensor``: a contiguous slice of it holds gate units or up
+    units, never the matching pairs ``silu(gate) * up`` needs.
+    """
 
     def __init__(self, spec: ModelSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         e, m = spec.hidden_size, spec.intermediate_size
         common = {"use_bias": False, "dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
-        self.gate_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
-        self.up_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
+        self.fused_gate_up = spec.fused_gate_up
+        if spec.fused_gate_up:
+            self.gate_up_proj = Dense((e,), (2, m), ("embed",), (None, "mlp"), **common)
+        else:
+            self.gate_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
+            self.up_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
         self.down_proj = Dense((m,), (e,), ("mlp",), ("embed",), **common)
 
+    def project_gate_up(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The gate and up projections ``[B, L, M]`` of ``x [B, L, E]``."""
+        if not self.fused_gate_up:
+            return self.gate_proj(x), self.up_proj(x)
+        fused = self.gate_up_proj(x)  # [B, L, 2, M]
+        return fused[..., 0, :], fused[..., 1, :]
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.project_gate_up(x)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
