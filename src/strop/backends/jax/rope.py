@@ -17,8 +17,9 @@ row's rotation depends on the longest row it is batched with, as in transformers
 - ``longrope``: the ``long_factor`` table when ``seq_len > original_max_position_embeddings``,
   else the ``short_factor`` one. In a KV-cache decode ``seq_len`` is the new token's position
   + 1, so the queries and keys of the step that crosses the threshold switch to the long
-  table while the cached keys keep the short one (transformers' Phi-3 ``generate``
-  recomputes the whole cache at that step instead).
+  table while the cached keys keep the short one. transformers' Phi-3 ``generate``
+  recomputes the whole cache at that step instead, and so does the JAX sampler
+  (:func:`cache_reset_position`, ``generate._decode``).
 - ``dynamic`` (NTK): ``rope_theta`` scaled for ``seq_len`` when it exceeds
   ``max_position_embeddings`` (computed on device, in float32, to about 1e-7 of torch's),
   else the plain table. transformers' module also keeps the largest scaled table it has
@@ -37,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strop.models import Rope
+from strop.models import ModelSpec, Rope
 
 _F32 = np.float32
 
@@ -193,6 +194,21 @@ def inv_freq_at(rope: Rope, seq_len: jax.Array) -> jax.Array:
         scaled = dynamic_inv_freq(rope, seq_len)
         return jnp.where(seq_len > rope.max_position_embeddings, scaled, table)
     return table
+
+
+def cache_reset_position(spec: ModelSpec) -> int | None:
+    """The position whose decode step transformers' ``generate`` recomputes the whole KV
+    cache at (``Phi3ForCausalLM.prepare_inputs_for_generation``): longrope's
+    ``original_max_position_embeddings``, the first position rotated by the long factors,
+    when the keys cached before it were rotated by the short ones. ``None``: no layer's
+    tables switch so (dynamic's change at every step past ``max_position_embeddings``, and
+    transformers keeps its cache there)."""
+    switches = [
+        _original_max(layer.rope)
+        for layer in spec.layers
+        if layer.rope is not None and layer.rope.kind == "longrope"
+    ]
+    return min(switches, default=None)
 
 
 def rope_cos_sin(rope: Rope, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
