@@ -165,6 +165,16 @@ def test_rope_kinds_match_transformers(case, partial):
         ({"num_key_value_heads": 5}, "not a multiple"),
         ({"rope_scaling": {"rope_type": "ntk-by-parts"}}, "rope type 'ntk-by-parts'"),
         ({"rope_scaling": {"rope_type": "yarn"}}, "rope type 'yarn' needs factor"),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "longrope",
+                    "short_factor": [1.0] * 64,
+                    "long_factor": [1.0, 2.0],
+                }
+            },
+            r"longrope long_factor needs one number per rotary frequency \(64\), got \[1.0, 2.0\]",
+        ),
         ({"hidden_size": "big"}, "hidden_size must be a positive integer"),
     ],
 )
