@@ -24,7 +24,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from strop.backends.jax import rope
@@ -36,7 +35,7 @@ from strop.backends.jax.attention import (
     sequence_mask,
 )
 from strop.backends.jax.layers import Dense, Embedding, RMSNorm
-from strop.backends.jax.rope import apply_rope, rope_inv_freq
+from strop.backends.jax.rope import apply_rope, rope_cos_sin
 from strop.batch.packing import PREFIX_STRIDE
 from strop.errors import ModelError
 from strop.models import LayerSpec, ModelSpec
@@ -61,7 +60,6 @@ def missing_features(spec: ModelSpec) -> list[str]:
     if not spec.registered:
         return [f"model_type {spec.family!r} (no family of strop's declares it)"]
     checks = {
-        "fused q/k/v or gate/up projections": spec.fused_qkv or spec.fused_gate_up,
         "routed experts (MoE)": spec.moe is not None,
     }
     missing = [feature for feature, used in checks.items() if used]
@@ -70,8 +68,6 @@ def missing_features(spec: ModelSpec) -> list[str]:
             continue
         if layer.rope.kind not in rope.KINDS:
             missing.append(f"rope type {layer.rope.kind!r}")
-        if layer.rope.rotary_dim != spec.head_dim:
-            missing.append("partial rotary embeddings")
     return list(dict.fromkeys(missing))
 
 
@@ -104,25 +100,44 @@ def qk_norms(spec: ModelSpec, *, dtype, param_dtype, rngs) -> tuple[RMSNorm | No
 class Attention(nnx.Module):
     """Grouped-query causal self-attention (plain dot-product, softmax in float32), over
     the layer's sliding window if it has one, with the q/k norms and the RoPE (or none:
-    NoPE) its spec and layer declare."""
+    NoPE) its spec and layer declare.
+
+    The queries, keys and values come from three projections (``q_proj``, ``k_proj``,
+    ``v_proj``) or, where the spec says ``fused_qkv`` (Phi-3), from one ``qkv_proj`` whose
+    output is the q heads, then the k heads, then the v heads, as transformers' layout:
+    one Dense module, so LoRA adapts it as one linear, as PEFT does. Its output dim is not
+    sharded over ``tensor``: contiguous slices of it cut across the q/k/v boundaries, so
+    no split into whole heads leaves each device its own q, k and v heads.
+    """
 
     def __init__(self, spec: ModelSpec, layer: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         e, h, k, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
         common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
         qkv = {"use_bias": spec.qkv_bias, **common}
-        self.q_proj = Dense((e,), (h, d), ("embed",), ("heads", "head_dim"), **qkv)
-        self.k_proj = Dense((e,), (k, d), ("embed",), ("kv_heads", "head_dim"), **qkv)
-        self.v_proj = Dense((e,), (k, d), ("embed",), ("kv_heads", "head_dim"), **qkv)
+        self.fused_qkv = spec.fused_qkv
+        if spec.fused_qkv:
+            self.qkv_proj = Dense((e,), (h + 2 * k, d), ("embed",), (None, "head_dim"), **qkv)
+        else:
+            self.q_proj = Dense((e,), (h, d), ("embed",), ("heads", "head_dim"), **qkv)
+            self.k_proj = Dense((e,), (k, d), ("embed",), ("kv_heads", "head_dim"), **qkv)
+            self.v_proj = Dense((e,), (k, d), ("embed",), ("kv_heads", "head_dim"), **qkv)
         self.o_proj = Dense(
             (h, d), (e,), ("heads", "head_dim"), ("embed",), use_bias=spec.o_bias, **common
         )
         self.q_norm, self.k_norm = qk_norms(spec, **common)
         self.qk_norm = spec.qk_norm
-        # static data, not a weight; None on a layer without RoPE
-        self.inv_freq = None if layer.rope is None else tuple(rope_inv_freq(layer.rope).tolist())
-        self.num_groups = h // k
+        self.rope = layer.rope  # static: the tables are computed when traced; None: NoPE
+        self.num_heads, self.num_groups = h, h // k
         self.sliding_window = layer.sliding_window
         self.scale, self.softcap = spec.scale, spec.attn_logit_softcap
+
+    def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries ``[B, L, H, D]``, keys and values ``[B, L, K, D]`` of ``x [B, L, E]``."""
+        if not self.fused_qkv:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        fused = self.qkv_proj(x)  # [B, L, H + 2K, D]
+        h, k = self.num_heads, self.num_heads // self.num_groups
+        return fused[:, :, :h], fused[:, :, h : h + k], fused[:, :, h + k :]
 
     def __call__(
         self,
@@ -140,12 +155,11 @@ class Attention(nnx.Module):
         first written at slots ``write_index .. write_index + L - 1`` and the queries attend
         over all S slots (``Lk = S``).
         """
-        q = self._qk_normed(self.q_norm, self.q_proj(x))  # [B, L, H, D]
-        k = self._qk_normed(self.k_norm, self.k_proj(x))  # [B, L, K, D]
-        v = self.v_proj(x)
-        if self.inv_freq is not None:
-            inv_freq = np.asarray(self.inv_freq, dtype=np.float32)
-            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k, v = self.project_qkv(x)
+        q, k = self._qk_normed(self.q_norm, q), self._qk_normed(self.k_norm, k)
+        if self.rope is not None:
+            cos, sin = rope_cos_sin(self.rope, positions)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:
             k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), write_index, 1)
             v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), write_index, 1)
@@ -168,7 +182,14 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     """Gated MLP: ``down(act(gate(x)) * up(x))``, ``act`` the spec's activation (SwiGLU for
-    silu, GeGLU for gelu_tanh), the three with biases under ``mlp_bias``."""
+    silu, GeGLU for gelu_tanh), the three with biases under ``mlp_bias``.
+
+    ``gate_proj`` and ``up_proj``, or, where the spec says ``fused_gate_up`` (Phi-3), one
+    ``gate_up_proj`` whose output is the gate units then the up units (transformers'
+    layout; one Dense module, so LoRA adapts it as one linear, as PEFT does). Its output
+    dim is not sharded over ``tensor``: a contiguous slice of it holds gate units or up
+    units, never the matching pairs ``act(gate) * up`` needs.
+    """
 
     def __init__(self, spec: ModelSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         e, m = spec.hidden_size, spec.intermediate_size
@@ -178,14 +199,25 @@ class MLP(nnx.Module):
             "param_dtype": param_dtype,
             "rngs": rngs,
         }
-        self.gate_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
-        self.up_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
+        self.fused_gate_up = spec.fused_gate_up
+        if spec.fused_gate_up:
+            self.gate_up_proj = Dense((e,), (2, m), ("embed",), (None, "mlp"), **common)
+        else:
+            self.gate_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
+            self.up_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
         self.down_proj = Dense((m,), (e,), ("mlp",), ("embed",), **common)
         self.activation = spec.activation
 
+    def project_gate_up(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The gate and up projections ``[B, L, M]`` of ``x [B, L, E]``."""
+        if not self.fused_gate_up:
+            return self.gate_proj(x), self.up_proj(x)
+        fused = self.gate_up_proj(x)  # [B, L, 2, M]
+        return fused[..., 0, :], fused[..., 1, :]
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = ACTIVATIONS[self.activation](self.gate_proj(x))
-        return self.down_proj(gate * self.up_proj(x))
+        gate, up = self.project_gate_up(x)
+        return self.down_proj(ACTIVATIONS[self.activation](gate) * up)
 
 
 class DecoderLayer(nnx.Module):
