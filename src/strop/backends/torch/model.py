@@ -37,7 +37,8 @@ from strop.backends.torch.masks import model_attention_mask
 from strop.backends.torch.quantized import dense_weight, is_quantized, load_quantized
 from strop.config import Config, LoraConfig
 from strop.errors import ModelError
-from strop.io.hf import SafetensorsReader, check_tensors, open_checkpoint
+from strop.io.experts import StackedExpertsReader, per_expert
+from strop.io.hf import check_tensors, open_checkpoint
 from strop.models import ModelSpec
 from strop.quantization import refuse_unsupported
 
@@ -130,6 +131,7 @@ def build_model(
         ) from None
     # Names and shapes from the headers, against the meta model, before any allocation.
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    reader = StackedExpertsReader(reader, expected)
     check_tensors(reader, expected, tied=spec.tie_word_embeddings)
     if quantization != "none":
         model = load_quantized(
@@ -211,7 +213,7 @@ def _to_torch(array: np.ndarray) -> torch.Tensor:
 
 def _load_weights(
     model: nn.Module,
-    reader: SafetensorsReader,
+    reader: StackedExpertsReader,
     seed: int,
     adapter_seeds: Mapping[str, int] | None = None,
 ) -> None:
@@ -306,8 +308,9 @@ def hf_weights(
 
     With ``lora_scale`` each adapted kernel is merged: ``W + scale * B @ A``; adapters
     are never yielded. A quantized base's weights come dequantized, at the dtype of the
-    model's other weights (one layer at a time). Collective under FSDP (every rank
-    iterates); tied weights once.
+    model's other weights (one layer at a time); stacked experts as the checkpoint's
+    per-expert tensors (:func:`~strop.io.experts.per_expert`). Collective under FSDP
+    (every rank iterates); tied weights once.
     """
     dense_dtype = next(p.dtype for p in loaded.model.parameters() if p.dtype.is_floating_point)
     modules = dict(loaded.model.named_modules())
@@ -323,4 +326,4 @@ def hf_weights(
             a = full_tensor(params[prefix + "lora_A.default.weight"].detach()).float()
             b = full_tensor(params[prefix + "lora_B.default.weight"].detach()).float()
             full = (full.float() + lora_scale * (b @ a)).to(full.dtype)
-        yield hf_module_path(name), to_numpy(full)
+        yield from per_expert(hf_module_path(name), to_numpy(full))

@@ -35,6 +35,7 @@ from strop.backends.torch.model import (
 from strop.batch.reward_rows import encode_pairs, pooled_index, right_padded
 from strop.data import Tokenizer
 from strop.errors import ModelError
+from strop.io.experts import StackedExpertsReader
 from strop.io.hf import check_tensors, open_checkpoint
 
 
@@ -62,6 +63,7 @@ class TorchRewardModel:
             )
         )
         expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        reader = StackedExpertsReader(reader, expected)
         check_tensors(reader, expected, tied=spec.tie_word_embeddings)
         if self.placement.distributed:
             shard_model(model, self.placement.mesh, self.compute_dtype)
