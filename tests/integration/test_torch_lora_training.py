@@ -107,6 +107,11 @@ def test_target_pattern_matching_nothing_is_a_config_error(tiny_model_dir, tmp_p
         policy_for(tiny_model_dir("qwen2"), tmp_path, "lora.target_modules=[nothing_proj]")
 
 
+def test_lora_on_routed_experts_is_refused_clearly(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="routed experts' stacked parameters"):
+        policy_for(tiny_model_dir("qwen3_moe"), tmp_path)
+
+
 def test_tensor_parallel_is_refused_clearly(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="tensor parallelism is not supported"):
         policy_for(tiny_model_dir("qwen2"), tmp_path, "mesh.tensor=2", "mesh.fsdp=1")
