@@ -82,6 +82,13 @@ UNREGISTERED_KINDS = {
          "logits_scaling": 4.0},
     ),
     "stablelm": ("stablelm", {"partial_rotary_factor": 0.5, "use_qkv_bias": True}),
+    "gemma2": (  # sliding windows by layer type, soft-capping
+        "gemma2",
+        {"head_dim": 32, "sliding_window": 4, "query_pre_attn_scalar": 24,
+         "layer_types": ["sliding_attention", "full_attention"], "attn_logit_softcapping": 50.0,
+         "final_logit_softcapping": 30.0},
+    ),
+    "starcoder2": ("starcoder2", {"sliding_window": 5}),  # one window, no layer_types
 }  # fmt: skip
 BASE_KINDS = tuple(KINDS)
 SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # within the vocab
