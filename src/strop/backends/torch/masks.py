@@ -6,7 +6,7 @@ mask itself, and transformers takes it as it is, skipping its own masks, sliding
 included. So the windows are built in here, from the spec (each layer's
 ``sliding_window``, :class:`~strop.models.ModelSpec`), over the tokens' positions: a query
 at position ``p`` sees the keys of its own sequence (and shared prompt) at positions
-``p - window + 1 .. p``, as the JAX backend's masks do. Layers attending differently get
+``p - window + 1 .. p`` (the JAX backend's rule too). Layers attending differently get
 the masks as a dict keyed by the config's ``layer_types`` (``full_attention``,
 ``sliding_attention``), which the models with layer types take in place of their own.
 """
