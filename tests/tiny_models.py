@@ -73,9 +73,31 @@ FAMILY_KINDS = {
     "olmo2": ("olmo2", {}),
     "smollm3": ("smollm3", {"no_rope_layer_interval": 2, "mlp_bias": True}),
 }  # fmt: skip
+# kind -> (model_type, extra config): decoders no family of strop's declares (the torch
+# backend runs them as transformers builds them), with their own flags set.
+UNREGISTERED_KINDS = {
+    "granite": (
+        "granite",
+        {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2,
+         "logits_scaling": 4.0},
+    ),
+    "stablelm": ("stablelm", {"partial_rotary_factor": 0.5, "use_qkv_bias": True}),
+    "gemma2": (  # sliding windows by layer type, soft-capping
+        "gemma2",
+        {"head_dim": 32, "sliding_window": 4, "query_pre_attn_scalar": 24,
+         "layer_types": ["sliding_attention", "full_attention"], "attn_logit_softcapping": 50.0,
+         "final_logit_softcapping": 30.0},
+    ),
+    "starcoder2": ("starcoder2", {"sliding_window": 5}),  # one window, no layer_types
+}  # fmt: skip
 BASE_KINDS = tuple(KINDS)
 SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # within the vocab
-KINDS.update({kind: (t, {**SPECIAL_IDS, **extra}) for kind, (t, extra) in FAMILY_KINDS.items()})
+KINDS.update(
+    {
+        kind: (t, {**SPECIAL_IDS, **extra})
+        for kind, (t, extra) in (FAMILY_KINDS | UNREGISTERED_KINDS).items()
+    }
+)
 
 
 # Qwen2.5-1.5B-Instruct's config.json (transformers 4 layout), for shape-only checks.

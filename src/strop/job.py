@@ -177,9 +177,12 @@ class PolicySteps:
     def update_record(
         self, metrics: Mapping[str, float], *, tokens: float, epoch: float, seconds: float
     ) -> dict[str, float]:
-        """The metrics every update writes, from its ``metrics`` (``grad_norm``), the
-        target ``tokens`` it trained on, the data's ``epoch`` and the step's ``seconds``."""
+        """The metrics every update writes, from its ``metrics`` (``grad_norm``, and the
+        stats a backend names in a namespace of their own, such as ``moe/aux_loss``, as
+        they are), the target ``tokens`` it trained on, the data's ``epoch`` and the
+        step's ``seconds``."""
         return {
+            **{name: value for name, value in metrics.items() if "/" in name},
             "train/grad_norm": metrics["grad_norm"],
             "train/tokens": tokens,
             "train/epoch": epoch,

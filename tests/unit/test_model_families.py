@@ -67,6 +67,25 @@ def test_an_unregistered_decoder_is_read_from_the_common_keys():
 
 
 @pytest.mark.parametrize(
+    ("model_type", "extra", "windows"),
+    [
+        ("gemma2", {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+         [4, None]),
+        ("starcoder2", {"sliding_window": 5}, [5, 5]),  # no layer_types: every layer
+        ("starcoder2", {"sliding_window": None}, [None, None]),
+        ("qwen2_moe", {"sliding_window": 5, "use_sliding_window": False}, [None, None]),
+    ],
+)  # fmt: skip
+def test_an_unregistered_decoder_s_windows_follow_transformers_conventions(
+    model_type, extra, windows
+):
+    cfg = AutoConfig.for_model(model_type, num_hidden_layers=2, **extra).to_dict()
+    spec = parse_config(cfg)
+    assert not spec.registered
+    assert [layer.sliding_window for layer in spec.layers] == windows
+
+
+@pytest.mark.parametrize(
     ("model_type", "change", "message"),
     [
         ("gemma3_text", {"hidden_activation": "relu"}, "hidden_activation='relu' is not supp"),
