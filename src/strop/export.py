@@ -25,9 +25,11 @@ from strop.io.checkpoint_dir import (
     refuse_other_backends_checkpoints,
     stored_identity,
 )
+from strop.io.model_spec import read_model_spec
 from strop.io.run_identity import PolicyRun
 from strop.io.run_record import CONFIG_FILE
 from strop.io.writable import require_output_dir
+from strop.lora_targets import match_targets
 from strop.objectives.roles import RolePlan
 from strop.preflight import preflight
 
@@ -99,6 +101,22 @@ def _recorded(run_dir: Path, overrides: list[str]) -> Config:
     return load_config(run_dir, overrides)  # config.yaml with run_dir the directory
 
 
+def refuse_merging_a_tied_head(config: Config) -> None:
+    """A LoRA adapter on ``lm_head`` of a model whose head is its embedding table
+    (``tie_word_embeddings``: Gemma 3, SmolLM3, Qwen2.5-0.5B...) has no merged form that
+    keeps the tie: merged into the shared table it would change the embeddings too, and
+    written once it would be dropped. Refused in one line before anything loads."""
+    spec = read_model_spec(config.model_path())
+    targets = match_targets(config.lora.target_modules, spec.linear_paths())
+    if spec.tie_word_embeddings and "lm_head" in targets:
+        raise ConfigError(
+            "--merged: the adapter on lm_head cannot merge into this model's tied "
+            "embeddings (tie_word_embeddings=true in its config.json); export the adapter "
+            "(strop export RUN_DIR --adapter), or train without lm_head in "
+            "lora.target_modules"
+        )
+
+
 def run_export(config: Config, out: str | os.PathLike, *, merged: bool | None) -> ExportResult:
     """Restore the newest checkpoint of ``config.run_dir`` (or ``checkpoint.dir``) and write
     the trained model to ``out``: a merged HF checkpoint, or else a PEFT adapter;
@@ -121,6 +139,8 @@ def run_export(config: Config, out: str | os.PathLike, *, merged: bool | None) -
         )
         logger.info("base model from the run's checkpoints: model.path=%s", config.model.path)
     backend = preflight(config, job, checkpoint_dir, advice=EXPORT_ADVICE, exporting=True).backend
+    if merged and config.lora.enabled:
+        refuse_merging_a_tied_head(config)
     if job == "ppo":
         engine = backend.build_actor_critic(
             config, total_updates=config.ppo.optimizer_updates(), checkpoint_dir=checkpoint_dir,

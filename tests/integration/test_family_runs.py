@@ -1,7 +1,8 @@
 """Every model family trains, on each backend: LoRA-GRPO (2 iterations) on a tiny random
 checkpoint of the family with a tokenizer; in the acceptance tier also LoRA-PPO with a
 critic, LoRA SFT and LoRA DPO, and the PEFT adapter each run exports loads in transformers
-+ PEFT over the family's base (its merge giving the same logits) and changes them.
++ PEFT over the family's base and changes its logits (that PEFT gives strop's own logits
+is held, for every family on torch, by tests/parity/test_families.py).
 
 `make test` runs LoRA-GRPO on every family on torch (no compiles: seconds each); the JAX
 runs and the other kinds of run are in the acceptance tier (docs/models.md)."""
@@ -62,6 +63,13 @@ def family_task(tmp_path_factory):
     return make
 
 
+def lora_targets(kind: str) -> str:
+    """LoRA on every projection and the head; on a MoE, on attention (strop does not
+    adapt routed experts) and the head."""
+    projections = r".*self_attn\..*_proj" if kind == "qwen3_moe" else ".*_proj"
+    return f"lora.target_modules=['{projections}','lm_head']"
+
+
 def grpo(model, prompts, run_dir, backend, *overrides):
     from strop.rl.ppo import run_ppo
 
@@ -76,7 +84,7 @@ def grpo(model, prompts, run_dir, backend, *overrides):
 
 def check_grpo(family_task, tmp_path, backend, kind):
     model, prompts, _ = family_task(kind)
-    result = grpo(model, prompts, tmp_path / "grpo", backend)
+    result = grpo(model, prompts, tmp_path / "grpo", backend, lora_targets(kind))
     assert len(result.history) == 2
     assert all(np.isfinite(record["policy/loss"]) for record in result.history)
     assert (result.export_path / "adapter_config.json").is_file()
@@ -101,24 +109,25 @@ def test_ppo_sft_dpo_and_the_peft_adapter_on_every_family(family_task, tmp_path,
     from strop.sft.loop import run_sft
 
     model, prompts, pairs = family_task(kind)
-    ppo = grpo(model, prompts, tmp_path / "ppo", backend, "ppo.advantage_estimator=gae")
+    ppo = grpo(model, prompts, tmp_path / "ppo", backend, "ppo.advantage_estimator=gae",
+               lora_targets(kind))  # fmt: skip
     assert "critic/loss" in ppo.history[-1]
     sft = run_sft(load_config("sft-lora-tiny", [
         f"model.path={model}", f"data.train_path={prompts}", f"run_dir={tmp_path / 'sft'}",
         f"backend={backend}", "mesh.fsdp=1", "sft.steps=2", "sft.batch_size=4",
-        "sft.micro_batch_size=4",
+        "sft.micro_batch_size=4", lora_targets(kind),
     ]))  # fmt: skip
     dpo = run_dpo(load_config("dpo-lora-tiny", [
         f"model.path={model}", f"data.train_path={pairs}", f"run_dir={tmp_path / 'dpo'}",
-        f"backend={backend}", "mesh.fsdp=1", "dpo.steps=2",
+        f"backend={backend}", "mesh.fsdp=1", "dpo.steps=2", lora_targets(kind),
     ]))  # fmt: skip
     for result in (ppo, sft, dpo):
         assert_peft_loads_it(model, result.export_path, backend)
 
 
 def assert_peft_loads_it(model_dir, adapter_dir, backend: str) -> None:
-    """transformers + PEFT load the exported adapter over the base; merged, it gives the
-    same logits; and it moved them from the base's as strop's backend computes those."""
+    """transformers + PEFT load the exported adapter over the base, and it moves the
+    logits from the base's (as strop's backend computes those)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -130,9 +139,6 @@ def assert_peft_loads_it(model_dir, adapter_dir, backend: str) -> None:
     ids = np.random.default_rng(1).integers(3, VOCAB, (2, 12))
     with torch.no_grad():
         theirs = peft_model(input_ids=torch.tensor(ids)).logits.numpy()
-    merged = peft_model.merge_and_unload()
-    with torch.no_grad():
-        assert np.allclose(merged(input_ids=torch.tensor(ids)).logits.numpy(), theirs, atol=1e-4)
-    assert not np.allclose(
-        theirs, strop.load_model(model_dir, backend=backend).logits(ids), atol=1e-6
-    )  # fmt: skip  (the adapter changed something)
+    options = {"mesh": {"fsdp": 8}} if backend == "jax" else {}
+    ours = strop.load_model(model_dir, backend=backend, **options).logits(ids)
+    assert np.abs(theirs - ours).max() > 1e-4  # the adapter changed them

@@ -34,3 +34,24 @@ def test_merged_weights_are_what_export_merged_writes(backend, lora, tiny_model_
         )
         for tensor, array in streamed:
             np.testing.assert_array_equal(array, written.get(tensor), err_msg=tensor)
+
+
+@pytest.mark.parametrize(("kind", "targets", "refused"), [
+    ("qwen2_tied", "['.*_proj','lm_head']", True),
+    ("qwen2_tied", "['.*_proj']", False),
+    ("qwen2", "['.*_proj','lm_head']", False),
+])  # fmt: skip
+def test_merging_an_adapter_on_a_tied_head_is_refused(tiny_model_dir, kind, targets, refused):
+    """A LoRA adapter on lm_head of a tied model (Gemma 3, SmolLM3) has no merged form that
+    keeps the tie (before: `strop export --merged` wrote the shared table once, the
+    head's adapter silently dropped); refused in one line, the adapter export says how."""
+    from strop.errors import ConfigError
+    from strop.export import refuse_merging_a_tied_head
+
+    config = load_config("tiny", [f"model.path={tiny_model_dir(kind)}", "lora.enabled=true",
+                                  f"lora.target_modules={targets}"])  # fmt: skip
+    if not refused:
+        refuse_merging_a_tied_head(config)
+        return
+    with pytest.raises(ConfigError, match="cannot merge into this model's tied embeddings"):
+        refuse_merging_a_tied_head(config)
