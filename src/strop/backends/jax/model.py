@@ -42,7 +42,7 @@ def missing_features(spec: ModelSpec) -> list[str]:
     if not spec.registered:
         return [f"model_type {spec.family!r} (no family of strop's declares it)"]
     checks = {
-        "q/k norms": spec.qk_norm != "none",
+        "q/k norms over the whole projection": spec.qk_norm == "projection",
         f"{spec.norm_placement} norms": spec.norm_placement != "pre",
         "RMSNorm scaling by 1 + weight": spec.norm_weight_offset != 0.0,
         f"activation {spec.activation}": spec.activation != "silu",
@@ -90,6 +90,7 @@ class Attention(nnx.Module):
         self.o_proj = Dense(
             (h, d), (e,), ("heads", "head_dim"), ("embed",), use_bias=spec.o_bias, **common
         )
+        self.q_norm, self.k_norm = head_norms(spec, **common)
         self.inv_freq = tuple(rope_inv_freq(layer.rope).tolist())  # static data, not a weight
         self.num_groups = h // k
 
@@ -109,8 +110,10 @@ class Attention(nnx.Module):
         over all S slots (``Lk = S``).
         """
         inv_freq = np.asarray(self.inv_freq, dtype=np.float32)
-        q = apply_rope(self.q_proj(x), positions, inv_freq)  # [B, L, H, D]
-        k = apply_rope(self.k_proj(x), positions, inv_freq)  # [B, L, K, D]
+        q, k = self.q_proj(x), self.k_proj(x)  # [B, L, H, D], [B, L, K, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         v = self.v_proj(x)
         if kv is not None:
             k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), write_index, 1)
@@ -120,6 +123,14 @@ class Attention(nnx.Module):
         q = q.reshape(b, length, heads // self.num_groups, self.num_groups, d)
         attend = cached_attention if kv is not None else causal_attention
         return self.o_proj(attend(q, k, v, mask).reshape(b, length, heads, d)), kv
+
+
+def head_norms(spec: ModelSpec, **common) -> tuple[RMSNorm | None, RMSNorm | None]:
+    """Qwen3's RMSNorms on each query and key head over ``head_dim`` (before RoPE), or
+    ``(None, None)`` for a decoder without them."""
+    if spec.qk_norm != "head":
+        return nnx.data(None), nnx.data(None)
+    return tuple(RMSNorm(spec.head_dim, spec.rms_norm_eps, **common) for _ in "qk")
 
 
 class MLP(nnx.Module):
