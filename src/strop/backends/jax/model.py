@@ -29,6 +29,7 @@ from flax import nnx
 from strop.backends.jax import rope
 from strop.backends.jax.attention import cached_attention, causal_attention
 from strop.backends.jax.layers import Dense, Embedding, RMSNorm
+from strop.backends.jax.moe import Routing, SparseMoeBlock, load_balancing_loss
 from strop.backends.jax.rope import apply_rope, rope_inv_freq
 from strop.batch.packing import PREFIX_STRIDE
 from strop.errors import ModelError
@@ -51,7 +52,6 @@ def missing_features(spec: ModelSpec) -> list[str]:
         "attention logit soft-capping": spec.attn_logit_softcap is not None,
         "final logit soft-capping": spec.final_logit_softcap is not None,
         "fused q/k/v or gate/up projections": spec.fused_qkv or spec.fused_gate_up,
-        "routed experts (MoE)": spec.moe is not None,
         "MLP biases": spec.mlp_bias,
         "sliding-window attention": bool(spec.sliding_windows),
         "layers without RoPE": any(layer.rope is None for layer in spec.layers),
@@ -148,26 +148,34 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm transformer block: attention and MLP, each with a residual."""
+    """Pre-norm transformer block: attention and MLP (routed experts on a ``sparse``
+    layer), each with a residual."""
 
     def __init__(self, spec: ModelSpec, layer: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **common)
         self.self_attn = Attention(spec, layer, **common)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **common)
-        self.mlp = MLP(spec, **common)
+        self.mlp = SparseMoeBlock(spec, **common) if layer.sparse else MLP(spec, **common)
 
     def __call__(
         self,
         x: jax.Array,
         positions: jax.Array,
         mask: jax.Array,
+        real: jax.Array,
         kv: tuple[jax.Array, jax.Array] | None = None,
         write_index: jax.Array | None = None,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, Routing | None]:
+        """The layer's output, its updated ``kv`` and, on a sparse layer, its routing of
+        the ``real [B, L]`` tokens (:class:`~strop.backends.jax.moe.Routing`)."""
         attended, kv = self.self_attn(self.input_layernorm(x), positions, mask, kv, write_index)
         x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        normed = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, SparseMoeBlock):
+            out, routing = self.mlp(normed, real)
+            return x + out, kv, routing
+        return x + self.mlp(normed), kv, None
 
 
 class DecoderStack(nnx.Module):
@@ -184,20 +192,19 @@ class DecoderStack(nnx.Module):
         ids: jax.Array,
         positions: jax.Array,
         mask: jax.Array,
+        real: jax.Array,
         kv: Sequence[tuple[jax.Array, jax.Array]] | None = None,
         write_index: jax.Array | None = None,
-    ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...] | None]:
-        """Final hidden states, and the updated per-layer ``kv`` when one was given."""
+    ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...] | None, Routing | None]:
+        """Final hidden states, the updated per-layer ``kv`` when one was given, and the
+        sparse layers' routing of the ``real [B, L]`` tokens summed (``None``: none)."""
         x = self.embed_tokens(ids)
-        if kv is None:
-            for layer in self.layers:
-                x, _ = layer(x, positions, mask)
-            return self.norm(x), None
-        updated = []
-        for layer, layer_kv in zip(self.layers, kv, strict=True):
-            x, layer_kv = layer(x, positions, mask, layer_kv, write_index)
+        updated, routed = [], None
+        for layer, layer_kv in zip(self.layers, kv or (None,) * len(self.layers), strict=True):
+            x, layer_kv, routing = layer(x, positions, mask, real, layer_kv, write_index)
             updated.append(layer_kv)
-        return self.norm(x), tuple(updated)
+            routed = routing.plus(routed) if routing is not None else routed
+        return self.norm(x), None if kv is None else tuple(updated), routed
 
 
 class KVCache(NamedTuple):
@@ -226,11 +233,14 @@ class KVCache(NamedTuple):
 
 class CausalLMOutput(NamedTuple):
     """``logits [B, L, V]`` (float32; ``[B, logits_to_keep, V]`` when asked), the final
-    normed ``hidden [B, L, E]``, and the updated :class:`KVCache` when one was passed."""
+    normed ``hidden [B, L, E]``, the updated :class:`KVCache` when one was passed, and,
+    for routed experts, the router's load-balancing loss over the real tokens
+    (:func:`~strop.backends.jax.moe.load_balancing_loss`; ``None`` without experts)."""
 
     logits: jax.Array
     hidden: jax.Array
     cache: KVCache | None = None
+    aux_loss: jax.Array | None = None
 
 
 class CausalLM(nnx.Module):
@@ -300,7 +310,7 @@ class CausalLM(nnx.Module):
                 | ~attention_mask[:, :, None]
             )
             mask = causal[None, :, :] & attention_mask[:, None, :] & own  # [B, Lq, Lk]
-            hidden, _ = self.model(input_ids, positions, mask)
+            hidden, _, routing = self.model(input_ids, positions, mask, attention_mask)
         else:
             valid = jax.lax.dynamic_update_slice_in_dim(
                 cache.mask, attention_mask, cache.index, axis=1
@@ -308,11 +318,14 @@ class CausalLM(nnx.Module):
             query_slots = cache.index + jnp.arange(length)
             causal = jnp.arange(valid.shape[1])[None, :] <= query_slots[:, None]  # [Lq, S]
             mask = causal[None, :, :] & valid[:, None, :]  # [B, Lq, S]
-            hidden, layers = self.model(input_ids, positions, mask, cache.layers, cache.index)
+            hidden, layers, routing = self.model(
+                input_ids, positions, mask, attention_mask, cache.layers, cache.index
+            )
             cache = KVCache(layers, valid, cache.index + length)
         kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         if self.lm_head is None:
             logits = self.model.embed_tokens.attend(kept)
         else:
             logits = self.lm_head(kept)
-        return CausalLMOutput(logits.astype(jnp.float32), hidden, cache)
+        aux_loss = None if routing is None else load_balancing_loss(routing)
+        return CausalLMOutput(logits.astype(jnp.float32), hidden, cache, aux_loss)
