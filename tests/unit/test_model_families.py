@@ -79,3 +79,22 @@ def test_a_flag_the_family_does_not_declare_is_refused_by_name(model_type, chang
     cfg = {**spec_of(model_type).raw, **change}
     with pytest.raises(ModelError, match=message):
         parse_config(cfg)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_parameter_counts_equal_transformers_models(kind):
+    """Every parameter, and those one token's forward uses: all but the experts it is not
+    routed to (``num_experts - top_k`` of each sparse layer's), counted on the tiny model."""
+    from strop.models.counts import active_parameter_count, parameter_count
+    from tests.tiny_models import build_tiny_model
+
+    model = build_tiny_model(kind)
+    spec = parse_config(model.config.to_dict())
+    total = sum(p.numel() for p in model.parameters())
+    experts = [m.experts for m in model.modules() if hasattr(m, "experts")]  # per sparse layer
+    idle = sum(
+        sum(p.numel() for p in e.parameters()) // e.num_experts * (e.num_experts - spec.moe.top_k)
+        for e in experts
+    )
+    assert (parameter_count(spec), active_parameter_count(spec)) == (total, total - idle)
+    assert bool(experts) == (kind == "qwen3_moe")
