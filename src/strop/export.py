@@ -27,7 +27,7 @@ from strop.io.checkpoint_dir import (
 )
 from strop.io.run_identity import PolicyRun
 from strop.io.run_record import CONFIG_FILE
-from strop.io.writable import require_writable_parent
+from strop.io.writable import require_output_dir
 from strop.objectives.roles import RolePlan
 from strop.preflight import preflight
 
@@ -48,6 +48,7 @@ class ExportResult:
     job: str
     step: int
     path: Path
+    merged: bool  # a merged HF checkpoint, else a PEFT adapter
 
 
 def export_config(run: str, overrides: Sequence[str] = ()) -> Config:
@@ -95,13 +96,16 @@ def _recorded(run_dir: Path, overrides: list[str]) -> Config:
             "starts): name the recipe and overrides it was trained with instead, strop export "
             f"RECIPE [OVERRIDES] run_dir={run_dir} --adapter --out DIR"
         )
-    return load_config(recorded, [*overrides, f"run_dir={run_dir}"])
+    return load_config(run_dir, overrides)  # config.yaml with run_dir the directory
 
 
-def run_export(config: Config, out: str | os.PathLike, *, merged: bool) -> ExportResult:
+def run_export(config: Config, out: str | os.PathLike, *, merged: bool | None) -> ExportResult:
     """Restore the newest checkpoint of ``config.run_dir`` (or ``checkpoint.dir``) and write
-    the trained model to ``out``: a merged HF checkpoint, or else a PEFT adapter."""
-    require_writable_parent(out, "--out")  # before anything loads
+    the trained model to ``out``: a merged HF checkpoint, or else a PEFT adapter;
+    ``merged=None``: what the run trained (with LoRA the adapter, else the model)."""
+    require_output_dir(out, "--out")  # before anything loads
+    if merged is None:
+        merged = not config.lora.enabled
     checkpoint_dir = config.checkpoint_path()
     refuse_other_backends_checkpoints(checkpoint_dir, config.backend)  # "train first" misleads
     identity = stored_identity(checkpoint_dir, config.backend)
@@ -129,7 +133,7 @@ def run_export(config: Config, out: str | os.PathLike, *, merged: bool) -> Expor
         raise CheckpointError(f"no complete checkpoint in {Path(checkpoint_dir).absolute()}")
     engine.restore_checkpoint(step)
     path = engine.export_merged(out) if merged else engine.export_adapter(out)
-    return ExportResult(job, step, Path(path))
+    return ExportResult(job, step, Path(path), merged)
 
 
 def _runs_beside(run_dir: Path) -> str:

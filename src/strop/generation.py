@@ -61,8 +61,9 @@ class Generation:
       tokens: ``[B, T] int32`` response token ids; positions at or after ``lengths[b]``
         hold ``pad_id``. An EOS token that ended a row is included (counted in its length).
       logprobs: ``[B, T] float32`` log-probability of each sampled token under the
-        sampling distribution (logits / temperature; plain logits when greedy); 0 past
-        the length.
+        untruncated sampling distribution (logits / temperature, whatever top-k/top-p cut;
+        plain logits when greedy; an engine that has it only at another temperature says
+        which, :func:`strop.engines.sampler_logprobs_temperature`); 0 past the length.
       lengths: ``[B] int32`` number of response tokens per row.
       finish_reasons: ``"stop"`` (EOS or a stop string) or ``"length"`` (hit
         ``max_new_tokens``) per row.

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, Self
 
 from strop.backends.base import Backend, Policy, TrainableModel
 from strop.config import Config
-from strop.data import Tokenizer
+from strop.data import Tokenizer, policy_tokenizer
 from strop.interrupts import deferred_interrupts, reporting_interrupts
 from strop.io.checkpoint_dir import refuse_step_past_the_end
 from strop.io.run_identity import PolicyRun
@@ -203,7 +203,7 @@ def train_policy(
     total = config.steps_of(job)
     with training_job(config, job, total, figures) as running:  # preflight first
         running.progress.phase("reading the data")
-        steps = read(Tokenizer.from_pretrained(config.model.path))
+        steps = read(policy_tokenizer(config))
         running.progress.phase("loading the model")
         policy = running.backend.build_policy(config, PolicyRun.of(config, job))
         return run_steps(config, steps(policy), running, total=total, stop_after=stop_after), policy

@@ -216,6 +216,8 @@ def kv_cache_bytes(spec: ModelSpec, *, rows: int, length: int, compute_dtype: st
 # log-softmax, its gradient and the logits' gradient; a PPO policy update's entropy adds
 # more (torch keeps three more copies; XLA fuses some). Read off CPU measurements.
 _LOGITS_BYTES = {("torch", "sft"): 12, ("torch", "ppo"): 24, ("jax", "sft"): 16, ("jax", "ppo"): 20}
+_LOGITS_BYTES |= {(backend, "dpo"): _LOGITS_BYTES[backend, "sft"] for backend in ("jax", "torch")}
+PLANNED_JOBS = ("sft", "dpo", "ppo")
 
 
 def _round_up(n: int, multiple: int = 16) -> int:
@@ -227,13 +229,17 @@ def _round_up(n: int, multiple: int = 16) -> int:
 
 def plan_memory(
     config: Config,
-    job: Literal["sft", "ppo"],
+    job: Literal["sft", "dpo", "ppo"],
     spec: ModelSpec,
     *,
     device_bytes: int | None = None,
     device_source: str = "unknown",
 ) -> MemoryPlan:
-    """The parts of ``job`` (``sft`` or ``ppo``) under ``config`` for ``spec``'s model."""
+    """The parts of ``job`` (``sft``, ``dpo`` or ``ppo``) under ``config`` for ``spec``'s
+    model. DPO is SFT's parts over its pairs' rows (a pair's prompt once, then both answers:
+    at most twice ``data.max_length`` tokens), plus its reference: nothing with LoRA (the
+    adapters off, or a second adapter for ``dpo.reference=adapter:DIR``), a frozen copy of
+    the weights in full fine-tuning."""
     param, compute = config.model.param_dtype, config.model.dtype
     p = DTYPE_BYTES[param]
     lora = config.lora
@@ -253,11 +259,15 @@ def plan_memory(
     else:
         for model in roles.models:
             add(f"{model} weights", base, "resident", weights)
+    if job == "dpo" and not lora.enabled and config.dpo.reference == "base":
+        add("reference weights", base, "resident", weights + ", a frozen copy (dpo.reference=base)")
 
     trained = 0  # bytes of trained numbers: gradients and the optimizer's moments follow
     if lora.enabled:
         numbers, targets = adapter_numbers(spec, lora.target_modules, lora.rank)
         adapters = roles.adapters if roles else ("policy",)
+        if job == "dpo" and config.dpo.reference.startswith("adapter"):
+            adapters = ("policy", "reference")
         detail = f"r={lora.rank} on {len(targets)} linears: {numbers / 1e6:.1f}M x 4 B"
         for name in adapters:
             add(f"LoRA adapter ({name})", numbers * ADAPTER_BYTES, "resident", detail)
@@ -283,7 +293,9 @@ def plan_memory(
         "updates take turns)" if roles is not None and roles.own_critic
         else "one per trained number, at its dtype")  # fmt: skip
 
-    if roles is None:
+    if job == "dpo":
+        rows, length = config.dpo.micro_batch_size, 2 * config.data.max_length
+    elif roles is None:
         rows, length = config.sft.micro_batch_size, config.data.max_length
     else:
         rows = roles.rows.per_micro_batch
@@ -347,12 +359,12 @@ def _rollout_parts(config, spec, roles, add, device_bytes, length) -> None:
 def plan_for(
     config: Config, job: str, *, device_bytes: int | None, device_source: str
 ) -> MemoryPlan:
-    """`strop plan`'s: ``job`` (``auto``: ppo when the recipe sets a ``ppo:`` section)
-    for ``model.path``'s config.json; one-line errors for a missing model or job."""
+    """`strop plan`'s: ``job`` (``auto``: ppo or dpo when the recipe sets that section, else
+    sft) for ``model.path``'s config.json; one-line errors for a missing model or job."""
     if job == "auto":
-        job = "ppo" if "ppo" in config.model_fields_set else "sft"
-    if job not in ("sft", "ppo"):
-        raise ConfigError(f"--job {job}: strop plan knows sft, ppo (or auto)")
+        job = next((j for j in ("ppo", "dpo") if j in config.model_fields_set), "sft")
+    if job not in PLANNED_JOBS:
+        raise ConfigError(f"--job {job}: strop plan knows {', '.join(PLANNED_JOBS)} (or auto)")
     if config.model.path is None:
         raise ConfigError("model.path is not set: strop plan reads its config.json")
     require_model_directory(config.model.path, "model.path")

@@ -11,13 +11,14 @@ so no display is needed; the PNG appears only when complete.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 
 from strop.errors import StropError
+from strop.io.atomic import write_bytes_atomically
 from strop.io.untrusted import reading
 from strop.io.writable import require_writable_parent
 
@@ -104,21 +105,7 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
     axes[-1].set_xlabel("step")
     figure.suptitle(run_dir.resolve().name, fontsize=11)
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, staging = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            figure.savefig(f, format="png", dpi=100)
-        os.chmod(staging, 0o666 & ~_umask())  # mkstemp makes it private; a plot is not
-        os.replace(staging, target)
-    except BaseException:
-        Path(staging).unlink(missing_ok=True)
-        raise
+    png = io.BytesIO()  # rendered first: a failing file under PIL's writer is no OSError
+    figure.savefig(png, format="png", dpi=100)
+    write_bytes_atomically(target, png.getvalue(), what="the plot")
     return target
-
-
-def _umask() -> int:
-    """The process umask (read by setting it and putting it back)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

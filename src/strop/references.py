@@ -10,7 +10,8 @@
 
 Every way this can fail (no such file or module, the import raised, no such attribute — with
 the closest name defined there —, not callable) raises :class:`BadReference`: one line, without
-the setting or the reference, which the caller adds as its messages put them.
+the setting or the reference, which the caller adds as its messages put them. What the
+function raises when it is called is :func:`one_line` too, at its line in the user's file.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import importlib.util
 import re
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +64,27 @@ def split(ref: str) -> tuple[str, str] | None:
 def type_and_text(exc: BaseException, file: Path | None = None) -> str:
     """``ZeroDivisionError: division by zero`` (``file``, the one imported, unused)."""
     return f"{type(exc).__name__}: {exc}"
+
+
+def source_file(fn: Callable[..., Any]) -> Path | None:
+    """The file ``fn``'s code is in (a callable object's ``__call__``'s), if it has code."""
+    code = getattr(fn, "__code__", None) or getattr(type(fn).__call__, "__code__", None)
+    return Path(code.co_filename) if code is not None else None
+
+
+def one_line(exc: BaseException, file: Path | None = None) -> str:
+    """``file.py:3: ZeroDivisionError: division by zero``: what a user's function raised, in
+    one line, at the deepest frame in ``file`` (else the deepest frame of all)."""
+    if isinstance(exc, SyntaxError):
+        where = f"{exc.filename}:{exc.lineno}: " if exc.filename else ""
+        return f"{where}SyntaxError: {exc.msg}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    mine = [f for f in frames if file is not None and Path(f.filename) == file] or frames[-1:]
+    where = f"{mine[-1].filename}:{mine[-1].lineno}: " if mine else ""
+    text = " ".join(str(exc).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{where}{type(exc).__name__}: {text}" if text else f"{where}{type(exc).__name__}"
 
 
 def not_a_function(attr: str, where: str, value: object) -> str:

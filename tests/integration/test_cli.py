@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -77,6 +78,11 @@ def test_info_reports_versions_and_backends(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "jax" in result.stdout and "torch" in result.stdout and "safetensors" in result.stdout
     assert "backend jax" in result.stdout
+    # the extras that decide what works: each a row, its version or how to install it
+    text = " ".join(result.stdout.split())
+    for package, extra in (("vllm", "vllm"), ("bitsandbytes", "qlora"), ("wandb", "wandb")):
+        assert f"│ {package} │" in text, result.stdout
+        assert importlib.util.find_spec(package) or f"strop[{extra}]" in text, result.stdout
 
 
 @pytest.mark.parametrize(
@@ -176,6 +182,22 @@ def test_a_hub_name_as_model_path_says_how_to_download_it(tmp_path, capsys) -> N
         "directories: download it first with `huggingface-cli download Qwen/Qwen2.5-0.5B "
         "--local-dir models/Qwen2.5-0.5B` and set model.path=models/Qwen2.5-0.5B"
     ]
+
+
+def test_export_without_a_kind_takes_the_runs_own(tmp_path, capsys) -> None:
+    """`strop export RUN_DIR --out DIR` exports what the run trained (with LoRA the
+    adapter; before: "choose exactly one of --adapter or --merged"); both is an error."""
+    from strop.cli import main
+
+    args = ["tiny", "backend=torch", f"run_dir={tmp_path / 'run'}", "--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as info:
+        main(["export", *args])
+    assert info.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: no torch checkpoint in "), line  # past the flags
+    with pytest.raises(SystemExit) as info:
+        main(["export", *args, "--adapter", "--merged"])
+    assert capsys.readouterr().err == "error: choose one of --adapter or --merged, not both\n"
 
 
 def test_export_names_the_backend_that_wrote_the_run(tmp_path, capsys) -> None:

@@ -71,8 +71,9 @@ def test_engine_names_are_checked_by_the_config():
 def test_vllm_sampler_logprobs_at_top_p_are_refused_before_anything_loads(
     inputs, tmp_path, capsys, no_model_builds, without_vllm
 ):
-    """top-p below 1 at a temperature other than 1: vLLM returns the truncated
-    distribution's log-probabilities (a config check: refused with or without vLLM)."""
+    """top-p below 1 at a temperature other than 1: vLLM has the untruncated distribution's
+    log-probabilities only at temperature 1 (a config check: refused with or without
+    vLLM)."""
     from strop.cli import main
 
     args = ["ppo", "ppo-lora-tiny", f"model.path={inputs / 'model'}",
@@ -84,5 +85,5 @@ def test_vllm_sampler_logprobs_at_top_p_are_refused_before_anything_loads(
         main(args)
     assert info.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert "vLLM returns the log-probabilities of the truncated distribution" in line
+    assert "vLLM returns the untruncated distribution's log-probabilities there only" in line
     assert "use ppo.old_logprobs=recompute" in line

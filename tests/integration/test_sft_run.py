@@ -228,3 +228,23 @@ def test_torch_resume_with_another_identity_is_refused(sft_inputs, tmp_path):
             run_sft(config)
         assert expected in str(err.value), str(err.value)
     assert _tree_digest(run_dir / "checkpoints") == before
+
+
+def test_a_full_disk_is_the_checkpoint_s_one_line(sft_inputs, tmp_path):
+    """JAX SFT with its run directory on a small disk: the first save fills it and fails
+    in one line, then the TensorBoard flush at close failed on the same disk and buried
+    that line under an OSError traceback (exit 1). A save that fails leaves Orbax's
+    partial step, so the disk stays full while the run stops."""
+    from tests.mounts import tmpfs
+
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        config = config_for(
+            sft_inputs, disk / "run", backend="jax",
+            **{"sft.steps": 12, "checkpoint.every_steps": 12, "logging.tensorboard": True},
+        )  # fmt: skip
+        with pytest.raises(CheckpointError) as failure:
+            run_sft(config)
+    message = str(failure.value)
+    assert message.startswith(f"saving checkpoint step 12 to {disk / 'run' / 'checkpoints'}")
+    assert "No space left on device" in message and "tensorstore_spec" not in message
+    assert "no checkpoint was written yet" in message and "KiB free there" in message

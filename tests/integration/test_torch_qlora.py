@@ -15,6 +15,7 @@ from strop.backends.torch.model import forward_logits
 from strop.backends.torch.quantized import (
     dense_weight,
     is_quantized,
+    load_quantized,
     quantized_layers,
     scales,
 )
@@ -160,3 +161,23 @@ def test_qlora_exports_a_peft_adapter_for_the_float_base_and_a_dequantized_merge
     with torch.no_grad():
         merged_logits = merged(input_ids=ids, attention_mask=mask).logits
     assert (merged_logits - ours)[real].abs().max() < 1e-4  # ours, merged
+
+
+def test_bitsandbytes_int8_cast_warning_is_logged_once(tiny_model_dir, caplog):
+    """bitsandbytes warns at every int8 matmul on CUDA that it casts the inputs to float16
+    (a PPO run of two iterations printed 4,844 such lines); the CPU path never warns, so the
+    test calls CUDA's autograd function itself, on CPU tensors (it runs there too)."""
+    from bitsandbytes.autograd._functions import MatMul8bitLt
+
+    model = load_quantized(
+        tiny_model_dir("qwen2"), "int8", device=torch.device("cpu"),
+        stored_dtype=torch.float32, compute_dtype=torch.float32,
+    )  # fmt: skip
+    layer = next(iter(quantized_layers(model).values()))
+    layer.init_8bit_state()  # what Linear8bitLt.forward does before its matmul
+    inputs = torch.randn(2, layer.in_features)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            MatMul8bitLt.apply(inputs, layer.weight, None, layer.bias, layer.state)
+    casts = [r for r in caplog.records if r.getMessage().startswith("MatMul8bitLt")]
+    assert len(casts) <= 1, [r.getMessage() for r in casts]

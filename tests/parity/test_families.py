@@ -4,7 +4,8 @@ family) on a tiny random checkpoint carrying the family's flags (tests/tiny_mode
 Each test checks, on sequences longer than every sliding window:
 - the logits of right- and left-padded rows equal transformers' to 1e-4 (float32);
 - two sequences packed into one row (segment ids, positions restarting) give each
-  sequence's logits alone;
+  sequence's logits alone, and so do two continuations of a prompt packed after one copy of
+  it (a shared prompt: slots far from their positions);
 - greedy sampling with strop's own sampler equals transformers' ``generate``, token for
   token.
 
@@ -20,14 +21,15 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import strop
-from tests.tiny_models import FAMILY_KINDS, TINY, padded_batch
+from strop.batch.packing import PREFIX_STRIDE
+from tests.tiny_models import FAMILY_KINDS, TINY, padded_batch, save_tiny_model
 
 ATOL = 1e-4
 PAD = 0
 NEW_TOKENS = 10
 PROMPTS = ([5, 17, 33, 8, 91, 12, 7], [44, 3], [9, 120, 61, 2, 18, 200, 31, 77, 6, 15, 99])
 PENDING = {
-    "jax": set(FAMILY_KINDS) - {"qwen3", "qwen3_moe"},
+    "jax": {"phi3", "olmo2", "smollm3"},
     "torch": {"qwen3_moe", "mistral", "ministral", "gemma3"},
 }
 
@@ -83,6 +85,21 @@ def packed_row(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, ...]:
     return packed, segments, positions, len(first)
 
 
+def shared_prompt_row(ids: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Row 0's first 4 tokens (segment 1), then two continuations of them (segments 2 and
+    3, each seeing segment 1 too), packed into one row as strop.batch.packing shares a
+    prompt. Each token should give row 0's logits at the position it holds."""
+    prompt, continuations = (0, 4), ((4, 12), (4, 9))
+    packed = np.concatenate([ids[0, lo:hi] for lo, hi in (prompt, *continuations)])[None]
+    segments = np.concatenate(
+        [np.full(prompt[1], 1)]
+        + [np.full(hi - lo, segment + PREFIX_STRIDE * 1)
+           for segment, (lo, hi) in enumerate(continuations, 2)]
+    )[None]  # fmt: skip
+    positions = np.concatenate([np.arange(lo, hi) for lo, hi in (prompt, *continuations)])[None]
+    return packed, segments, positions
+
+
 def strop_greedy(backend: str, handle, model_dir: str, prompts) -> list[list[int]]:
     from strop.generation import SamplingParams
 
@@ -100,8 +117,14 @@ def strop_greedy(backend: str, handle, model_dir: str, prompts) -> list[list[int
 
 
 def check_family(backend: str, model_dir: str) -> None:
-    mesh = {"fsdp": 4, "tensor": 2} if backend == "jax" else None  # weights sharded both ways
-    handle = strop.load_model(model_dir, backend=backend, **({"mesh": mesh} if mesh else {}))
+    options = {}
+    if backend == "jax":  # one device: the session may have several (tests/conftest.py)
+        import jax
+
+        from strop.backends.jax.sharding import make_mesh
+
+        options["mesh"] = make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
+    handle = strop.load_model(model_dir, backend=backend, **options)
     reference = hf_model(model_dir)
     for left in (False, True):
         ids, mask = padded_batch(left=left)
@@ -117,6 +140,9 @@ def check_family(backend: str, model_dir: str) -> None:
     alone = hf_logits(reference, ids, mask)
     np.testing.assert_allclose(together[:cut], alone[0, :cut], atol=ATOL)
     np.testing.assert_allclose(together[cut:], alone[2, : mask[2].sum()], atol=ATOL)
+    packed, segments, positions = shared_prompt_row(ids)
+    shared = handle.logits(packed, segments, positions)[0]
+    np.testing.assert_allclose(shared, alone[0, positions[0]], atol=ATOL)
 
     assert strop_greedy(backend, handle, model_dir, PROMPTS) == hf_greedy(reference, PROMPTS)
 
@@ -134,3 +160,23 @@ def test_torch_family_equals_transformers(tiny_model_dir, kind):
 def test_the_prompts_cross_every_sliding_window():
     windows = [extra.get("sliding_window", 0) for _, extra in FAMILY_KINDS.values()]
     assert max(len(p) for p in PROMPTS) > max(windows) and TINY["vocab_size"] > 200
+
+
+def test_jax_gemma3_soft_caps_are_transformers(tmp_path):
+    """Gemma 3 with soft caps small enough to bind (the tiny model's logits reach about
+    0.6): its final logits are capped as transformers caps them, and its attention-logit
+    cap, which transformers' Gemma 3 keeps in its config but never applies, is not applied."""
+    import jax
+
+    from strop.backends.jax.sharding import make_mesh
+
+    caps = {"final_logit_softcapping": 0.3, "attn_logit_softcapping": 0.05}
+    model_dir = str(save_tiny_model("gemma3", tmp_path, **caps))
+    mesh = make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
+    ours = strop.load_model(model_dir, mesh=mesh).logits(*padded_batch())
+    ids, mask = padded_batch()
+    expected = hf_logits(hf_model(model_dir), ids, mask)
+    valid = mask.astype(bool)
+    assert np.abs(ours[valid] - expected[valid]).max() < ATOL
+    uncapped = AutoModelForCausalLM.from_pretrained(model_dir, final_logit_softcapping=None)
+    assert np.abs(hf_logits(uncapped, ids, mask) - expected).max() > 10 * ATOL  # it binds

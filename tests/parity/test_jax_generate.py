@@ -341,3 +341,28 @@ def test_a_prompt_s_rollouts_prefill_it_once_and_sample_what_each_row_would(tiny
     np.testing.assert_array_equal(shared.tokens, apart.tokens)
     np.testing.assert_allclose(shared.logprobs, apart.logprobs, atol=1e-5)
     assert len({tuple(r) for r in shared.tokens.tolist()}) > len(prompts) // 3  # rows differ
+
+
+def test_continuing_a_sliding_window_cache_samples_what_re_prefilling_does(tiny_model_dir):
+    """On a model with sliding-window layers (window 5) and full ones, the continuation
+    sampler (each row's cached keys shifted from its slot into re-prefill's columns, a
+    chunk run after them) samples the tokens and log-probabilities of re-prefilling every
+    row, over a turn that crosses the window many times."""
+    from strop.agents.continuation import SlotAssignment
+    from strop.backends.jax.continuation import JaxContinuation
+    from strop.generation import Decoding
+
+    handle = load(tiny_model_dir("ministral"))
+    prompts = ragged_prompts(seed=5)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    session = JaxContinuation(lambda: handle.model, Decoding(0, (), PAD, None), mesh=handle.mesh)
+    slots = list(range(len(prompts)))
+    first = session.generate(prompts, params, 7, SlotAssignment(slots, [0] * len(slots)))
+    np.testing.assert_array_equal(first.tokens, sample(handle, prompts, params, seed=7).tokens)
+    turns = [t[:n].tolist() for t, n in zip(first.tokens, first.lengths, strict=True)]
+    follow = [p + t + [11, 12, 13] for p, t in zip(prompts, turns, strict=True)]
+    cached = [len(p) + len(t) - 1 for p, t in zip(prompts, turns, strict=True)]
+    second = session.generate(follow, params, 8, SlotAssignment(slots, cached))
+    expected = sample(handle, follow, params, seed=8)
+    np.testing.assert_array_equal(second.tokens, expected.tokens)
+    np.testing.assert_allclose(second.logprobs, expected.logprobs, atol=1e-5)

@@ -292,3 +292,34 @@ def test_rows_longer_than_an_attention_block_match_transformers(tiny_model_dir):
     for lo, hi in itertools.pairwise(starts):
         alone = hf_logits(model_dir, ids[2:3, lo:hi], np.ones((1, hi - lo), np.int64))[0]
         np.testing.assert_allclose(packed[lo:hi], alone, atol=ATOL)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["causal", "cached"])
+def test_attention_soft_cap_and_scale_are_gemma2s(cached):
+    """Both attention kernels scale and soft-cap the scores as transformers' Gemma 2
+    attention does (``softcap * tanh(scale * q k^T / softcap)`` before the mask), on a cap
+    small enough to bind."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    from strop.backends.jax.attention import cached_attention, causal_attention
+
+    rng = np.random.default_rng(0)
+    batch, length, kv_heads, groups, dim = 2, 7, 2, 3, 8
+    q = rng.normal(size=(batch, length, kv_heads, groups, dim)).astype(np.float32)
+    k, v = (rng.normal(size=(batch, length, kv_heads, dim)).astype(np.float32) for _ in "kv")
+    causal = np.tril(np.ones((length, length), dtype=bool))
+    as_heads = q.reshape(batch, length, kv_heads * groups, dim).transpose(0, 2, 1, 3)
+    module = SimpleNamespace(num_key_value_groups=groups, training=False)
+    additive = torch.tensor(np.where(causal, 0.0, -np.inf).astype(np.float32))[None, None]
+    expected, _ = eager_attention_forward(
+        module, torch.tensor(as_heads), torch.tensor(k.transpose(0, 2, 1, 3)),
+        torch.tensor(v.transpose(0, 2, 1, 3)), additive, scaling=0.3, softcap=0.5,
+    )  # fmt: skip
+    attend = cached_attention if cached else causal_attention
+    mask = np.broadcast_to(causal, (batch, length, length))
+    ours = attend(q, k, v, mask, scale=0.3, softcap=0.5).reshape(expected.shape)
+    np.testing.assert_allclose(np.asarray(ours), expected.numpy(), atol=1e-6)
+    uncapped = attend(q, k, v, mask, scale=0.3).reshape(expected.shape)
+    assert np.abs(np.asarray(uncapped) - expected.numpy()).max() > 1e-2  # the cap binds

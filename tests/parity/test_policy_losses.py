@@ -18,6 +18,7 @@ import torch
 from strop.backends.jax import losses as jax_losses
 from strop.backends.torch import losses as torch_losses
 from strop.batch import packing
+from strop.config import load_config
 from strop.objectives.losses import POLICY_LOSSES, weighted_sum
 from strop.objectives.micro import policy_micro_loss
 from strop.objectives.ppo import PolicyObjective, aggregation_weights
@@ -73,6 +74,33 @@ def test_the_core_entry_in_float64_is_the_port(name, clips, seed):
     for key, value in stats.items():
         assert 0 < value.sum() < case["mask"].sum()  # the clip is in play, not everywhere
         np.testing.assert_allclose(terms[key] * case["mask"], value, atol=0)
+
+
+DEFINED_WITH = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "cispo": "token-mean"}
+"""How verl and TRL aggregate each loss: GSPO and SAPO per sequence (TRL's ``loss_type`` grpo
+and sapo, verl's GSPO recipe), CISPO over all tokens (TRL's token count)."""
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_default_aggregation_is_the_one_the_loss_was_defined_with(name):
+    """``ppo.policy_loss=gspo`` or ``sapo`` with ``ppo.loss_aggregation`` unset was a token
+    mean, neither verl's loss nor TRL's; each loss now gives the references' number, the
+    recipe's settings (clips, SAPO's temperatures) read from the config."""
+    config = load_config("ppo-lora-tiny", [f"ppo.policy_loss={name}", "ppo.dual_clip=null"])
+    ppo = config.ppo
+    case = {k: np.asarray(v, np.float64) for k, v in random_case(0).items()}
+    args = (case["logprobs"], case["old_logprobs"], case["advantages"], case["mask"])
+    temperatures = (ppo.sapo_temperature_pos, ppo.sapo_temperature_neg)
+    per_token, _, _ = (
+        ref.sapo(*args, *temperatures)
+        if name == "sapo"
+        else {"gspo": ref.gspo, "cispo": ref.cispo}[name](*args, ppo.clip_low, ppo.clip_high)
+    )
+    expected = ref.verl_agg_loss(per_token, case["mask"], DEFINED_WITH[name])
+    goal = PolicyObjective.from_config(config)
+    got, _ = POLICY_LOSSES[name].fn(ref.NUMPY_OPS, inputs(case, np.asarray), goal)
+    weights = aggregation_weights(case["mask"], ppo.loss_aggregation)
+    assert float((got * weights).sum()) == pytest.approx(expected, rel=1e-6)  # float32 weights
 
 
 def _to_jax(x):

@@ -400,6 +400,11 @@ def test_a_reference_adapter_is_the_reference_policy(qwen2, backend, tmp_path):
 
     ref = engine.logprobs(batch, reference=True)
     np.testing.assert_allclose(ref[mask], expected[mask], atol=TOL, rtol=TOL)
+    # at another temperature on request (vLLM's raw log-probs are at 1: rl/ppo.py)
+    logp_at_1 = torch.log_softmax(logits[:, :-1].double(), -1)
+    expected[:, 1:] = logp_at_1.gather(-1, ids[:, 1:, None])[..., 0].numpy()
+    at_1 = engine.logprobs(batch, reference=True, temperature=1.0)
+    np.testing.assert_allclose(at_1[mask], expected[mask], atol=TOL, rtol=TOL)
     actor = engine.logprobs(batch)
     assert np.abs(actor[mask] - ref[mask]).max() > 0.01, "the actor starts from the base"
 

@@ -22,6 +22,8 @@ import torch
 
 from strop.backends.jax import losses as jax_losses
 from strop.backends.torch import losses as torch_losses
+from strop.config import load_config
+from strop.objectives.corrections import correction_weights
 from strop.objectives.gae import shift_values
 from strop.objectives.losses import (
     explained_variance,
@@ -31,8 +33,8 @@ from strop.objectives.losses import (
     value_terms,
 )
 from strop.objectives.micro import policy_micro_loss
-from strop.objectives.ppo import PolicyObjective, aggregation_weights
-from strop.rl.rollout_correction import correction_weights, first_update_metrics, mismatch_metrics
+from strop.objectives.ppo import WEIGHTS, PolicyObjective, aggregation_weights
+from strop.rl.rollout_correction import correct, first_update_metrics, mismatch_metrics
 from tests import losses_reference as ref
 
 RTOL = ATOL = 1e-6
@@ -242,7 +244,8 @@ def correction_case(seed: int, mode: str, level: str):
     c = random_case(seed)
     rng = np.random.default_rng(100 + seed)
     sampled = c["old_logprobs"] + rng.normal(scale=0.5, size=c["mask"].shape)
-    weights = correction_weights(c["old_logprobs"], sampled, c["mask"], mode, level, 1.5)
+    bounds = (0.7, 1.5) if mode == "icepop" else (0.0, 1.5)
+    weights = correction_weights(c["old_logprobs"], sampled, c["mask"], mode, level, bounds)
     return c, np.asarray(weights, np.float32), sampled.astype(np.float32)
 
 
@@ -264,6 +267,74 @@ def test_policy_loss_with_a_rollout_correction_matches_reference(impl, seed, mod
     assert expected[0] != pytest.approx(ref.policy_loss(*args, **options)[0])  # in play
     got = call(impl, "policy_loss", *args, **options, is_weights=weights)
     assert_tree_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def corrected_loss(impl, case, sampled, overrides, **options) -> float:
+    """strop's policy loss under a rollout correction, end to end: the correction of the
+    ``ppo-lora-tiny`` recipe with ``overrides``, applied by
+    :func:`strop.rl.rollout_correction.correct` to the case, then a backend's loss over the
+    update arrays it returns (its weights, or the response mask without the rejected
+    tokens: the loss weights come from that mask, as the mini-batches' do)."""
+    ppo = load_config("ppo-lora-tiny", list(overrides)).ppo
+    arrays, _ = correct({"response_mask": case["mask"]}, case["old_logprobs"], sampled, ppo)
+    args = (case["logprobs"], case["old_logprobs"], case["advantages"], arrays["response_mask"])
+    loss, _ = backend_policy_loss(impl, *args, **options, is_weights=arrays.get(WEIGHTS))
+    return float(to_numpy(loss))
+
+
+def sampler_logprobs(case, seed: int, scale: float) -> np.ndarray:
+    rng = np.random.default_rng(200 + seed)
+    noise = rng.normal(scale=scale, size=case["mask"].shape)
+    return (case["old_logprobs"] + noise).astype(np.float32)
+
+
+@pytest.mark.parametrize("impl", ["jax", "torch"])
+@pytest.mark.parametrize("band", [None, (0.7, 1.6)], ids=["default-band", "band"])
+def test_icepop_is_openrlhfs_icepop(impl, band):
+    """``ppo.rollout_correction=icepop`` equals OpenRLHF's ``icepop`` (the ratio inside
+    ``[low, high]``, 0 outside; default band OpenRLHF's [0.5, 5]), not a 0/1 band."""
+    c = random_case(5)
+    sampled = sampler_logprobs(c, 5, scale=0.8)
+    overrides = ["ppo.rollout_correction=icepop"]
+    low, high = band or (0.5, 5.0)
+    if band:
+        overrides += [f"ppo.rollout_correction_low={low}", f"ppo.rollout_correction_high={high}"]
+    options = dict(clip_low=0.2, clip_high=0.28)
+    args = (c["logprobs"], c["old_logprobs"], sampled, c["advantages"], c["mask"])
+    expected = ref.openrlhf_icepop_loss(*args, **options, low=low, high=high)
+    ratio = np.exp(c["old_logprobs"] - sampled)[c["mask"] > 0]
+    assert ((ratio < low) | (ratio > high)).any()  # the band drops some tokens
+    got = corrected_loss(impl, c, sampled, overrides, **options)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["jax", "torch"])
+@pytest.mark.parametrize(
+    "level, scale, low, high",
+    [("token", 0.5, 0.6, 1.5), ("sequence", 0.12, 0.6, 1.5), ("geometric", 0.5, 0.9, 1.08)],
+)
+def test_reject_is_verls_rejection_sampling(impl, level, scale, low, high):
+    """``ppo.rollout_correction=reject`` equals verl's ``rollout_rs`` (``token_k1``,
+    ``seq_sum_k1``, ``seq_mean_k1``) followed by its PPO loss: the rejected tokens leave
+    the token mean's denominator. verl's k1 band bounds the inverse ratio: strop's ``[low,
+    high]`` is verl's ``f"{1/high}_{1/low}"``."""
+    c = random_case(6)
+    sampled = sampler_logprobs(c, 6, scale)
+    overrides = [
+        "ppo.rollout_correction=reject", f"ppo.rollout_correction_level={level}",
+        f"ppo.rollout_correction_low={low}", f"ppo.rollout_correction_high={high}",
+    ]  # fmt: skip
+    options = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0)  # verl's clip_ratio_c
+    args = (c["logprobs"], c["old_logprobs"], sampled, c["advantages"], c["mask"])
+    expected = ref.verl_rejection_loss(
+        *args, 0.2, 0.28, 3.0, ref.VERL_REJECTION[level], lower=1 / high, upper=1 / low
+    )
+    kept = correction_weights(c["old_logprobs"], sampled, c["mask"], "reject", level, (low, high))
+    on = kept[c["mask"] > 0]
+    assert (on == 0).any() and (on == 1).any()  # some tokens rejected, some kept
+    assert expected != pytest.approx(ref.policy_loss(*args[:2], *args[3:], **options)[0])
+    got = corrected_loss(impl, c, sampled, overrides, **options)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("impl", ["jax", "torch"])

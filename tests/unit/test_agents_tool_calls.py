@@ -211,3 +211,74 @@ def test_a_closing_tag_inside_an_argument_string_is_part_of_the_argument():
     plain = '{"name": "f", "arguments": {}}'
     parsed = parse_tool_calls(f"<tool_call>{plain} and more</tool_call>done", "hermes")
     assert isinstance(parsed.calls[0], ToolCallError) and parsed.content == "done"
+
+
+# -- mistral: [TOOL_CALLS] followed by a JSON list (Mistral 7B v0.3, Ministral, Mistral Small)
+
+MISTRAL_TWO = (
+    '[TOOL_CALLS] [{"name": "calculate", "arguments": {"expression": "2+2"}, "id": "a1b2c3d4e"}'
+    ', {"name": "search", "arguments": {"query": "π", "limit": 3}, "id": "f5g6h7i8j"}]'
+)
+
+
+def test_mistral_calls_and_the_text_before_them():
+    parsed = parse_tool_calls("I will compute both. " + MISTRAL_TWO, "mistral")
+    assert parsed.content == "I will compute both."
+    assert parsed.tool_calls == [
+        ToolCall("calculate", {"expression": "2+2"}),
+        ToolCall("search", {"query": "π", "limit": 3}),
+    ]
+    assert parse_tool_calls("The answer is [4].", "mistral") == ParsedMessage("The answer is [4].")
+    # One object instead of a list, stringified arguments, and the newer name[ARGS]{...}
+    # form (Mistral Small 3.2, Magistral) are read too.
+    single = parse_tool_calls('[TOOL_CALLS]{"name": "f", "arguments": "{\\"x\\": 1}"}', "mistral")
+    assert single.tool_calls == [ToolCall("f", {"x": 1})]
+    newer = parse_tool_calls('[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{}', "mistral")
+    assert newer.tool_calls == [ToolCall("f", {"x": 1}), ToolCall("g", {})]
+
+
+@pytest.mark.parametrize(
+    ("text", "says", "good"),
+    [
+        ('[TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}', "not valid JSON", 0),
+        ("[TOOL_CALLS] the weather in Paris", "not valid JSON", 0),
+        ('[TOOL_CALLS] [{"arguments": {}}, {"name": "g", "arguments": {}}]', 'no "name"', 1),
+        ('[TOOL_CALLS] [{"name": "f", "arguments": [1]}, 7]', "must be a JSON object", 0),
+        ("[TOOL_CALLS] [" + "[" * 3000, "nested too deeply", 0),
+        ('[TOOL_CALLS]f[ARGS]{"x": ', "not valid JSON", 0),
+        ("[TOOL_CALLS][ARGS]{}", 'no "name"', 0),
+    ],
+    ids=["unclosed", "prose", "no-name", "not-objects", "deep", "args-unclosed", "args-no-name"],
+)
+def test_mistral_malformed_calls_are_errors_in_their_place(text, says, good):
+    parsed = parse_tool_calls(text, "mistral")
+    assert parsed.errors and says in parsed.errors[0].message
+    assert len(parsed.tool_calls) == good
+
+
+def test_mistral_format_name_and_detection():
+    from tests.chat_templates import MISTRAL_V03_INSTRUCT
+
+    assert format_name("Mistral") == "mistral"
+    assert detect_format(MISTRAL_V03_INSTRUCT) == "mistral"
+
+
+def test_mistral_render_then_parse_round_trip(tmp_path):
+    """Mistral v0.3's template renders an assistant turn's calls as the list it parses."""
+    from tests.chat_templates import save_chat_tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(save_chat_tokenizer(tmp_path, "mistral"))
+    calls = [("calculate", {"expression": "(3 + 4) * 12"}), ("search", {"query": "π ü"})]
+    assistant = {
+        "role": "assistant",
+        "tool_calls": [
+            {**ToolCall(n, a).as_dict(), "id": f"call{k:05d}"} for k, (n, a) in enumerate(calls)
+        ],
+    }
+    user = [{"role": "user", "content": "Compute."}]
+    prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template([*user, assistant])
+    assert full.startswith(prompt) and full.endswith("</s>")
+    parsed = parse_tool_calls(full[len(prompt) : -len("</s>")], "mistral")
+    assert parsed.errors == [] and parsed.content == ""
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == calls

@@ -354,3 +354,71 @@ def test_ppo_lora_tiny_leaves_room_for_an_answer_to_end() -> None:
     """At 24 new tokens the shipped tiny-math model had 64% of its responses cut
     (train/truncated_fraction), at 48 none: the recipe's comment has the figures."""
     assert load_config("ppo-lora-tiny").generation.max_new_tokens >= 48
+
+
+@pytest.mark.parametrize(
+    ("loss", "aggregation"),
+    [("ppo", "token_mean"), ("cispo", "token_mean"), ("gspo", "sequence_mean"),
+     ("sapo", "sequence_mean")],
+)  # fmt: skip
+def test_an_unset_loss_aggregation_is_the_one_the_policy_loss_was_defined_with(
+    loss, aggregation, tmp_path
+) -> None:
+    """`ppo.policy_loss=sapo` (or gspo) averaged over all tokens, neither verl's loss nor
+    TRL's: unset, the aggregation is the loss's own; set, the user's; a run's config.yaml
+    loads to the same."""
+    from strop.config import dump_config
+
+    config = load_config("ppo-lora-tiny", [f"ppo.policy_loss={loss}"])
+    assert config.ppo.loss_aggregation == aggregation
+    assert config.ppo.aggregation_placed_by_loss == (aggregation != "token_mean")
+    told = load_config(
+        "ppo-lora-tiny", [f"ppo.policy_loss={loss}", "ppo.loss_aggregation=token_mean"]
+    )
+    assert told.ppo.loss_aggregation == "token_mean" and not told.ppo.aggregation_placed_by_loss
+    (tmp_path / "config.yaml").write_text(dump_config(config))
+    assert load_config(tmp_path / "config.yaml").ppo.loss_aggregation == aggregation
+
+
+def test_the_log_says_what_the_policy_loss_decides(caplog) -> None:
+    """The aggregation an unset ppo.loss_aggregation takes from the loss, and a recipe's
+    ppo.dual_clip that the loss does not read, are said once each."""
+    from strop.rl.checks import check_ppo_config
+
+    paths = ["model.path=m", "data.train_path=t.jsonl", "data.eval_path=v.jsonl"]
+    caplog.set_level("INFO", logger="strop.rl.ppo")
+
+    def logged(*overrides: str) -> str:
+        caplog.clear()
+        check_ppo_config(load_config("ppo-lora-tiny", [*paths, *overrides]))
+        return caplog.text
+
+    said = logged("ppo.policy_loss=sapo")
+    assert said.count("ppo.loss_aggregation=sequence_mean (unset): the aggregation ") == 1
+    assert said.count("ppo.dual_clip=3.0") == 1 and "ppo.policy_loss=sapo does not read " in said
+    said = logged("ppo.policy_loss=cispo")
+    assert "ppo.policy_loss=cispo does not read ppo.dual_clip=3.0: no effect" in said
+    assert "loss_aggregation" not in said
+    assert "dual_clip" not in logged("ppo.policy_loss=cispo", "ppo.dual_clip=null")
+    assert logged("ppo.policy_loss=gspo", "ppo.loss_aggregation=sequence_mean") == ""
+    assert logged("ppo.policy_loss=ppo") == ""
+
+
+def test_a_run_directory_is_the_config_it_recorded(tmp_path: Path) -> None:
+    """`strop ppo runs/x` takes the run directory as its config.yaml, as `strop export` does
+    (before: "recipe 'runs/x' not found: no such file"); the run continues there, even
+    from a directory moved since it was written."""
+    trained = load_config("ppo-lora-tiny", ["optim.lr=3e-5", "run_dir=runs/elsewhere"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(dump_config(trained))
+    assert load_config(run) == trained.model_copy(update={"run_dir": str(run)})
+    assert load_config(str(run), ["ppo.steps=7"]).ppo.steps == 7  # overrides on top
+    with pytest.raises(ConfigError, match=r"optim\.lr.*\(got -1 from override"):
+        load_config(run, ["optim.lr=-1"])
+    (tmp_path / "empty").mkdir()
+    assert config_error(str(tmp_path / "empty")) == (
+        f"recipe {str(tmp_path / 'empty')!r} is a directory without config.yaml (a run "
+        "directory holds one once its first run started): name a recipe file, a built-in "
+        "recipe or a run directory"
+    )

@@ -135,6 +135,10 @@ BAD_RECORDS = [
     (TEXT | {"rejected": "  \n"}, "the answer 'rejected' is empty"),
     (TEXT | {"prompt": " "}, "the prompt \\('prompt'\\) is empty"),
     ({"prompt": PROMPT, "chosen": GOOD}, "missing field 'rejected'"),
+    (
+        {"chosen": "Yes.", "rejected": "No."},
+        "no field 'prompt', and 'chosen' and 'rejected' share no",
+    ),
     (TEXT | {"chosen": 3}, "field 'chosen' must be a string, got number"),
     (
         {"prompt": USER, "chosen": "a", "rejected": [{"role": "user", "content": "b"}]},
@@ -197,3 +201,30 @@ def test_pairs_over_the_length_limit_are_refused_or_skipped(tmp_path, tok, caplo
     assert "skipped 1 of 3 pairs (lines 2; first: " in caplog.text
     with pytest.raises(DataError, match=r"no usable preference pair .* all 3 are bad"):
         tokenize_preferences(examples, tok, max_length=limit - 1, skip_bad_lines=True)
+
+
+@pytest.mark.parametrize(
+    ("chosen", "rejected", "expected"),
+    [
+        # TRL's dataset_formats example: the space before the first difference goes to the answers
+        ("The sky is blue.", "The sky is green.", ("The sky is", " blue.", " green.")),
+        ("2 + 2 = 4", "2 + 2 = 5", ("2 + 2 =", " 4", " 5")),
+        # HH-RLHF: the prompt ends at the last shared "\n\nAssistant:", whatever the replies share
+        (
+            "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Name a colour\n\nAssistant: Blue is nice",
+            "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Name a colour\n\nAssistant: Bl...",
+            (
+                "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Name a colour\n\nAssistant:",
+                " Blue is nice",
+                " Bl...",
+            ),
+        ),
+    ],
+    ids=["trl-example", "numbers", "hh-rlhf"],
+)
+def test_a_prompt_implicit_in_both_answers_is_their_shared_beginning(
+    tmp_path, chosen, rejected, expected
+):
+    path = jsonl(tmp_path / "d.jsonl", [{"chosen": chosen, "rejected": rejected}])
+    (example,), _ = read_preferences(path)
+    assert (example.prompt, example.chosen, example.rejected) == expected

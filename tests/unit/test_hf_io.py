@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import strop
-from strop.errors import BackendUnavailableError, ModelError, OutputExistsError
+from strop.errors import BackendUnavailableError, ModelError, OutputExistsError, WriteError
 from strop.io.hf import SafetensorsReader, write_checkpoint
 from strop.io.model_spec import read_model_spec
 from strop.io.peft import save_adapter
@@ -137,7 +137,7 @@ def test_write_refuses_to_clobber_and_leaves_no_partial_output(tmp_path):
         yield "a", np.zeros(3, np.float32)
         raise OSError("disk full")
 
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(WriteError, match=r"^writing the model to .*new failed: disk full"):
         write_checkpoint(tmp_path / "new", {}, failing(), dtype_name="float32")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert (target / "keep.txt").read_text() == "user data"

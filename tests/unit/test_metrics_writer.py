@@ -69,6 +69,7 @@ def test_sample_generations_go_to_samples_jsonl_tensorboard_and_wandb(tmp_path):
     with MetricsWriter(tmp_path) as writer:
         writer._wandb = WandbSink.__new__(WandbSink)
         writer._wandb._run = Run()
+        writer._wandb.files = tmp_path / "wandb"
         writer.write_samples(3, SAMPLES)
         writer.write_samples(4, [])  # logging.samples=0: nothing
         writer.write_samples(6, SAMPLES[:1])

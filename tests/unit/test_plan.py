@@ -91,13 +91,29 @@ def test_a_moe_plan_counts_every_parameter_and_the_active_ones(capsys, tmp_path)
     assert code == 0 and weights["detail"].startswith("30.53B params (3.35B active) x "), weights
 
 
+def test_a_dpo_recipe_plans_dpo_its_pairs_and_its_reference(capsys, qwen_7b):
+    """Before: `strop plan` on a DPO recipe planned SFT (sft.micro_batch_size rows of
+    data.max_length tokens, no reference) and refused --job dpo."""
+    base = ["plan", "dpo-lora-qwen2.5-1.5b", f"model.path={qwen_7b}", "data.max_length=512",
+            "dpo.micro_batch_size=2", "--device-gib", "80", "--json"]  # fmt: skip
+    code, out, err = run(capsys, *base)
+    plan = json.loads(out)
+    assert code == 0 and plan["job"] == "dpo", err
+    parts = {p["name"]: p for p in plan["parts"]}
+    assert "N = 2 rows x 1024 tokens" in parts["activations"]["detail"]
+    assert "reference weights" not in parts  # LoRA: the reference is the adapters off
+    code, out, _ = run(capsys, *base, "lora.enabled=false", "dpo.reference=base")
+    full = {p["name"]: p for p in json.loads(out)["parts"]}
+    assert full["reference weights"]["bytes"] == full["base weights"]["bytes"]
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
         (["model.path=/nowhere/at/all"], "model.path=/nowhere/at/all: no such directory"),
         ([], "model.path is not set"),
         (["lora.rnak=3"], "lora.rnak"),
-        (["--job", "dpo"], "--job dpo"),
+        (["--job", "kto"], "--job kto: strop plan knows sft, dpo, ppo"),
     ],
 )
 def test_plan_bad_input_is_one_line_exit_2(capsys, args, says):

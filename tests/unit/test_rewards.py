@@ -215,6 +215,29 @@ def test_extract_answer(completion, expected):
     assert rewards.extract_answer(completion) == expected
 
 
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        # The answer is read after the thinking block: one inside it does not count.
+        ("<think>\nMaybe #### 5? No: \\boxed{6}.\n</think>\n\nIt is 7.", "7"),
+        ("<think>\nIt is 6.\n</think>\n\nNo answer here.", None),
+        ("<think>#### 5</think>#### 7<think>#### 8</think>then 9", "9"),
+        # A generation prompt that opened <think> itself (Qwen3-Thinking-2507): only the
+        # closing tag is in the completion.
+        ("so 6 ... \n</think>\n\n#### 7", "7"),
+        # A thought cut short (max_new_tokens) has no answer, whatever it held so far.
+        ("<think>\nFirst 2 + 3 = 5, so #### 5", None),
+        ("#### 7 <think> wait, maybe 8", None),
+    ],
+)
+def test_answers_are_read_after_the_thinking_block(completion, expected, fast_gsm8k):
+    assert rewards.extract_answer(completion) == expected
+    score = 1.0 if expected in ("7", "9") else 0.0
+    assert fast_gsm8k(["q"], [completion], answer=[expected or "5"]) == [score]
+    format_score = float(completion.endswith("#### 7"))
+    assert rewards.get("format")(["q"], [completion]) == [format_score]
+
+
 def test_extract_gold():
     assert rewards.extract_gold("Some work <<2*3=6>>6.\n#### 1,600") == "1,600"
     assert rewards.extract_gold("so it is $\\boxed{\\dfrac{3}{4}}$") == "\\dfrac{3}{4}"

@@ -4,6 +4,8 @@ once. The import itself is :mod:`strop.references`, shared with the rewards."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from strop.objectives import plugins
@@ -35,6 +37,16 @@ def badly_declared(ops, inputs, objective):
 
 
 badly_declared.strop_loss = "yes"
+
+
+@policy_loss(aggregation="sequence_mean")
+def per_sequence(ops, inputs, objective):
+    return inputs["logprobs"], {}
+
+
+@policy_loss(aggregation="per_row")
+def unknown_aggregation(ops, inputs, objective):
+    return inputs["logprobs"], {}
 """
 
 
@@ -56,7 +68,7 @@ def test_a_good_reference_loads_once(loss_dir):
     declared = plugins.load(f"{loss_dir / 'my_loss.py'}:declared")
     assert isinstance(plain, PolicyLoss) and plain.reads == ()
     assert declared.reads == ("ref_logprobs",)
-    assert plain.fn.__globals__["RUNS"] == [1]  # the file ran once for both references
+    assert inspect.unwrap(plain.fn).__globals__["RUNS"] == [1]  # the file ran once for both
 
 
 @pytest.mark.parametrize(
@@ -71,6 +83,8 @@ def test_a_good_reference_loads_once(loss_dir):
         ("my_loss.py:Scorer", "'Scorer' in my_loss.py is a type, not a function"),
         ("my_loss.py:badly_declared",
          "'badly_declared' in my_loss.py: declare its needs with @policy_loss(...)"),
+        ("my_loss.py:unknown_aggregation", "unknown aggregation 'per_row': a policy loss is "
+         "defined with one of token_mean, sequence_mean, seq_mean_token_sum_norm"),
         ("no_such_pkg.mod:f", "no module named 'no_such_pkg' on the Python path (install it or "
          "add its directory to PYTHONPATH; a file is given as path/to/file.py:function)"),
     ],
@@ -90,3 +104,12 @@ def test_a_failing_import_names_what_it_raised(loss_dir, monkeypatch):
     assert message("broken_loss_mod:f") == (
         "importing module broken_loss_mod failed: No module named 'no_such_dependency_xyz'"
     )
+
+
+def test_a_declared_aggregation_is_the_runs_unless_the_config_sets_one(loss_dir):
+    from strop.config import load_config
+
+    declared = load_config("ppo-lora-tiny", ["ppo.policy_loss=my_loss.py:per_sequence"])
+    assert declared.ppo.loss_aggregation == "sequence_mean"
+    plain = load_config("ppo-lora-tiny", ["ppo.policy_loss=my_loss.py:to_reference"])
+    assert plain.ppo.loss_aggregation == "token_mean"

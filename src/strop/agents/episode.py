@@ -158,8 +158,9 @@ class Episode:
         if not (before.startswith(self._text) and after.startswith(before)):
             raise DataError(
                 f"the chat template of {self.tokenizer.name} rewrites earlier turns when "
-                "messages are added, so an episode cannot grow token by token with it; use a "
-                "template whose render of a longer conversation extends the shorter one's"
+                "messages are added, so an episode cannot grow token by token with it; set "
+                "data.chat_template to a template whose render of a longer conversation "
+                "extends the shorter one's (qwen3-training for Qwen3; docs/agents.md)"
             )
         ids = self._plain.encode(rest + after[len(before) :])
         self._ids.extend(ids)
@@ -233,7 +234,8 @@ class Episode:
             raise DataError(
                 f"the chat template of {self.tokenizer.name} does not render an assistant "
                 "turn as its generation prompt followed by the assistant's text, so the "
-                "model's tokens cannot be kept as sampled; use a template that does"
+                "model's tokens cannot be kept as sampled; set data.chat_template to a "
+                "template that does (qwen3-training for Qwen3; docs/agents.md)"
             )
         return closer
 

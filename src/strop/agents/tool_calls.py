@@ -1,6 +1,6 @@
 """Tool calls in the text a model generated, in the format its chat template taught it.
 
-Two formats, named as vLLM names its tool parsers:
+Three formats, named as vLLM names its tool parsers:
 
 * ``hermes`` (alias ``qwen``; Qwen2.5, Qwen3, Hermes): each call is a JSON object in tags,
   ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, possibly several, after
@@ -13,6 +13,11 @@ Two formats, named as vLLM names its tool parsers:
   ``{"name": "f", "parameters": {...}}`` (``arguments`` is accepted too), optionally after
   ``<|python_tag|>``; several may be separated by ``;``. Text before ``<|python_tag|>`` is
   content; without the tag, a message that does not start with ``{`` has no call.
+* ``mistral`` (Mistral 7B v0.3, Ministral, Mistral Small / Nemo): ``[TOOL_CALLS]``
+  followed by a JSON list of calls ``[{"name": "f", "arguments": {...}, "id": "..."}]``
+  (one object is read as a list of one); the newer ``[TOOL_CALLS]f[ARGS]{...}`` form
+  (Mistral Small 3.2, Magistral; ``[CALL_ID]...`` allowed before ``[ARGS]``) is read too,
+  one call per ``[TOOL_CALLS]``. Text before the first ``[TOOL_CALLS]`` is content.
 
 :func:`parse_tool_calls` never raises: a call whose JSON is malformed, that has no
 ``name``, or whose arguments are not an object becomes a :class:`ToolCallError` in its
@@ -31,10 +36,16 @@ from typing import Any
 
 from strop.errors import ConfigError
 
-FORMATS = ("hermes", "llama3_json")
-_ALIASES = {"hermes": "hermes", "qwen": "hermes", "llama3_json": "llama3_json"}
+FORMATS = ("hermes", "llama3_json", "mistral")
+_ALIASES = {
+    "hermes": "hermes",
+    "qwen": "hermes",
+    "llama3_json": "llama3_json",
+    "mistral": "mistral",
+}
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _DECODER = json.JSONDecoder()
 _MAX_SHOWN = 60
 
@@ -90,20 +101,23 @@ def format_name(name: str) -> str:
     canonical = _ALIASES.get(name.strip().lower())
     if canonical is None:
         raise ConfigError(
-            f"unknown tool-call format {name!r}; the formats are hermes (alias qwen) and "
-            "llama3_json"
+            f"unknown tool-call format {name!r}; the formats are hermes (alias qwen), "
+            "llama3_json and mistral"
         )
     return canonical
 
 
 def detect_format(chat_template: str | None) -> str | None:
     """The tool-call format a chat template renders, or None if it renders none we know:
-    ``hermes`` when it writes ``<tool_call>`` tags, ``llama3_json`` when it writes
-    ``"parameters":`` objects or uses ``<|python_tag|>``."""
+    ``hermes`` when it writes ``<tool_call>`` tags, ``mistral`` when it writes
+    ``[TOOL_CALLS]``, ``llama3_json`` when it writes ``"parameters":`` objects or uses
+    ``<|python_tag|>``."""
     if not chat_template:
         return None
     if "<tool_call>" in chat_template:
         return "hermes"
+    if MISTRAL_CALLS in chat_template:
+        return "mistral"
     if PYTHON_TAG in chat_template or re.search(r'"parameters"\s*:', chat_template):
         return "llama3_json"
     return None
@@ -112,8 +126,8 @@ def detect_format(chat_template: str | None) -> str | None:
 def parse_tool_calls(text: str, format: str = "hermes") -> ParsedMessage:
     """Read ``text`` (an assistant's generated message, special tokens kept) in ``format``
     (see the module docstring). Never raises on what the model wrote."""
-    fmt = format_name(format)
-    return _parse_hermes(text) if fmt == "hermes" else _parse_llama3_json(text)
+    parse = {"hermes": _parse_hermes, "llama3_json": _parse_llama3_json, "mistral": _parse_mistral}
+    return parse[format_name(format)](text)
 
 
 def _parse_hermes(text: str) -> ParsedMessage:
@@ -178,6 +192,36 @@ def _parse_llama3_json(text: str) -> ParsedMessage:
             content = f"{content}\n{rest}".strip()
         break
     return ParsedMessage(content, calls)
+
+
+def _parse_mistral(text: str) -> ParsedMessage:
+    content, *segments = text.split(MISTRAL_CALLS)
+    calls: list[ToolCall | ToolCallError] = []
+    for segment in segments:
+        found, rest = _mistral_calls(segment.strip())
+        calls += found
+        content = f"{content}\n{rest}"  # text after a call list is content
+    return ParsedMessage(content.strip(), calls)
+
+
+def _mistral_calls(body: str) -> tuple[list[ToolCall | ToolCallError], str]:
+    """The calls after one ``[TOOL_CALLS]`` (``body``: the text up to the next), and the
+    text after them."""
+    name, args, raw = body.partition(MISTRAL_ARGS)
+    if args and not name.startswith(("[", "{")):  # name[ARGS]{...}, not a JSON list
+        name = name.partition(MISTRAL_CALL_ID)[0].strip()
+        raw = raw.strip()
+        try:
+            arguments, end = _DECODER.raw_decode(raw)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            return [ToolCallError(_bad_json(exc, raw), name or None)], ""
+        return [_checked({"name": name, "arguments": arguments}, ("arguments",))], raw[end:]
+    try:
+        value, end = _DECODER.raw_decode(body)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        return [ToolCallError(_bad_json(exc, body))], ""
+    items = value if isinstance(value, list) else [value]
+    return [_checked(item, ("arguments", "parameters")) for item in items], body[end:]
 
 
 def _read_call(raw: str, keys: tuple[str, ...]) -> ToolCall | ToolCallError:

@@ -58,8 +58,8 @@ class ToolEnv:
         no reward.
       system_prompt: the first message of every episode, when set.
       max_turns: the most assistant turns in an episode (>= 1).
-      tool_format: how calls are written in generated text: ``hermes`` (``qwen``) or
-        ``llama3_json``.
+      tool_format: how calls are written in generated text: ``hermes`` (``qwen``),
+        ``llama3_json`` or ``mistral`` (:mod:`strop.agents.tool_calls`).
       tool_timeout_s, max_output_chars: the limits of a call to a tool made here from a
         function (a :class:`~strop.agents.tools.Tool` given keeps its own).
       max_tool_calls_per_turn: the most calls of one assistant turn that run (>= 1).

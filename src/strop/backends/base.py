@@ -250,8 +250,15 @@ class ActorCritic(TrainableModel, Protocol):
         the others run each batch at its own width."""
         ...
 
-    def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:
-        """``log pi(x_t | x_<t)`` at the rollout temperature, actor or reference."""
+    def logprobs(
+        self,
+        batch: dict[str, np.ndarray],
+        *,
+        reference: bool = False,
+        temperature: float | None = None,
+    ) -> np.ndarray:
+        """``log pi(x_t | x_<t)`` at the rollout temperature (or ``temperature``), actor or
+        reference."""
         ...
 
     def values(self, batch: dict[str, np.ndarray]) -> np.ndarray:

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from strop.config.sections import _Section
+from strop.objectives.corrections import MODES, check_bounds, correction_bounds
 from strop.objectives.estimators import ESTIMATORS
 from strop.objectives.losses import KL_ESTIMATORS
 from strop.objectives.plugins import resolve_policy_loss
@@ -80,7 +81,7 @@ class PpoConfig(_Section):
     )
     loss_aggregation: Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"] = Field(
         "token_mean",
-        description="Average the losses over all tokens, per sequence then over sequences, or (Dr. GRPO) each sequence's token sum over generation.max_new_tokens, averaged over sequences.",
+        description="Average the losses over all tokens, per sequence then over sequences, or (Dr. GRPO) each sequence's token sum over generation.max_new_tokens, averaged over sequences. Unset: the policy loss's own (sequence_mean for gspo and sapo, as verl and TRL define them; token_mean otherwise).",
     )
     kl_coef: float = Field(
         0.05, ge=0, description="Weight of the KL penalty against the reference policy."
@@ -104,19 +105,32 @@ class PpoConfig(_Section):
         "recompute",
         description="Where the update's old log-probabilities come from: a forward of the actor before the update (recompute), or the sampler's own, saving that forward (sampler; the same numbers where sampler and trainer compute alike, as the float32 native samplers do).",
     )
-    rollout_correction: Literal["none", "tis", "mis", "icepop"] = Field(
+    rollout_correction: str = Field(
         "none",
-        description="Correct the policy-gradient loss for the sampler/trainer mismatch by the importance ratio pi_old_trainer / pi_sampler (needs old_logprobs=recompute): tis multiplies by the ratio truncated at rollout_correction_threshold, mis by the ratio where it is at most the threshold and drops the rest, icepop drops tokens whose ratio is outside [1/threshold, threshold]; see docs/ppo.md.",
+        description="Correct the policy-gradient loss for the sampler/trainer mismatch by the importance ratio rho = pi_old_trainer / pi_sampler (needs old_logprobs=recompute): tis multiplies by min(rho, rollout_correction_threshold); mis by rho where rho <= the threshold, else 0; icepop (IcePop, OpenRLHF's) by rho inside [rollout_correction_low, rollout_correction_high], else 0; reject (verl's rejection sampling) drops the tokens outside that band from the update, from every loss and its token count; see docs/ppo.md.",
     )
     rollout_correction_level: Literal["token", "sequence", "geometric"] = Field(
         "token",
         description="The ratio rollout_correction uses: per token, per sequence (the product of its tokens' ratios), or geometric (exp of the mean token log-ratio, on the whole sequence).",
     )
-    rollout_correction_threshold: float = Field(
-        2.0,
+    rollout_correction_threshold: float | None = Field(
+        None,
         ge=1,
         allow_inf_nan=False,
-        description="rollout_correction's threshold C (verl's default 2).",
+        description="rollout_correction=tis or mis: the threshold C; null = 2 (verl's default).",
+    )
+    rollout_correction_low: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="rollout_correction=icepop or reject: the band's lower bound on the ratio; null = the mode's default (icepop 0.5, OpenRLHF's; reject 0.5, verl's).",
+    )
+    rollout_correction_high: float | None = Field(
+        None,
+        ge=1,
+        allow_inf_nan=False,
+        description="rollout_correction=icepop or reject: the band's upper bound on the ratio; null = the mode's default (icepop 5, OpenRLHF's; reject 2, verl's).",
     )
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
     value_clip: float = Field(
@@ -219,6 +233,11 @@ class PpoConfig(_Section):
     def _registered_estimator(cls, value: str) -> str:
         return _registered(value, ESTIMATORS, "advantage estimator")
 
+    @field_validator("rollout_correction")
+    @classmethod
+    def _registered_correction(cls, value: str) -> str:
+        return _registered(value, MODES, "rollout correction")
+
     @field_validator("kl_estimator")
     @classmethod
     def _registered_kl(cls, value: str) -> str:
@@ -260,7 +279,11 @@ class PpoConfig(_Section):
                 "ppo.old_logprobs=recompute: its weight is the trainer's old probability over "
                 "the sampler's, and with old_logprobs=sampler the two are the same numbers"
             )
-        reads = resolve_policy_loss(self.policy_loss).reads
+        check_bounds(self.rollout_correction, {n: getattr(self, n) for n in self.model_fields_set})
+        loss = resolve_policy_loss(self.policy_loss)
+        if self.aggregation_placed_by_loss:  # not set: not in fields_set, as kl_in_reward
+            self.__dict__["loss_aggregation"] = loss.aggregation
+        reads = loss.reads
         if "ref_logprobs" in reads and not self.reference_forward:
             raise ValueError(
                 f"ppo.policy_loss={self.policy_loss} reads ref_logprobs: set ppo.kl_coef > 0 "
@@ -279,6 +302,22 @@ class PpoConfig(_Section):
                 "the loss (ppo.kl_in_reward=false), or set ppo.kl_coef=0"
             )
         return self
+
+    @property
+    def rollout_correction_bounds(self) -> tuple[float, float]:
+        """``(low, high)`` of the ``rollout_correction`` on (:func:`correction_bounds`)."""
+        return correction_bounds(
+            self.rollout_correction, self.rollout_correction_threshold,
+            self.rollout_correction_low, self.rollout_correction_high,
+        )  # fmt: skip
+
+    @property
+    def aggregation_placed_by_loss(self) -> bool:
+        """Whether ``loss_aggregation`` is the policy loss's own rather than token_mean
+        (GSPO, SAPO: :attr:`~strop.objectives.losses.PolicyLoss.aggregation`), the user
+        having set none."""
+        own = resolve_policy_loss(self.policy_loss).aggregation
+        return own != "token_mean" and "loss_aggregation" not in self.model_fields_set
 
     @property
     def kl_placed_by_estimator(self) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -149,6 +149,22 @@ class DataConfig(_Section):
         "Question: {question}\nAnswer:",
         description="Prompt of a gsm8k record; {question} is replaced by the question, and the completion is a space followed by the answer.",
     )
+    chat_template: str | None = Field(
+        None,
+        description="A chat template in place of the checkpoint's, for the policy's every render: a jinja file's path, or a built-in training copy (qwen3-training: Qwen3's template keeping every assistant turn as sampled, so multi-turn episodes can grow; phi4-mini-training; docs/agents.md). null = the checkpoint's own.",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Variables passed to every chat-template render of the policy (SFT data, prompts, DPO pairs, episodes), as transformers' apply_chat_template(**kwargs): e.g. {enable_thinking: false} for Qwen3.",
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs_are_not_the_chat(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        reserved = {"messages", "tools", "documents", "add_generation_prompt"}  # strop's own
+        if taken := sorted(set(kwargs) & reserved):
+            raise ValueError(f"data.chat_template_kwargs sets {taken}: strop passes these itself")
+        return kwargs
 
     @field_validator("prompt_template")
     @classmethod

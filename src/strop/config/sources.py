@@ -29,6 +29,9 @@ Provenance = dict[str, str]
 """Dotted key -> label of the source that set it last (a file path or ``override '...'``)."""
 
 RECIPES_DIR: Traversable = resources.files("strop").joinpath("recipes")
+RUN_CONFIG_FILE = "config.yaml"
+"""What a run directory records of the config its run started with (strop.io.run_record);
+a run directory named as a recipe is that file."""
 _MAX_ERRORS = 3
 
 
@@ -113,8 +116,24 @@ def _read(recipe: _Recipe) -> dict[str, Any]:
 
 
 def recipe_layers(recipe: str | Path) -> list[tuple[str, dict[str, Any]]]:
-    """The recipe and its ``base:`` chain as ``(label, values)`` pairs, most basic first."""
+    """The recipe and its ``base:`` chain as ``(label, values)`` pairs, most basic first.
+
+    A run directory is its ``config.yaml`` with ``run_dir`` the directory itself (as named
+    now: the run continues there, wherever it was when it started), so ``strop ppo runs/x``
+    continues the run ``strop export runs/x`` exports.
+    """
+    if (Path(recipe) / RUN_CONFIG_FILE).is_file():
+        return [
+            *recipe_layers(Path(recipe) / RUN_CONFIG_FILE),
+            (f"run directory {recipe}", {"run_dir": str(recipe)}),
+        ]
     found = _find(str(recipe), None)
+    if found is None and Path(recipe).is_dir():
+        raise ConfigError(
+            f"recipe {str(recipe)!r} is a directory without {RUN_CONFIG_FILE} (a run "
+            "directory holds one once its first run started): name a recipe file, a built-in "
+            "recipe or a run directory"
+        )
     if found is None:
         close = difflib.get_close_matches(
             Path(str(recipe)).name.removesuffix(".yaml"), builtin_recipes(), n=1

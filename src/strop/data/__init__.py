@@ -3,7 +3,7 @@ numpy batches. Backend-neutral: numpy, ``tokenizers`` and jinja2 only.
 
 Typical use::
 
-    tokenizer = Tokenizer.from_pretrained(cfg.model.path)
+    tokenizer = policy_tokenizer(cfg)  # model.path's, with data.chat_template(_kwargs)
     examples, stats = load_sft_examples(cfg.data.train_path, cfg.data, tokenizer)
     batcher = SftBatcher(examples, cfg.sft.batch_size, seed=cfg.seed, shuffle=cfg.data.shuffle,
                          pad_id=tokenizer.pad_token_id, pad_to_multiple=cfg.data.pad_to_multiple,
@@ -27,7 +27,7 @@ from strop.data.sources import (
     read_data_file,
     read_examples,
 )
-from strop.data.tokenizer import Tokenizer
+from strop.data.tokenizer import Tokenizer, policy_tokenizer
 from strop.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ __all__ = [
     "detect_format",
     "load_sft_examples",
     "make_sft_batcher",
+    "policy_tokenizer",
     "read_data_file",
     "read_examples",
     "tokenize_examples",

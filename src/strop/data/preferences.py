@@ -17,6 +17,13 @@ three keys (``prompt``, ``chosen``, ``rejected`` by default), in one of two shap
   the prompt with its generation prompt; an answer is what the full chat adds to that (the
   reply and the template's end of turn), as :mod:`strop.data.sft` masks an assistant turn.
 
+A text record without a prompt field (TRL's "implicit prompt", Anthropic HH-RLHF's
+``chosen``/``rejected`` transcripts) carries its prompt as the answers' shared beginning:
+:func:`split_shared_prompt` takes it as TRL's ``extract_prompt`` does (up to the first
+character where the answers differ, a space before it going to the answers), and in a
+``\n\nHuman: ... \n\nAssistant:`` transcript up to the last ``\n\nAssistant:`` the
+answers share, so that each answer is the whole final reply.
+
 Every piece is tokenized on its own and the ids concatenated, as SFT does. A record whose
 answers are identical or empty (or whose prompt is), or malformed, is refused by
 ``file:line`` (``file:row`` for a table) when read; one whose prompt and longer answer
@@ -156,6 +163,18 @@ def _to_pair(
         if key not in record:
             raise _BadLine(f"missing field '{key}'; the record has {', '.join(sorted(record))}")
     chat = any(isinstance(record.get(key), list) for key in keys)
+    if not chat and prompt_key not in record:
+        prompt, chosen, rejected = split_shared_prompt(
+            _text(record, chosen_key), _text(record, rejected_key)
+        )
+        if not prompt.strip():
+            raise _BadLine(
+                f"no field '{prompt_key}', and '{chosen_key}' and '{rejected_key}' share no "
+                f"beginning to take as the prompt; give the prompt as '{prompt_key}' (or name "
+                "its field with data.prompt_key)"
+            )
+        _check_answers(chosen, rejected, keys)
+        return PreferenceExample(source, line, chosen, rejected, prompt=prompt, columns=record)
     if not chat:
         prompt = _text(record, prompt_key)
         if not prompt.strip():
@@ -188,6 +207,28 @@ def _to_pair(
     return PreferenceExample(
         source, line, chosen, rejected, messages=turns, tools=_tools(record), columns=record
     )
+
+
+HH_ASSISTANT = "\n\nAssistant:"
+"""Where an assistant turn starts in an Anthropic HH-RLHF transcript."""
+
+
+def split_shared_prompt(chosen: str, rejected: str) -> tuple[str, str, str]:
+    """``(prompt, chosen answer, rejected answer)`` of two answers that begin with their
+    prompt (an "implicit prompt"): the prompt is their shared beginning, up to the first
+    character where they differ, a space just before it going to the answers (TRL's
+    ``extract_prompt``); in an HH-RLHF transcript, up to the end of the last
+    ``\n\nAssistant:`` they share, so each answer is the whole reply."""
+    end = next(
+        (i for i, (a, b) in enumerate(zip(chosen, rejected, strict=False)) if a != b),
+        min(len(chosen), len(rejected)),
+    )
+    if end > 0 and chosen[end - 1] == " ":
+        end -= 1
+    turn = chosen.rfind(HH_ASSISTANT, 0, end)
+    if turn >= 0:
+        end = turn + len(HH_ASSISTANT)
+    return chosen[:end], chosen[end:], rejected[end:]
 
 
 def _reply(record: dict[str, Any], key: str) -> tuple[tuple[dict[str, Any], ...], str]:

@@ -157,7 +157,8 @@ def chat_segments(example: Example, tokenizer: Tokenizer) -> list[Segment]:
             raise DataError(
                 f"{where}: the chat template does not render the conversation up to turn {i} "
                 "as a prefix of the longer conversation (it rewrites earlier turns), so the "
-                "assistant tokens cannot be masked; use prompt/completion data instead"
+                "assistant tokens cannot be masked; use prompt/completion data, or set "
+                "data.chat_template to a template that does (qwen3-training for Qwen3)"
             )
         segments += [(head[len(done) :], 0), (full[len(head) :], 1)]
         done = full

@@ -5,6 +5,8 @@ so that rendered chats are character-for-character the same.
 Read from a checkpoint directory: ``tokenizer.json`` (required), ``tokenizer_config.json``
 (special tokens, ``chat_template``), ``special_tokens_map.json`` (legacy, fills gaps) and
 ``chat_template.jinja`` (takes precedence over the config's template, as in transformers).
+A run's ``data.chat_template`` replaces the checkpoint's template and its
+``data.chat_template_kwargs`` reach every render (:func:`policy_tokenizer`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
@@ -23,7 +25,11 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HfTokenizer
 
+from strop.data.chat_templates import read_chat_template
 from strop.errors import DataError, ModelError
+
+if TYPE_CHECKING:
+    from strop.config import Config
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -57,15 +63,25 @@ class Tokenizer:
         special_tokens: Mapping[str, str] | None = None,
         chat_template: str | None = None,
         name: str = "<tokenizer>",
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self._tok = backend
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         self.chat_template = chat_template
         self.name = name
+        self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path) -> Tokenizer:
-        """Load the tokenizer files of a Hugging Face checkpoint directory."""
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        *,
+        chat_template: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Tokenizer:
+        """Load the tokenizer files of a Hugging Face checkpoint directory; ``chat_template``
+        (a jinja file's path or a built-in template's name, :mod:`strop.data.chat_templates`)
+        replaces the checkpoint's template, and ``template_kwargs`` reach every render."""
         path = Path(directory)
         if not path.is_dir():
             raise ModelError(f"tokenizer directory {path} does not exist or is not a directory")
@@ -92,7 +108,9 @@ class Tokenizer:
             template: str | None = template_file.read_text(encoding="utf-8")
         else:
             template = _pick_template(config.get("chat_template"), path / TOKENIZER_CONFIG_FILE)
-        return cls(backend, special, template, name=str(path))
+        if chat_template is not None:
+            template = read_chat_template(chat_template)
+        return cls(backend, special, template, name=str(path), template_kwargs=template_kwargs)
 
     # -- text <-> ids ------------------------------------------------------------------------
 
@@ -192,7 +210,8 @@ class Tokenizer:
         """The chat rendered as text by the tokenizer's chat template (like transformers'
         ``apply_chat_template(..., tokenize=False)``); ``tools`` are JSON-schema dicts
         (``{"type": "function", "function": {...}}``) for templates that render them;
-        ``kwargs`` reach the template."""
+        :attr:`template_kwargs` (``data.chat_template_kwargs``), then ``kwargs``, reach the
+        template (as transformers passes its ``**kwargs``: ``enable_thinking=False``)."""
         if self.chat_template is None:
             raise ModelError(
                 f"{self.name} has no chat template (no chat_template in tokenizer_config.json "
@@ -213,10 +232,21 @@ class Tokenizer:
                 tools=None if tools is None else [dict(t) for t in tools],
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
-                **{**self.special_tokens, **kwargs},
+                **{**self.special_tokens, **self.template_kwargs, **kwargs},
             )
         except jinja2.TemplateError as e:
             raise DataError(f"the chat template of {self.name} failed: {e}") from None
+
+
+def policy_tokenizer(config: Config) -> Tokenizer:
+    """The policy's tokenizer: ``model.path``'s, with ``data.chat_template`` in place of its
+    template and ``data.chat_template_kwargs`` passed to every render (SFT data, prompts,
+    DPO pairs, episodes)."""
+    return Tokenizer.from_pretrained(
+        config.model.path,
+        chat_template=config.data.chat_template,
+        template_kwargs=config.data.chat_template_kwargs,
+    )
 
 
 # -- helpers -------------------------------------------------------------------------------

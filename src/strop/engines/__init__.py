@@ -81,10 +81,15 @@ class NativeEngine(Sampler):
 class EngineEntry:
     """A registered rollout engine: ``check(config, job)`` refuses (one line,
     :class:`~strop.errors.ConfigError`) what it cannot do before any model loads;
-    ``build(config, model, max_prompt_tokens)`` returns the engine over ``model``."""
+    ``build(config, model, max_prompt_tokens)`` returns the engine over ``model``;
+    ``logprobs_temperature(config)``: the temperature of the untruncated distribution its
+    sampled-token log-probabilities are of (the rollout's, ``generation.temperature``,
+    unless the engine has only another one: vLLM's before the temperature, 1, where top-k
+    or top-p cut at another temperature; :func:`sampler_logprobs_temperature`)."""
 
     check: Callable[[Config, str], None]
     build: Callable[[Config, Any, int | None], RolloutEngine]
+    logprobs_temperature: Callable[[Config], float] = lambda config: config.generation.temperature
 
 
 def _check_nothing(config: Config, job: str) -> None:
@@ -107,6 +112,12 @@ def _check_vllm(config: Config, job: str) -> None:
     )
 
 
+def _vllm_logprobs_temperature(config: Config) -> float:
+    from strop.engines.vllm import logprobs_temperature
+
+    return logprobs_temperature(config)
+
+
 def _build_vllm(config: Config, model: Any, max_prompt_tokens: int | None) -> RolloutEngine:
     from strop.engines.vllm import VllmEngine
     from strop.engines.vllm_sync import VllmRollouts
@@ -118,14 +129,16 @@ ENGINES: dict[str, EngineEntry] = {}
 """The rollout engines by name: what ``generation.engine`` may name."""
 
 
-def register(name: str, check: Callable[[Config, str], None], build: Callable) -> None:
+def register(
+    name: str, check: Callable[[Config, str], None], build: Callable, **entry: Any
+) -> None:
     """Make ``generation.engine=name`` build ``build`` after ``check`` (see
-    :class:`EngineEntry`)."""
-    ENGINES[name] = EngineEntry(check, build)
+    :class:`EngineEntry`, whose other fields ``entry`` may set)."""
+    ENGINES[name] = EngineEntry(check, build, **entry)
 
 
 register("native", _check_nothing, _build_native)
-register("vllm", _check_vllm, _build_vllm)
+register("vllm", _check_vllm, _build_vllm, logprobs_temperature=_vllm_logprobs_temperature)
 
 
 def _entry(config: Config) -> EngineEntry:
@@ -133,6 +146,15 @@ def _entry(config: Config) -> EngineEntry:
     if name not in ENGINES:  # the schema's choices are the registry's (tests/unit)
         raise ValueError(f"generation.engine={name!r} is not a registered engine")
     return ENGINES[name]
+
+
+def sampler_logprobs_temperature(config: Config) -> float:
+    """The temperature of the untruncated distribution whose log-probability of each
+    sampled token the run's engine returns (:attr:`EngineEntry.logprobs_temperature`):
+    ``generation.temperature``, except vLLM's at 1 where top-k or top-p cut at another
+    temperature (:func:`strop.rl.rollout_correction.at_rollout_temperature` brings those to
+    the rollout's)."""
+    return _entry(config).logprobs_temperature(config)
 
 
 def check_engine(config: Config, job: str) -> None:

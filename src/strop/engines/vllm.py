@@ -3,19 +3,16 @@
 :class:`VllmEngine` holds one ``vllm.LLM`` built from ``model.path`` in this process (vLLM's
 in-process executor, as TRL's colocate mode), and samples through the same contract as the
 native samplers (:mod:`strop.generation`): token ids, the sampled token's log-probability
-at the rollout temperature, lengths, finish reasons, EOS ids and stop strings.
+under an untruncated distribution, lengths, finish reasons, EOS ids and stop strings.
 
-The sampled token's log-probability is that of the untruncated temperature-scaled
-distribution, as the native samplers return it, wherever vLLM can give it
-(:func:`logprobs_mode`): vLLM returns either the raw model's (before the temperature) or
-the sampler's after the temperature *and* top-k/top-p, renormalised over what they kept.
-At ``generation.temperature`` 1 the raw distribution is the one asked for; at any other
-temperature the processed one is, as long as top-k/top-p cut nothing. What is left (top-k
-or top-p < 1 at a temperature other than 1) gives the truncated distribution's
-log-probabilities, off from the trainer's by a tenth of a nat and more: ``strop ppo``
-refuses them as old log-probabilities (:func:`check_vllm_ppo`). The mode follows
-``generation.temperature``, the rollouts'; ``strop eval`` at another ``eval.temperature``
-gets that mode's log-probabilities, which it does not use.
+vLLM returns the raw model's log-probabilities (before the temperature and top-k/top-p) or
+the sampler's, after both, renormalised over what top-k/top-p kept (:func:`logprobs_mode`):
+the processed ones at a temperature other than 1 where top-k/top-p cut nothing, else the
+raw ones, at temperature 1 (:func:`logprobs_temperature`), which ``strop ppo`` brings to
+the rollout temperature (:func:`strop.rl.rollout_correction.at_rollout_temperature`) and
+refuses as old log-probabilities (:func:`check_vllm_ppo`). The mode follows
+``generation.temperature``; ``strop eval`` at another ``eval.temperature`` gets that mode's
+log-probabilities, which it does not use.
 
 :class:`~strop.engines.vllm_sync.VllmRollouts` makes it a rollout engine over a backend's
 model: ``generate`` runs on vLLM, and before the first sample after the loop marked the
@@ -143,26 +140,32 @@ def truncates(config: Config) -> bool:
 
 
 def logprobs_mode(config: Config) -> str:
-    """vLLM's ``logprobs_mode`` for the untruncated temperature-scaled distribution:
-    ``raw_logprobs`` at temperature 1 (the model's own, before vLLM's top-k/top-p),
-    else ``processed_logprobs`` (after the temperature; after top-k/top-p as well, which
-    :func:`check_vllm_ppo` refuses where the log-probabilities are trained on)."""
-    return "raw_logprobs" if config.generation.temperature == 1.0 else "processed_logprobs"
+    """vLLM's ``logprobs_mode`` for an untruncated distribution: ``processed_logprobs``
+    (after the temperature and top-k/top-p) where these cut nothing and the temperature is
+    not 1, else ``raw_logprobs`` (before both: at temperature 1, :func:`logprobs_temperature`)."""
+    raw = config.generation.temperature == 1.0 or truncates(config)
+    return "raw_logprobs" if raw else "processed_logprobs"
+
+
+def logprobs_temperature(config: Config) -> float:
+    """The temperature of the distribution of vLLM's log-probabilities (:func:`logprobs_mode`)."""
+    return 1.0 if logprobs_mode(config) == "raw_logprobs" else config.generation.temperature
 
 
 def check_vllm_ppo(config: Config) -> None:
-    """Refuse ``ppo.old_logprobs=sampler`` where vLLM can return only the truncated
-    distribution's log-probabilities (top-k or top-p < 1 at a temperature other than 1)."""
+    """Refuse ``ppo.old_logprobs=sampler`` where vLLM cannot return the untruncated
+    distribution at the rollout temperature (top-k or top-p < 1 at a temperature other
+    than 1): the old log-probabilities must be the trainer's there."""
     generation = config.generation
     if (
         config.ppo.old_logprobs == "sampler"
-        and truncates(config)
-        and logprobs_mode(config) == "processed_logprobs"
+        and logprobs_temperature(config) != generation.temperature
     ):
         raise ConfigError(
             f"ppo.old_logprobs=sampler with generation.engine=vllm, top_p={generation.top_p}, "
             f"top_k={generation.top_k} at temperature {generation.temperature}: vLLM returns "
-            "the log-probabilities of the truncated distribution there, not the trainer's; "
+            "the untruncated distribution's log-probabilities there only before the "
+            "temperature, not at it as old log-probabilities must be; "
             "use ppo.old_logprobs=recompute (or temperature 1, or no top-p/top-k)"
         )
 

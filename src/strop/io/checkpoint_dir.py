@@ -17,6 +17,7 @@ from typing import Any
 
 from strop.errors import CheckpointError, ConfigError
 from strop.io.checksums import checksum_problem
+from strop.io.writable import free_space
 
 # Where each backend keeps a checkpoint's identity, relative to the step's directory
 # (``<checkpoint dir>/<step>/``): Orbax's JsonSave item, DCP checkpoints' plain file.
@@ -107,11 +108,16 @@ def refuse_other_backends_checkpoints(directory: str | os.PathLike, backend: str
 
 def save_failed(step: int, directory: Path, reason: str, previous: int | None) -> CheckpointError:
     """The error for a save of ``step`` that failed with ``reason`` (one line), naming the
-    intact ``previous`` checkpoint and the free space where the save went."""
+    intact ``previous`` checkpoint (``None``: none was written yet) and the free space
+    where the save went."""
+    kept = (
+        "no checkpoint was written yet"
+        if previous is None
+        else f"the previous checkpoint ({previous}) is intact"
+    )
     return CheckpointError(
-        f"saving checkpoint step {step} to {directory} failed: {reason}; the previous "
-        f"checkpoint ({previous}) is intact. Check free space{_free_space(directory)} and "
-        "permissions of the run directory."
+        f"saving checkpoint step {step} to {directory} failed: {reason}; {kept}. Check free "
+        f"space{free_space(directory)} and permissions of the run directory."
     )
 
 
@@ -218,14 +224,6 @@ def short_reason(text: str, limit: int = 200) -> str:
     page: a traceback per rank, a TensorStore spec)."""
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
-
-
-def _free_space(directory: Path) -> str:
-    try:
-        stat = os.statvfs(directory)
-    except OSError:
-        return ""
-    return f" ({stat.f_bavail * stat.f_frsize / 2**20:.0f} MiB free there)"
 
 
 def refuse_run_past_its_end(

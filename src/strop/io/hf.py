@@ -26,6 +26,7 @@ from strop.errors import ModelError, StropError
 from strop.io.atomic import atomic_directory
 from strop.io.model_spec import CONFIG_FILE, read_model_spec
 from strop.io.untrusted import read_json, shown_name
+from strop.io.writable import writing
 from strop.models import ModelSpec
 
 SINGLE_WEIGHTS_FILE = "model.safetensors"
@@ -307,7 +308,10 @@ def write_checkpoint(
     Tokenizer and generation files found in ``source_dir`` are copied along.
     """
     target = Path(path)
-    with atomic_directory(target, overwrite=overwrite) as staging:
+    with (
+        writing("the model", target),
+        atomic_directory(target, overwrite=overwrite) as staging,
+    ):
         _write_shards(staging, tensors, max_shard_bytes)
         config = dict(hf_config)
         config["dtype"] = dtype_name

@@ -25,6 +25,7 @@ from strop.io.atomic import atomic_directory
 from strop.io.hf import open_safetensors
 from strop.io.model_spec import read_model_spec
 from strop.io.untrusted import read_json, shown_name
+from strop.io.writable import writing
 from strop.models import ModelSpec
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -97,7 +98,7 @@ def save_adapter(
         rank=rank, alpha=alpha, dropout=dropout, target_modules=target_modules,
         base_model=base_model,
     )  # fmt: skip
-    with atomic_directory(target, overwrite=overwrite) as staging:
+    with writing("the adapter", target), atomic_directory(target, overwrite=overwrite) as staging:
         save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return target

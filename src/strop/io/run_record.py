@@ -23,12 +23,12 @@ import yaml
 
 import strop
 from strop.config import Config, dump_config
+from strop.config.sources import RUN_CONFIG_FILE as CONFIG_FILE
 from strop.io.atomic import write_text_atomically
 from strop.io.run_identity import flatten
 
 logger = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.yaml"
 VERSIONS_FILE = "versions.json"
 BACKEND_PACKAGES = {
     "jax": ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "qwix"),

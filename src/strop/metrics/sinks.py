@@ -12,20 +12,29 @@ One JSON object per logged step: ``{"step": 10, "train/loss": 1.23, ...}``.
 A resumed run continues the same file: records past the checkpoint it resumed from (the
 killed attempt's, which the resume recomputes) and a line a kill cut short are removed
 first, so the file holds each step once, in order (see ``MetricsWriter(keep_through=)``).
+
+A sink that cannot write (a full disk) raises one :class:`~strop.errors.WriteError` line
+naming it, at the call that logged (:func:`strop.io.writable.writing`); while another
+error stops the run, the sinks close quietly, so that error is the one reported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from strop.errors import WriteError
+from strop.io.writable import writing
+
 if TYPE_CHECKING:
     from strop.config import Config
+    from strop.metrics.tensorboard import TensorBoardFile
 
 logger = logging.getLogger(__name__)
 
@@ -57,24 +66,28 @@ class MetricsWriter:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.samples_path = self.run_dir / SAMPLES_FILE
+        self.tensorboard_dir = self.run_dir / "tensorboard"
         self._file = None
         self._tb = None
         self._wandb = None
         if not enabled:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        for path in (self.path, self.samples_path):
-            if keep_through is not None and path.exists():
-                _drop_records_after(path, keep_through)
-        self._file = self.path.open("a", encoding="utf-8")
+        with writing("metrics", self.path):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            for path in (self.path, self.samples_path):
+                if keep_through is not None and path.exists():
+                    _drop_records_after(path, keep_through)
+            # unbuffered: a write that fails leaves nothing behind to fail again at close
+            self._file = self.path.open("ab", buffering=0)
         if tensorboard:
             try:
-                from tensorboardX import SummaryWriter
+                from strop.metrics.tensorboard import TensorBoardFile
             except ImportError:  # optional: JSONL is always written
                 logger.warning("tensorboardX is not installed; TensorBoard logs are off")
             else:
                 purge = None if keep_through is None else keep_through + 1
-                self._tb = SummaryWriter(logdir=str(self.run_dir / "tensorboard"), purge_step=purge)
+                with writing("TensorBoard logs", self.tensorboard_dir):
+                    self._tb = TensorBoardFile(self.tensorboard_dir, purge_step=purge)
         if wandb is not None:
             from strop.metrics.wandb_sink import WandbSink
 
@@ -107,12 +120,11 @@ class MetricsWriter:
                 record[name] = None
             else:
                 record[name] = value
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        with writing("metrics", self.path):
+            _append(self._file, json.dumps(record) + "\n")
         if self._tb is not None:
-            for name, value in metrics.items():
-                if isinstance(value, int | float):
-                    self._tb.add_scalar(name, value, step)
+            scalars = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
+            self._to_board(lambda board: [board.add_scalar(k, v, step) for k, v in scalars.items()])
         if self._wandb is not None:
             self._wandb.write(step, metrics)
 
@@ -123,26 +135,76 @@ class MetricsWriter:
         response, extracted, gold, reward) in every sink; nothing when there are none."""
         if self._file is None or not samples:
             return
-        with self.samples_path.open("a", encoding="utf-8") as f:
-            f.write("".join(json.dumps({"step": step, **s}) + "\n" for s in samples))
+        with writing("samples", self.samples_path), self.samples_path.open("ab", buffering=0) as f:
+            _append(f, "".join(json.dumps({"step": step, **s}) + "\n" for s in samples))
         if self._tb is not None:
-            self._tb.add_text(tag, markdown_table(samples), step)
+            self._to_board(lambda board: board.add_text(tag, markdown_table(samples), step))
         if self._wandb is not None:
             self._wandb.write_table(step, tag, samples)
 
+    def _to_board(self, log: Callable[[TensorBoardFile], object]) -> None:
+        """``log`` to TensorBoard, flushed; a failure is raised once: the event file, whose
+        buffer still holds what failed, is then closed quietly and logs nothing more."""
+        try:
+            with writing("TensorBoard logs", self.tensorboard_dir):
+                log(self._tb)
+                self._tb.flush()
+        except WriteError:
+            board, self._tb = self._tb, None
+            with contextlib.suppress(OSError):  # the same failure, reported above
+                board.close()
+            raise
+
     def close(self) -> None:
+        """Close every sink; the first that fails raises its :class:`WriteError` once the
+        others are closed too."""
+        failures = []
+        for close in self._closers():
+            try:
+                close()
+            except Exception as err:  # each sink is closed whatever the others did
+                failures.append(err)
+        if failures:
+            raise failures[0]
+
+    def _closers(self) -> list:
+        closers = []
         if self._file is not None:
-            self._file.close()
+            closers.append(self._file.close)
         if self._tb is not None:
-            self._tb.close()
+            closers.append(_named(self._tb.close, "TensorBoard logs", self.tensorboard_dir))
         if self._wandb is not None:
-            self._wandb.close()
+            closers.append(self._wandb.close)
+        self._file = self._tb = self._wandb = None
+        return closers
 
     def __enter__(self) -> MetricsWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # another error stops the run: it is the one to report
+            self.close()
+        except Exception as err:
+            logger.debug("closing the metrics sinks after the run failed: %s", err)
+
+
+def _append(file: Any, text: str) -> None:
+    """Write ``text`` to the unbuffered binary ``file``: all of it, or raise (a full disk
+    writes part, then fails)."""
+    data = memoryview(text.encode("utf-8"))
+    while data:
+        data = data[file.write(data) :]
+
+
+def _named(close: Any, what: str, path: Path) -> Any:
+    def closing() -> None:
+        with writing(what, path):
+            close()
+
+    return closing
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:

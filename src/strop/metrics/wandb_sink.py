@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import configparser
 import importlib.util
+import logging
 import netrc
 import os
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from strop.errors import ConfigError
 from strop.io.atomic import write_text_atomically
+from strop.io.writable import writing
 
 INSTALL = "pip install 'strop[wandb]'"
 RUN_ID_FILE = "wandb-run-id"
@@ -102,18 +105,21 @@ class WandbSink:
         if not run_id:
             run_id = uuid.uuid4().hex[:12]
             write_text_atomically(id_file, run_id + "\n")
-        self._run = wandb.init(
-            project=project,
-            name=run_dir.name,
-            id=run_id,
-            resume="allow",
-            dir=str(run_dir),
-            config=dict(config),
-        )
+        self.files = run_dir / "wandb"
+        with self._writing():
+            self._run = wandb.init(
+                project=project,
+                name=run_dir.name,
+                id=run_id,
+                resume="allow",
+                dir=str(run_dir),
+                config=dict(config),
+            )
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         numbers = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
-        self._run.log(numbers, step=step)
+        with self._writing():
+            self._run.log(numbers, step=step)
 
     def write_table(self, step: int, tag: str, rows: Sequence[Mapping[str, Any]]) -> None:
         """``rows`` (records of the same keys) as a W&B table ``tag`` at ``step``."""
@@ -121,10 +127,27 @@ class WandbSink:
 
         columns = list(rows[0])
         data = [[_cell(row.get(c)) for c in columns] for row in rows]
-        self._run.log({tag: wandb.Table(columns=columns, data=data)}, step=step)
+        with self._writing():
+            self._run.log({tag: wandb.Table(columns=columns, data=data)}, step=step)
 
     def close(self) -> None:
-        self._run.finish()
+        with self._writing():
+            self._run.finish()
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """A call into W&B: a failed write of its run files (``<run_dir>/wandb``) is one
+        :class:`~strop.errors.WriteError` line. W&B's debug log under that directory is a
+        ``logging`` file handler, which on a full disk printed a "--- Logging error ---"
+        traceback per record (thousands of lines); ``logging.raiseExceptions`` is off for
+        the call, so those are dropped (the failure surfaces, at the latest, from
+        ``finish``)."""
+        previous, logging.raiseExceptions = logging.raiseExceptions, False
+        try:
+            with writing("W&B's run files", self.files):
+                yield
+        finally:
+            logging.raiseExceptions = previous
 
 
 def _cell(value: Any) -> Any:

@@ -179,11 +179,17 @@ class PolicyLoss:
     :class:`~strop.objectives.ppo.PolicyObjective` (``clip_low``, ``clip_high``,
     ``dual_clip``, ...). ``per_token`` is 0 off the response; ``terms`` are per-token
     statistics, summed under the loss weights like the loss and logged as ``policy/NAME``.
+    ``aggregation``: the ``ppo.loss_aggregation`` the loss was defined with, the run's when
+    the config sets none (GSPO and SAPO average per sequence). ``ignores``: the ``ppo``
+    settings it does not read (``dual_clip`` for CISPO and SAPO), which a run that sets
+    them is told once.
     """
 
     fn: Callable[..., tuple[Any, dict[str, Any]]]
     reads: tuple[str, ...] = ()
     sequence_level: bool = False
+    aggregation: str = "token_mean"
+    ignores: tuple[str, ...] = ()
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
@@ -198,15 +204,32 @@ def check_reads(reads) -> None:
         )
 
 
-def policy_loss(name: str | None = None, *, reads=(), sequence_level: bool = False):
+def check_declaration(entry: PolicyLoss) -> None:
+    """A :class:`PolicyLoss`'s declared needs and aggregation are ones strop knows."""
+    check_reads(entry.reads)
+    if entry.aggregation not in (*AGGREGATIONS, CONSTANT_NORMALISED):
+        raise ValueError(
+            f"unknown aggregation {entry.aggregation!r}: a policy loss is defined with one of "
+            f"{', '.join((*AGGREGATIONS, CONSTANT_NORMALISED))}"
+        )
+
+
+def policy_loss(
+    name: str | None = None,
+    *,
+    reads=(),
+    sequence_level: bool = False,
+    aggregation: str = "token_mean",
+    ignores=(),
+):
     """Decorator declaring a policy loss's needs (the function's ``strop_loss``, a
     :class:`PolicyLoss`); with ``name``, also registered in :data:`POLICY_LOSSES`."""
 
     def declare(fn):
-        entry = PolicyLoss(fn, tuple(reads), bool(sequence_level))
+        entry = PolicyLoss(fn, tuple(reads), bool(sequence_level), aggregation, tuple(ignores))
         fn.strop_loss = entry
         if name is not None:
-            check_reads(entry.reads)
+            check_declaration(entry)
             POLICY_LOSSES[name] = entry
         return fn
 
@@ -277,7 +300,7 @@ def ppo(ops: ArrayOps, inputs, objective):
     )  # fmt: skip
 
 
-@policy_loss("gspo", sequence_level=True)
+@policy_loss("gspo", sequence_level=True, aggregation="sequence_mean")
 def gspo(ops: ArrayOps, inputs, objective):
     """GSPO (Zheng et al. 2025; verl's ``compute_policy_loss_gspo``, TRL's
     ``importance_sampling_level="sequence"``): PPO's clipped surrogate of the sequence
@@ -297,7 +320,7 @@ def gspo(ops: ArrayOps, inputs, objective):
     return loss, {"approx_kl": 0.5 * log_ratio * log_ratio, **terms}
 
 
-@policy_loss("cispo")
+@policy_loss("cispo", ignores=("dual_clip",))
 def cispo(ops: ArrayOps, inputs, objective):
     """CISPO (MiniMax-M1; verl's ``compute_policy_loss_cispo``): ``-sg[clip(r, 1 - clip_low,
     1 + clip_high)] * A * logp`` per token: the clipped ratio is a weight without gradient,
@@ -311,7 +334,7 @@ def cispo(ops: ArrayOps, inputs, objective):
     return -weight * inputs["advantages"] * logp, {**terms, "approx_kl": 0.5 * log_ratio**2}
 
 
-@policy_loss("sapo")
+@policy_loss("sapo", aggregation="sequence_mean", ignores=("clip_low", "clip_high", "dual_clip"))
 def sapo(ops: ArrayOps, inputs, objective):
     """SAPO (Gao et al. 2025; TRL's ``loss_type="sapo"``): a soft gate instead of the clip,
     ``-A * sigmoid(tau * (r - 1)) * 4 / tau`` per token, ``tau`` =

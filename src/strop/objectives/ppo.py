@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from strop.objectives.corrections import CORRECTIONS
 from strop.objectives.losses import (
     CONSTANT_NORMALISED,
     Aggregation,
@@ -44,7 +45,8 @@ class PolicyObjective:
     ``temperature`` is the rollout's: current, old and reference log-probabilities all
     come from ``logits / temperature`` (ARCHITECTURE invariant 4). ``kl_coef`` is used
     here only when the KL is a loss term (``kl_in_loss``); in the reward it is the core's.
-    ``rollout_correction``: the batch carries ``rollout_is_weights`` for the loss.
+    ``rollout_correction``: the batch carries ``rollout_is_weights`` for the loss (a
+    reweighting correction; a rejecting one changes the response mask instead).
     ``policy_loss``: ``ppo.policy_loss``, a name of
     :data:`~strop.objectives.losses.POLICY_LOSSES` (the function is looked up when the
     loss is traced, so the objective stays hashable).
@@ -76,7 +78,8 @@ class PolicyObjective:
             kl_coef=ppo.kl_coef,
             kl_estimator=ppo.kl_estimator,
             entropy_coef=ppo.entropy_coef,
-            rollout_correction=ppo.rollout_correction != "none",
+            rollout_correction=ppo.rollout_correction in CORRECTIONS
+            and not CORRECTIONS[ppo.rollout_correction].rejects,
             policy_loss=ppo.policy_loss,
             sapo_temperature_pos=ppo.sapo_temperature_pos,
             sapo_temperature_neg=ppo.sapo_temperature_neg,

@@ -17,13 +17,12 @@ containers are refused: coercing them silently trained on whatever ``float()`` m
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from strop.errors import ConfigError, StropError
+from strop.references import one_line, source_file
 
 
 class RewardError(ConfigError):
@@ -59,7 +58,7 @@ def call(fn: Callable[..., Any], prompts: list[str], completions: list[str], col
     except StropError:
         raise
     except Exception as exc:
-        return Outcome(raised=one_line(exc, _source_file(fn)))
+        return Outcome(raised=one_line(exc, source_file(fn)))
     return Outcome(
         scores=coerce(out, len(completions)),
         timeouts=int(getattr(out, "timeouts", 0)),
@@ -111,23 +110,3 @@ def _number(value: Any) -> float | None:
         return float(value)
     except (TypeError, ValueError, OverflowError):
         return None
-
-
-def _source_file(fn: Callable[..., Any]) -> Path | None:
-    code = getattr(fn, "__code__", None) or getattr(type(fn).__call__, "__code__", None)
-    return Path(code.co_filename) if code is not None else None
-
-
-def one_line(exc: BaseException, file: Path | None = None) -> str:
-    """``file.py:3: ZeroDivisionError: division by zero``: the exception, one line, at the
-    deepest frame in ``file`` (else the deepest frame of all)."""
-    if isinstance(exc, SyntaxError):
-        where = f"{exc.filename}:{exc.lineno}: " if exc.filename else ""
-        return f"{where}SyntaxError: {exc.msg}"
-    frames = traceback.extract_tb(exc.__traceback__)
-    mine = [f for f in frames if file is not None and Path(f.filename) == file] or frames[-1:]
-    where = f"{mine[-1].filename}:{mine[-1].lineno}: " if mine else ""
-    text = " ".join(str(exc).split())
-    if len(text) > 300:
-        text = text[:297] + "..."
-    return f"{where}{type(exc).__name__}: {text}" if text else f"{where}{type(exc).__name__}"

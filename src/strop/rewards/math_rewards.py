@@ -2,6 +2,13 @@
 
 Correctness, per completion:
 
+0. Thinking: a reasoning model's answer is read after its thinking, the text after the last
+   ``</think>`` (a ``<think>`` block, or only its closing tag when the generation prompt
+   opened it, as Qwen3-Thinking's does); an answer inside the thinking block does not count.
+   A ``<think>`` never closed (the response was cut by ``max_new_tokens`` mid-thought) has
+   no answer and scores 0: crediting a number from an unfinished thought would reward
+   running out of tokens. A completion with neither tag is read whole. ``format`` checks
+   the same text.
 1. The gold comes from the ``answer`` column: a full GSM8K solution ending in ``#### N``, a
    solution with a ``\\boxed{...}`` answer (MATH), or a bare number or expression.
 2. The model's answer is extracted from the completion, first rule that applies:
@@ -70,6 +77,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "MathReward",
+    "after_thinking",
     "extract_answer",
     "extract_gold",
     "format_reward",
@@ -82,6 +90,14 @@ _PLAIN_NUMBER = re.compile(r"[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _MATH_DELIMITERS = (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+
+
+def after_thinking(completion: str) -> str | None:
+    """The part of ``completion`` that holds its answer (step 0 of the module docstring):
+    after the last ``</think>``; None when a ``<think>`` is never closed; else all of it."""
+    tail = completion.rpartition(_THINK_CLOSE)[2]  # all of it when there is no </think>
+    return None if _THINK_OPEN in tail else tail
 
 
 def _last_boxed(text: str) -> str | None:
@@ -115,8 +131,12 @@ def _tagged(text: str) -> str | None:
 
 
 def extract_answer(completion: str) -> str | None:
-    """The model's final answer: ``#### X`` line, else ``\\boxed{X}``, else
-    ``<answer>X</answer>``, else the last number in the text; ``None`` if none."""
+    """The model's final answer, after its thinking (:func:`after_thinking`): ``#### X``
+    line, else ``\\boxed{X}``, else ``<answer>X</answer>``, else the last number in the text;
+    ``None`` if none."""
+    completion = after_thinking(completion)
+    if completion is None:
+        return None
     for rule in (_after_hashes, _last_boxed, _tagged):
         value = rule(completion)
         if value is not None:
@@ -326,11 +346,12 @@ def format_reward(prompts: list[str], completions: list[str], **columns: list[An
 
     The template: the last non-blank line is ``#### N``, where ``N`` is a plain number
     (optional minus sign, optional thousands commas, optional decimals; no units, no ``$``),
-    as in the GSM8K training solutions. Whatever comes before it is not checked.
+    as in the GSM8K training solutions. Whatever comes before it is not checked; a thinking
+    block is skipped, and an unclosed one scores 0 (:func:`after_thinking`).
     """
     scores = []
     for completion in completions:
-        lines = [line for line in completion.splitlines() if line.strip()]
+        lines = [line for line in (after_thinking(completion) or "").splitlines() if line.strip()]
         scores.append(float(bool(lines) and _FINAL_LINE.fullmatch(lines[-1].strip()) is not None))
     return scores
 

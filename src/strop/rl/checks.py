@@ -6,6 +6,7 @@ import logging
 
 from strop.config import Config
 from strop.errors import ConfigError
+from strop.objectives.plugins import resolve_policy_loss
 
 logger = logging.getLogger("strop.rl.ppo")  # the run's own log lines, as before
 
@@ -13,8 +14,9 @@ logger = logging.getLogger("strop.rl.ppo")  # the run's own log lines, as before
 def check_ppo_config(config: Config) -> None:
     """What ``strop ppo`` refuses (:class:`ConfigError`) or warns of in a valid config,
     before anything loads: inputs it needs, greedy rollouts, validation without held-out
-    prompts; the KL's placement, a sampler's log-probabilities in a low-precision model,
-    a critic learning rate a shared trunk ignores."""
+    prompts; the KL's placement, the loss aggregation a policy loss brings, settings the
+    policy loss or a shared trunk ignore, a sampler's log-probabilities in a low-precision
+    model."""
     if config.model.path is None or config.data.train_path is None:
         raise ConfigError("strop ppo needs model.path and data.train_path")
     if config.generation.temperature <= 0:
@@ -31,6 +33,7 @@ def check_ppo_config(config: Config) -> None:
             "put the KL in the loss too",
             config.ppo.kl_coef, config.ppo.advantage_estimator,
         )  # fmt: skip
+    _check_policy_loss_settings(config.ppo)
     if config.ppo.old_logprobs == "sampler" and config.model.dtype != "float32":
         logger.warning(
             "ppo.old_logprobs=sampler with model.dtype=%s: the sampler's and the trainer's "
@@ -42,4 +45,28 @@ def check_ppo_config(config: Config) -> None:
         logger.warning(
             "critic.lr (%g) does not apply with critic.shared_trunk: the value head trains "
             "in the actor's optimizer (optim.lr %g)", config.critic.lr, config.optim.lr,
+        )  # fmt: skip
+
+
+def _check_policy_loss_settings(ppo) -> None:
+    """Say once what the policy loss decides that the config does not show: the loss
+    aggregation it was defined with (the user set none), and the ``ppo`` settings it does
+    not read (set by the recipe or the user)."""
+    loss = resolve_policy_loss(ppo.policy_loss)
+    if ppo.aggregation_placed_by_loss:
+        logger.info(
+            "ppo.loss_aggregation=%s (unset): the aggregation ppo.policy_loss=%s is defined "
+            "with (docs/ppo.md); set ppo.loss_aggregation=token_mean to average over all "
+            "tokens instead",
+            ppo.loss_aggregation, ppo.policy_loss,
+        )  # fmt: skip
+    ignored = [
+        f"ppo.{name}={getattr(ppo, name)}"
+        for name in loss.ignores
+        if name in ppo.model_fields_set and getattr(ppo, name) is not None
+    ]
+    if ignored:
+        logger.warning(
+            "ppo.policy_loss=%s does not read %s: no effect in this run",
+            ppo.policy_loss, ", ".join(ignored),
         )  # fmt: skip

@@ -50,7 +50,7 @@ import numpy as np
 from strop import rewards
 from strop.backends.base import ActorCritic
 from strop.config import Config
-from strop.engines import RolloutEngine, rollout_engine
+from strop.engines import RolloutEngine, rollout_engine, sampler_logprobs_temperature
 from strop.generation import SamplingParams
 from strop.job import Job, RunResult, run_steps, training_job
 from strop.nonfinite import count_skipped, likely_causes
@@ -258,8 +258,23 @@ class PpoLoop:
             arrays = without_truncated(arrays, dropped)
         gap = {}  # with old_logprobs=sampler the first update measures it (_update)
         if recompute:
+            sampled = self._at_rollout_temperature(batch, sampled, old)
             arrays, gap = rollout_correction.correct(arrays, old, sampled, ppo)
         return arrays, {**gap, **stats}
+
+    def _at_rollout_temperature(self, batch, sampled: np.ndarray, old: np.ndarray) -> np.ndarray:
+        """The sampler's log-probabilities as the trainer's ``old`` ones are, of the
+        untruncated distribution at the rollout temperature, so that the gap and a
+        correction see the engines' difference and never top-k/top-p's cut: as they come,
+        or, from an engine that has them only at another temperature (vLLM where top-k or
+        top-p cut at a temperature other than 1), brought to it with the actor's at that
+        one (one more forward, :func:`~strop.rl.rollout_correction.at_rollout_temperature`)."""
+        at = sampler_logprobs_temperature(self.config)
+        temperature = self.config.generation.temperature
+        if at == temperature:
+            return sampled
+        trainer_at = self._timed("logprobs", self.model.logprobs, batch, temperature=at)
+        return rollout_correction.at_rollout_temperature(sampled, old, trainer_at, at, temperature)
 
     def _update(
         self, step: int, arrays: dict[str, np.ndarray], scores: np.ndarray

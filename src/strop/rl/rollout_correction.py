@@ -17,17 +17,13 @@ the trainer's log-probabilities first exist in the policy update's first forward
 any step, so the backends return the sums :func:`strop.objectives.losses.mismatch_stats` defines
 and :func:`first_update_metrics` turns the first mini-batch's into the same metrics.
 
-Correction (:func:`correction_weights`): a per-token array ``rollout_is_weights`` that
-multiplies the policy-gradient term of the loss (:func:`strop.objectives.losses.policy_terms`),
-fixed for the iteration (the weights depend only on the old and sampled log-probabilities),
-so it carries no gradient. The importance ratio at ``level``: ``token``, ``exp(d_t)``;
-``sequence``, ``exp(sum_t d_t)`` (the product of the token ratios) on every token of the
-row; ``geometric``, ``exp(mean_t d_t)``. Log-ratios are clamped to
-``[-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT]`` before ``exp``, so every weight is finite. Modes,
-with ``C`` the threshold: ``tis`` (truncated IS), ``min(ratio, C)``; ``mis`` (masked IS),
-``ratio`` where ``ratio <= C``, else 0 (the token or row leaves the loss); ``icepop``, 1
-where ``1/C <= ratio <= C``, else 0 (no reweighting, only the band). Dropped tokens keep
-their place in the loss's normaliser (as TRL's ``vllm_importance_sampling_mode=*_mask``).
+Correction (``ppo.rollout_correction``, the registry and weights of
+:mod:`strop.objectives.corrections`): per-token weights computed once per iteration
+from the fixed old and sampled log-probabilities (so they carry no gradient). :func:`correct`
+sends them to the update as one more array, ``rollout_is_weights``, which multiplies the
+policy-gradient term of the loss (:func:`strop.objectives.losses.policy_terms`), or, for a
+rejecting mode (``reject``), takes the rejected tokens out of the response mask the
+update's loss weights come from.
 """
 
 from __future__ import annotations
@@ -36,59 +32,37 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from strop.objectives.corrections import CORRECTIONS, correction_weights
 from strop.objectives.losses import LOG_RATIO_LIMIT
 from strop.objectives.ppo import WEIGHTS
 from strop.rl.rollout import token_mult_prob_error
 
-MODES: tuple[str, ...] = ("none", "tis", "mis", "icepop")
-LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
 PREFIX = "mismatch_"
 """The backends' policy stats about the mismatch (:func:`strop.objectives.losses.mismatch_stats`):
 not logged as ``policy/*``; the first update's become ``mismatch/*`` in sampler mode."""
 
 
-def log_ratios(old: np.ndarray, sampled: np.ndarray, mask: np.ndarray, level: str) -> np.ndarray:
-    """``[B, L]`` float64: the log importance ratio at ``level`` on each response token
-    (the row's sum or mean of ``old - sampled`` on every token of a row for ``sequence`` and
-    ``geometric``), clamped to ``[-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT]``; 0 off the response."""
-    if level not in LEVELS:
-        raise ValueError(f"unknown rollout correction level {level!r}; expected one of {LEVELS}")
-    on = np.asarray(mask) > 0
-    d = np.where(on, np.asarray(old, np.float64), 0.0) - np.where(
-        on, np.asarray(sampled, np.float64), 0.0
-    )
-    if level == "sequence":
-        d = np.broadcast_to(d.sum(axis=1, keepdims=True), d.shape)
-    elif level == "geometric":
-        d = np.broadcast_to(
-            d.sum(axis=1, keepdims=True) / np.maximum(on.sum(1, keepdims=True), 1), d.shape
-        )
-    return np.where(on, np.clip(d, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT), 0.0)
-
-
-def correction_weights(
-    old: np.ndarray,
+def at_rollout_temperature(
     sampled: np.ndarray,
-    mask: np.ndarray,
-    mode: str,
-    level: str = "token",
-    threshold: float = 2.0,
+    trainer: np.ndarray,
+    trainer_at: np.ndarray,
+    at: float,
+    temperature: float,
 ) -> np.ndarray:
-    """The per-token weights ``[B, L]`` float64 of correction ``mode`` (see the module
-    docstring); 0 off the response. ``mode`` ``none``: 1 on the response."""
-    if mode not in MODES:
-        raise ValueError(f"unknown rollout correction {mode!r}; expected one of {MODES}")
-    on = np.asarray(mask) > 0
-    if mode == "none":
-        return on.astype(np.float64)
-    ratio = np.exp(log_ratios(old, sampled, mask, level))
-    if mode == "tis":
-        weights = np.minimum(ratio, threshold)
-    elif mode == "mis":
-        weights = np.where(ratio <= threshold, ratio, 0.0)
-    else:  # icepop
-        weights = ((ratio >= 1.0 / threshold) & (ratio <= threshold)).astype(np.float64)
-    return np.where(on, weights, 0.0)
+    """The sampler's log-probabilities ``[B, L]`` (float64) of the untruncated distribution
+    at the rollout ``temperature`` T, from its ``sampled`` ones at the temperature ``at``
+    (vLLM's ``raw_logprobs``, at 1, where top-k/top-p cut at another temperature), with the
+    trainer's at both (``trainer``: at T, the old log-probabilities; ``trainer_at``: at
+    ``at``).
+
+    ``log p_T(x) = (at / T) log p_at(x) - log sum_v p_at(v)^(at / T)``: the sum needs the
+    whole distribution, which the sampler does not return, so the trainer's stands in for
+    it: ``trainer + (at / T) (sampled - trainer_at)``. A sampler computing as the trainer
+    does then reads 0 against it at every temperature, as the native samplers do, whatever
+    top-k/top-p cut; a gap is the untruncated distributions' at ``at``, times ``at / T``."""
+    scale = at / temperature
+    trainer, trainer_at = np.asarray(trainer, np.float64), np.asarray(trainer_at, np.float64)
+    return trainer + scale * (np.asarray(sampled, np.float64) - trainer_at)
 
 
 def mismatch_metrics(old: np.ndarray, sampled: np.ndarray, mask: np.ndarray) -> dict[str, float]:
@@ -139,8 +113,10 @@ def correct(
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """The iteration's update arrays and ``mismatch/*`` metrics, with ``old`` (the
     trainer's recomputed log-probabilities) and ``sampled`` (the sampler's), both ``[B, L]``
-    over ``arrays["response_mask"]``: the gap always (``token_mult_prob_error`` too), and with ``ppo.rollout_correction``
-    on, the weights array (:data:`WEIGHTS`) added and their metrics."""
+    over ``arrays["response_mask"]``: the gap always (``token_mult_prob_error`` too), and
+    with ``ppo.rollout_correction`` on, its weights' metrics and either the weights array
+    (:data:`WEIGHTS`) added or, for a rejecting mode, the rejected tokens taken out of
+    ``response_mask`` (so out of every loss and its normaliser, as verl's ``rollout_rs``)."""
     mask = arrays["response_mask"]
     error = token_mult_prob_error(sampled, old, mask)
     metrics = {"token_mult_prob_error": error, **mismatch_metrics(old, sampled, mask)}
@@ -148,9 +124,12 @@ def correct(
         return arrays, metrics
     weights = correction_weights(
         old, sampled, mask, ppo.rollout_correction, ppo.rollout_correction_level,
-        ppo.rollout_correction_threshold,
+        ppo.rollout_correction_bounds,
     )  # fmt: skip
-    return {**arrays, WEIGHTS: weights.astype(np.float32)}, {
-        **metrics,
-        **weight_metrics(weights, mask),
-    }
+    metrics.update(weight_metrics(weights, mask))
+    if CORRECTIONS[ppo.rollout_correction].rejects:
+        return {
+            **arrays,
+            "response_mask": np.where(weights > 0, mask, 0).astype(mask.dtype),
+        }, metrics
+    return {**arrays, WEIGHTS: weights.astype(np.float32)}, metrics

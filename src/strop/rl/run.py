@@ -17,7 +17,7 @@ from typing import Any
 
 from strop import rewards
 from strop.config import Config
-from strop.data import Tokenizer
+from strop.data import Tokenizer, policy_tokenizer
 from strop.io.model_spec import check_context_length, response_end_ids
 from strop.objectives.roles import RolePlan
 from strop.rl.episodes import Episodes
@@ -54,7 +54,7 @@ class PpoRun:
         (:class:`~strop.errors.StropError`), before any model loads."""
         ppo = config.ppo
         model_path = config.model.path
-        tokenizer = Tokenizer.from_pretrained(model_path)
+        tokenizer = policy_tokenizer(config)
         stops = response_end_ids(model_path, tokenizer.eos_token_id)
         episodes = Episodes.from_config(config, tokenizer, stops, environment)
         train = PromptSet.read(config.data.train_path, config, tokenizer, reward=reward)

@@ -232,11 +232,12 @@ class JaxActorCritic(Sampler):
             self.actor_module, decoding, prompt_columns=self.widths.prompt, mesh=self.mesh
         )
 
-    def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:
-        """``[B, L]`` ``log pi(x_t | x_<t)`` at the rollout temperature, of the actor or the
-        reference."""
+    def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False,
+                 temperature: float | None = None) -> np.ndarray:  # fmt: skip
+        """``[B, L]`` ``log pi(x_t | x_<t)`` at the rollout temperature (or ``temperature``:
+        one more compile), of the actor or the reference."""
         trainable = self.reference if reference else self.actor
-        temperature = self.policy_objective.temperature
+        temperature = temperature or self.policy_objective.temperature
         return self._rows(
             batch,
             lambda ids, mask, positions: ppo_steps.logprobs(

@@ -25,6 +25,7 @@ import asyncio
 import logging
 import math
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,10 @@ def from_pure(like: Any, pure: dict) -> Any:
             node = node[name]
         leaves.append(like_leaf.replace(node) if _is_variable(like_leaf) else node)
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+# The spec TensorStore appends to its errors: ``[tensorstore_spec='{...}']``, kilobytes.
+_TENSORSTORE_SPEC = re.compile(r" ?\[tensorstore_spec='[^']*'\]")
 
 
 def _abstract(tree: Any) -> Any:
@@ -199,8 +204,10 @@ class TrainCheckpoints(StepCheckpoints):
         except Exception as err:  # orbax surfaces I/O failures as assorted types
             quiet_unawaited_writes()
             self._manager.reload()  # forget the failed step; re-read what is on disk
-            reason = f"{type(err).__name__}: {' '.join(str(err).split())}"
-            raise save_failed(step, self.directory, reason, self.latest_step()) from err
+            text = _TENSORSTORE_SPEC.sub("", " ".join(str(err).split()))  # a JSON page
+            raise save_failed(
+                step, self.directory, f"{type(err).__name__}: {text}", self.latest_step()
+            ) from err
         logger.info("saved checkpoint step %d to %s", step, self.directory)
 
     def check_identity(self, step: int) -> None:

@@ -120,13 +120,21 @@ class Embedding(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm as in HF: normalise in float32, cast back, then scale."""
+    """RMSNorm as in HF over the last axis. Normalise in float32, then either (``offset``
+    0, Llama) cast back and scale by ``weight``, or (``offset`` 1, Gemma) scale by
+    ``offset + weight`` in float32 and cast back. Initialised to the identity either way."""
 
-    def __init__(self, hidden: int, eps: float, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.eps, self.dtype = eps, dtype
-        self.weight = _param(rngs, (hidden,), ("norm",), param_dtype, nnx.initializers.ones)
+    def __init__(
+        self, hidden: int, eps: float, *, offset: float = 0.0, dtype, param_dtype, rngs: nnx.Rngs
+    ):
+        self.eps, self.offset, self.dtype = eps, offset, dtype
+        init = nnx.initializers.zeros if offset else nnx.initializers.ones
+        self.weight = _param(rngs, (hidden,), ("norm",), param_dtype, init)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            scale = self.offset + self.weight[...].astype(jnp.float32)
+            return (normed * scale).astype(self.dtype)
         return self.weight[...].astype(self.dtype) * normed.astype(self.dtype)

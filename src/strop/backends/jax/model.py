@@ -18,6 +18,7 @@ updated in the output. Without one, the forward is the plain full-sequence (trai
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -27,7 +28,13 @@ import numpy as np
 from flax import nnx
 
 from strop.backends.jax import rope
-from strop.backends.jax.attention import cached_attention, causal_attention
+from strop.backends.jax.attention import (
+    AttentionMask,
+    cache_mask,
+    cached_attention,
+    causal_attention,
+    sequence_mask,
+)
 from strop.backends.jax.layers import Dense, Embedding, RMSNorm
 from strop.backends.jax.moe import Routing, SparseMoeBlock, load_balancing_loss
 from strop.backends.jax.rope import apply_rope, rope_inv_freq
@@ -37,6 +44,18 @@ from strop.models import LayerSpec, ModelSpec
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+"""The MLP's gate activation, by :attr:`ModelSpec.activation`."""
+
+NORMS = {
+    "pre": ("input_layernorm", None, "post_attention_layernorm", None),
+    "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"),
+}  # fmt: skip
+"""A layer's RMSNorms by :attr:`ModelSpec.norm_placement`, under their HF names: on the
+attention's input, on its output, on the MLP's input, on its output (``None``: none)."""
+
 
 def missing_features(spec: ModelSpec) -> list[str]:
     """What ``spec`` declares that this decoder does not build yet, in words."""
@@ -44,16 +63,8 @@ def missing_features(spec: ModelSpec) -> list[str]:
         return [f"model_type {spec.family!r} (no family of strop's declares it)"]
     checks = {
         "q/k norms over the whole projection": spec.qk_norm == "projection",
-        f"{spec.norm_placement} norms": spec.norm_placement != "pre",
-        "RMSNorm scaling by 1 + weight": spec.norm_weight_offset != 0.0,
-        f"activation {spec.activation}": spec.activation != "silu",
-        "an embedding scale": spec.embedding_scale is not None,
-        "query_pre_attn_scalar": spec.query_scale is not None,
-        "attention logit soft-capping": spec.attn_logit_softcap is not None,
-        "final logit soft-capping": spec.final_logit_softcap is not None,
         "fused q/k/v or gate/up projections": spec.fused_qkv or spec.fused_gate_up,
         "MLP biases": spec.mlp_bias,
-        "sliding-window attention": bool(spec.sliding_windows),
         "layers without RoPE": any(layer.rope is None for layer in spec.layers),
     }
     missing = [feature for feature, used in checks.items() if used]
@@ -78,7 +89,9 @@ def check_model(spec: ModelSpec) -> None:
 
 
 class Attention(nnx.Module):
-    """Grouped-query causal self-attention (plain dot-product, softmax in float32)."""
+    """Grouped-query causal self-attention (plain dot-product, softmax in float32), over
+    the layer's sliding window if it has one; queries and keys RMS-normed per head first
+    when ``spec.qk_norm == "head"``."""
 
     def __init__(self, spec: ModelSpec, layer: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         e, h, k, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -90,19 +103,22 @@ class Attention(nnx.Module):
         self.o_proj = Dense(
             (h, d), (e,), ("heads", "head_dim"), ("embed",), use_bias=spec.o_bias, **common
         )
-        self.q_norm, self.k_norm = head_norms(spec, **common)
+        self.q_norm, self.k_norm = _head_norms(spec, **common)
         self.inv_freq = tuple(rope_inv_freq(layer.rope).tolist())  # static data, not a weight
         self.num_groups = h // k
+        self.sliding_window = layer.sliding_window
+        self.scale, self.softcap = spec.scale, spec.attn_logit_softcap
 
     def __call__(
         self,
         x: jax.Array,
         positions: jax.Array,
-        mask: jax.Array,
+        mask: AttentionMask,
         kv: tuple[jax.Array, jax.Array] | None = None,
         write_index: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """Attend ``x [B, L, E]`` under ``mask [B, L, Lk]``; returns (output, updated ``kv``).
+        """Attend ``x [B, L, E]`` under ``mask`` (``[B, L, Lk]`` within this layer's window);
+        returns (output, updated ``kv``).
 
         Without ``kv`` the keys are this call's L tokens (``Lk = L``). With ``kv`` (this
         layer's cached keys and values, ``[B, S, K, D]`` each) the new keys and values are
@@ -110,10 +126,11 @@ class Attention(nnx.Module):
         over all S slots (``Lk = S``).
         """
         inv_freq = np.asarray(self.inv_freq, dtype=np.float32)
-        q, k = self.q_proj(x), self.k_proj(x)  # [B, L, H, D], [B, L, K, D]
+        q, k = self.q_proj(x), self.k_proj(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q = apply_rope(q, positions, inv_freq)  # [B, L, H, D]
+        k = apply_rope(k, positions, inv_freq)  # [B, L, K, D]
         v = self.v_proj(x)
         if kv is not None:
             k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), write_index, 1)
@@ -122,19 +139,25 @@ class Attention(nnx.Module):
         b, length, heads, d = q.shape
         q = q.reshape(b, length, heads // self.num_groups, self.num_groups, d)
         attend = cached_attention if kv is not None else causal_attention
-        return self.o_proj(attend(q, k, v, mask).reshape(b, length, heads, d)), kv
+        out = attend(q, k, v, mask.within(self.sliding_window), scale=self.scale,
+                     softcap=self.softcap)  # fmt: skip
+        return self.o_proj(out.reshape(b, length, heads, d)), kv
 
 
-def head_norms(spec: ModelSpec, **common) -> tuple[RMSNorm | None, RMSNorm | None]:
-    """Qwen3's RMSNorms on each query and key head over ``head_dim`` (before RoPE), or
-    ``(None, None)`` for a decoder without them."""
+def _head_norms(spec: ModelSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
+    """``(q_norm, k_norm)``: RMSNorms over ``head_dim`` (one weight shared by the heads)
+    for ``qk_norm == "head"``, else ``(None, None)``."""
     if spec.qk_norm != "head":
-        return nnx.data(None), nnx.data(None)
-    return tuple(RMSNorm(spec.head_dim, spec.rms_norm_eps, **common) for _ in "qk")
+        return None, None
+    norm = functools.partial(RMSNorm, spec.head_dim, spec.rms_norm_eps,
+                             offset=spec.norm_weight_offset, dtype=dtype,
+                             param_dtype=param_dtype, rngs=rngs)  # fmt: skip
+    return norm(), norm()
 
 
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """Gated MLP: ``down(act(gate(x)) * up(x))``, ``act`` the spec's activation (SwiGLU for
+    silu, GeGLU for gelu_tanh)."""
 
     def __init__(self, spec: ModelSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         e, m = spec.hidden_size, spec.intermediate_size
@@ -142,40 +165,51 @@ class MLP(nnx.Module):
         self.gate_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
         self.up_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
         self.down_proj = Dense((m,), (e,), ("mlp",), ("embed",), **common)
+        self.activation = spec.activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = ACTIVATIONS[self.activation](self.gate_proj(x))
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm transformer block: attention and MLP (routed experts on a ``sparse``
-    layer), each with a residual."""
+    """Transformer block: attention and MLP (routed experts on a ``sparse`` layer), each
+    with a residual, and RMSNorms on their inputs and/or outputs as the spec places them
+    (:data:`NORMS`)."""
 
     def __init__(self, spec: ModelSpec, layer: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **common)
+        self.norms = NORMS[spec.norm_placement]
+        for name in filter(None, self.norms):
+            norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps,
+                           offset=spec.norm_weight_offset, **common)  # fmt: skip
+            setattr(self, name, norm)
         self.self_attn = Attention(spec, layer, **common)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **common)
         self.mlp = SparseMoeBlock(spec, **common) if layer.sparse else MLP(spec, **common)
+
+    def _norm(self, name: str | None, x: jax.Array) -> jax.Array:
+        return x if name is None else getattr(self, name)(x)
 
     def __call__(
         self,
         x: jax.Array,
         positions: jax.Array,
-        mask: jax.Array,
+        mask: AttentionMask,
         real: jax.Array,
         kv: tuple[jax.Array, jax.Array] | None = None,
         write_index: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, Routing | None]:
         """The layer's output, its updated ``kv`` and, on a sparse layer, its routing of
         the ``real [B, L]`` tokens (:class:`~strop.backends.jax.moe.Routing`)."""
-        attended, kv = self.self_attn(self.input_layernorm(x), positions, mask, kv, write_index)
-        x = x + attended
-        normed = self.post_attention_layernorm(x)
+        attention_in, attention_out, mlp_in, mlp_out = self.norms
+        attended, kv = self.self_attn(self._norm(attention_in, x), positions, mask, kv, write_index)
+        x = x + self._norm(attention_out, attended)
+        routing = None
         if isinstance(self.mlp, SparseMoeBlock):
-            out, routing = self.mlp(normed, real)
-            return x + out, kv, routing
-        return x + self.mlp(normed), kv, None
+            out, routing = self.mlp(self._norm(mlp_in, x), real)
+        else:
+            out = self.mlp(self._norm(mlp_in, x))
+        return x + self._norm(mlp_out, out), kv, routing
 
 
 class DecoderStack(nnx.Module):
@@ -185,13 +219,16 @@ class DecoderStack(nnx.Module):
         common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, **common)
         self.layers = nnx.List([DecoderLayer(spec, layer, **common) for layer in spec.layers])
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **common)
+        self.norm = RMSNorm(
+            spec.hidden_size, spec.rms_norm_eps, offset=spec.norm_weight_offset, **common
+        )
+        self.embedding_scale = spec.embedding_scale
 
     def __call__(
         self,
         ids: jax.Array,
         positions: jax.Array,
-        mask: jax.Array,
+        mask: AttentionMask,
         real: jax.Array,
         kv: Sequence[tuple[jax.Array, jax.Array]] | None = None,
         write_index: jax.Array | None = None,
@@ -199,6 +236,8 @@ class DecoderStack(nnx.Module):
         """Final hidden states, the updated per-layer ``kv`` when one was given, and the
         sparse layers' routing of the ``real [B, L]`` tokens summed (``None``: none)."""
         x = self.embed_tokens(ids)
+        if self.embedding_scale is not None:  # Gemma: the scale rounded to the compute dtype
+            x = x * jnp.asarray(self.embedding_scale, dtype=x.dtype)
         updated, routed = [], None
         for layer, layer_kv in zip(self.layers, kv or (None,) * len(self.layers), strict=True):
             x, layer_kv, routing = layer(x, positions, mask, real, layer_kv, write_index)
@@ -214,9 +253,11 @@ class KVCache(NamedTuple):
     slots ``index .. index + L - 1`` of every row and moves ``index`` on by ``L``. Ragged
     rows are handled by padding (e.g. left-padded prompts), which ``mask`` marks as not
     real: a query attends to slot ``s`` iff ``mask[b, s]`` and ``s`` is not after its own
-    slot. Positions (for RoPE) are separate from slots: by default each row counts
-    positions over its real tokens only, as in the full-sequence path, so a row's
-    outputs do not depend on how much padding it got.
+    slot (and, in a sliding-window layer, fewer than ``window`` real slots lie after ``s``
+    up to its own: :func:`~strop.backends.jax.attention.cache_mask`). Positions (for
+    RoPE) are separate from slots: by default each row counts positions over its real
+    tokens only, as in the full-sequence path, so a row's outputs do not depend on how
+    much padding it got. Every layer keeps all S slots, sliding ones too.
 
     Attributes:
       layers: per layer ``(keys, values)``, each ``[B, S, K, D]`` in the compute dtype;
@@ -293,39 +334,29 @@ class CausalLM(nnx.Module):
         """
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
-        segments, prefixes = attention_mask % PREFIX_STRIDE, attention_mask // PREFIX_STRIDE
-        attention_mask = segments.astype(jnp.bool_)
+        real = (attention_mask % PREFIX_STRIDE).astype(jnp.bool_)
         if positions is None:
-            positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
+            positions = jnp.maximum(jnp.cumsum(real, axis=-1) - 1, 0)
             if cache is not None:
                 positions = positions + cache.mask.sum(axis=-1, keepdims=True, dtype=jnp.int32)
-        length = input_ids.shape[-1]
         if cache is None:
-            causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
-            # a real query sees its own segment's keys (a 0/1 mask: every real key) and those
-            # of the shared prompt it names (packed rollouts of one prompt)
-            own = (
-                (segments[:, :, None] == segments[:, None, :])
-                | (prefixes[:, :, None] == segments[:, None, :])
-                | ~attention_mask[:, :, None]
-            )
-            mask = causal[None, :, :] & attention_mask[:, None, :] & own  # [B, Lq, Lk]
-            hidden, _, routing = self.model(input_ids, positions, mask, attention_mask)
+            mask = sequence_mask(attention_mask, positions)
+            hidden, _, routing = self.model(input_ids, positions, mask, real)
         else:
-            valid = jax.lax.dynamic_update_slice_in_dim(
-                cache.mask, attention_mask, cache.index, axis=1
-            )
-            query_slots = cache.index + jnp.arange(length)
-            causal = jnp.arange(valid.shape[1])[None, :] <= query_slots[:, None]  # [Lq, S]
-            mask = causal[None, :, :] & valid[:, None, :]  # [B, Lq, S]
+            valid = jax.lax.dynamic_update_slice_in_dim(cache.mask, real, cache.index, axis=1)
+            mask = cache_mask(valid, cache.index, input_ids.shape[-1])
             hidden, layers, routing = self.model(
-                input_ids, positions, mask, attention_mask, cache.layers, cache.index
+                input_ids, positions, mask, real, cache.layers, cache.index
             )
-            cache = KVCache(layers, valid, cache.index + length)
+            cache = KVCache(layers, valid, cache.index + input_ids.shape[-1])
         kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         if self.lm_head is None:
             logits = self.model.embed_tokens.attend(kept)
         else:
             logits = self.lm_head(kept)
+        logits = logits.astype(jnp.float32)
+        if self.spec.final_logit_softcap is not None:
+            cap = self.spec.final_logit_softcap
+            logits = jnp.tanh(logits / cap) * cap
         aux_loss = None if routing is None else load_balancing_loss(routing)
-        return CausalLMOutput(logits.astype(jnp.float32), hidden, cache, aux_loss)
+        return CausalLMOutput(logits, hidden, cache, aux_loss)

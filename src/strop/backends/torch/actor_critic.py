@@ -258,13 +258,13 @@ class TorchActorCritic(Sampler):
             model, generation = loaded.model, self.config.generation
             yield model, sampler_keywords(generation, decoding, model, self.widths.prompt)
 
-    def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False) -> np.ndarray:
-        temperature = self.policy_objective.temperature
+    def logprobs(self, batch: dict[str, np.ndarray], *, reference: bool = False,
+                 temperature: float | None = None) -> np.ndarray:  # fmt: skip
+        temperature = temperature or self.policy_objective.temperature
         with self._role("reference" if reference else "actor") as loaded:
             logits = partial(forward_logits, loaded)
-            return self._forward_rows(
-                batch, lambda ids, *rest: token_logprobs(logits(ids, *rest), ids, temperature)
-            )
+            score = lambda ids, *rest: token_logprobs(logits(ids, *rest), ids, temperature)  # noqa: E731
+            return self._forward_rows(batch, score)
 
     def values(self, batch: dict[str, np.ndarray]) -> np.ndarray:
         with self._role("critic"):

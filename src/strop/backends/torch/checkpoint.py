@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from strop.backends.torch.fsdp import Placement, barrier, write_once
 from strop.backends.torch.lora import hf_module_path
+from strop.backends.torch.quantized import parameters_only_state_dict
 from strop.errors import CheckpointError, NonFiniteStateError
 from strop.io.checkpoint_dir import (
     StepCheckpoints,
@@ -183,6 +184,15 @@ def _tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
             yield from _tensors(value, f"{prefix}.{index}")
 
 
+def _trainable_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The trainable parameters' and the optimizer's state dicts, as DCP stores them (a
+    QLoRA int8 base's row scales left out: :func:`parameters_only_state_dict`)."""
+    with parameters_only_state_dict(model):
+        return get_state_dict(model, optimizer, options=_OPTIONS)
+
+
 def _write_json(path: Path, value: Any) -> None:
     with path.open("w") as f:
         json.dump(value, f, indent=2)
@@ -250,7 +260,7 @@ class TrainCheckpoints(StepCheckpoints):
         extra = self._new_step(step, extra)
         staging = self.directory / f"{_TMP_PREFIX}{step}"
         final = self.directory / str(step)
-        model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+        model_state, optim_state = _trainable_state(model, optimizer)
         poisoned = _nonfinite_names({"model": model_state, "optim": optim_state}, self.placement)
         if poisoned:
             raise NonFiniteStateError(step, poisoned, self.latest_step(), str(self.directory))
@@ -305,7 +315,7 @@ class TrainCheckpoints(StepCheckpoints):
         self._verify(step)
         self.check_identity(step)
         path = self.directory / str(step)
-        model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+        model_state, optim_state = _trainable_state(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         try:
             _SafeReader(path / "state").read_metadata()  # refuse a bad one before DCP logs it

@@ -13,12 +13,69 @@ CPU) and are cast to float32; results live on the inputs' device.
 
 from __future__ import annotations
 
+from numbers import Number
+
 import torch
 import torch.nn.functional as F
 
 from strop.objectives.losses import ArrayOps
 
 F32 = torch.float32
+
+
+def _tensors(*values):
+    """``values`` with each number (Python or NumPy) a 0-d tensor on the tensors' device: a
+    float one float32, so that, as in type promotion with a Python number, it keeps the
+    tensors' dtype (jax.numpy's weak types do the same); ``None`` stays ``None``."""
+    device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+    return [
+        torch.as_tensor(v, device=device, dtype=F32 if isinstance(v, float) else None)
+        if isinstance(v, Number)
+        else v
+        for v in values
+    ]
+
+
+class TorchArrays:
+    """``ops.xp`` on torch: the array module a loss is written with, with the ops
+    ``docs/ppo.md`` lists (``exp``, ``clip``, ``where``, ``maximum``, ``minimum``, ``abs``,
+    ``zeros_like``) taking Python numbers wherever an array goes and broadcasting as
+    ``jax.numpy``'s do (``torch.minimum(ratio, 1.2)`` and ``torch.exp(0.5)`` raise, and
+    ``torch.clip`` takes no tensor bound beside a number), so a loss runs the same on both
+    backends (``tests/parity/test_array_ops.py``). Any other name is torch's own."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def exp(x) -> torch.Tensor:
+        return torch.exp(*_tensors(x))
+
+    @staticmethod
+    def abs(x) -> torch.Tensor:
+        return torch.abs(*_tensors(x))
+
+    @staticmethod
+    def zeros_like(x) -> torch.Tensor:
+        return torch.zeros_like(*_tensors(x))
+
+    @staticmethod
+    def maximum(a, b) -> torch.Tensor:
+        return torch.maximum(*_tensors(a, b))
+
+    @staticmethod
+    def minimum(a, b) -> torch.Tensor:
+        return torch.minimum(*_tensors(a, b))
+
+    @staticmethod
+    def where(condition, a, b) -> torch.Tensor:
+        return torch.where(*_tensors(condition, a, b))
+
+    @staticmethod
+    def clip(x, min=None, max=None) -> torch.Tensor:
+        if isinstance(min, torch.Tensor) or isinstance(max, torch.Tensor):
+            return torch.clip(*_tensors(x, min, max))  # tensor bounds: both tensors
+        return torch.clip(*_tensors(x), min, max)
 
 
 def _f32(x) -> torch.Tensor:
@@ -76,7 +133,7 @@ def segment_mean(x: torch.Tensor, segments: torch.Tensor, on: torch.Tensor) -> t
 
 
 OPS = ArrayOps(
-    xp=torch, on=_on, select=_select, indicator=lambda b: b.to(F32),
+    xp=TorchArrays(), on=_on, select=_select, indicator=lambda b: b.to(F32),
     stop_gradient=torch.Tensor.detach, token_logprobs=token_logprobs,
     token_entropy=token_entropy, segment_mean=segment_mean,
 )  # fmt: skip

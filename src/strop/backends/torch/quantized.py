@@ -20,10 +20,35 @@ merged-weight sync), one layer at a time.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+from collections.abc import Iterator
 
 import torch
 import transformers
+
+# What ``Linear8bitLt._save_to_state_dict`` adds to a state dict beside its parameters.
+_INT8_EXTRA_STATE = ("SCB", "weight_format")
+
+
+class _FirstCastWarningOnly(logging.Filter):
+    """Lets bitsandbytes' "MatMul8bitLt: inputs will be cast ... to float16" through once per
+    process: it logs it at every int8 matmul on CUDA, the same words each time (a PPO run
+    of two iterations printed 4,844 of them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("MatMul8bitLt: inputs will be cast"):
+            return True
+        first, self.seen = not self.seen, True
+        return first
+
+
+_CAST_WARNING_ONCE = _FirstCastWarningOnly()
 
 
 def bnb_config(kind: str, compute_dtype: torch.dtype) -> transformers.BitsAndBytesConfig:
@@ -57,6 +82,9 @@ def load_quantized(
         trust_remote_code=trust_remote_code,
     )
     model.requires_grad_(False)
+    cast_logger = logging.getLogger("bitsandbytes.autograd._functions")
+    if _CAST_WARNING_ONCE not in cast_logger.filters:
+        cast_logger.addFilter(_CAST_WARNING_ONCE)
     for layer in quantized_layers(model).values():
         # bitsandbytes 0.50 repacks a 4-bit weight in place for its AVX512-BF16 CPU kernel
         # at the first forward without gradients (a rollout, a reference pass); every
@@ -65,6 +93,35 @@ def load_quantized(
         if hasattr(layer, "support_avx512bf16_for_cpu"):
             layer.support_avx512bf16_for_cpu = False
     return model
+
+
+@contextlib.contextmanager
+def parameters_only_state_dict(model: torch.nn.Module) -> Iterator[None]:
+    """While open, ``model.state_dict()`` leaves out what bitsandbytes' int8 layers add
+    besides their parameters: the weight's row scales (``SCB``) and ``weight_format``.
+
+    torch's distributed-checkpoint API resolves every state-dict key to a module attribute,
+    and these two are none (``'Linear8bitLt' object has no attribute 'SCB'``, at every
+    save of a QLoRA int8 run). A checkpoint holds no frozen base weight anyway: the base
+    is quantized again from ``model.path`` when the run resumes.
+    """
+    handles = [
+        module.register_state_dict_post_hook(_drop_int8_extra_state)
+        for module in model.modules()
+        if type(module).__name__ == "Linear8bitLt"  # no bitsandbytes import without QLoRA
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _drop_int8_extra_state(
+    module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict
+) -> None:
+    for name in _INT8_EXTRA_STATE:
+        state_dict.pop(prefix + name, None)
 
 
 def is_quantized(param: torch.Tensor) -> bool:

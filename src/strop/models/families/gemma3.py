@@ -3,7 +3,9 @@
 their own (``rope_local_base_freq`` 10k, global ``rope_theta`` 1M, scaling on the global
 layers only), RMSNorm scaling by ``1 + weight`` before and after both sub-layers and on
 queries and keys, gelu-tanh, embeddings scaled by ``sqrt(hidden_size)`` and attention
-scaled by ``query_pre_attn_scalar ** -0.5``."""
+scaled by ``query_pre_attn_scalar ** -0.5``; final logits soft-capped when
+``final_logit_softcapping`` is set. ``attn_logit_softcapping`` is read as transformers'
+Gemma 3 reads it: not at all (its attention never caps; Gemma 2's did)."""
 
 import math
 
@@ -58,7 +60,6 @@ def gemma3_fields(cfg, common, source):
         ),
         "embedding_scale": math.sqrt(common["hidden_size"]),
         "query_scale": float(scalar) ** -0.5,
-        "attn_logit_softcap": cfg.get("attn_logit_softcapping"),
         "final_logit_softcap": cfg.get("final_logit_softcapping"),
     }
 
