@@ -103,14 +103,18 @@ def test_ppo_sft_dpo_and_the_peft_adapter_on_every_family(family_task, tmp_path,
     model, prompts, pairs = family_task(kind)
     ppo = grpo(model, prompts, tmp_path / "ppo", backend, "ppo.advantage_estimator=gae")
     assert "critic/loss" in ppo.history[-1]
+    routed = backend == "jax" and FAMILY_KINDS[kind][1].get("num_experts", 0) > 0
+    assert ("policy/moe/aux_loss" in ppo.history[-1]) == routed  # the router's loss
     sft = run_sft(load_config("sft-lora-tiny", [
         f"model.path={model}", f"data.train_path={prompts}", f"run_dir={tmp_path / 'sft'}",
-        f"backend={backend}", "mesh.fsdp=1", "sft.steps=2", "sft.batch_size=4",
+        f"backend={backend}", "mesh.fsdp=1", "mesh.tensor=-1", "sft.steps=2", "sft.batch_size=4",
         "sft.micro_batch_size=4",
     ]))  # fmt: skip
+    records = (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()
+    assert any("moe/aux_loss" in json.loads(line) for line in records) == routed
     dpo = run_dpo(load_config("dpo-lora-tiny", [
         f"model.path={model}", f"data.train_path={pairs}", f"run_dir={tmp_path / 'dpo'}",
-        f"backend={backend}", "mesh.fsdp=1", "dpo.steps=2",
+        f"backend={backend}", "mesh.fsdp=1", "mesh.tensor=-1", "dpo.steps=2",
     ]))  # fmt: skip
     for result in (ppo, sft, dpo):
         assert_peft_loads_it(model, result.export_path, backend)
