@@ -33,6 +33,7 @@ from strop.io.run_identity import PolicyRun
 from strop.io.run_record import CONFIG_FILE, record_run
 from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY, count_skipped, likely_causes
+from strop.objectives.losses import ROUTER_AUX_LOSS
 from strop.preflight import holding_run_dir, preflight
 from strop.progress import RunProgress, is_main_by_environment
 
@@ -177,8 +178,10 @@ class PolicySteps:
     def update_record(
         self, metrics: Mapping[str, float], *, tokens: float, epoch: float, seconds: float
     ) -> dict[str, float]:
-        """The metrics every update writes, from its ``metrics`` (``grad_norm``), the
-        target ``tokens`` it trained on, the data's ``epoch`` and the step's ``seconds``."""
+        """The metrics every update writes, from its ``metrics`` (``grad_norm``; with
+        routed experts the router's loss), the target ``tokens`` it trained on, the data's
+        ``epoch`` and the step's ``seconds``."""
+        routed = {ROUTER_AUX_LOSS: metrics[ROUTER_AUX_LOSS]} if ROUTER_AUX_LOSS in metrics else {}
         return {
             "train/grad_norm": metrics["grad_norm"],
             "train/tokens": tokens,
@@ -186,6 +189,7 @@ class PolicySteps:
             "train/nonfinite_skipped": self.skipped,  # cumulative over the run
             "timing/step_s": seconds,
             "throughput/tokens_per_s": tokens / seconds,
+            **routed,
         }
 
 

@@ -110,14 +110,15 @@ def test_ppo_sft_dpo_and_the_peft_adapter_on_every_family(family_task, tmp_path,
         f"backend={backend}", "mesh.fsdp=1", "mesh.tensor=-1", "sft.steps=2", "sft.batch_size=4",
         "sft.micro_batch_size=4",
     ]))  # fmt: skip
-    records = (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()
-    assert any("moe/aux_loss" in json.loads(line) for line in records) == routed
     dpo = run_dpo(load_config("dpo-lora-tiny", [
         f"model.path={model}", f"data.train_path={pairs}", f"run_dir={tmp_path / 'dpo'}",
         f"backend={backend}", "mesh.fsdp=1", "mesh.tensor=-1", "dpo.steps=2",
     ]))  # fmt: skip
     for result in (ppo, sft, dpo):
         assert_peft_loads_it(model, result.export_path, backend)
+    for run in ("sft", "dpo"):
+        records = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        assert any("moe/aux_loss" in json.loads(line) for line in records) == routed, run
 
 
 def assert_peft_loads_it(model_dir, adapter_dir, backend: str) -> None:

@@ -22,8 +22,10 @@ from strop.backends.jax.lora import apply_lora, dense_modules
 from strop.backends.jax.losses import OPS
 from strop.backends.jax.model import CausalLM
 from strop.backends.jax.ppo_steps import policy_loss
+from strop.backends.jax.preference import preference_loss
 from strop.backends.jax.sharding import make_mesh
 from strop.backends.jax.train import MICRO_SHARE, accumulate, sft_loss, sft_micro_loss
+from strop.batch.pairs import lay_out_chunks
 from strop.config import LoraConfig
 from strop.errors import ConfigError
 from strop.io.model_spec import read_model_spec
@@ -31,6 +33,11 @@ from strop.lora_targets import match_targets
 from strop.objectives.losses import ROUTER_AUX_LOSS
 from strop.objectives.micro import policy_micro_loss
 from strop.objectives.ppo import PolicyObjective
+from strop.objectives.preference import (
+    REFERENCE_INPUTS,
+    PreferenceObjective,
+    preference_micro_loss,
+)
 from strop.objectives.sft import token_mean_weights
 from tests.tiny_models import padded_batch
 
@@ -63,14 +70,22 @@ def test_router_loss_and_its_gradient_equal_transformers(tiny_model_dir):
     assert np.abs(expected_grad).max() > 1e-4
 
 
-@pytest.mark.parametrize("update", ["sft", "policy"])
+@pytest.mark.parametrize("update", ["sft", "policy", "dpo"])
 def test_the_updates_add_the_router_loss_times_its_coefficient(tiny_model_dir, update):
     model = one_device_model(tiny_model_dir(KIND))
     ids, mask = padded_batch()
     micro = {"input_ids": ids, "attention_mask": mask, "loss_weights": token_mean_weights(mask),
              MICRO_SHARE: 0.5}  # fmt: skip
     graphdef, trainable, frozen = nnx.split(model, nnx.Param, ...)
-    if update == "sft":
+    if update == "dpo":  # two pairs packed into a layout, reference sums of 0
+        pairs = [(row[:4].tolist(), row[4:8].tolist(), row[8:].tolist()) for row in ids[:2]]
+        micro = {**lay_out_chunks(pairs, 1), MICRO_SHARE: 0.5}
+        micro |= {name: np.zeros(2, np.float32) for name in REFERENCE_INPUTS}
+        ids, mask = micro["input_ids"], micro["attention_mask"]
+        objective = PreferenceObjective("sigmoid", 0.5)
+        loss_of = partial(preference_loss, graphdef, objective)
+        alone_of = partial(preference_micro_loss, OPS, objective=objective)
+    elif update == "sft":
         loss_of, alone_of = partial(sft_loss, graphdef), sft_micro_loss
     else:
         micro |= {"old_logprobs": np.zeros(ids.shape, np.float32),
@@ -84,7 +99,7 @@ def test_the_updates_add_the_router_loss_times_its_coefficient(tiny_model_dir, u
 
     @jax.jit
     def losses(trainable, frozen, micro):
-        output = nnx.merge(graphdef, trainable, frozen)(ids, mask)
+        output = nnx.merge(graphdef, trainable, frozen)(ids, mask, micro.get("positions"))
         loss, stats = loss_of(trainable, frozen, micro)
         return loss, stats, alone_of(output.logits, micro)[0], output.aux_loss
 

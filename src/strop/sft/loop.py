@@ -19,7 +19,6 @@ from strop.data import Tokenizer, load_sft_examples, make_sft_batcher
 from strop.data.batching import SftBatcher
 from strop.errors import ConfigError
 from strop.job import PolicySteps, RunResult, train_policy
-from strop.objectives.losses import ROUTER_AUX_LOSS
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +97,6 @@ class SftSteps(PolicySteps):
                 seconds=seconds,
             ),
         }  # fmt: skip
-        if ROUTER_AUX_LOSS in metrics:  # routed experts: the router's load-balancing loss
-            record[ROUTER_AUX_LOSS] = metrics[ROUTER_AUX_LOSS]
         if self.eval_batcher is not None and done % sft.eval_every == 0:
             record["eval/loss"] = _eval_loss(self.model, self.eval_batcher, sft.micro_batch_size)
         return record
