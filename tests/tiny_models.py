@@ -43,7 +43,7 @@ KINDS = {  # the first families: Qwen2 and Llama (BASE_KINDS)
 # make its decoder differ from the common one. Sliding windows are shorter than
 # padded_batch's longest row (12 tokens), so every parity test crosses them.
 FAMILY_KINDS = {
-    "qwen3": ("qwen3", {"head_dim": 32}),
+    "qwen3": ("qwen3", {"head_dim": 32, "attention_bias": True}),
     "qwen3_moe": (
         "qwen3_moe",
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -71,11 +71,33 @@ FAMILY_KINDS = {
                              "long_factor": [1.0, 2.0, 4.0, 8.0]}},
     ),
     "olmo2": ("olmo2", {}),
-    "smollm3": ("smollm3", {"no_rope_layer_interval": 2}),
+    "smollm3": ("smollm3", {"no_rope_layer_interval": 2, "mlp_bias": True}),
+}  # fmt: skip
+# kind -> (model_type, extra config): decoders no family of strop's declares (the torch
+# backend runs them as transformers builds them), with their own flags set.
+UNREGISTERED_KINDS = {
+    "granite": (
+        "granite",
+        {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2,
+         "logits_scaling": 4.0},
+    ),
+    "stablelm": ("stablelm", {"partial_rotary_factor": 0.5, "use_qkv_bias": True}),
+    "gemma2": (  # sliding windows by layer type, soft-capping
+        "gemma2",
+        {"head_dim": 32, "sliding_window": 4, "query_pre_attn_scalar": 24,
+         "layer_types": ["sliding_attention", "full_attention"], "attn_logit_softcapping": 50.0,
+         "final_logit_softcapping": 30.0},
+    ),
+    "starcoder2": ("starcoder2", {"sliding_window": 5}),  # one window, no layer_types
 }  # fmt: skip
 BASE_KINDS = tuple(KINDS)
 SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # within the vocab
-KINDS.update({kind: (t, {**SPECIAL_IDS, **extra}) for kind, (t, extra) in FAMILY_KINDS.items()})
+KINDS.update(
+    {
+        kind: (t, {**SPECIAL_IDS, **extra})
+        for kind, (t, extra) in (FAMILY_KINDS | UNREGISTERED_KINDS).items()
+    }
+)
 
 
 # Qwen2.5-1.5B-Instruct's config.json (transformers 4 layout), for shape-only checks.

@@ -33,7 +33,6 @@ from strop.io.run_identity import PolicyRun
 from strop.io.run_record import CONFIG_FILE, record_run
 from strop.metrics import MetricsWriter
 from strop.nonfinite import CHECKPOINT_KEY, count_skipped, likely_causes
-from strop.objectives.losses import ROUTER_AUX_LOSS
 from strop.preflight import holding_run_dir, preflight
 from strop.progress import RunProgress, is_main_by_environment
 
@@ -178,18 +177,18 @@ class PolicySteps:
     def update_record(
         self, metrics: Mapping[str, float], *, tokens: float, epoch: float, seconds: float
     ) -> dict[str, float]:
-        """The metrics every update writes, from its ``metrics`` (``grad_norm``; with
-        routed experts the router's loss), the target ``tokens`` it trained on, the data's
-        ``epoch`` and the step's ``seconds``."""
-        routed = {ROUTER_AUX_LOSS: metrics[ROUTER_AUX_LOSS]} if ROUTER_AUX_LOSS in metrics else {}
+        """The metrics every update writes, from its ``metrics`` (``grad_norm``, and the
+        stats a backend names in a namespace of their own, such as ``moe/aux_loss``, as
+        they are), the target ``tokens`` it trained on, the data's ``epoch`` and the
+        step's ``seconds``."""
         return {
+            **{name: value for name, value in metrics.items() if "/" in name},
             "train/grad_norm": metrics["grad_norm"],
             "train/tokens": tokens,
             "train/epoch": epoch,
             "train/nonfinite_skipped": self.skipped,  # cumulative over the run
             "timing/step_s": seconds,
             "throughput/tokens_per_s": tokens / seconds,
-            **routed,
         }
 
 

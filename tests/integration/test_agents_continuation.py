@@ -4,11 +4,15 @@ few compiles) give the same tokens, and log-probs within 1e-5,
 whether each turn continues from the previous turn's KV cache (``env.kv_cache=true``) or
 re-prefills the whole episode; greedy and sampled, on JAX and torch. The episodes end after
 1 to 4 turns (rows drop out of later calls), a group shares its prompt, and the
-environment's messages are of several lengths (several chunk widths)."""
+environment's messages are of several lengths (several chunk widths). On JAX the decoder is
+an OLMo 2 with attention biases (q/k norms over the whole projections, whose keys are normed
+before they are cached, and norms after the sub-layers): the Qwen2 decoder's paths and
+more, at the cost of one case."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -21,6 +25,7 @@ from strop.generation import SamplingParams
 from strop.io.tiny import make_tiny_checkpoint
 from strop.preflight import check_environment
 from strop.rl.episodes import Episodes
+from tests.tiny_models import build_tiny_model
 
 
 class Scripted:
@@ -48,12 +53,24 @@ RECORDS = [
 ]
 
 
+def with_random_decoder(model_dir, kind: str, **config):
+    """``model_dir``'s tokenizer with a random one-layer decoder of tests/tiny_models.py's
+    ``kind`` in place of its Qwen2 (same vocabulary and special ids)."""
+    ours = json.loads((model_dir / "config.json").read_text())
+    ids = {key: ours[key] for key in ("vocab_size", "eos_token_id", "pad_token_id")}
+    model = build_tiny_model(kind, seed=1, num_hidden_layers=1, **ids, **config)
+    model.save_pretrained(model_dir)
+    return model_dir
+
+
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_continuing_from_the_kv_cache_samples_what_re_prefilling_does(backend, tmp_path) -> None:
     from strop.backends import get_backend
 
     texts = [r["question"] for r in RECORDS] + ["Result: 7 7 7", "The answer is 408."]
     model = make_tiny_checkpoint(tmp_path / "model", texts * 20, layers=1, seed=1)
+    if backend == "jax":
+        model = with_random_decoder(model, "olmo2", attention_bias=True)
     overrides = [f"backend={backend}", f"model.path={model}", "lora.enabled=false"]
     overrides += ["mesh.fsdp=1", "mesh.data=-1", f"run_dir={tmp_path}", "env.name=calculator"]
     overrides += ["ppo.reward=none"]

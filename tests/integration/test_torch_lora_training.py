@@ -107,6 +107,11 @@ def test_target_pattern_matching_nothing_is_a_config_error(tiny_model_dir, tmp_p
         policy_for(tiny_model_dir("qwen2"), tmp_path, "lora.target_modules=[nothing_proj]")
 
 
+def test_lora_on_routed_experts_is_refused_clearly(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="routed experts' stacked parameters"):
+        policy_for(tiny_model_dir("qwen3_moe"), tmp_path)
+
+
 def test_tensor_parallel_is_refused_clearly(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="tensor parallelism is not supported"):
         policy_for(tiny_model_dir("qwen2"), tmp_path, "mesh.tensor=2", "mesh.fsdp=1")
@@ -157,3 +162,25 @@ def test_building_a_lora_model_shows_no_future_warning(tiny_model_dir, tmp_path)
         warnings.simplefilter("always")
         policy_for(tiny_model_dir("qwen2_tied"), tmp_path)
     assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
+
+
+def test_moe_training_adds_the_router_balance_loss_as_transformers_does(tiny_model_dir, tmp_path):
+    """Routed experts: an update's loss is transformers' (token-mean cross-entropy plus
+    ``router_aux_loss_coef`` times the load-balancing loss over the real tokens), and the
+    balance loss is logged as ``moe/aux_loss``."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dir("qwen3_moe")
+    batch = global_batch()
+    ids, mask = (torch.from_numpy(batch[k]) for k in ("input_ids", "attention_mask"))
+    labels = ids.masked_fill(torch.from_numpy(batch["loss_mask"]) == 0, -100)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        expected = reference(
+            input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True
+        )
+    policy = policy_for(model_dir, tmp_path, "lora.enabled=false")
+    stats = policy.train_step(batch, micro_batches=1)
+    assert reference.config.router_aux_loss_coef > 0 and float(expected.aux_loss) > 0
+    np.testing.assert_allclose(stats["moe/aux_loss"], float(expected.aux_loss), rtol=1e-5)
+    np.testing.assert_allclose(stats["loss"], float(expected.loss), rtol=1e-5)

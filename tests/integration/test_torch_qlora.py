@@ -45,11 +45,13 @@ def assert_same(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> 
         assert np.array_equal(value, after[name]), f"quantized base tensor {name} changed"
 
 
-@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize(
+    ("family", "kind"), [("qwen2", "nf4"), ("qwen2", "int8"), ("gemma3", "nf4")]
+)  # gemma3: sliding windows, sandwich norms, a tied head, embedding scale
 def test_qlora_sft_trains_float32_adapters_over_a_bit_identical_quantized_base(
-    tiny_model_dir, tmp_path, kind
+    tiny_model_dir, tmp_path, family, kind
 ):
-    policy = policy_for(tiny_model_dir("qwen2"), tmp_path, f"lora.base_quantization={kind}")
+    policy = policy_for(tiny_model_dir(family), tmp_path, f"lora.base_quantization={kind}")
     params = dict(policy.model.named_parameters())
     quantized = [n for n, p in params.items() if is_quantized(p)]
     assert len(quantized) == 2 * 7  # every projection; the LM head stays at param_dtype

@@ -7,7 +7,13 @@ Each test checks, on sequences longer than every sliding window:
   sequence's logits alone, and so do two continuations of a prompt packed after one copy of
   it (a shared prompt: slots far from their positions);
 - greedy sampling with strop's own sampler equals transformers' ``generate``, token for
-  token.
+  token;
+- the checkpoint strop saves holds the source checkpoint's tensor names (stacked experts
+  written back one tensor per expert) and loads in transformers to the same logits.
+
+The torch backend also runs decoders no family declares (``UNREGISTERED_KINDS``) through
+the same checks, and for every kind a LoRA SFT step's PEFT adapter loads in transformers +
+PEFT and gives strop's logits.
 
 A family a backend does not build yet is listed in ``PENDING``: its test is a strict
 xfail, so it fails the suite the day it starts passing (take it off the list then).
@@ -22,19 +28,20 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 import strop
 from strop.batch.packing import PREFIX_STRIDE
-from tests.tiny_models import FAMILY_KINDS, TINY, padded_batch, save_tiny_model
+from strop.io.hf import SafetensorsReader
+from tests.tiny_models import FAMILY_KINDS, TINY, UNREGISTERED_KINDS, padded_batch, save_tiny_model
 
 ATOL = 1e-4
 PAD = 0
 NEW_TOKENS = 10
 PROMPTS = ([5, 17, 33, 8, 91, 12, 7], [44, 3], [9, 120, 61, 2, 18, 200, 31, 77, 6, 15, 99])
 PENDING = {
-    "jax": {"phi3", "olmo2", "smollm3"},
-    "torch": {"qwen3_moe", "mistral", "ministral", "gemma3"},
+    "jax": set(),
+    "torch": set(),
 }
 
 
-def cases(backend: str) -> list:
+def cases(backend: str, kinds=tuple(FAMILY_KINDS)) -> list:
     return [
         pytest.param(
             kind,
@@ -42,7 +49,7 @@ def cases(backend: str) -> list:
         )
         if kind in PENDING[backend]
         else kind
-        for kind in FAMILY_KINDS
+        for kind in kinds
     ]
 
 
@@ -116,15 +123,9 @@ def strop_greedy(backend: str, handle, model_dir: str, prompts) -> list[list[int
     return out.responses()
 
 
-def check_family(backend: str, model_dir: str) -> None:
-    options = {}
-    if backend == "jax":  # one device: the session may have several (tests/conftest.py)
-        import jax
-
-        from strop.backends.jax.sharding import make_mesh
-
-        options["mesh"] = make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
-    handle = strop.load_model(model_dir, backend=backend, **options)
+def check_family(backend: str, model_dir: str, out_dir) -> None:
+    mesh = {"fsdp": 4, "tensor": 2} if backend == "jax" else None  # weights sharded both ways
+    handle = strop.load_model(model_dir, backend=backend, **({"mesh": mesh} if mesh else {}))
     reference = hf_model(model_dir)
     for left in (False, True):
         ids, mask = padded_batch(left=left)
@@ -146,15 +147,60 @@ def check_family(backend: str, model_dir: str) -> None:
 
     assert strop_greedy(backend, handle, model_dir, PROMPTS) == hf_greedy(reference, PROMPTS)
 
+    saved = handle.save(out_dir / "saved")
+    assert sorted(SafetensorsReader(saved).names()) == sorted(SafetensorsReader(model_dir).names())
+    np.testing.assert_array_equal(
+        hf_logits(hf_model(str(saved)), ids, mask), hf_logits(reference, ids, mask)
+    )
+
 
 @pytest.mark.parametrize("kind", cases("jax"))
-def test_jax_family_equals_transformers(tiny_model_dir, kind):
-    check_family("jax", tiny_model_dir(kind))
+def test_jax_family_equals_transformers(tiny_model_dir, tmp_path, kind):
+    check_family("jax", tiny_model_dir(kind), tmp_path)
 
 
-@pytest.mark.parametrize("kind", cases("torch"))
-def test_torch_family_equals_transformers(tiny_model_dir, kind):
-    check_family("torch", tiny_model_dir(kind))
+@pytest.mark.parametrize("kind", cases("torch", (*FAMILY_KINDS, *UNREGISTERED_KINDS)))
+def test_torch_family_equals_transformers(tiny_model_dir, tmp_path, kind):
+    check_family("torch", tiny_model_dir(kind), tmp_path)
+
+
+@pytest.mark.parametrize("kind", [*FAMILY_KINDS, *UNREGISTERED_KINDS])
+def test_torch_lora_sft_adapter_loads_in_peft_with_strop_s_logits(
+    tiny_model_dir, kind, tmp_path, caplog
+):
+    """LoRA on every linear the built model has (targets matched by name against its
+    ``nn.Linear`` paths), one SFT step, the adapter exported: ``PeftModel.from_pretrained``
+    over transformers' model gives strop's logits. A decoder no family declares runs
+    with one notice at preflight's ``check_model``."""
+    from peft import PeftModel
+
+    from strop.backends import get_backend
+    from strop.backends.torch.model import forward_logits
+    from strop.io.model_spec import read_model_spec
+    from tests.distributed.cases import global_batch
+    from tests.integration.test_torch_lora_training import policy_for
+
+    model_dir = tiny_model_dir(kind)
+    with caplog.at_level("WARNING", logger="strop.backends.torch.model"):
+        get_backend("torch").check_model(read_model_spec(model_dir))
+    notices = [r.getMessage() for r in caplog.records if "not a family" in r.getMessage()]
+    assert len(notices) == (kind in UNREGISTERED_KINDS)
+    # PEFT reads a routed MoE's `.*_proj` as its stacked experts too, which strop refuses
+    targets = r"[.*self_attn\..*_proj, lm_head]" if kind == "qwen3_moe" else "[.*_proj, lm_head]"
+    policy = policy_for(model_dir, tmp_path, f"lora.target_modules={targets}")
+    policy.train_step(global_batch(), micro_batches=1)
+    adapter = policy.export_adapter(tmp_path / "adapter")
+    peft_model = PeftModel.from_pretrained(hf_model(model_dir), adapter).eval()
+
+    ids, mask = padded_batch()
+    positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)
+    arrays = (torch.from_numpy(a) for a in (ids, mask, positions))
+    with torch.no_grad():
+        ours = forward_logits(policy.loaded, *arrays).numpy()
+    valid = mask.astype(bool)
+    base = hf_logits(hf_model(model_dir), ids, mask)
+    assert np.abs(ours[valid] - base[valid]).max() > 10 * ATOL  # the step moved them
+    np.testing.assert_allclose(hf_logits(peft_model, ids, mask)[valid], ours[valid], atol=ATOL)
 
 
 def test_the_prompts_cross_every_sliding_window():

@@ -366,3 +366,28 @@ def test_continuing_a_sliding_window_cache_samples_what_re_prefilling_does(tiny_
     expected = sample(handle, follow, params, seed=8)
     np.testing.assert_array_equal(second.tokens, expected.tokens)
     np.testing.assert_allclose(second.logprobs, expected.logprobs, atol=1e-5)
+
+
+def test_longrope_crossing_mid_decode_recomputes_the_cache_as_transformers(tiny_model_dir):
+    """Phi-3's prompts prefill under original_max_position_embeddings (8: short factors)
+    and decode past it: transformers' generate recomputes the whole cache with the long
+    factors at the step that crosses it (Phi3ForCausalLM.prepare_inputs_for_generation),
+    and so does the JAX sampler: the same tokens, with the same log-probabilities."""
+    model_dir = tiny_model_dir("phi3")
+    prompts = ragged_prompts(lengths=(5, 3, 7))
+    ours = sample(load(model_dir), prompts, GREEDY)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = np.zeros((len(prompts), 7), dtype=np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, 7 - len(prompt) :] = prompt
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor(ids), attention_mask=torch.tensor(ids != 0).long(),
+            do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=PAD,
+            return_dict_in_generate=True, output_logits=True,
+        )  # fmt: skip
+    tokens = out.sequences[:, 7:]
+    logits = torch.stack(out.logits, dim=1)  # [B, T, V]
+    logprobs = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+    assert ours.responses() == tokens.tolist()
+    np.testing.assert_allclose(ours.logprobs, logprobs.numpy(), atol=1e-4)

@@ -94,6 +94,24 @@ def test_sharded_fsdp4_tensor2_matches_and_is_sharded(tiny_model_dir, kind):
     assert len({d.id for d in embedding.sharding.device_set}) == 8
 
 
+@pytest.mark.multidevice
+def test_fused_projections_sharded_and_saved(tiny_model_dir, tmp_path):
+    """Phi-3's fused qkv_proj and gate_up_proj on fsdp=4 x tensor=2: their output dims stay
+    whole on ``tensor`` (a contiguous split cuts across q/k/v and gate/up), the logits are
+    transformers', and a save reloads in transformers bit for bit."""
+    model_dir = tiny_model_dir("phi3")
+    ids, mask = padded_batch(seed=1)
+    handle = strop.load_model(model_dir, mesh={"fsdp": 4, "tensor": 2})
+    layer = handle.model.model.layers[0]
+    for dense in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
+        assert_spec(dense.kernel.get_value(), "fsdp", None)
+    assert_spec(layer.self_attn.o_proj.kernel.get_value(), "tensor", "fsdp")
+    original = hf_logits(model_dir, ids, mask)
+    assert max_error_on_valid(handle.logits(ids, mask), original, mask) < ATOL
+    out = handle.save(tmp_path / "saved")
+    np.testing.assert_array_equal(hf_logits(str(out), ids, mask), original)
+
+
 @pytest.mark.parametrize("kind", ["qwen2_tied", "llama3"])
 @pytest.mark.parametrize("max_shard_bytes", [4 << 30, 64 << 10], ids=["single", "sharded"])
 def test_save_round_trips_through_transformers(tiny_model_dir, tmp_path, kind, max_shard_bytes):
@@ -118,6 +136,39 @@ def test_bfloat16_params_and_compute(tiny_model_dir):
     ours = handle.logits(ids, mask)
     expected = hf_logits(model_dir, ids, mask)
     assert max_error_on_valid(ours, expected, mask) < 0.05 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "olmo2"])
+def test_rms_norm_rounds_in_bfloat16_as_the_familys_own(family):
+    """Llama-style norms cast the normalised values to bfloat16 and then scale; OLMo 2's
+    scale in float32 and cast the product: the two differ in bfloat16, and each family's
+    spec picks its transformers norm's order, bit for bit."""
+    from flax import nnx
+    from transformers import AutoConfig
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from strop.backends.jax.layers import RMSNorm
+    from strop.models import parse_config
+
+    spec = parse_config(AutoConfig.for_model(family, **TINY).to_dict())
+    rng = np.random.default_rng(0)
+    x = (3 * rng.standard_normal((8, spec.hidden_size))).astype(np.float32)
+    weight = (1 + 0.5 * rng.standard_normal(spec.hidden_size)).astype(np.float32)
+    reference = {"qwen3": Qwen3RMSNorm, "olmo2": Olmo2RMSNorm}[family](spec.hidden_size)
+    with torch.no_grad():
+        reference.weight.copy_(torch.tensor(weight))
+        expected = reference.bfloat16()(torch.tensor(x).bfloat16()).float().numpy()
+
+    def ours(scale_in_float32: bool) -> np.ndarray:
+        bf16 = jax.numpy.bfloat16
+        norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, scale_in_float32=scale_in_float32,
+                       dtype=bf16, param_dtype=bf16, rngs=nnx.Rngs(0))  # fmt: skip
+        norm.weight.set_value(jax.numpy.asarray(weight, bf16))
+        return np.asarray(norm(jax.numpy.asarray(x, bf16)), np.float32)
+
+    np.testing.assert_array_equal(ours(spec.norm_scale_in_float32), expected)
+    assert np.any(ours(not spec.norm_scale_in_float32) != expected)  # the order matters
 
 
 # --- RoPE: the inverse frequencies and long sequences -------------------------------------

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from strop.backends.torch.generate import generate
 from strop.generation import SamplingParams
+from tests.tiny_models import FAMILY_KINDS
 
 PAD = 0
 VOCAB = 256  # tests.tiny_models.TINY["vocab_size"]
@@ -486,15 +487,17 @@ def test_a_prompt_s_rollouts_prefill_it_once_and_sample_what_each_row_would(mode
     assert len({tuple(r) for r in shared.tokens.tolist()}) > len(prompts) // 3  # rows differ
 
 
-def test_a_session_s_first_call_prefills_each_prompt_once_then_continues(models):
+@pytest.mark.parametrize("kind", ["qwen2", *FAMILY_KINDS])
+def test_a_session_s_first_call_prefills_each_prompt_once_then_continues(tiny_model_dir, kind):
     """A KV-cache session's first call (episodes' openings, nothing cached) prefills a
     prompt's rollouts side by side once, as generate does, sampling generate's tokens; the
-    next call continues from each row's copied cache and samples what re-prefilling does."""
+    next call continues from each row's copied cache and samples what re-prefilling does.
+    Every family: the second call's rows run past every sliding window."""
     import strop.backends.torch.continuation as continuation
     from strop.agents.continuation import SlotAssignment
     from strop.generation import Decoding
 
-    model = models["qwen2"]
+    model = load(tiny_model_dir(kind))
     prompts = [p for p in ragged_prompts(seed=5) for _ in range(2)]
     params = SamplingParams(max_new_tokens=6, temperature=1.0)
     session = continuation.TorchContinuation(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -74,6 +75,87 @@ def test_llama3_rope_frequencies_match_transformers():
     assert not np.allclose(ours, rope_inv_freq(parse_config(QWEN25_CONFIG).layers[0].rope)[:64])
 
 
+ROPE_HEAD_DIM, ROPE_MAX_POSITIONS, ROPE_ORIGINAL_MAX = 64, 4096, 1024
+ROPE_CASES = {
+    "default": {},
+    "linear": {"factor": 4.0},
+    "llama3": {**LLAMA31_ROPE, "original_max_position_embeddings": ROPE_ORIGINAL_MAX},
+    "yarn": {"factor": 4.0, "original_max_position_embeddings": ROPE_ORIGINAL_MAX},
+    "yarn-mscale": {"factor": 4.0, "original_max_position_embeddings": ROPE_ORIGINAL_MAX,
+                    "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16, "truncate": False},
+    "longrope": {"original_max_position_embeddings": ROPE_ORIGINAL_MAX},  # factor: the ratio
+    "longrope-factor": {"factor": 2.0, "original_max_position_embeddings": ROPE_ORIGINAL_MAX},
+    "dynamic": {"factor": 2.0},
+}  # fmt: skip
+
+
+def rope_case(case: str, partial: float):
+    """(transformers config, strop Rope) of one RoPE case with ``partial`` rotary dims."""
+    from transformers import LlamaConfig
+
+    from strop.models.rope import parse_rope
+
+    kind = case.split("-")[0]
+    fields = {"rope_type": kind, "rope_theta": 10000.0, **ROPE_CASES[case]}
+    if partial != 1.0:
+        fields["partial_rotary_factor"] = partial
+    if kind == "longrope":  # one factor per rotary frequency
+        pairs = int(ROPE_HEAD_DIM * partial) // 2
+        fields["short_factor"] = list(np.linspace(1.0, 1.5, pairs))
+        fields["long_factor"] = list(np.linspace(1.0, 40.0, pairs))
+    config = LlamaConfig(
+        head_dim=ROPE_HEAD_DIM, max_position_embeddings=ROPE_MAX_POSITIONS,
+        rope_parameters=dict(fields),
+    )  # fmt: skip
+    rope = parse_rope(fields, head_dim=ROPE_HEAD_DIM,
+                      max_position_embeddings=ROPE_MAX_POSITIONS, source="test")  # fmt: skip
+    return config, rope
+
+
+def transformers_rope(config, kind: str, seq_len: int | None):
+    """transformers' (inverse frequencies, attention factor) for a forward whose longest
+    sequence is ``seq_len`` (what ``dynamic_rope_update`` passes; None: at ``__init__``)."""
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    if kind == "default":  # the partial-rotary-aware default (Llama's ignores the factor)
+        inv_freq, factor = Phi3RotaryEmbedding.compute_default_rope_parameters(config)
+    else:
+        length = None if seq_len is None else torch.tensor(seq_len)
+        inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu", seq_len=length)
+    return inv_freq.numpy(), factor
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.75, 0.5])
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_rope_kinds_match_transformers(case, partial):
+    """Each RoPE kind's inverse frequencies (to 1e-6) and attention factor (exactly) are
+    transformers', at lengths below and above the kind's threshold (longrope: the
+    pretraining length, short then long factors; dynamic: max_position_embeddings), over
+    the first ``partial`` of each head."""
+    import jax.numpy as jnp
+
+    from strop.backends.jax.rope import attention_factor, inv_freq_at
+
+    config, rope = rope_case(case, partial)
+    assert rope.rotary_dim == int(ROPE_HEAD_DIM * partial)
+    tables = []
+    for seq_len in (ROPE_ORIGINAL_MAX, ROPE_ORIGINAL_MAX + 1, ROPE_MAX_POSITIONS + 300):
+        expected, factor = transformers_rope(config, case.split("-")[0], seq_len)
+        if rope.kind == "dynamic" and seq_len <= ROPE_MAX_POSITIONS:
+            expected, factor = transformers_rope(config, "dynamic", None)  # the reset table
+        ours = np.asarray(inv_freq_at(rope, jnp.int32(seq_len)))
+        assert ours.dtype == np.float32 and ours.shape == (rope.rotary_dim // 2,)
+        np.testing.assert_allclose(ours, expected, rtol=1e-6, err_msg=f"seq_len={seq_len}")
+        assert attention_factor(rope) == factor
+        tables.append(ours)
+    changes = [not np.array_equal(a, b) for a, b in itertools.pairwise(tables)]
+    assert changes == {"longrope": [True, False], "dynamic": [False, True]}.get(
+        rope.kind, [False, False]
+    )
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -83,6 +165,16 @@ def test_llama3_rope_frequencies_match_transformers():
         ({"num_key_value_heads": 5}, "not a multiple"),
         ({"rope_scaling": {"rope_type": "ntk-by-parts"}}, "rope type 'ntk-by-parts'"),
         ({"rope_scaling": {"rope_type": "yarn"}}, "rope type 'yarn' needs factor"),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "longrope",
+                    "short_factor": [1.0] * 64,
+                    "long_factor": [1.0, 2.0],
+                }
+            },
+            r"longrope long_factor needs one number per rotary frequency \(64\), got \[1.0, 2.0\]",
+        ),
         ({"hidden_size": "big"}, "hidden_size must be a positive integer"),
     ],
 )

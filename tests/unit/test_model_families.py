@@ -50,6 +50,7 @@ def test_gemma3_layer_types_and_their_ropes_in_both_layouts():
     assert kinds == [4, 4, 4, 4, 4, None]  # every 6th layer global
     assert (new.layers[0].rope.theta, new.layers[5].rope.theta) == (1e4, 1e6)
     assert new.norm_placement == "sandwich" and new.norm_weight_offset == 1.0
+    assert new.norm_scale_in_float32  # (x * (1 + w)).to(dtype), as OLMo 2's norms
     assert new.embedding_scale == 8.0 and new.query_scale == 0.25
     old = {**new.raw, "rope_theta": 2e6, "rope_local_base_freq": 5e3,
            "rope_scaling": {"rope_type": "linear", "factor": 8.0}}  # fmt: skip
@@ -63,6 +64,25 @@ def test_an_unregistered_decoder_is_read_from_the_common_keys():
     spec = parse_config(AutoConfig.for_model("gpt2", n_embd=64, n_layer=2, n_head=4).to_dict())
     assert not spec.registered and spec.family == "gpt2"
     assert (spec.hidden_size, spec.num_layers, spec.intermediate_size) == (64, 2, 256)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "windows"),
+    [
+        ("gemma2", {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+         [4, None]),
+        ("starcoder2", {"sliding_window": 5}, [5, 5]),  # no layer_types: every layer
+        ("starcoder2", {"sliding_window": None}, [None, None]),
+        ("qwen2_moe", {"sliding_window": 5, "use_sliding_window": False}, [None, None]),
+    ],
+)  # fmt: skip
+def test_an_unregistered_decoder_s_windows_follow_transformers_conventions(
+    model_type, extra, windows
+):
+    cfg = AutoConfig.for_model(model_type, num_hidden_layers=2, **extra).to_dict()
+    spec = parse_config(cfg)
+    assert not spec.registered
+    assert [layer.sliding_window for layer in spec.layers] == windows
 
 
 @pytest.mark.parametrize(
@@ -81,20 +101,32 @@ def test_a_flag_the_family_does_not_declare_is_refused_by_name(model_type, chang
         parse_config(cfg)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
-def test_parameter_counts_equal_transformers_models(kind):
+@pytest.mark.parametrize(
+    ("model_type", "flags"),
+    [("llama", {"attention_bias": True, "mlp_bias": True}), ("smollm3", {"mlp_bias": True}),
+     ("qwen3", {"attention_bias": True}), ("olmo2", {}), ("gemma3_text", {}), ("phi3", {}),
+     ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+                    "mlp_only_layers": [0]})],
+)  # fmt: skip
+def test_the_parameter_count_is_transformers_own(model_type, flags):
     """Every parameter, and those one token's forward uses: all but the experts it is not
-    routed to (``num_experts - top_k`` of each sparse layer's), counted on the tiny model."""
-    from strop.models.counts import active_parameter_count, parameter_count
-    from tests.tiny_models import build_tiny_model
+    routed to (``num_experts - top_k`` of each sparse layer's)."""
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    model = build_tiny_model(kind)
-    spec = parse_config(model.config.to_dict())
-    total = sum(p.numel() for p in model.parameters())
-    experts = [m.experts for m in model.modules() if hasattr(m, "experts")]  # per sparse layer
+    from strop.models.counts import active_parameter_count, parameter_count
+
+    config = AutoConfig.for_model(model_type, **TINY, pad_token_id=0, **flags)
+    with torch.device("meta"):  # shapes only
+        model = AutoModelForCausalLM.from_config(config)
+    expected = sum(parameter.numel() for parameter in model.parameters())
+    experts = [m.experts for m in model.modules() if hasattr(m, "experts")]  # sparse layers'
     idle = sum(
-        sum(p.numel() for p in e.parameters()) // e.num_experts * (e.num_experts - spec.moe.top_k)
+        sum(p.numel() for p in e.parameters())
+        // e.num_experts
+        * (e.num_experts - config.num_experts_per_tok)
         for e in experts
     )
-    assert (parameter_count(spec), active_parameter_count(spec)) == (total, total - idle)
-    assert bool(experts) == (kind == "qwen3_moe")
+    spec = parse_config(config.to_dict())
+    assert (parameter_count(spec), active_parameter_count(spec)) == (expected, expected - idle)
+    assert bool(experts) == (model_type == "qwen3_moe")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from strop.errors import ModelError
-from strop.models.parsing import common_fields
+from strop.models.parsing import FULL, SLIDING, common_fields, optional_window
 from strop.models.rope import Rope
 from strop.models.spec import LayerSpec, ModelSpec, MoeSpec
 
@@ -101,8 +101,25 @@ def _unregistered(cfg: Mapping[str, Any], source: str) -> ModelSpec:
             f"{err} (model_type {cfg['model_type']!r} is not a family strop declares: {known})"
         ) from None
     architectures = cfg.get("architectures") or [f"{cfg['model_type']} (AutoModelForCausalLM)"]
-    layers = tuple(LayerSpec(sliding_window=None, rope=None) for _ in range(common["num_layers"]))
     return ModelSpec(
-        family=cfg["model_type"], architecture=str(architectures[0]), layers=layers,
-        registered=False, **{**common, "raw": dict(cfg)},
+        family=cfg["model_type"], architecture=str(architectures[0]),
+        layers=_unregistered_layers(cfg, common["num_layers"], source), registered=False,
+        **{**common, "raw": dict(cfg)},
     )  # fmt: skip
+
+
+def _unregistered_layers(cfg: Mapping[str, Any], layers: int, source: str) -> tuple[LayerSpec, ...]:
+    """An undeclared decoder's attention windows, by transformers' conventions: a layer
+    listed as ``sliding_attention`` in ``layer_types`` attends over ``sliding_window``
+    positions; without ``layer_types``, every layer does when ``sliding_window`` is set
+    (unless ``use_sliding_window`` is false). The torch backend builds them into its masks,
+    which replace transformers' own. RoPE is transformers' business here (``None``)."""
+    window = optional_window(cfg, source) if cfg.get("use_sliding_window", True) else None
+    types = cfg.get("layer_types") or [SLIDING if window else FULL] * layers
+    if len(types) != layers:
+        raise ModelError(f"{source}: layer_types must list {layers} layers, got {len(types)}")
+    if SLIDING in types and window is None:
+        raise ModelError(f"{source}: layers of type {SLIDING!r} need a positive sliding_window")
+    return tuple(
+        LayerSpec(sliding_window=window if kind == SLIDING else None, rope=None) for kind in types
+    )

@@ -29,12 +29,19 @@ def parameter_count(spec: ModelSpec) -> int:
     q, kv = spec.num_heads * d, spec.num_kv_heads * d
     linears = sum(out * inp for out, inp in layer_linear_shapes(spec))
     biases = (q + 2 * kv) * spec.qkv_bias + h * spec.o_bias
+    mlp_biases = spec.mlp_bias * sum(
+        out
+        for i in range(spec.num_layers)
+        for name, (out, _) in spec.layer_linears(i).items()
+        if name.startswith("mlp.")
+    )
     norms = {"pre": 2, "post": 2, "sandwich": 4}[spec.norm_placement] * h
     qk_norms = {"none": 0, "head": 2 * d, "projection": q + kv}[spec.qk_norm]
     per_layer = biases + norms + qk_norms
     embed = spec.vocab_size * h
     head = 0 if spec.tie_word_embeddings else embed
-    return linears + expert_numbers(spec) + spec.num_layers * per_layer + embed + head + h
+    layers = spec.num_layers * per_layer + mlp_biases
+    return linears + expert_numbers(spec) + layers + embed + head + h
 
 
 def active_parameter_count(spec: ModelSpec) -> int:

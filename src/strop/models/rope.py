@@ -101,6 +101,13 @@ def parse_rope(
             f"{source}: partial_rotary_factor={factor} gives {rotary_dim} rotary dims of "
             f"head_dim={head_dim}; they must be even and at least 2"
         )
+    for name in ("short_factor", "long_factor") if kind == "longrope" else ():
+        given = fields[name]
+        if not isinstance(given, list | tuple) or len(given) != rotary_dim // 2:
+            raise ModelError(
+                f"{source}: longrope {name} needs one number per rotary frequency "
+                f"({rotary_dim // 2}), got {given!r:.60}"
+            )
     scaling = tuple(
         (key, tuple(value) if isinstance(value, list) else value)
         for key, value in sorted(fields.items())

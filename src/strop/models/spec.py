@@ -80,6 +80,10 @@ class ModelSpec:
     norm_placement: NormPlacement = "pre"
     norm_weight_offset: float = 0.0
     """Gemma's RMSNorm scales by ``1 + weight`` (1.0) where Llama's scales by ``weight``."""
+    norm_scale_in_float32: bool = False
+    """OLMo 2 and Gemma 3 scale the normalised activations in float32 and cast the product
+    to the compute dtype; Llama casts them first and scales in the compute dtype (the two
+    agree in float32, not in bfloat16)."""
     activation: Literal["silu", "gelu_tanh"] = "silu"
     embedding_scale: float | None = None
     """Gemma multiplies the embeddings by ``sqrt(hidden_size)`` (in the compute dtype)."""

@@ -106,6 +106,7 @@ class JaxContinuation:
         rows = store.layers[0][0].shape[0]
 
         ids = np.full((batch, chunk), decoding.pad_id, dtype=np.int32)
+        full = np.full((batch, width), decoding.pad_id, dtype=np.int32)  # every id, re-prefill's
         mask = np.zeros((batch, chunk), dtype=np.int32)
         positions = np.zeros((batch, chunk), dtype=np.int32)
         offsets = np.full(batch, width - 1, dtype=np.int32)  # where each row's ids begin
@@ -115,6 +116,7 @@ class JaxContinuation:
         for r, prefix in enumerate(prefixes):
             take = min(len(prefix), chunk)
             ids[r, chunk - take :] = prefix[-take:]
+            full[r, width - len(prefix) :] = prefix
             mask[r, chunk - take :] = 1
             positions[r, chunk - take :] = np.arange(len(prefix) - take, len(prefix))
             offsets[r], lengths[r] = width - len(prefix), len(prefix)
@@ -132,7 +134,7 @@ class JaxContinuation:
             put(offsets), put(lengths), put(np.arange(batch) < n), inputs, mesh,
         )  # fmt: skip
         if steps > 1:
-            cache, state = _decode(model, cache, state, inputs, mesh)
+            cache, state = _decode(model, cache, state, inputs, mesh, put(full))
         self.store = _keep(store, cache, put(slot_of), put(offsets), mesh)
         return _finished(state, n, params, decoding)
 

@@ -12,7 +12,9 @@ to a power of two, at least :data:`MIN_PROMPT_BUCKET`, or the caller's fixed
 from its first real token: a prompt of ``n`` tokens holds positions ``0 .. n-1`` in columns
 ``P-n .. P-1`` and the ``t``-th generated token (``t = 0, 1, ...``) has position ``n + t``
 whatever the padding, the same convention as the training forward, so a row's tokens do
-not depend on the other rows.
+not depend on the other rows (except under RoPE tables chosen by the batch's longest row,
+longrope and dynamic: :mod:`strop.backends.jax.rope`; at longrope's switch the decode loop
+recomputes the whole cache, as transformers' Phi-3 ``generate`` does).
 
 The cache (:class:`~strop.backends.jax.model.KVCache`) has ``P + max_new_tokens - 1``
 slots per row, ``[B, slots, kv_heads, head_dim]`` per layer, sharded over the batch and the
@@ -62,6 +64,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from strop.backends.jax.model import CausalLM, KVCache
+from strop.backends.jax.rope import cache_reset_position
 from strop.backends.jax.sampling import Sampling, sample_token
 from strop.backends.jax.sharding import (
     batch_sharding,
@@ -157,7 +160,7 @@ def generate(
     active = put(np.repeat(active, repeats))
     cache, state = _prefill(model, put(ids), put(mask), active, inputs, mesh, repeats)
     if params.max_new_tokens > 1:
-        _, state = _decode(model, cache, state, inputs, mesh)
+        _, state = _decode(model, cache, state, inputs, mesh, put(np.repeat(ids, repeats, 0)))
     return _finished(state, len(prompts), params, decoding)
 
 
@@ -330,17 +333,31 @@ def _first_state(
 
 @nnx.jit(static_argnums=(4,), donate_argnums=(1,))
 def _decode(
-    model: CausalLM, cache: KVCache, state: _DecodeState, inputs: _DecodeInputs, mesh: Mesh
+    model: CausalLM,
+    cache: KVCache,
+    state: _DecodeState,
+    inputs: _DecodeInputs,
+    mesh: Mesh,
+    prompt_ids: jax.Array | None = None,
 ) -> tuple[KVCache, _DecodeState]:
     """Sample the remaining tokens, one forward per step, until every row is done.
 
-    The cache is returned so that its donated buffers can be updated in place.
+    The cache is returned so that its donated buffers can be updated in place. With the
+    prompts' ``prompt_ids [B, P]`` (the prefill's columns), the step whose largest position
+    is the model's :func:`~strop.backends.jax.rope.cache_reset_position` first recomputes
+    the whole cache (:func:`_recomputed_cache`), as transformers' ``generate`` does there.
     """
     TRACES.decode += 1
     # The step forward runs on a model merged inside the loop body's trace: an adapter
     # library may set attributes on modules during a call (Qwix LoRA does), which NNX
     # forbids on modules of an outer trace.
     graphdef, weights = nnx.split(model)
+    reset = cache_reset_position(model.spec)
+    if prompt_ids is None or reset is None or reset >= cache.mask.shape[1]:
+        reset = None  # or no position of this call reaches it: nothing to compile
+
+    def recomputed(cache: KVCache, state: _DecodeState) -> KVCache:
+        return _recomputed_cache(nnx.merge(graphdef, weights), prompt_ids, state, cache, mesh)
 
     def not_finished(carry: tuple[KVCache, _DecodeState]) -> jax.Array:
         _, state = carry
@@ -348,6 +365,9 @@ def _decode(
 
     def step(carry: tuple[KVCache, _DecodeState]) -> tuple[KVCache, _DecodeState]:
         cache, state = carry
+        if reset is not None:
+            at_reset = jnp.max(state.positions) == reset
+            cache = jax.lax.cond(at_reset, recomputed, lambda c, _: c, cache, state)
         fed = jax.lax.dynamic_slice_in_dim(state.tokens, state.step - 1, 1, axis=1)
         out = nnx.merge(graphdef, weights)(fed, positions=state.positions[:, None], cache=cache)
         key = jax.random.fold_in(inputs.key, state.step)
@@ -356,3 +376,18 @@ def _decode(
         return _constrain_cache(out.cache, mesh), state
 
     return jax.lax.while_loop(not_finished, step, (cache, state))
+
+
+def _recomputed_cache(
+    model: CausalLM, prompt_ids: jax.Array, state: _DecodeState, cache: KVCache, mesh: Mesh
+) -> KVCache:
+    """``cache`` recomputed from scratch: the prompts, the tokens fed so far and the one
+    fed now (slot ``cache.index``) in one forward, whose RoPE tables are then the ones
+    this step's positions choose; its index left at ``cache.index``, for the step's own
+    forward to write that slot again and sample from it."""
+    feeding = jnp.ones((len(prompt_ids), 1), jnp.bool_)
+    mask = jax.lax.dynamic_update_slice_in_dim(cache.mask, feeding, cache.index, 1)
+    ids = jnp.concatenate([prompt_ids, state.tokens[:, :-1]], axis=1)  # one per slot
+    fresh = _constrain_cache(model.init_cache(*mask.shape), mesh)
+    out = model(ids, mask, cache=fresh, logits_to_keep=1)
+    return _constrain_cache(out.cache._replace(index=cache.index), mesh)

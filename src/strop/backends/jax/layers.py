@@ -120,21 +120,34 @@ class Embedding(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm as in HF over the last axis. Normalise in float32, then either (``offset``
-    0, Llama) cast back and scale by ``weight``, or (``offset`` 1, Gemma) scale by
-    ``offset + weight`` in float32 and cast back. Initialised to the identity either way."""
+    """RMSNorm as in HF over the last dim (``size`` wide). Normalise in float32, then either
+    cast back and scale by ``weight`` in the compute dtype (Llama, Qwen), or
+    (``scale_in_float32``: OLMo 2, Gemma) scale by ``offset + weight`` in float32 and cast
+    back; Gemma's ``offset`` is 1 (its weights start at 0). ``axis`` is the weight's logical
+    axis (``norm`` over the hidden size, ``head_dim`` for a per-head q/k norm). Initialised
+    to the identity either way."""
 
     def __init__(
-        self, hidden: int, eps: float, *, offset: float = 0.0, dtype, param_dtype, rngs: nnx.Rngs
+        self,
+        size: int,
+        eps: float,
+        *,
+        axis: str = "norm",
+        offset: float = 0.0,
+        scale_in_float32: bool = False,
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
     ):
         self.eps, self.offset, self.dtype = eps, offset, dtype
+        self.scale_in_float32 = scale_in_float32 or bool(offset)
         init = nnx.initializers.zeros if offset else nnx.initializers.ones
-        self.weight = _param(rngs, (hidden,), ("norm",), param_dtype, init)
+        self.weight = _param(rngs, (size,), (axis,), param_dtype, init)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        if self.offset:
+        if self.scale_in_float32:
             scale = self.offset + self.weight[...].astype(jnp.float32)
             return (normed * scale).astype(self.dtype)
         return self.weight[...].astype(self.dtype) * normed.astype(self.dtype)

@@ -24,7 +24,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from strop.backends.jax import rope
@@ -37,7 +36,7 @@ from strop.backends.jax.attention import (
 )
 from strop.backends.jax.layers import Dense, Embedding, RMSNorm
 from strop.backends.jax.moe import Routing, SparseMoeBlock, load_balancing_loss
-from strop.backends.jax.rope import apply_rope, rope_inv_freq
+from strop.backends.jax.rope import apply_rope, rope_cos_sin
 from strop.batch.packing import PREFIX_STRIDE
 from strop.errors import ModelError
 from strop.models import LayerSpec, ModelSpec
@@ -58,24 +57,12 @@ attention's input, on its output, on the MLP's input, on its output (``None``: n
 
 
 def missing_features(spec: ModelSpec) -> list[str]:
-    """What ``spec`` declares that this decoder does not build yet, in words."""
+    """What ``spec`` declares that this decoder does not build yet, in words: it builds
+    every registered family's decoder, so only a RoPE kind it lacks is left."""
     if not spec.registered:
         return [f"model_type {spec.family!r} (no family of strop's declares it)"]
-    checks = {
-        "q/k norms over the whole projection": spec.qk_norm == "projection",
-        "fused q/k/v or gate/up projections": spec.fused_qkv or spec.fused_gate_up,
-        "MLP biases": spec.mlp_bias,
-        "layers without RoPE": any(layer.rope is None for layer in spec.layers),
-    }
-    missing = [feature for feature, used in checks.items() if used]
-    for layer in spec.layers:
-        if layer.rope is None:
-            continue
-        if layer.rope.kind not in rope.KINDS:
-            missing.append(f"rope type {layer.rope.kind!r}")
-        if layer.rope.rotary_dim != spec.head_dim:
-            missing.append("partial rotary embeddings")
-    return list(dict.fromkeys(missing))
+    kinds = [layer.rope.kind for layer in spec.layers if layer.rope is not None]
+    return [f"rope type {kind!r}" for kind in dict.fromkeys(kinds) if kind not in rope.KINDS]
 
 
 def check_model(spec: ModelSpec) -> None:
@@ -88,26 +75,63 @@ def check_model(spec: ModelSpec) -> None:
         )
 
 
+def qk_norms(spec: ModelSpec, *, dtype, param_dtype, rngs) -> tuple[RMSNorm | None, ...]:
+    """The RMSNorms on queries and keys (HF's ``q_norm``, ``k_norm``) ``spec.qk_norm``
+    declares: none, per head (weights ``[D]``, Qwen3) or over the whole projection
+    (``[H * D]`` and ``[K * D]``, OLMo 2)."""
+    if spec.qk_norm == "none":
+        return None, None
+    h, k, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    sizes, axis = ((d, d), "head_dim") if spec.qk_norm == "head" else ((h * d, k * d), "norm")
+    return tuple(
+        RMSNorm(size, spec.rms_norm_eps, axis=axis, offset=spec.norm_weight_offset,
+                scale_in_float32=spec.norm_scale_in_float32, dtype=dtype,
+                param_dtype=param_dtype, rngs=rngs)
+        for size in sizes
+    )  # fmt: skip
+
+
 class Attention(nnx.Module):
     """Grouped-query causal self-attention (plain dot-product, softmax in float32), over
-    the layer's sliding window if it has one; queries and keys RMS-normed per head first
-    when ``spec.qk_norm == "head"``."""
+    the layer's sliding window if it has one, with the q/k norms and the RoPE (or none:
+    NoPE) its spec and layer declare.
+
+    The queries, keys and values come from three projections (``q_proj``, ``k_proj``,
+    ``v_proj``) or, where the spec says ``fused_qkv`` (Phi-3), from one ``qkv_proj`` whose
+    output is the q heads, then the k heads, then the v heads, as transformers' layout:
+    one Dense module, so LoRA adapts it as one linear, as PEFT does. Its output dim is not
+    sharded over ``tensor``: contiguous slices of it cut across the q/k/v boundaries, so
+    no split into whole heads leaves each device its own q, k and v heads.
+    """
 
     def __init__(self, spec: ModelSpec, layer: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         e, h, k, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
         common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
         qkv = {"use_bias": spec.qkv_bias, **common}
-        self.q_proj = Dense((e,), (h, d), ("embed",), ("heads", "head_dim"), **qkv)
-        self.k_proj = Dense((e,), (k, d), ("embed",), ("kv_heads", "head_dim"), **qkv)
-        self.v_proj = Dense((e,), (k, d), ("embed",), ("kv_heads", "head_dim"), **qkv)
+        self.fused_qkv = spec.fused_qkv
+        if spec.fused_qkv:
+            self.qkv_proj = Dense((e,), (h + 2 * k, d), ("embed",), (None, "head_dim"), **qkv)
+        else:
+            self.q_proj = Dense((e,), (h, d), ("embed",), ("heads", "head_dim"), **qkv)
+            self.k_proj = Dense((e,), (k, d), ("embed",), ("kv_heads", "head_dim"), **qkv)
+            self.v_proj = Dense((e,), (k, d), ("embed",), ("kv_heads", "head_dim"), **qkv)
         self.o_proj = Dense(
             (h, d), (e,), ("heads", "head_dim"), ("embed",), use_bias=spec.o_bias, **common
         )
-        self.q_norm, self.k_norm = _head_norms(spec, **common)
-        self.inv_freq = tuple(rope_inv_freq(layer.rope).tolist())  # static data, not a weight
-        self.num_groups = h // k
+        self.q_norm, self.k_norm = qk_norms(spec, **common)
+        self.qk_norm = spec.qk_norm
+        self.rope = layer.rope  # static: the tables are computed when traced; None: NoPE
+        self.num_heads, self.num_groups = h, h // k
         self.sliding_window = layer.sliding_window
         self.scale, self.softcap = spec.scale, spec.attn_logit_softcap
+
+    def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries ``[B, L, H, D]``, keys and values ``[B, L, K, D]`` of ``x [B, L, E]``."""
+        if not self.fused_qkv:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        fused = self.qkv_proj(x)  # [B, L, H + 2K, D]
+        h, k = self.num_heads, self.num_heads // self.num_groups
+        return fused[:, :, :h], fused[:, :, h : h + k], fused[:, :, h + k :]
 
     def __call__(
         self,
@@ -125,13 +149,11 @@ class Attention(nnx.Module):
         first written at slots ``write_index .. write_index + L - 1`` and the queries attend
         over all S slots (``Lk = S``).
         """
-        inv_freq = np.asarray(self.inv_freq, dtype=np.float32)
-        q, k = self.q_proj(x), self.k_proj(x)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, inv_freq)  # [B, L, H, D]
-        k = apply_rope(k, positions, inv_freq)  # [B, L, K, D]
-        v = self.v_proj(x)
+        q, k, v = self.project_qkv(x)
+        q, k = self._qk_normed(self.q_norm, q), self._qk_normed(self.k_norm, k)
+        if self.rope is not None:
+            cos, sin = rope_cos_sin(self.rope, positions)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:
             k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), write_index, 1)
             v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), write_index, 1)
@@ -143,33 +165,53 @@ class Attention(nnx.Module):
                      softcap=self.softcap)  # fmt: skip
         return self.o_proj(out.reshape(b, length, heads, d)), kv
 
-
-def _head_norms(spec: ModelSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
-    """``(q_norm, k_norm)``: RMSNorms over ``head_dim`` (one weight shared by the heads)
-    for ``qk_norm == "head"``, else ``(None, None)``."""
-    if spec.qk_norm != "head":
-        return None, None
-    norm = functools.partial(RMSNorm, spec.head_dim, spec.rms_norm_eps,
-                             offset=spec.norm_weight_offset, dtype=dtype,
-                             param_dtype=param_dtype, rngs=rngs)  # fmt: skip
-    return norm(), norm()
+    def _qk_normed(self, norm: RMSNorm | None, x: jax.Array) -> jax.Array:
+        """``x [B, L, N, D]`` through ``norm``: per head, or over its N x D values at once."""
+        if norm is None:
+            return x
+        if self.qk_norm == "head":
+            return norm(x)
+        return norm(x.reshape(*x.shape[:-2], -1)).reshape(x.shape)
 
 
 class MLP(nnx.Module):
     """Gated MLP: ``down(act(gate(x)) * up(x))``, ``act`` the spec's activation (SwiGLU for
-    silu, GeGLU for gelu_tanh)."""
+    silu, GeGLU for gelu_tanh), the three with biases under ``mlp_bias``.
+
+    ``gate_proj`` and ``up_proj``, or, where the spec says ``fused_gate_up`` (Phi-3), one
+    ``gate_up_proj`` whose output is the gate units then the up units (transformers'
+    layout; one Dense module, so LoRA adapts it as one linear, as PEFT does). Its output
+    dim is not sharded over ``tensor``: a contiguous slice of it holds gate units or up
+    units, never the matching pairs ``act(gate) * up`` needs.
+    """
 
     def __init__(self, spec: ModelSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         e, m = spec.hidden_size, spec.intermediate_size
-        common = {"use_bias": False, "dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
-        self.gate_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
-        self.up_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
+        common = {
+            "use_bias": spec.mlp_bias,
+            "dtype": dtype,
+            "param_dtype": param_dtype,
+            "rngs": rngs,
+        }
+        self.fused_gate_up = spec.fused_gate_up
+        if spec.fused_gate_up:
+            self.gate_up_proj = Dense((e,), (2, m), ("embed",), (None, "mlp"), **common)
+        else:
+            self.gate_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
+            self.up_proj = Dense((e,), (m,), ("embed",), ("mlp",), **common)
         self.down_proj = Dense((m,), (e,), ("mlp",), ("embed",), **common)
         self.activation = spec.activation
 
+    def project_gate_up(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The gate and up projections ``[B, L, M]`` of ``x [B, L, E]``."""
+        if not self.fused_gate_up:
+            return self.gate_proj(x), self.up_proj(x)
+        fused = self.gate_up_proj(x)  # [B, L, 2, M]
+        return fused[..., 0, :], fused[..., 1, :]
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = ACTIVATIONS[self.activation](self.gate_proj(x))
-        return self.down_proj(gate * self.up_proj(x))
+        gate, up = self.project_gate_up(x)
+        return self.down_proj(ACTIVATIONS[self.activation](gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -181,8 +223,8 @@ class DecoderLayer(nnx.Module):
         common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
         self.norms = NORMS[spec.norm_placement]
         for name in filter(None, self.norms):
-            norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps,
-                           offset=spec.norm_weight_offset, **common)  # fmt: skip
+            norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, offset=spec.norm_weight_offset,
+                           scale_in_float32=spec.norm_scale_in_float32, **common)  # fmt: skip
             setattr(self, name, norm)
         self.self_attn = Attention(spec, layer, **common)
         self.mlp = SparseMoeBlock(spec, **common) if layer.sparse else MLP(spec, **common)
@@ -219,9 +261,8 @@ class DecoderStack(nnx.Module):
         common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, **common)
         self.layers = nnx.List([DecoderLayer(spec, layer, **common) for layer in spec.layers])
-        self.norm = RMSNorm(
-            spec.hidden_size, spec.rms_norm_eps, offset=spec.norm_weight_offset, **common
-        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, offset=spec.norm_weight_offset,
+                            scale_in_float32=spec.norm_scale_in_float32, **common)  # fmt: skip
         self.embedding_scale = spec.embedding_scale
 
     def __call__(

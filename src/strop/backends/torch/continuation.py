@@ -4,7 +4,8 @@ A :class:`TorchContinuation` implements :class:`strop.agents.continuation.Contin
 keeps a *store*, one cache row per slot, ``keys``/``values [E, heads, M, dim]`` per layer,
 a slot's ids at columns ``0, 1, ...``. A call lays its rows out exactly as
 :func:`~strop.backends.torch.generate.generate` does (left-padded to the prompt width
-``P``, a ``StaticCache`` of ``P + max_new_tokens - 1`` slots, one attention mask, the same
+``P``, a ``StaticCache`` of ``P + max_new_tokens - 1`` slots in every layer
+(:func:`~strop.backends.torch.generate.static_kv_cache`), one attention mask, the same
 per-row draws :func:`~strop.generation.row_uniforms` and the same decode loop), so it
 samples what re-prefill samples; only the prefill differs: each row's cached ids are copied
 from its slot into the columns they would have, the cache's write offset is set after them,
@@ -33,6 +34,7 @@ from strop.backends.torch.generate import (
     _forward,
     _repeat_rows,
     run_sampling,
+    static_kv_cache,
 )
 from strop.generation import (
     Decoding,
@@ -99,7 +101,7 @@ class TorchContinuation:
         columns = torch.arange(span, device=device)
         attention_mask = (columns[None, :] >= (width - lengths)[:, None]).long()
 
-        kv_cache = StaticCache(config=model.config, max_cache_len=span)
+        kv_cache = static_kv_cache(model, span)
         for index, layer in enumerate(kv_cache.layers):
             layer.cumulative_length.fill_(first)  # the chunk is written from there
             if self.store is None or first == 0:

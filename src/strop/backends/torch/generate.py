@@ -13,13 +13,16 @@ ids count from its first real token: a prompt of ``n`` tokens holds positions
 and the ``t``-th generated token (``t = 0, 1, ...``) has position ``n + t`` whatever the
 padding, so a row's logits do not depend on the other rows.
 
-The KV cache is a ``transformers.StaticCache`` of ``P + max_new_tokens - 1`` slots per row,
-allocated once: the prefill writes slots ``0 .. P-1``; decode step ``t`` feeds the token
-sampled at step ``t`` and writes slot ``P + t`` (the last sampled token is never fed back,
-hence the ``- 1``). Slots are the same for every row; only positions differ. One attention
-mask ``[B, P + max_new_tokens - 1]`` serves every forward: 0 on the prompt padding, 1
+The KV cache is a ``transformers.StaticCache`` of ``P + max_new_tokens - 1`` slots per row
+in every layer (:func:`static_kv_cache`: sliding-window layers too), allocated once: the
+prefill writes slots ``0 .. P-1``; decode step ``t`` feeds the token sampled at step ``t``
+and writes slot ``P + t`` (the last sampled token is never fed back, hence the ``- 1``).
+Slots are the same for every row; only positions differ. One attention mask
+``[B, P + max_new_tokens - 1]`` serves every forward: 0 on the prompt padding, 1
 elsewhere; ``transformers`` adds causality (slot ``j`` is visible to the query in slot ``i``
-iff ``j <= i``), so slots not yet written are never attended to and the mask never changes.
+iff ``j <= i``) and sliding windows (``i - j < window``: a row's slots are contiguous, so
+that is its positions' distance), so slots not yet written are never attended to and the
+mask never changes.
 The cache keeps its own write offset (``StaticCache`` counts the tokens it has seen), so no
 ``cache_position`` is passed: the ``transformers`` releases strop is tested with (5.23) no
 longer take one.
@@ -73,7 +76,7 @@ from functools import cache
 
 import numpy as np
 import torch
-from transformers import StaticCache
+from transformers import StaticCache, StaticLayer
 
 from strop.backends.torch.fsdp import is_sharded, unsharded
 from strop.backends.torch.sampling import sample_token
@@ -214,7 +217,7 @@ def _sample_loop(
     attention_mask = (slots[None, :] >= (width - prompt_lengths)[:, None]).long()
     prompt_positions = (attention_mask[:, :width].cumsum(-1) - 1).clamp(min=0)
 
-    kv_cache = StaticCache(config=model.config, max_cache_len=width + steps - 1)
+    kv_cache = static_kv_cache(model, width + steps - 1)
     uniforms = None  # [B, N] float64: each row's draw at each step (row_uniforms)
     if not params.greedy:
         uniforms = torch.from_numpy(row_uniforms(prompts, seed, steps)).to(device)
@@ -288,6 +291,23 @@ def _forward(
         **{cache_keyword: kv_cache},
     )
     return out.logits[:, -1, :].float()
+
+
+def static_kv_cache(model: torch.nn.Module, slots: int) -> StaticCache:
+    """A ``StaticCache`` holding ``slots`` columns of every row in every layer.
+
+    transformers' own keeps only a ring of its window's last columns in a sliding-window
+    layer; here such a layer keeps every column too, and its window comes from the mask
+    transformers builds for it over the columns (within a row, its positions). So column
+    ``j`` of a row is slot ``j`` in every layer, which the agents' continuation
+    (:mod:`strop.backends.torch.continuation`) relies on to copy rows in and out, at the
+    memory of a model without windows."""
+    kv_cache = StaticCache(config=model.config, max_cache_len=slots)
+    kv_cache.layers = [
+        StaticLayer(max_cache_len=slots) if getattr(layer, "is_sliding", False) else layer
+        for layer in kv_cache.layers
+    ]
+    return kv_cache
 
 
 def _repeat_rows(kv_cache: StaticCache, repeats: int) -> None:

@@ -25,6 +25,7 @@ from torch import nn
 
 from strop.backends.torch.fsdp import copy_full_into
 from strop.config import LoraConfig
+from strop.errors import ConfigError
 from strop.io.peft import AdapterWeights, check_adapter_shape, check_adapter_targets, target_regex
 from strop.lora_init import lora_a, lora_b
 from strop.lora_targets import match_targets
@@ -61,6 +62,7 @@ def apply_lora(
             "ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning
         )
         wrapped = peft.get_peft_model(model, peft_config, low_cpu_mem_usage=on_meta)
+    _refuse_stacked_experts(wrapped.peft_config[ADAPTER_NAME], config)
     for name in extra_adapters:
         wrapped.add_adapter(name, peft_config, low_cpu_mem_usage=on_meta)
     # PEFT freezes inactive adapters; FSDP2 fixes requires_grad when it shards, so every
@@ -76,6 +78,21 @@ def apply_lora(
         if hasattr(module, "cast_input_dtype_enabled"):
             module.cast_input_dtype_enabled = False
     return wrapped
+
+
+def _refuse_stacked_experts(applied: peft.LoraConfig, config: LoraConfig) -> None:
+    """PEFT, on transformers 5, reads targets named as a MoE's expert projections were in
+    transformers 4 (``gate_proj``, ``up_proj``, ``down_proj``, which a pattern like
+    ``.*_proj`` matches) as the routed experts' stacked 3-D parameters too, and wraps them
+    (``target_parameters``). strop adapts linear layers only (the ones
+    ``ModelSpec.layer_linears`` lists, as the JAX backend does), so that is refused."""
+    if getattr(applied, "target_parameters", None):
+        stacked = ", ".join(sorted(applied.target_parameters))
+        raise ConfigError(
+            f"lora.target_modules={list(config.target_modules)}: PEFT would also adapt the "
+            f"routed experts' stacked parameters ({stacked}), which strop does not; target "
+            "the attention projections, e.g. ['.*self_attn\\..*_proj']"
+        )
 
 
 @contextlib.contextmanager

@@ -1,8 +1,8 @@
 """Build a ``transformers`` causal LM from a HF checkpoint directory, shard by shard.
 
-The model is created on the meta device (no memory), LoRA adapters are injected, FSDP2
-shards it when launched distributed, and only then is memory allocated
-(``to_empty``) and filled one safetensors tensor at a time, each rank keeping its own
+The model's parameters are created on the meta device (no memory), LoRA adapters are
+injected, FSDP2 shards it when launched distributed, and only then is memory allocated
+(:func:`allocate`) and filled one safetensors tensor at a time, each rank keeping its own
 shard. A model that does not fit on one device therefore never has to. The same path
 serves a single process: there ``to_empty`` allocates the whole model on its device.
 
@@ -16,7 +16,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,11 +33,12 @@ from strop.backends.torch.lora import (
     initial_value,
     is_lora_param,
 )
+from strop.backends.torch.masks import model_attention_mask
 from strop.backends.torch.quantized import dense_weight, is_quantized, load_quantized
-from strop.batch.packing import PREFIX_STRIDE
 from strop.config import Config, LoraConfig
 from strop.errors import ModelError
-from strop.io.hf import SafetensorsReader, check_tensors, open_checkpoint
+from strop.io.experts import StackedExpertsReader, per_expert
+from strop.io.hf import check_tensors, open_checkpoint
 from strop.models import ModelSpec
 from strop.quantization import refuse_unsupported
 
@@ -119,16 +120,18 @@ def build_model(
     quantization = lora.base_quantization if lora is not None and lora.enabled else "none"
     refuse_unsupported(quantization, backend="torch", distributed=placement.distributed)
     try:
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(
+        model = on_meta(
+            lambda: transformers.AutoModelForCausalLM.from_config(
                 hf_config, dtype=stored_dtype, trust_remote_code=trust_remote_code
             )
+        )
     except ValueError as err:  # transformers has no causal LM class for this config
         raise ModelError(
             f"{path}: not a causal language model transformers builds ({err})"
         ) from None
     # Names and shapes from the headers, against the meta model, before any allocation.
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    reader = StackedExpertsReader(reader, expected)
     check_tensors(reader, expected, tied=spec.tie_word_embeddings)
     if quantization != "none":
         model = load_quantized(
@@ -143,11 +146,8 @@ def build_model(
         model = apply_lora(model, lora, extra_adapters)
     if placement.distributed:
         shard_model(model, placement.mesh, TORCH_DTYPES[dtype])
-    tied = _shared_parameters(model)
-    model.to_empty(device=placement.device)
-    _retie(tied)
+    allocate(model, placement.device)
     _load_weights(model, reader, seed, adapter_seeds)
-    _reset_rotary_buffers(model, placement.device)
     model.eval()
     return LoadedModel(model, spec, placement, TORCH_DTYPES[dtype])
 
@@ -161,6 +161,32 @@ def frozen_copy(config: Config, placement: Placement) -> LoadedModel:
     )  # fmt: skip
     loaded.model.requires_grad_(False)
     return loaded
+
+
+def on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    """``build()``'s model with its parameters on the meta device (no memory) and its
+    buffers computed as usual: the non-persistent ones (RoPE's frequencies per layer type,
+    Gemma's embedding scale) are in no checkpoint, so they must keep their values (left
+    empty, Gemma 3's gave NaN logits)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = build()
+    model.tie_weights()  # init_empty_weights registers each parameter anew: tie them again
+    return model
+
+
+def allocate(model: nn.Module, device: torch.device) -> None:
+    """Give the meta parameters of a model built by :func:`on_meta` memory on
+    ``device`` (uninitialised: the checkpoint fills them), keeping tied parameters tied
+    and every buffer's value."""
+    tied = _shared_parameters(model)
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    model.to_empty(device=device)
+    _retie(tied)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
 
 
 def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -187,7 +213,7 @@ def _to_torch(array: np.ndarray) -> torch.Tensor:
 
 def _load_weights(
     model: nn.Module,
-    reader: SafetensorsReader,
+    reader: StackedExpertsReader,
     seed: int,
     adapter_seeds: Mapping[str, int] | None = None,
 ) -> None:
@@ -218,37 +244,9 @@ def _init_adapters(
                 copy_full_into(param, initial_value(name, param.shape, seed, adapter_seeds))
 
 
-def _reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
-    """Recompute RoPE's non-persistent ``inv_freq`` buffers, left empty by ``to_empty``."""
-    for module in model.modules():
-        if hasattr(module, "inv_freq") and hasattr(module, "rope_type"):
-            fresh = type(module)(config=module.config).to(device)
-            for name, buffer in fresh.named_buffers(recurse=False):
-                getattr(module, name).copy_(buffer)
-
-
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids counting from each row's first real token (0 on left padding)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def packed_attention_mask(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, 1, L, L]`` additive mask (0 where a query attends, the dtype's lowest
-    elsewhere) of packed rows: a real token sees the tokens before it in its own segment
-    and in the shared prompt its ``packed`` value names (``segment + PREFIX_STRIDE *
-    prefix``, :mod:`strop.batch.packing`); a padding token sees every real token before it."""
-    segments, prefixes = packed % PREFIX_STRIDE, packed // PREFIX_STRIDE
-    real = segments > 0
-    length = packed.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=packed.device).tril()
-    own = (
-        (segments[:, :, None] == segments[:, None, :])
-        | (prefixes[:, :, None] == segments[:, None, :])
-        | ~real[:, :, None]
-    )
-    allowed = causal[None] & real[:, None, :] & own
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=packed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 def run_model(
@@ -264,11 +262,15 @@ def run_model(
     Without ``positions``, ``attention_mask`` is 0/1 and positions count from each row's
     first real token. With them the rows are packed (:mod:`strop.batch.packing`):
     ``attention_mask`` holds segment ids (and the shared prompt each token sees), which
-    :func:`packed_attention_mask` turns into the 4-D mask transformers takes as it is."""
+    :func:`~strop.backends.torch.masks.model_attention_mask` turns into the 4-D masks
+    transformers takes as they are (sliding windows built in)."""
     if positions is None:
         positions = positions_from_mask(attention_mask)
     else:
-        attention_mask = packed_attention_mask(attention_mask, loaded.compute_dtype)
+        attention_mask = model_attention_mask(
+            loaded.spec, getattr(loaded.model.config, "layer_types", None), attention_mask,
+            positions, loaded.compute_dtype,
+        )  # fmt: skip
     with loaded.autocast():
         return loaded.model(
             input_ids=input_ids,
@@ -306,8 +308,9 @@ def hf_weights(
 
     With ``lora_scale`` each adapted kernel is merged: ``W + scale * B @ A``; adapters
     are never yielded. A quantized base's weights come dequantized, at the dtype of the
-    model's other weights (one layer at a time). Collective under FSDP (every rank
-    iterates); tied weights once.
+    model's other weights (one layer at a time); stacked experts as the checkpoint's
+    per-expert tensors (:func:`~strop.io.experts.per_expert`). Collective under FSDP
+    (every rank iterates); tied weights once.
     """
     dense_dtype = next(p.dtype for p in loaded.model.parameters() if p.dtype.is_floating_point)
     modules = dict(loaded.model.named_modules())
@@ -323,4 +326,4 @@ def hf_weights(
             a = full_tensor(params[prefix + "lora_A.default.weight"].detach()).float()
             b = full_tensor(params[prefix + "lora_B.default.weight"].detach()).float()
             full = (full.float() + lora_scale * (b @ a)).to(full.dtype)
-        yield hf_module_path(name), to_numpy(full)
+        yield from per_expert(hf_module_path(name), to_numpy(full))

@@ -22,11 +22,13 @@ from strop.backends.torch.continuation import TorchContinuation
 from strop.backends.torch.fsdp import place, write_once
 from strop.backends.torch.generate import generate, sampler_keywords
 from strop.backends.torch.handle import export_merged, merged_weights
-from strop.backends.torch.model import build_model, forward_logits
+from strop.backends.torch.model import build_model, forward_logits, run_model
+from strop.backends.torch.moe import aux_loss, router_outputs
 from strop.backends.torch.train import BATCH_KEYS, Trainer, sft_micro_loss, token_loss_sum
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.run_identity import INFERENCE, PolicyRun
+from strop.objectives.losses import ROUTER_AUX_LOSS
 from strop.objectives.sft import SFT_BATCH, target_tokens, with_loss_weights
 
 _UPDATES_KEY = "optimizer_updates"  # the schedule's clock, kept in the checkpoint's extra
@@ -70,9 +72,18 @@ class TorchPolicy(PolicyMethods, Sampler):
         return {**stats, "tokens": target_tokens(batch["loss_mask"])}
 
     def micro_loss(self, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-        """A micro-batch's weighted share of the SFT loss (:func:`sft_micro_loss`)."""
-        logits = forward_logits(self.loaded, micro["input_ids"], micro["attention_mask"])
-        return sft_micro_loss(logits, micro)
+        """A micro-batch's weighted share of the SFT loss (:func:`sft_micro_loss`); with
+        routed experts, plus its share of the router's load-balancing loss times
+        ``router_aux_loss_coef``, as transformers adds it, logged as ``moe/aux_loss``
+        (weighted by the micro-batch's targets: over the update, their mean)."""
+        spec, mask = self.loaded.spec, micro["attention_mask"]
+        out = run_model(self.loaded, micro["input_ids"], mask, **router_outputs(spec))
+        loss, stats = sft_micro_loss(out.logits.float(), micro)
+        balance = aux_loss(spec, out, mask)
+        if balance is None:
+            return loss, stats
+        share = micro["loss_weights"].sum() * balance  # an update's weights sum to 1
+        return loss + spec.moe.router_aux_loss_coef * share, {**stats, ROUTER_AUX_LOSS: share}
 
     @torch.no_grad()
     def eval_loss(self, batch: dict[str, np.ndarray]) -> tuple[float, float]:

@@ -27,15 +27,15 @@ from strop.backends.torch.fsdp import (
     shard_model,
 )
 from strop.backends.torch.model import (
-    _reset_rotary_buffers,
-    _retie,
-    _shared_parameters,
     _to_torch,
+    allocate,
+    on_meta,
     positions_from_mask,
 )
 from strop.batch.reward_rows import encode_pairs, pooled_index, right_padded
 from strop.data import Tokenizer
 from strop.errors import ModelError
+from strop.io.experts import StackedExpertsReader
 from strop.io.hf import check_tensors, open_checkpoint
 
 
@@ -57,20 +57,19 @@ class TorchRewardModel:
         if self.pad_id is None:  # pooled here; transformers refuses batches without one
             hf_config.pad_token_id = -1
         self.compute_dtype = TORCH_DTYPES[config.model.dtype]
-        with torch.device("meta"):
-            model = transformers.AutoModelForSequenceClassification.from_config(
+        model = on_meta(
+            lambda: transformers.AutoModelForSequenceClassification.from_config(
                 hf_config, dtype=TORCH_DTYPES[config.model.param_dtype]
             )
+        )
         expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        reader = StackedExpertsReader(reader, expected)
         check_tensors(reader, expected, tied=spec.tie_word_embeddings)
         if self.placement.distributed:
             shard_model(model, self.placement.mesh, self.compute_dtype)
-        tied = _shared_parameters(model)
-        model.to_empty(device=self.placement.device)
-        _retie(tied)
+        allocate(model, self.placement.device)
         for name, param in dict(model.named_parameters()).items():
             copy_full_into(param, _to_torch(reader.get(name)))
-        _reset_rotary_buffers(model, self.placement.device)
         self.model = model.eval().requires_grad_(False)
         self.rows = max(1, config.ppo.rows_per_micro_batch)
         self._columns: list[torch.Tensor] = []

@@ -52,6 +52,7 @@ def gemma3_fields(cfg, common, source):
         "qk_norm": "head",
         "norm_placement": "sandwich",
         "norm_weight_offset": 1.0,
+        "norm_scale_in_float32": True,
         "activation": require_activation(
             cfg,
             source,

@@ -24,6 +24,7 @@ def olmo2_fields(cfg, common, source):
         "o_bias": bias,
         "qk_norm": "projection",
         "norm_placement": "post",
+        "norm_scale_in_float32": True,
         "activation": require_activation(cfg, source, allowed={"silu": "silu"}),
     }
 
