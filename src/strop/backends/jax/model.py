@@ -57,8 +57,7 @@ attention's input, on its output, on the MLP's input, on its output (``None``: n
 
 
 def missing_features(spec: ModelSpec) -> list[str]:
-    """What ``spec`` declares that this decoder does not build yet, in words: it builds
-    every registered family's decoder, so only a RoPE kind it lacks is left."""
+    """What ``spec`` declares that this decoder does not build yet (a RoPE kind), in words."""
     if not spec.registered:
         return [f"model_type {spec.family!r} (no family of strop's declares it)"]
     kinds = [layer.rope.kind for layer in spec.layers if layer.rope is not None]
@@ -216,8 +215,7 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     """Transformer block: attention and MLP (routed experts on a ``sparse`` layer), each
-    with a residual, and RMSNorms on their inputs and/or outputs as the spec places them
-    (:data:`NORMS`)."""
+    with a residual, and RMSNorms where the spec places them (:data:`NORMS`)."""
 
     def __init__(self, spec: ModelSpec, layer: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
@@ -241,8 +239,7 @@ class DecoderLayer(nnx.Module):
         kv: tuple[jax.Array, jax.Array] | None = None,
         write_index: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, Routing | None]:
-        """The layer's output, its updated ``kv`` and, on a sparse layer, its routing of
-        the ``real [B, L]`` tokens (:class:`~strop.backends.jax.moe.Routing`)."""
+        """Output, updated ``kv`` and a sparse layer's routing of the ``real [B, L]`` tokens."""
         attention_in, attention_out, mlp_in, mlp_out = self.norms
         attended, kv = self.self_attn(self._norm(attention_in, x), positions, mask, kv, write_index)
         x = x + self._norm(attention_out, attended)
@@ -315,9 +312,8 @@ class KVCache(NamedTuple):
 
 class CausalLMOutput(NamedTuple):
     """``logits [B, L, V]`` (float32; ``[B, logits_to_keep, V]`` when asked), the final
-    normed ``hidden [B, L, E]``, the updated :class:`KVCache` when one was passed, and,
-    for routed experts, the router's load-balancing loss over the real tokens
-    (:func:`~strop.backends.jax.moe.load_balancing_loss`; ``None`` without experts)."""
+    normed ``hidden [B, L, E]``, the updated :class:`KVCache` when one was passed, and the
+    router's load-balancing loss (:mod:`~strop.backends.jax.moe`; ``None``: no experts)."""
 
     logits: jax.Array
     hidden: jax.Array
