@@ -7,8 +7,10 @@ the router's ``num_experts`` logits, the ``top_k`` largest probabilities (renorm
 sum to 1 when ``norm_topk_prob``), cast back to the compute dtype, weigh the experts'
 outputs. Each expert is a SwiGLU MLP; their kernels are stacked on a leading ``expert``
 axis, the ``N * top_k`` (token, expert) pairs are sorted by expert and each projection is
-one grouped matmul (``jax.lax.ragged_dot``) over the experts' contiguous groups: the work
-is that of the routed pairs, not of every expert on every token.
+one grouped matmul (``jax.lax.ragged_dot``) over the experts' contiguous groups. On GPU and
+TPU that is a grouped kernel, the work of the routed pairs only; XLA:CPU gets JAX's
+fallback, a masked dense product with every expert (``X`` times the work: fine for tests
+and tiny models, not for training a large MoE on CPU).
 
 Shapes: N tokens (``B * L``), H hidden, X experts, K ``top_k``, I the experts' width.
 """
