@@ -5,6 +5,7 @@ Parts (bytes; ``c`` the compute dtype's size, ``p`` the weights' storage dtype's
 
 - **base weights**: every parameter of the decoder at ``p``; the linears of its layers at
   the quantized size when ``lora.base_quantization`` says so (:func:`base_weight_bytes`).
+  With routed experts the line also gives the parameters one token's forward uses.
   With LoRA one base serves every role (actor, critic, reference); without LoRA a PPO run
   holds one model per role (actor, an own critic, the reference copy).
 - **adapters**: ``rank x (in + out)`` float32 numbers per targeted linear, per adapter of
@@ -63,7 +64,7 @@ from strop.errors import ConfigError
 from strop.io.model_spec import read_model_spec, require_model_directory
 from strop.lora_targets import match_targets
 from strop.models import ModelSpec
-from strop.models.counts import layer_linear_shapes, parameter_count
+from strop.models.counts import layer_linear_shapes, parameter_count, parameters_in_words
 from strop.objectives.roles import RolePlan
 
 if TYPE_CHECKING:
@@ -250,9 +251,9 @@ def plan_memory(
     def add(name: str, size: float, phase: Phase, detail: str) -> None:
         parts.append(Part(name, int(size), phase, detail))
 
-    weights = f"{parameter_count(spec) / 1e9:.2f}B params x {p} B ({param})"
+    weights = f"{parameters_in_words(spec)} x {p} B ({param})"
     if quantization != "none":
-        weights = f"{parameter_count(spec) / 1e9:.2f}B params, layer linears {quantization}"
+        weights = f"{parameters_in_words(spec)}, layer linears {quantization}"
     if lora.enabled or roles is None:
         add("base weights", base, "resident", weights + (", shared by every role" * bool(roles)))
     else:

@@ -114,15 +114,21 @@ def test_ppo_sft_dpo_and_the_peft_adapter_on_every_family(family_task, tmp_path,
     assert "critic/loss" in ppo.history[-1]
     sft = run_sft(load_config("sft-lora-tiny", [
         f"model.path={model}", f"data.train_path={prompts}", f"run_dir={tmp_path / 'sft'}",
-        f"backend={backend}", "mesh.fsdp=1", "sft.steps=2", "sft.batch_size=4",
+        f"backend={backend}", "mesh.fsdp=1", "mesh.tensor=-1", "sft.steps=2", "sft.batch_size=4",
         "sft.micro_batch_size=4", lora_targets(kind),
     ]))  # fmt: skip
     dpo = run_dpo(load_config("dpo-lora-tiny", [
         f"model.path={model}", f"data.train_path={pairs}", f"run_dir={tmp_path / 'dpo'}",
-        f"backend={backend}", "mesh.fsdp=1", "dpo.steps=2", lora_targets(kind),
+        f"backend={backend}", "mesh.fsdp=1", "mesh.tensor=-1", "dpo.steps=2", lora_targets(kind),
     ]))  # fmt: skip
     for result in (ppo, sft, dpo):
         assert_peft_loads_it(model, result.export_path, backend)
+    if backend == "jax":  # every update adds the router's loss (torch: SFT's only)
+        routed = FAMILY_KINDS[kind][1].get("num_experts", 0) > 0
+        assert ("policy/moe/aux_loss" in ppo.history[-1]) == routed
+        for run in ("sft", "dpo"):
+            records = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+            assert any("moe/aux_loss" in json.loads(line) for line in records) == routed, run
 
 
 def assert_peft_loads_it(model_dir, adapter_dir, backend: str) -> None:

@@ -109,13 +109,24 @@ def test_a_flag_the_family_does_not_declare_is_refused_by_name(model_type, chang
                     "mlp_only_layers": [0]})],
 )  # fmt: skip
 def test_the_parameter_count_is_transformers_own(model_type, flags):
+    """Every parameter, and those one token's forward uses: all but the experts it is not
+    routed to (``num_experts - top_k`` of each sparse layer's)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from strop.models.counts import parameter_count
+    from strop.models.counts import active_parameter_count, parameter_count
 
     config = AutoConfig.for_model(model_type, **TINY, pad_token_id=0, **flags)
     with torch.device("meta"):  # shapes only
         model = AutoModelForCausalLM.from_config(config)
     expected = sum(parameter.numel() for parameter in model.parameters())
-    assert parameter_count(parse_config(config.to_dict())) == expected
+    experts = [m.experts for m in model.modules() if hasattr(m, "experts")]  # sparse layers'
+    idle = sum(
+        sum(p.numel() for p in e.parameters())
+        // e.num_experts
+        * (e.num_experts - config.num_experts_per_tok)
+        for e in experts
+    )
+    spec = parse_config(config.to_dict())
+    assert (parameter_count(spec), active_parameter_count(spec)) == (expected, expected - idle)
+    assert bool(experts) == (model_type == "qwen3_moe")

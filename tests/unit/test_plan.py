@@ -72,6 +72,25 @@ def test_plan_command_7b_lora_ppo_table_json_and_device(capsys, qwen_7b):
     assert vllm["bytes"] == int(0.3 * 80 * GIB) and vllm["phase"] == "resident"
 
 
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
+}  # fmt: skip
+
+
+def test_a_moe_plan_counts_every_parameter_and_the_active_ones(capsys, tmp_path):
+    spec = parse_config(QWEN3_30B_A3B)
+    assert parameter_count(spec) == 30_532_122_624  # Qwen3-30B-A3B's safetensors
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    code, out, _ = run(capsys, "plan", "tiny", f"model.path={tmp_path / 'moe'}", "--json")
+    weights = json.loads(out)["parts"][0]
+    assert code == 0 and weights["detail"].startswith("30.53B params (3.35B active) x "), weights
+
+
 def test_a_dpo_recipe_plans_dpo_its_pairs_and_its_reference(capsys, qwen_7b):
     """Before: `strop plan` on a DPO recipe planned SFT (sft.micro_batch_size rows of
     data.max_length tokens, no reference) and refused --job dpo."""

@@ -52,3 +52,12 @@ def active_parameter_count(spec: ModelSpec) -> int:
     idle = spec.moe.num_experts - spec.moe.top_k
     per_expert = 3 * spec.hidden_size * spec.moe.intermediate_size
     return parameter_count(spec) - idle * per_expert * sum(layer.sparse for layer in spec.layers)
+
+
+def parameters_in_words(spec: ModelSpec) -> str:
+    """``7.62B params``; with routed experts the active ones too: ``30.53B params (3.35B
+    active)``."""
+    words = f"{parameter_count(spec) / 1e9:.2f}B params"
+    if spec.moe is None:
+        return words
+    return f"{words} ({active_parameter_count(spec) / 1e9:.2f}B active)"

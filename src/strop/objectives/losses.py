@@ -352,6 +352,10 @@ def sapo(ops: ArrayOps, inputs, objective):
 MAX_STATS = frozenset({"mismatch_abs_diff_max"})
 """Update stats reduced by ``max`` over micro-batches and ranks (every other one is a sum)."""
 
+ROUTER_AUX_LOSS = "moe/aux_loss"
+"""The update stat of a model with routed experts: the router's load-balancing loss (a
+mean over the micro-batches), which the update adds times ``router_aux_loss_coef``."""
+
 
 def mismatch_stats(ops: ArrayOps, logprobs, old_logprobs, mask) -> dict[str, Any]:
     """Unweighted sums over the response tokens of ``mask`` (whatever the loss's

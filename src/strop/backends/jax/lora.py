@@ -25,6 +25,7 @@ from flax import nnx
 
 from strop.backends.jax.layers import Dense
 from strop.backends.jax.model import CausalLM
+from strop.backends.jax.moe import Experts
 from strop.backends.jax.sharding import to_host
 from strop.config import Config, LoraConfig
 from strop.errors import ConfigError
@@ -50,12 +51,35 @@ def trainable_filter(lora_enabled: bool) -> nnx.filterlib.Filter:
 
 
 def dense_modules(model: CausalLM) -> dict[str, Dense]:
-    """Every projection of the model by HF-style dotted path (LoRA candidates)."""
-    return {
+    """Every linear LoRA may adapt, by HF-style dotted path: the spec's linears
+    (:meth:`~strop.models.ModelSpec.linear_shape`), the ones PEFT finds in transformers'
+    model; a sparse layer's router is a :class:`Dense` here but not a linear there."""
+    modules = {
         ".".join(map(str, path)): module
         for path, module in nnx.iter_modules(model)
         if isinstance(module, Dense)
     }
+    return {path: m for path, m in modules.items() if model.spec.linear_shape(path) is not None}
+
+
+def refuse_expert_targets(model: CausalLM, patterns: list[str]) -> None:
+    """Refuse (one line) a ``lora.target_modules`` pattern naming routed experts (the
+    module ``model.layers.N.mlp.experts``, one module holding every expert, as in
+    transformers): Qwix's LoRA intercepts ``einsum`` and ``dot_general``, not the
+    ``jax.lax.ragged_dot`` the experts run on, so it cannot adapt them."""
+    experts = [
+        ".".join(map(str, path))
+        for path, module in nnx.iter_modules(model)
+        if isinstance(module, Experts)
+    ]
+    for pattern in patterns:
+        named = [path for path in experts if re.fullmatch(pattern, path)]
+        if named:
+            raise ConfigError(
+                f"lora.target_modules: pattern {pattern!r} names routed experts ({named[0]}), "
+                "which the jax backend cannot adapt (Qwix's LoRA does not intercept "
+                "jax.lax.ragged_dot): target the attention and dense MLP projections"
+            )
 
 
 def check_supported(config: LoraConfig) -> None:
@@ -74,6 +98,7 @@ def apply_lora(model: CausalLM, config: LoraConfig, seed: int) -> CausalLM:
     any base, so that updates under a bfloat16 ulp still count, and compute in the model's
     dtype (:class:`~strop.backends.jax.layers.Dense` casts them for each call).
     """
+    refuse_expert_targets(model, config.target_modules)
     targets = match_targets(config.target_modules, list(dense_modules(model)))
     qwix_paths = "|".join(re.escape(path.replace(".", "/")) for path in targets)
     quantized = config.base_quantization != "none"

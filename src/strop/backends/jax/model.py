@@ -35,6 +35,7 @@ from strop.backends.jax.attention import (
     sequence_mask,
 )
 from strop.backends.jax.layers import Dense, Embedding, RMSNorm
+from strop.backends.jax.moe import Routing, SparseMoeBlock, load_balancing_loss
 from strop.backends.jax.rope import apply_rope, rope_cos_sin
 from strop.batch.packing import PREFIX_STRIDE
 from strop.errors import ModelError
@@ -56,19 +57,11 @@ attention's input, on its output, on the MLP's input, on its output (``None``: n
 
 
 def missing_features(spec: ModelSpec) -> list[str]:
-    """What ``spec`` declares that this decoder does not build yet, in words."""
+    """What ``spec`` declares that this decoder does not build yet (a RoPE kind), in words."""
     if not spec.registered:
         return [f"model_type {spec.family!r} (no family of strop's declares it)"]
-    checks = {
-        "routed experts (MoE)": spec.moe is not None,
-    }
-    missing = [feature for feature, used in checks.items() if used]
-    for layer in spec.layers:
-        if layer.rope is None:
-            continue
-        if layer.rope.kind not in rope.KINDS:
-            missing.append(f"rope type {layer.rope.kind!r}")
-    return list(dict.fromkeys(missing))
+    kinds = [layer.rope.kind for layer in spec.layers if layer.rope is not None]
+    return [f"rope type {kind!r}" for kind in dict.fromkeys(kinds) if kind not in rope.KINDS]
 
 
 def check_model(spec: ModelSpec) -> None:
@@ -221,8 +214,8 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Transformer block: attention and MLP, each with a residual, and RMSNorms on their
-    inputs and/or outputs as the spec places them (:data:`NORMS`)."""
+    """Transformer block: attention and MLP (routed experts on a ``sparse`` layer), each
+    with a residual, and RMSNorms where the spec places them (:data:`NORMS`)."""
 
     def __init__(self, spec: ModelSpec, layer: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
         common = {"dtype": dtype, "param_dtype": param_dtype, "rngs": rngs}
@@ -232,7 +225,7 @@ class DecoderLayer(nnx.Module):
                            scale_in_float32=spec.norm_scale_in_float32, **common)  # fmt: skip
             setattr(self, name, norm)
         self.self_attn = Attention(spec, layer, **common)
-        self.mlp = MLP(spec, **common)
+        self.mlp = SparseMoeBlock(spec, **common) if layer.sparse else MLP(spec, **common)
 
     def _norm(self, name: str | None, x: jax.Array) -> jax.Array:
         return x if name is None else getattr(self, name)(x)
@@ -242,13 +235,20 @@ class DecoderLayer(nnx.Module):
         x: jax.Array,
         positions: jax.Array,
         mask: AttentionMask,
+        real: jax.Array,
         kv: tuple[jax.Array, jax.Array] | None = None,
         write_index: jax.Array | None = None,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, Routing | None]:
+        """Output, updated ``kv`` and a sparse layer's routing of the ``real [B, L]`` tokens."""
         attention_in, attention_out, mlp_in, mlp_out = self.norms
         attended, kv = self.self_attn(self._norm(attention_in, x), positions, mask, kv, write_index)
         x = x + self._norm(attention_out, attended)
-        return x + self._norm(mlp_out, self.mlp(self._norm(mlp_in, x))), kv
+        routing = None
+        if isinstance(self.mlp, SparseMoeBlock):
+            out, routing = self.mlp(self._norm(mlp_in, x), real)
+        else:
+            out = self.mlp(self._norm(mlp_in, x))
+        return x + self._norm(mlp_out, out), kv, routing
 
 
 class DecoderStack(nnx.Module):
@@ -267,22 +267,21 @@ class DecoderStack(nnx.Module):
         ids: jax.Array,
         positions: jax.Array,
         mask: AttentionMask,
+        real: jax.Array,
         kv: Sequence[tuple[jax.Array, jax.Array]] | None = None,
         write_index: jax.Array | None = None,
-    ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...] | None]:
-        """Final hidden states, and the updated per-layer ``kv`` when one was given."""
+    ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...] | None, Routing | None]:
+        """Final hidden states, the updated per-layer ``kv`` when one was given, and the
+        sparse layers' routing of the ``real [B, L]`` tokens summed (``None``: none)."""
         x = self.embed_tokens(ids)
         if self.embedding_scale is not None:  # Gemma: the scale rounded to the compute dtype
             x = x * jnp.asarray(self.embedding_scale, dtype=x.dtype)
-        if kv is None:
-            for layer in self.layers:
-                x, _ = layer(x, positions, mask)
-            return self.norm(x), None
-        updated = []
-        for layer, layer_kv in zip(self.layers, kv, strict=True):
-            x, layer_kv = layer(x, positions, mask, layer_kv, write_index)
+        updated, routed = [], None
+        for layer, layer_kv in zip(self.layers, kv or (None,) * len(self.layers), strict=True):
+            x, layer_kv, routing = layer(x, positions, mask, real, layer_kv, write_index)
             updated.append(layer_kv)
-        return self.norm(x), tuple(updated)
+            routed = routing.plus(routed) if routing is not None else routed
+        return self.norm(x), None if kv is None else tuple(updated), routed
 
 
 class KVCache(NamedTuple):
@@ -313,11 +312,13 @@ class KVCache(NamedTuple):
 
 class CausalLMOutput(NamedTuple):
     """``logits [B, L, V]`` (float32; ``[B, logits_to_keep, V]`` when asked), the final
-    normed ``hidden [B, L, E]``, and the updated :class:`KVCache` when one was passed."""
+    normed ``hidden [B, L, E]``, the updated :class:`KVCache` when one was passed, and the
+    router's load-balancing loss (:mod:`~strop.backends.jax.moe`; ``None``: no experts)."""
 
     logits: jax.Array
     hidden: jax.Array
     cache: KVCache | None = None
+    aux_loss: jax.Array | None = None
 
 
 class CausalLM(nnx.Module):
@@ -377,11 +378,13 @@ class CausalLM(nnx.Module):
                 positions = positions + cache.mask.sum(axis=-1, keepdims=True, dtype=jnp.int32)
         if cache is None:
             mask = sequence_mask(attention_mask, positions)
-            hidden, _ = self.model(input_ids, positions, mask)
+            hidden, _, routing = self.model(input_ids, positions, mask, real)
         else:
             valid = jax.lax.dynamic_update_slice_in_dim(cache.mask, real, cache.index, axis=1)
             mask = cache_mask(valid, cache.index, input_ids.shape[-1])
-            hidden, layers = self.model(input_ids, positions, mask, cache.layers, cache.index)
+            hidden, layers, routing = self.model(
+                input_ids, positions, mask, real, cache.layers, cache.index
+            )
             cache = KVCache(layers, valid, cache.index + input_ids.shape[-1])
         kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         if self.lm_head is None:
@@ -392,4 +395,5 @@ class CausalLM(nnx.Module):
         if self.spec.final_logit_softcap is not None:
             cap = self.spec.final_logit_softcap
             logits = jnp.tanh(logits / cap) * cap
-        return CausalLMOutput(logits, hidden, cache)
+        aux_loss = None if routing is None else load_balancing_loss(routing)
+        return CausalLMOutput(logits, hidden, cache, aux_loss)

@@ -28,13 +28,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from strop.backends.jax.losses import OPS, token_logprobs
+from strop.backends.jax.train import with_router_loss
 from strop.objectives.gae import shift_values
 from strop.objectives.micro import critic_micro_loss, policy_micro_loss
 from strop.objectives.ppo import SHARED_CRITIC_PREFIX, PolicyObjective, ValueObjective
 
 
-def _lm_logits(graphdef, trainable, frozen, input_ids, attention_mask, positions) -> jax.Array:
-    return nnx.merge(graphdef, trainable, frozen)(input_ids, attention_mask, positions).logits
+def _lm_forward(graphdef, trainable, frozen, input_ids, attention_mask, positions):
+    """A policy role as a model, and its forward's :class:`CausalLMOutput`."""
+    model = nnx.merge(graphdef, trainable, frozen)
+    return model, model(input_ids, attention_mask, positions)
 
 
 def _critic_values(graphdef, trainable, frozen, input_ids, attention_mask, positions):
@@ -45,8 +48,8 @@ def _critic_values(graphdef, trainable, frozen, input_ids, attention_mask, posit
 def logprobs(graphdef, trainable, frozen, input_ids, attention_mask, positions, temperature):
     """``[B, L]`` log-probabilities of the batch's tokens under a policy role
     (``positions``: ``None``, or a packed batch's, see :mod:`strop.batch.packing`)."""
-    logits = _lm_logits(graphdef, trainable, frozen, input_ids, attention_mask, positions)
-    return token_logprobs(logits, input_ids, temperature)
+    _, output = _lm_forward(graphdef, trainable, frozen, input_ids, attention_mask, positions)
+    return token_logprobs(output.logits, input_ids, temperature)
 
 
 @partial(jax.jit, static_argnums=(0,))
@@ -58,30 +61,33 @@ def values(graphdef, trainable, frozen, input_ids, attention_mask, positions):
 def policy_loss(
     graphdef: nnx.GraphDef, objective: PolicyObjective, trainable, frozen, micro
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The actor's micro-batch loss (:func:`policy_micro_loss`) for
+    """The actor's micro-batch loss (:func:`policy_micro_loss`, plus
+    :func:`~strop.backends.jax.train.with_router_loss`) for
     :func:`~strop.backends.jax.train.update`, whose stats are then ``loss``, ``clipfrac``,
     ``approx_kl``, ``entropy``, ..., ``grad_norm`` and ``skipped``."""
-    logits = _lm_logits(
+    model, output = _lm_forward(
         graphdef, trainable, frozen, micro["input_ids"], micro["attention_mask"],
         micro.get("positions"),
     )  # fmt: skip
-    return policy_micro_loss(OPS, logits, micro, objective)
+    loss, stats = policy_micro_loss(OPS, output.logits, micro, objective)
+    return with_router_loss(model, output, loss, stats, micro)
 
 
 def _shared_forward(graphs, trainable, frozen, input_ids, attention_mask, positions):
-    """``critic.shared_trunk``: the actor's logits and the value head's values from one
-    forward (``graphs`` = the actor's and the head's graphdefs, ``trainable`` =
-    ``{"actor": ..., "head": ...}``)."""
+    """``critic.shared_trunk``: the actor (as a model), its forward and the value head's
+    values from that one forward (``graphs`` = the actor's and the head's graphdefs,
+    ``trainable`` = ``{"actor": ..., "head": ...}``)."""
     actor_graph, head_graph = graphs
-    out = nnx.merge(actor_graph, trainable["actor"], frozen)(input_ids, attention_mask, positions)
+    model, out = _lm_forward(actor_graph, trainable["actor"], frozen, input_ids, attention_mask,
+                             positions)  # fmt: skip
     raw = nnx.merge(head_graph, trainable["head"])(out.hidden)[..., 0]
-    return out.logits, shift_values(raw, xp=jnp)
+    return model, out, shift_values(raw, xp=jnp)
 
 
 @partial(jax.jit, static_argnums=(0,))
 def shared_values(graphs, trainable, frozen, input_ids, attention_mask, positions):
     """``[B, L]`` values ``V(x_<t)`` of the value head on the actor's trunk."""
-    return _shared_forward(graphs, trainable, frozen, input_ids, attention_mask, positions)[1]
+    return _shared_forward(graphs, trainable, frozen, input_ids, attention_mask, positions)[2]
 
 
 def shared_loss(
@@ -91,11 +97,13 @@ def shared_loss(
     the policy's plus the (scaled) value loss, from one forward; stat ``loss`` is the
     policy's part and the critic's stats carry ``SHARED_CRITIC_PREFIX``."""
     policy, value = objectives
-    logits, values = _shared_forward(
+    model, output, values = _shared_forward(
         graphs, trainable, frozen, micro["input_ids"], micro["attention_mask"],
         micro.get("positions"),
     )  # fmt: skip
-    loss, stats = policy_micro_loss(OPS, logits, micro, policy)
+    loss, stats = with_router_loss(
+        model, output, *policy_micro_loss(OPS, output.logits, micro, policy), micro
+    )
     value_loss, value_stats = critic_micro_loss(OPS, values, micro, value)
     stats = {"loss": jax.lax.stop_gradient(loss), **stats}
     stats.update({SHARED_CRITIC_PREFIX + k: v for k, v in value_stats.items()})

@@ -27,7 +27,7 @@ from flax import nnx
 
 from strop.backends.jax.lora import initial_reference
 from strop.backends.jax.losses import OPS
-from strop.backends.jax.train import jit_update, put_micro_batches
+from strop.backends.jax.train import jit_update, put_micro_batches, with_router_loss
 from strop.batch.pairs import PAIR_COLUMNS
 from strop.objectives import preference
 from strop.objectives.preference import REFERENCE_INPUTS, PreferenceObjective
@@ -52,10 +52,13 @@ def pair_logps(graphdef, trainable, frozen, micro) -> tuple[jax.Array, jax.Array
 def preference_loss(
     graphdef: nnx.GraphDef, objective: PreferenceObjective, trainable, frozen, micro
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """A layout's weighted preference loss and ``dpo/*`` stats, for
+    """A layout's weighted preference loss and ``dpo/*`` stats (plus
+    :func:`~strop.backends.jax.train.with_router_loss`), for
     :func:`~strop.backends.jax.train.update`."""
-    logits = _logits(graphdef, trainable, frozen, micro)
-    return preference.preference_micro_loss(OPS, logits, micro, objective)
+    model = nnx.merge(graphdef, trainable, frozen)
+    output = model(micro["input_ids"], micro["attention_mask"], micro["positions"])
+    loss, stats = preference.preference_micro_loss(OPS, output.logits, micro, objective)
+    return with_router_loss(model, output, loss, stats, micro)
 
 
 def forward_pair_logps(

@@ -28,7 +28,7 @@ from strop.backends.jax.sharding import (
     put_rows,
     to_host,
 )
-from strop.backends.jax.weights import place_weights, weight_bindings
+from strop.backends.jax.weights import expected_tensors, place_weights, weight_bindings
 from strop.batch.reward_rows import encode_pairs, pooled_index, right_padded
 from strop.data import Tokenizer
 from strop.io.hf import check_tensors, open_checkpoint
@@ -64,7 +64,7 @@ def load_score_model(path, mesh, *, dtype: str = "float32", param_dtype: str = "
     spec = dataclasses.replace(spec, tie_word_embeddings=True)  # no LM head to build
     lm = nnx.eval_shape(lambda: CausalLM(spec, dtype=dtype, param_dtype=param_dtype))
     bindings = weight_bindings(lm)
-    expected = {b.hf_name: b.hf_shape for b in bindings}
+    expected = expected_tensors(bindings)
     check_tensors(reader, {**expected, "score.weight": (1, spec.hidden_size)}, tied=True)
     place_weights(bindings, reader, mesh, "loading the reward model")
     head = np.asarray(reader.get("score.weight"), np.float32).T  # [E, 1]

@@ -1,8 +1,9 @@
 """The device mesh and the rules that map logical weight axes to mesh axes.
 
 Every weight of the model carries logical axis names (``vocab``, ``embed``, ``heads``,
-``kv_heads``, ``head_dim``, ``mlp``, ``norm``) in its ``out_sharding`` metadata. The rules
-below say which mesh axis (``data``, ``fsdp``, ``tensor``) each logical axis is split over.
+``kv_heads``, ``head_dim``, ``mlp``, ``expert``, ``norm``) in its ``out_sharding``
+metadata. The rules below say which mesh axis (``data``, ``fsdp``, ``tensor``) each
+logical axis is split over.
 A dimension that a mesh axis does not divide evenly stays replicated on that axis (for
 example 2 KV heads on ``tensor=4``), so any model runs on any mesh. A flattened dimension
 (a projection kernel's ``heads x head_dim``) carries its leading name and is split only
@@ -35,7 +36,10 @@ MESH_AXES = ("data", "fsdp", "tensor")
 MeshAxes = str | tuple[str, ...] | None
 
 # Logical axis -> mesh axis (or axes). FSDP shards the model dimension; tensor parallelism
-# shards heads, MLP width and vocabulary; batches split over data x fsdp.
+# shards heads, MLP width and vocabulary; batches split over data x fsdp. Routed experts'
+# stacked kernels ([expert, embed, mlp]) put whole experts on each fsdp shard (the expert
+# dim comes first, so it takes fsdp and embed stays whole; gathered on use like any FSDP
+# weight); where fsdp does not divide the experts, the embed dim takes it instead.
 LOGICAL_AXIS_RULES: Mapping[str, MeshAxes] = {
     "batch": ("data", "fsdp"),
     "vocab": "tensor",
@@ -44,6 +48,7 @@ LOGICAL_AXIS_RULES: Mapping[str, MeshAxes] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "mlp": "tensor",
+    "expert": "fsdp",
     "norm": None,
 }
 

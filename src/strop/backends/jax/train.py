@@ -26,11 +26,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from strop.backends.jax.model import CausalLM
+from strop.backends.jax.model import CausalLM, CausalLMOutput
 from strop.backends.jax.sharding import host_floats, logical_to_partition_spec
 from strop.config import OptimConfig
 from strop.errors import ConfigError
-from strop.objectives.losses import MAX_STATS
+from strop.objectives.losses import MAX_STATS, ROUTER_AUX_LOSS
 from strop.objectives.sft import SFT_BATCH, target_tokens, with_loss_weights
 
 
@@ -142,13 +142,38 @@ the loss (weighted for the whole batch, so shares add up) and its stats, differe
 ``trainable``."""
 
 
+MICRO_SHARE = "micro_share"
+"""What :func:`accumulate` adds to each micro-batch it hands the loss: ``1 / micro-batches``,
+the share each carries of a term that is a mean over a whole forward rather than a sum of
+weighted tokens (the router's load-balancing loss, :func:`with_router_loss`)."""
+
+
+def with_router_loss(
+    model: CausalLM, output: CausalLMOutput, loss: jax.Array, stats: dict, micro: Mapping
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``loss`` plus the router's load-balancing loss times ``router_aux_loss_coef``, as
+    transformers adds it to a routed-experts model's loss, and the loss in ``stats`` as
+    :data:`~strop.objectives.losses.ROUTER_AUX_LOSS`; each its micro-batch's share
+    (:data:`MICRO_SHARE`), so the shares add up to the micro-batches' mean. Unchanged for a
+    model without routed experts."""
+    if output.aux_loss is None:
+        return loss, stats
+    share = micro[MICRO_SHARE] * output.aux_loss
+    loss = loss + model.spec.moe.router_aux_loss_coef * share
+    return loss, {**stats, ROUTER_AUX_LOSS: jax.lax.stop_gradient(share)}
+
+
 def accumulate(micro_loss: MicroLoss, trainable: Any, frozen: Any, batch: dict[str, jax.Array]):
     """Sums of ``micro_loss``'s gradients, loss and stats over the leading micro axis of
     ``batch`` (a ``lax.scan``): ``(grads, loss, stats)``; the stats of
-    :data:`strop.objectives.losses.MAX_STATS` are maxima."""
-    grad_fn = jax.value_and_grad(
-        lambda trainable, micro: micro_loss(trainable, frozen, micro), has_aux=True
-    )
+    :data:`strop.objectives.losses.MAX_STATS` are maxima. Each micro-batch reaches
+    ``micro_loss`` with its :data:`MICRO_SHARE`."""
+    share = 1.0 / jax.tree.leaves(batch)[0].shape[0]
+
+    def micro_share_loss(trainable, micro):
+        return micro_loss(trainable, frozen, {**micro, MICRO_SHARE: share})
+
+    grad_fn = jax.value_and_grad(micro_share_loss, has_aux=True)
 
     def body(carry, micro):
         (loss, stats), grads = grad_fn(trainable, micro)
@@ -167,7 +192,7 @@ def accumulate(micro_loss: MicroLoss, trainable: Any, frozen: Any, batch: dict[s
     # gives them (the shapes of a forward alone: tracing the backward twice per compile
     # costs a second or more per shape on a CPU).
     loss_zero, stats_zero = jax.tree.map(
-        jnp.zeros_like, jax.eval_shape(lambda t, m: micro_loss(t, frozen, m), trainable, first)
+        jnp.zeros_like, jax.eval_shape(micro_share_loss, trainable, first)
     )
     grads_zero = jax.tree.map(jnp.zeros_like, trainable)
     (grads, loss, stats), _ = jax.lax.scan(body, (grads_zero, loss_zero, stats_zero), batch)
@@ -255,9 +280,11 @@ def jit_joint_update(
 
 
 def sft_loss(graphdef: nnx.GraphDef, trainable: Any, frozen: Any, micro: dict[str, jax.Array]):
-    """The SFT :data:`MicroLoss` (:func:`sft_micro_loss`); ``micro`` holds ``SFT_BATCH``."""
+    """The SFT :data:`MicroLoss` (:func:`sft_micro_loss`, plus :func:`with_router_loss`);
+    ``micro`` holds ``SFT_BATCH``."""
     model = nnx.merge(graphdef, trainable, frozen)
-    return sft_micro_loss(model(micro["input_ids"], micro["attention_mask"]).logits, micro)
+    output = model(micro["input_ids"], micro["attention_mask"])
+    return with_router_loss(model, output, *sft_micro_loss(output.logits, micro), micro)
 
 
 @dataclass

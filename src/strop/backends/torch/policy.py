@@ -28,6 +28,7 @@ from strop.backends.torch.train import BATCH_KEYS, Trainer, sft_micro_loss, toke
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.run_identity import INFERENCE, PolicyRun
+from strop.objectives.losses import ROUTER_AUX_LOSS
 from strop.objectives.sft import SFT_BATCH, target_tokens, with_loss_weights
 
 _UPDATES_KEY = "optimizer_updates"  # the schedule's clock, kept in the checkpoint's extra
@@ -82,7 +83,7 @@ class TorchPolicy(PolicyMethods, Sampler):
         if balance is None:
             return loss, stats
         share = micro["loss_weights"].sum() * balance  # an update's weights sum to 1
-        return loss + spec.moe.router_aux_loss_coef * share, {**stats, "moe/aux_loss": share}
+        return loss + spec.moe.router_aux_loss_coef * share, {**stats, ROUTER_AUX_LOSS: share}
 
     @torch.no_grad()
     def eval_loss(self, batch: dict[str, np.ndarray]) -> tuple[float, float]:
