@@ -22,7 +22,7 @@ from strop.data import Tokenizer
 from strop.generation import SamplingParams
 from strop.rl import Rollout, token_mult_prob_error
 from tests.hlo import ops_inside_loops
-from tests.tiny_models import TINY
+from tests.tiny_models import FAMILY_KINDS, TINY
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
 PAD = 0
@@ -343,16 +343,22 @@ def test_a_prompt_s_rollouts_prefill_it_once_and_sample_what_each_row_would(tiny
     assert len({tuple(r) for r in shared.tokens.tolist()}) > len(prompts) // 3  # rows differ
 
 
-def test_continuing_a_sliding_window_cache_samples_what_re_prefilling_does(tiny_model_dir):
-    """On a model with sliding-window layers (window 5) and full ones, the continuation
-    sampler (each row's cached keys shifted from its slot into re-prefill's columns, a
-    chunk run after them) samples the tokens and log-probabilities of re-prefilling every
-    row, over a turn that crosses the window many times."""
+@pytest.mark.parametrize(
+    "kind",
+    [kind if kind == "ministral" else pytest.param(kind, marks=pytest.mark.acceptance)
+     for kind in FAMILY_KINDS],
+)  # fmt: skip
+def test_continuing_a_cache_samples_what_re_prefilling_does_on_every_family(tiny_model_dir, kind):
+    """On every family (in `make test`: Ministral, sliding-window layers of window 5 and
+    full ones; the others in the acceptance tier), the continuation sampler (each row's
+    cached keys shifted from its slot into re-prefill's columns, a chunk run after them)
+    samples the tokens and log-probabilities of re-prefilling every row, over a turn that
+    crosses the windows many times."""
     from strop.agents.continuation import SlotAssignment
     from strop.backends.jax.continuation import JaxContinuation
     from strop.generation import Decoding
 
-    handle = load(tiny_model_dir("ministral"))
+    handle = load(tiny_model_dir(kind))
     prompts = ragged_prompts(seed=5)
     params = SamplingParams(max_new_tokens=6, temperature=1.0)
     session = JaxContinuation(lambda: handle.model, Decoding(0, (), PAD, None), mesh=handle.mesh)
