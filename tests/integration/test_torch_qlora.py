@@ -25,6 +25,7 @@ from strop.rl.experience import build_experience, minibatches
 from tests.distributed.cases import global_batch, seeded_adapter
 from tests.integration.test_torch_lora_training import policy_for
 from tests.parity.test_ppo_backends import make_config, rollout_batch
+from tests.tiny_models import FAMILY_KINDS
 
 pytest.importorskip("bitsandbytes")
 
@@ -45,16 +46,25 @@ def assert_same(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> 
         assert np.array_equal(value, after[name]), f"quantized base tensor {name} changed"
 
 
+OTHER_FAMILIES = [  # nf4 on the rest of the dense families: the acceptance tier
+    pytest.param(family, "nf4", marks=pytest.mark.acceptance)
+    for family in FAMILY_KINDS
+    if family not in ("gemma3", "qwen3_moe")  # gemma3 below; MoE: LoRA on attention only
+]
+
+
 @pytest.mark.parametrize(
-    ("family", "kind"), [("qwen2", "nf4"), ("qwen2", "int8"), ("gemma3", "nf4")]
+    ("family", "kind"), [("qwen2", "nf4"), ("qwen2", "int8"), ("gemma3", "nf4"), *OTHER_FAMILIES]
 )  # gemma3: sliding windows, sandwich norms, a tied head, embedding scale
 def test_qlora_sft_trains_float32_adapters_over_a_bit_identical_quantized_base(
     tiny_model_dir, tmp_path, family, kind
 ):
-    policy = policy_for(tiny_model_dir(family), tmp_path, f"lora.base_quantization={kind}")
+    model_dir = tiny_model_dir(family)
+    policy = policy_for(model_dir, tmp_path, f"lora.base_quantization={kind}")
     params = dict(policy.model.named_parameters())
     quantized = [n for n, p in params.items() if is_quantized(p)]
-    assert len(quantized) == 2 * 7  # every projection; the LM head stays at param_dtype
+    spec = read_model_spec(model_dir)  # every projection; the LM head stays at param_dtype
+    assert len(quantized) == sum(len(spec.layer_linears(i)) for i in range(spec.num_layers))
     assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
     before = quantized_state(policy.model)
     losses = [policy.train_step(global_batch(), micro_batches=1)["loss"] for _ in range(3)]
