@@ -24,7 +24,7 @@ def _pin_this_worker_to_its_own_cores() -> None:
         return
     cores = sorted(os.sched_getaffinity(0))
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    index = int(worker.removeprefix("gw"))
+    index = int(worker.removeprefix("gw")) % workers  # a replacement worker counts on
     own = cores[index::workers] if workers <= len(cores) else [cores[index % len(cores)]]
     os.sched_setaffinity(0, own)
 
