@@ -56,7 +56,12 @@ ESTIMATORS = {"gae": (), "grpo": ("ppo.advantage_estimator=grpo", "ppo.kl_in_rew
 
 # The file's function runs in the core's reward worker whatever the backend and estimator:
 # each backend with one estimator, the other half of the cross (make test's time, issue 34).
-@pytest.mark.parametrize(("backend", "estimator"), [("jax", "gae"), ("torch", "grpo")])
+# JAX's half in the acceptance tier (24-36 s of `make test`): the reward file is read and
+# called by the core, the same on both backends; JAX PPO through the CLI is test_ppo_run's.
+@pytest.mark.parametrize(
+    ("backend", "estimator"),
+    [pytest.param("jax", "gae", marks=pytest.mark.acceptance), ("torch", "grpo")],
+)
 def test_a_reward_from_a_file_drives_ppo_through_the_cli(task, tmp_path, backend, estimator):  # noqa: F811
     (tmp_path / "my_reward.py").write_text(REWARD_FILE)
     run_dir = tmp_path / "run"
