@@ -34,8 +34,8 @@ from strop.config import load_config
 from strop.data import Tokenizer
 from strop.engines import NativeEngine
 from strop.generation import SamplingParams
-from strop.preflight import check_environment
 from strop.rl.episodes import Episodes
+from strop.run.preflight import check_environment
 
 TURNS = [4]
 

@@ -116,7 +116,7 @@ SCRIPTS = {
     peers_agent.PEER: peers_agent.SCRIPT, peers_dpo.PEER: peers_dpo.SCRIPT,
 }  # fmt: skip
 GRPO = ["ppo.advantage_estimator=grpo"]
-N_TRAIN, N_VALIDATION = 2000, 256  # strop.demo's split sizes
+N_TRAIN, N_VALIDATION = 2000, 256  # strop.commands.demo's split sizes
 PHASES = ("generate", "reward", "logprobs", "values", "train")
 
 

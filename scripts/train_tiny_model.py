@@ -237,9 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
     args = parser.parse_args(argv)
 
+    from strop.commands.evaluation import run_eval
     from strop.config import load_config
     from strop.data.synthetic import write_splits
-    from strop.evaluation import run_eval
     from strop.io.atomic import atomic_directory
     from strop.sft.loop import run_sft
 

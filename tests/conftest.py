@@ -74,7 +74,7 @@ def no_model_builds(monkeypatch):
 
     import dataclasses
 
-    from strop import preflight
+    from strop.run import preflight
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was about to be built")

@@ -26,11 +26,11 @@ from rich.markup import escape
 from rich.table import Table
 
 import strop
-from strop import summaries
 from strop.backends import shut_down_loaded_backends
+from strop.commands import summaries
 from strop.config import dump_config, load_config
 from strop.errors import StropError
-from strop.interrupts import Interrupted, raise_on_sigterm
+from strop.run.interrupts import Interrupted, raise_on_sigterm
 
 app = typer.Typer(
     name="strop",
@@ -181,7 +181,7 @@ def info() -> None:
 
 
 def _print(summary: Callable[[str, Any], Table], title: str, result: Any) -> None:
-    """A training command's closing table (:mod:`strop.summaries`), on the main process."""
+    """A training command's closing table (:mod:`strop.commands.summaries`), on the main process."""
     if result.is_main:
         Console().print(summary(title, result))
 
@@ -215,7 +215,7 @@ def ppo(recipe: Recipe, overrides: Overrides = None) -> None:
 @app.command("eval")
 def evaluate(recipe: Recipe, overrides: Overrides = None) -> None:
     """Accuracy of model.path (plus eval.adapter) on eval.path; writes <run_dir>/eval/."""
-    from strop.evaluation import run_eval
+    from strop.commands.evaluation import run_eval
 
     result = run_eval(load_config(recipe, overrides or ()))
     if result.is_main:
@@ -230,7 +230,7 @@ def plot(
     ] = "",
 ) -> None:
     """Plot train/reward and validation/accuracy over steps of a run as a PNG."""
-    from strop.plot import plot_run
+    from strop.commands.plot import plot_run
 
     typer.echo(f"wrote {plot_run(run_dir, out or None)}")
 
@@ -245,7 +245,7 @@ def demo(overrides: Overrides = None) -> None:
     if "dpo" in (overrides or ()):  # `strop demo dpo [key=value ...]`, the word anywhere
         _dpo_demo([o for o in overrides or () if o != "dpo"])
         return
-    from strop.demo import run_demo
+    from strop.commands.demo import run_demo
 
     result = run_demo(overrides or ())
     if result.ppo.is_main:
@@ -253,7 +253,7 @@ def demo(overrides: Overrides = None) -> None:
 
 
 def _dpo_demo(overrides: Sequence[str]) -> None:
-    from strop.demo_dpo import run_dpo_demo
+    from strop.commands.demo_dpo import run_dpo_demo
 
     result = run_dpo_demo(overrides)
     if result.dpo.is_main:
@@ -283,7 +283,7 @@ def plan_command(
 ) -> None:
     """Expected device memory of RECIPE per part (weights, adapters, optimizer, gradients,
     activations, KV cache, vLLM's share) from config.json alone, and whether it fits."""
-    from strop.plan import GIB, plan_for
+    from strop.commands.plan import GIB, plan_for
 
     config = load_config(recipe, overrides or ())
     if device_gib is not None:
@@ -300,7 +300,7 @@ def plan_command(
 def _visible_device_memory(backend: str) -> tuple[int | None, str]:
     """nvidia-smi's GPU 0, else (backend=torch, where torch is installed) torch's CUDA
     query: no JAX start, which would take the GPU's memory."""
-    from strop.plan import device_memory
+    from strop.commands.plan import device_memory
 
     device, source = device_memory()
     if device is None and backend == "torch" and importlib.util.find_spec("torch"):
@@ -338,7 +338,7 @@ def export(
 ) -> None:
     """Export the latest checkpoint of RUN (SFT: the policy; PPO: the actor) as a PEFT
     adapter or a merged model: strop export runs/x --out DIR."""
-    from strop.export import export_config, run_export
+    from strop.commands.export import export_config, run_export
 
     if adapter and merged:
         raise StropError("choose one of --adapter or --merged, not both")
@@ -355,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Run the CLI on ``argv`` (default: ``sys.argv[1:]``); always exits via SystemExit.
 
     Ctrl-C and SIGTERM end a command with one line and exit 130 / 143
-    (:mod:`strop.interrupts`), never a traceback."""
+    (:mod:`strop.run.interrupts`), never a traceback."""
     raise_on_sigterm()
     try:
         app(args=list(argv) if argv is not None else None, prog_name="strop")

@@ -1,5 +1,5 @@
 """Sampling a model's responses to prompts and scoring them: what PPO's validation
-(:meth:`strop.rl.ppo.PpoLoop.validate`) and ``strop eval`` (:mod:`strop.evaluation`) share,
+(:meth:`strop.rl.ppo.PpoLoop.validate`) and ``strop eval`` (:mod:`strop.commands.evaluation`) share,
 and the reward model either may score with (:func:`build_reward_model`).
 """
 

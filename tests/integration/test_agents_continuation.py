@@ -23,8 +23,8 @@ from strop.data import Tokenizer
 from strop.engines import NativeEngine
 from strop.generation import SamplingParams
 from strop.io.tiny import make_tiny_checkpoint
-from strop.preflight import check_environment
 from strop.rl.episodes import Episodes
+from strop.run.preflight import check_environment
 from tests.tiny_models import build_tiny_model
 
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 import strop
 from strop.config import Config, load_config
 from strop.metrics.sinks import read_metrics
-from strop.preflight import preflight
+from strop.run.preflight import preflight
 from strop.sft.loop import run_sft
 from tests.integration.test_sft_run import config_for, sft_inputs  # noqa: F401
 

@@ -10,8 +10,8 @@ import datasets
 import pytest
 
 from strop import rewards
+from strop.commands.evaluation import run_eval
 from strop.config import load_config
-from strop.evaluation import run_eval
 from strop.io.tiny import make_tiny_checkpoint
 
 MATH = [

@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from strop import demo_dpo as demo
 from strop.cli import main
+from strop.commands import demo_dpo as demo
 from strop.metrics.sinks import read_metrics
 
 SHORT = ["backend=torch", "eval.max_examples=8", "dpo.steps=1", "dpo.batch_size=2",

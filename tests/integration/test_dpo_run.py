@@ -211,8 +211,8 @@ def test_export_and_eval_take_a_dpo_run(dpo_inputs):
     (torch; the export and the adapter loading are the backends' shared code)."""
     from safetensors.numpy import load_file
 
-    from strop.evaluation import run_eval
-    from strop.export import export_config, run_export
+    from strop.commands.evaluation import run_eval
+    from strop.commands.export import export_config, run_export
     from strop.io.checkpoint_dir import stored_job
 
     tmp, inputs = dpo_inputs

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from strop.commands.evaluation import run_eval
 from strop.config import load_config
-from strop.evaluation import run_eval
 from strop.io.tiny import make_tiny_checkpoint
 
 
@@ -129,9 +129,9 @@ def test_eval_plays_episodes_and_counts_what_ppo_validation_counts(calc_inputs, 
     from strop.data import Tokenizer
     from strop.generation import SamplingParams
     from strop.io.model_spec import response_end_ids
-    from strop.preflight import check_environment
     from strop.rl.episodes import Episodes
     from strop.rl.prompts import PromptSet
+    from strop.run.preflight import check_environment
 
     data, results = calc_inputs["validation"], {}
     run_eval(load_config("tiny", calc_overrides(data, tmp_path / "jax", "jax")))

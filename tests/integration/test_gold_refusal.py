@@ -9,8 +9,8 @@ import json
 import pytest
 
 from strop import rewards
+from strop.commands.evaluation import run_eval
 from strop.config import load_config
-from strop.evaluation import run_eval
 from strop.io.tiny import make_tiny_checkpoint
 
 

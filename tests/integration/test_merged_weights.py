@@ -45,8 +45,8 @@ def test_merging_an_adapter_on_a_tied_head_is_refused(tiny_model_dir, kind, targ
     """A LoRA adapter on lm_head of a tied model (Gemma 3, SmolLM3) has no merged form that
     keeps the tie (before: `strop export --merged` wrote the shared table once, the
     head's adapter silently dropped); refused in one line, the adapter export says how."""
+    from strop.commands.export import refuse_merging_a_tied_head
     from strop.errors import ConfigError
-    from strop.export import refuse_merging_a_tied_head
 
     config = load_config("tiny", [f"model.path={tiny_model_dir(kind)}", "lora.enabled=true",
                                   f"lora.target_modules={targets}"])  # fmt: skip

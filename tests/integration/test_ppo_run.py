@@ -157,7 +157,7 @@ def test_export_of_a_ppo_run_is_its_actor(task, tmp_path, backend):
     from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM
 
-    from strop.export import run_export
+    from strop.commands.export import run_export
 
     run_dir = tmp_path / "run"
     config = config_for(
@@ -293,7 +293,7 @@ def test_a_grpo_run_trains_without_a_critic_and_resumes_exactly(task, tmp_path, 
     # said "critic is False in the checkpoint but None now")
     from safetensors.numpy import load_file
 
-    from strop.export import export_config, run_export
+    from strop.commands.export import export_config, run_export
 
     exported = run_export(export_config(str(tmp_path / "straight")), tmp_path / "out", merged=False)
     assert (exported.job, exported.step) == ("ppo", 3)

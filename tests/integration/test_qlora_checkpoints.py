@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from strop.commands.export import run_export
 from strop.config import load_config
-from strop.export import run_export
 from strop.sft.loop import run_sft
 from tests.integration.test_sft_run import sft_inputs  # noqa: F401 (a shared fixture)
 

@@ -144,8 +144,8 @@ def test_a_reward_that_breaks_the_contract_or_hangs_stops_the_run_in_one_line(
 def test_eval_takes_a_reward_from_a_file(task, tmp_path, monkeypatch):  # noqa: F811
     """Correct (1.0) only where the record's columns reached the function (in its worker
     process); its NaN scores are wrong and counted in the summary."""
+    from strop.commands.evaluation import run_eval
     from strop.config import load_config
-    from strop.evaluation import run_eval
 
     (tmp_path / "my_reward.py").write_text(
         "def columns_arrived(prompts, completions, question, answer, **columns):\n"

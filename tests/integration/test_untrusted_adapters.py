@@ -176,7 +176,7 @@ def test_cli_sft_with_a_hostile_restore_path_is_one_line_exit_2(inputs, tmp_path
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_eval_with_a_sound_adapter_still_runs(inputs, tmp_path, backend):
-    from strop.evaluation import run_eval
+    from strop.commands.evaluation import run_eval
 
     good = adapter(inputs, "sound")
     config = load_config("tiny", [

@@ -8,7 +8,7 @@ import pytest
 from strop import quantization
 from strop.config import LoraConfig, load_config
 from strop.errors import ConfigError
-from strop.preflight import preflight
+from strop.run.preflight import preflight
 
 
 def test_the_default_is_none_and_names_are_the_libraries():

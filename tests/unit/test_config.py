@@ -301,9 +301,9 @@ def test_the_demo_on_vllm_recomputes_the_old_logprobs_unless_told_otherwise(capl
     """`strop demo backend=torch generation.engine=vllm` ran with the recipe's
     ppo.old_logprobs=sampler, which docs/ppo.md says to avoid with an inference engine,
     and so logged no token_mult_prob_error. (vLLM itself is not needed to resolve it.)"""
-    from strop.demo import RECIPE, demo_overrides
+    from strop.commands.demo import RECIPE, demo_overrides
 
-    caplog.set_level("INFO", logger="strop.demo")
+    caplog.set_level("INFO", logger="strop.commands.demo")
     vllm = ["backend=torch", "generation.engine=vllm"]
     config = load_config(RECIPE, demo_overrides(vllm))
     assert config.ppo.old_logprobs == "recompute" and config.run_dir == "runs/demo-torch"
@@ -320,8 +320,8 @@ def test_the_demo_with_env_name_calculator_runs_the_calculator_agent_recipe() ->
     """`strop demo env.name=calculator` ran the tiny-math demo recipe with an environment
     (and ppo.reward=gsm8k, refused with env.name); now it picks demo-calc, and its default
     run directory and `strop export demo` follow. Without env.name nothing changes."""
-    from strop.demo import CALC_RECIPE, RECIPE, demo_overrides, demo_recipe
-    from strop.export import export_config
+    from strop.commands.demo import CALC_RECIPE, RECIPE, demo_overrides, demo_recipe
+    from strop.commands.export import export_config
 
     assert demo_recipe([]) == RECIPE == demo_recipe(["env.name=none", "backend=torch"])
     assert load_config(RECIPE, demo_overrides([])).run_dir == "runs/demo-jax"

@@ -1,4 +1,4 @@
-"""`strop demo dpo`'s preference pairs from scored samples (:func:`strop.demo_dpo.build_pairs`):
+"""`strop demo dpo`'s preference pairs from scored samples (:func:`strop.commands.demo_dpo.build_pairs`):
 a right response chosen, a wrong one rejected, none where all are right or all wrong, the
 draw a pure function of the seed; and what the command refuses before anything loads."""
 
@@ -8,8 +8,8 @@ import re
 
 import pytest
 
+from strop.commands.demo_dpo import build_pairs, run_dpo_demo
 from strop.data.synthetic import write_splits
-from strop.demo_dpo import build_pairs, run_dpo_demo
 from strop.errors import ConfigError, DataError
 
 PROMPTS = {

@@ -14,7 +14,7 @@ import strop
 from strop.config import Config, dump_config, load_config
 from strop.errors import ConfigError
 from strop.io.model_spec import check_context_length
-from strop.preflight import check_environment
+from strop.run.preflight import check_environment
 
 TINY_MATH = str(Path(strop.__file__).parent / "assets" / "tiny-math")  # 256 positions
 

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from strop.commands.export import export_config, run_export
 from strop.config import dump_config, load_config
 from strop.errors import CheckpointError, ConfigError
-from strop.export import export_config, run_export
 
 
 def trained_run(run_dir, *overrides: str):

@@ -99,9 +99,9 @@ def test_exports_fail_in_one_line(disk):
 
 
 def test_a_plot_and_the_run_record_fail_in_one_line(disk):
+    from strop.commands.plot import plot_run
     from strop.config import load_config
     from strop.io.run_record import record_run
-    from strop.plot import plot_run
 
     run = disk / "run"
     run.mkdir()

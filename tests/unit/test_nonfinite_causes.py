@@ -1,4 +1,4 @@
-"""What a non-finite update's error names as its likely cause (strop.nonfinite)."""
+"""What a non-finite update's error names as its likely cause (strop.run.nonfinite)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import pytest
 
 from strop.config import load_config
 from strop.errors import NonFiniteError
-from strop.nonfinite import count_skipped
+from strop.run.nonfinite import count_skipped
 
 
 def stopped(overrides: list[str], rewards: list[float] | None) -> str:
     """The message of the NonFiniteError a refused PPO (rewards given) or SFT step raises."""
-    from strop.nonfinite import likely_causes
+    from strop.run.nonfinite import likely_causes
 
     config = load_config("ppo-lora-tiny", overrides)
     with pytest.raises(NonFiniteError) as info:

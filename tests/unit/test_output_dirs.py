@@ -52,7 +52,7 @@ def nothing_to_export(tmp_path):
 
 
 def test_export_refuses_a_non_empty_out_before_anything(nothing_to_export, tmp_path):
-    from strop.export import run_export
+    from strop.commands.export import run_export
 
     out = tmp_path / "out"
     out.mkdir()
@@ -65,7 +65,7 @@ def test_export_refuses_a_non_empty_out_before_anything(nothing_to_export, tmp_p
 def test_export_refuses_a_read_only_mount_point_before_anything(nothing_to_export, tmp_path):
     """Before: the parent's writability was checked, so a read-only volume passed and
     the export failed after the restore."""
-    from strop.export import run_export
+    from strop.commands.export import run_export
 
     out = tmp_path / "ro"
     refusal = rf"^--out {out}: cannot write in {out}: Read-only file system"

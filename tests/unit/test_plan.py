@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from strop.cli import main
+from strop.commands.plan import GIB, base_weight_bytes, plan_memory
 from strop.config import load_config
 from strop.io.model_spec import read_model_spec
 from strop.io.run_identity import PolicyRun
 from strop.models import parse_config
 from strop.models.counts import parameter_count
-from strop.plan import GIB, base_weight_bytes, plan_memory
 
 QWEN_7B = {
     "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,

@@ -1,4 +1,4 @@
-"""`strop.plot.plot_run`: a PNG of train/reward and validation/accuracy from metrics.jsonl."""
+"""`strop.commands.plot.plot_run`: a PNG of train/reward and validation/accuracy from metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from strop.commands.plot import PlotError, plot_run, read_series
 from strop.errors import StropError
 from strop.metrics import MetricsWriter
-from strop.plot import PlotError, plot_run, read_series
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

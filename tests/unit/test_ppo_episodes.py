@@ -17,9 +17,9 @@ from strop.agents.rollout import RolloutLimits
 from strop.config import load_config
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
-from strop.preflight import check_environment
 from strop.rl.episodes import Episodes
 from strop.rl.prompts import PromptSet
+from strop.run.preflight import check_environment
 from tests.unit.test_agents_rollout import RECORDS, SCRIPTS, Scripted, tok  # noqa: F401
 
 

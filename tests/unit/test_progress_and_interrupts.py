@@ -9,16 +9,16 @@ import time
 
 import pytest
 
-from strop.interrupts import Interrupted, reporting_interrupts
-from strop.progress import RunProgress
+from strop.run.interrupts import Interrupted, reporting_interrupts
+from strop.run.progress import RunProgress
 
 
 def _lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "strop.progress"]
+    return [r.getMessage() for r in caplog.records if r.name == "strop.run.progress"]
 
 
 def test_plain_lines_carry_step_figures_rate_and_eta(caplog) -> None:
-    caplog.set_level(logging.INFO, logger="strop.progress")
+    caplog.set_level(logging.INFO, logger="strop.run.progress")
     figures = {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"}
     with RunProgress("ppo", 4, figures, terminal=False, interval=0.0) as progress:
         for step in range(1, 5):
@@ -33,7 +33,7 @@ def test_plain_lines_carry_step_figures_rate_and_eta(caplog) -> None:
 
 def test_a_long_step_or_phase_is_not_silent(caplog) -> None:
     """JAX PPO and `strop demo` were silent for 60-70 s (model load, first compiles)."""
-    caplog.set_level(logging.INFO, logger="strop.progress")
+    caplog.set_level(logging.INFO, logger="strop.run.progress")
     with RunProgress("sft", 10, {}, terminal=False, interval=0.2) as progress:
         progress.phase("loading the model")
         time.sleep(0.6)
@@ -47,7 +47,7 @@ def test_a_long_step_or_phase_is_not_silent(caplog) -> None:
 def test_the_first_eta_leaves_out_loading_and_the_first_step(caplog) -> None:
     """The first line's ETA was the time since the start (model load, compiles) per step:
     a PPO run said "57.05 s/step | ETA 1m54s" and then ran at 2.9 s/step."""
-    caplog.set_level(logging.INFO, logger="strop.progress")
+    caplog.set_level(logging.INFO, logger="strop.run.progress")
     with RunProgress("ppo", 100, {}, terminal=False, interval=0.0) as progress:
         progress.phase("loading the models")
         time.sleep(0.3)
@@ -66,7 +66,7 @@ def test_the_first_eta_leaves_out_loading_and_the_first_step(caplog) -> None:
 def test_a_phase_is_announced_within_seconds_of_the_start(caplog) -> None:
     """Without a terminal the first line came only after 10 s (PLAIN_INTERVAL_S) of
     loading; a command failing at once still prints nothing."""
-    caplog.set_level(logging.INFO, logger="strop.progress")
+    caplog.set_level(logging.INFO, logger="strop.run.progress")
     with RunProgress("ppo", 10, {}, terminal=False, first_line=0.2) as progress:
         progress.phase("loading the models")
         time.sleep(0.1)
@@ -79,7 +79,7 @@ def test_a_phase_is_announced_within_seconds_of_the_start(caplog) -> None:
 
 
 def test_only_the_main_process_reports(caplog) -> None:
-    caplog.set_level(logging.INFO, logger="strop.progress")
+    caplog.set_level(logging.INFO, logger="strop.run.progress")
     with RunProgress("sft", 2, {}, terminal=False, interval=0.0, enabled=False) as progress:
         progress.update(1)
         progress.update(2)
@@ -139,7 +139,7 @@ def test_a_save_holds_a_signal_until_it_ends_but_never_revives_an_ignored_one() 
     the background, it had SIGINT ignored, and the deferral during saves caught it."""
     import os
 
-    from strop.interrupts import deferred_interrupts
+    from strop.run.interrupts import deferred_interrupts
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:

@@ -17,9 +17,9 @@ from strop.config.sections import GenerationConfig
 from strop.engines import ENGINES, NativeEngine, RolloutEngine
 from strop.engines.vllm_sync import VllmRollouts
 from strop.generation import Generation, SamplingParams
-from strop.job import Job, run_steps
-from strop.progress import RunProgress
 from strop.rl.ppo import PpoLoop
+from strop.run.job import Job, run_steps
+from strop.run.progress import RunProgress
 
 PARAMS = SamplingParams(max_new_tokens=2, temperature=1.0)
 

@@ -1,4 +1,4 @@
-"""`strop.job.run_steps` when its checkpoint leaves nothing to run: a run past its end is
+"""`strop.run.job.run_steps` when its checkpoint leaves nothing to run: a run past its end is
 refused before the restore, and a finished run run again re-exports with its record
 files rewritten and every metrics record kept (none is dropped "to be recomputed")."""
 
@@ -11,8 +11,8 @@ import pytest
 from strop.backends import get_backend
 from strop.config import load_config
 from strop.errors import ConfigError
-from strop.job import Job, run_steps
-from strop.progress import RunProgress
+from strop.run.job import Job, run_steps
+from strop.run.progress import RunProgress
 
 METRICS = b'{"step": 3, "train/loss": 1.0}\n{"step": 4, "train/loss": 2.0}\n'
 

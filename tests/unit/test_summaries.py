@@ -1,4 +1,4 @@
-"""The commands' closing tables (:mod:`strop.summaries`) render every row from a result."""
+"""The commands' closing tables (:mod:`strop.commands.summaries`) render every row from a result."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from strop import summaries
+from strop.commands import summaries
 
 
 def rendered(table) -> str:

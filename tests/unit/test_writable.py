@@ -62,8 +62,8 @@ def test_an_unwritable_directory_is_refused_in_one_line(unwritable):
 def test_export_and_plot_refuse_an_unwritable_out_first(unwritable, tmp_path):
     """Before: export built the model and then failed with an OSError traceback (exit 1);
     here no checkpoint exists, so a late check would say "train first" instead."""
-    from strop.export import run_export
-    from strop.plot import plot_run
+    from strop.commands.export import run_export
+    from strop.commands.plot import plot_run
 
     config = load_config("tiny", [f"run_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError, match=REFUSED):
@@ -103,7 +103,7 @@ def test_wandb_online_without_a_login_is_refused_before_the_models_load(no_wandb
     """Before: ``wandb.init`` raised UsageError (a traceback, exit 1) after the models
     were built."""
     from strop.metrics.wandb_sink import require_wandb_login
-    from strop.preflight import preflight
+    from strop.run.preflight import preflight
 
     config = load_config("tiny", [f"run_dir={no_wandb_login / 'run'}", "logging.wandb=true"])
     with pytest.raises(ConfigError, match=r"^logging\.wandb=true, but no W&B login was found"):

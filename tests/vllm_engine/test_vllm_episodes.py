@@ -17,17 +17,17 @@ import numpy as np
 
 from strop.agents.calculator_tasks import write_calc_splits
 from strop.assets import tiny_calc_path
+from strop.commands.evaluation import run_eval
 from strop.config import load_config
 from strop.data import Tokenizer
 from strop.engines.vllm import VllmEngine
 from strop.engines.vllm_sync import VllmRollouts
-from strop.evaluation import run_eval
 from strop.generation import SamplingParams
 from strop.io.model_spec import response_end_ids
 from strop.metrics.sinks import read_metrics
-from strop.preflight import check_environment
 from strop.rl.episodes import Episodes
 from strop.rl.ppo import run_ppo
+from strop.run.preflight import check_environment
 
 ENV_METRICS = {"env/turns", "env/tool_calls", "env/tool_errors", "env/truncated", "env/errors"}
 LOGPROB_BOUND = 2e-4  # float32: vLLM's and the trainer's kernels differ in reduction order

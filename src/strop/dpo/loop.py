@@ -1,7 +1,7 @@
 """The preference optimisation loop (``strop dpo``), backend-neutral.
 
-The run skeleton is SFT's (:func:`strop.job.train_policy`: the data read first, then
-:func:`strop.job.run_steps`: resume, checkpoints, metrics, the adapter's export); a step is
+The run skeleton is SFT's (:func:`strop.run.job.train_policy`: the data read first, then
+:func:`strop.run.job.run_steps`: resume, checkpoints, metrics, the adapter's export); a step is
 :class:`DpoSteps`'. Batch
 ``step`` is a pure function of the seed and the step (the pairs' order is
 :class:`~strop.data.batching.SftBatcher`'s), so a run resumes exactly. A step lays its pairs
@@ -32,8 +32,8 @@ from strop.data.batching import SftBatcher
 from strop.data.preferences import load_preference_pairs
 from strop.dpo.evaluate import EVAL_PREFIX, PairEvaluator
 from strop.errors import ConfigError
-from strop.job import PolicySteps, RunResult, train_policy
 from strop.objectives.preference import STATS, PreferenceObjective
+from strop.run.job import PolicySteps, RunResult, train_policy
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def run_dpo(config: Config, *, stop_after: int | None = None) -> DpoResult:
 
 def _read(config: Config, tokenizer: Tokenizer) -> Callable[[Policy], DpoSteps]:
     """The preference pairs in their order (and ``data.eval_path``'s, to score): the steps
-    of a policy (:func:`strop.job.train_policy`)."""
+    of a policy (:func:`strop.run.job.train_policy`)."""
     data = config.data
     pairs, stats = load_preference_pairs(data.train_path, data, tokenizer)
     logger.info(
@@ -119,7 +119,7 @@ def _read(config: Config, tokenizer: Tokenizer) -> Callable[[Policy], DpoSteps]:
 
 @dataclass
 class DpoSteps(PolicySteps):
-    """One preference update per batch of pairs (:class:`strop.job.Steps`)."""
+    """One preference update per batch of pairs (:class:`strop.run.job.Steps`)."""
 
     order: SftBatcher
     pad_id: int

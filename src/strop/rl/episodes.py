@@ -20,7 +20,7 @@ carry no loss weight (:attr:`Sample.no_loss`): the failure is the environment's,
 policy's.
 
 Validation (:meth:`Episodes.validate`) and ``strop eval`` with ``env.name``
-(:mod:`strop.evaluation`) play one episode per record (:meth:`Episodes.judge`) at their
+(:mod:`strop.commands.evaluation`) play one episode per record (:meth:`Episodes.judge`) at their
 sampling settings; an episode is correct when its reward (the parts summed) is >= 1, as a
 single-turn response is when it scores >= 1. A sampler with an ``awake()`` context (vLLM's
 engine, which may sleep between calls) is held awake for an iteration's rounds.
@@ -96,7 +96,7 @@ class Episodes:
         environment: Callable[[], Any] | None,
     ) -> Episodes | None:
         """The run's episodes, None without ``env.name``; ``environment``: its factory with
-        ``env.args``, which preflight built once (:func:`strop.preflight.check_environment`;
+        ``env.args``, which preflight built once (:func:`strop.run.preflight.check_environment`;
         the job's). A model without a chat template is refused (:class:`ConfigError`),
         before any model loads."""
         env = config.env

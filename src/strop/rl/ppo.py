@@ -52,10 +52,7 @@ from strop.backends.base import ActorCritic
 from strop.config import Config
 from strop.engines import RolloutEngine, rollout_engine, sampler_logprobs_temperature
 from strop.generation import SamplingParams
-from strop.job import Job, RunResult, run_steps, training_job
-from strop.nonfinite import count_skipped, likely_causes
 from strop.objectives.ppo import SHARED_CRITIC_PREFIX
-from strop.progress import RunProgress
 from strop.rl import rollout_correction
 from strop.rl.checks import check_ppo_config
 from strop.rl.episodes import Sample
@@ -64,6 +61,9 @@ from strop.rl.overlong import length_penalty, without_truncated
 from strop.rl.rollout import Rollout
 from strop.rl.rollout_correction import PREFIX as MISMATCH
 from strop.rl.run import PpoRun
+from strop.run.job import Job, RunResult, run_steps, training_job
+from strop.run.nonfinite import count_skipped, likely_causes
+from strop.run.progress import RunProgress
 from strop.scoring import build_reward_model, sample_and_score, sample_records
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def _train(
     config: Config, stop_after: int | None, job: Job, reward: rewards.WeightedReward | None
 ) -> PpoResult:
     """Read the run (:class:`~strop.rl.run.PpoRun`), build its models and rollout engine,
-    and run its iterations (:func:`~strop.job.run_steps`)."""
+    and run its iterations (:func:`~strop.run.job.run_steps`)."""
     ppo, progress = config.ppo, job.progress
     progress.phase("reading the prompts")
     run = PpoRun.read(config, reward, job.environment)
@@ -121,7 +121,7 @@ def _train(
 
 @dataclass
 class PpoLoop:
-    """PPO's iterations and validation (:class:`strop.job.Steps`): ``model`` trains,
+    """PPO's iterations and validation (:class:`strop.run.job.Steps`): ``model`` trains,
     ``rollouts`` samples it and is marked stale after each update of the actor.
 
     ``skipped`` counts the updates not applied because their loss or gradient norm was
@@ -146,7 +146,7 @@ class PpoLoop:
         env = self.config.env  # seq_mean_token_sum_norm's horizon: a response's (episode's)
         self.horizon = env.max_episode_tokens if self.run.episodes else self.sampling.max_new_tokens
 
-    # run_steps' side (strop.job.Steps) ---------------------------------------------------
+    # run_steps' side (strop.run.job.Steps) ---------------------------------------------------
 
     def restore_counters(self, saved: Any) -> None:
         self.skipped.update(saved or {})

@@ -18,7 +18,7 @@ from strop.config import Config
 from strop.data import Tokenizer, load_sft_examples, make_sft_batcher
 from strop.data.batching import SftBatcher
 from strop.errors import ConfigError
-from strop.job import PolicySteps, RunResult, train_policy
+from strop.run.job import PolicySteps, RunResult, train_policy
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
     loss or gradient norm is NaN/Inf is never applied: it stops the run with
     :class:`~strop.errors.NonFiniteError` before anything is saved, or with
     ``train.skip_nonfinite`` is skipped and counted in ``train/nonfinite_skipped``
-    (cumulative over the run, resumes included); see :mod:`strop.nonfinite`.
+    (cumulative over the run, resumes included); see :mod:`strop.run.nonfinite`.
     """
     if config.model.path is None or config.data.train_path is None:
         raise ConfigError("strop sft needs model.path and data.train_path")
@@ -54,7 +54,7 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
 
 def _read(config: Config, tokenizer: Tokenizer) -> Callable[[Policy], SftSteps]:
     """The training data's batches (and with ``sft.eval_every`` the held-out data's): the
-    steps of a policy (:func:`strop.job.train_policy`)."""
+    steps of a policy (:func:`strop.run.job.train_policy`)."""
     sft = config.sft
     train_examples, stats = load_sft_examples(config.data.train_path, config.data, tokenizer)
     logger.info(
@@ -72,7 +72,7 @@ def _read(config: Config, tokenizer: Tokenizer) -> Callable[[Policy], SftSteps]:
 
 @dataclass
 class SftSteps(PolicySteps):
-    """One SFT step per batch (:class:`strop.job.Steps`)."""
+    """One SFT step per batch (:class:`strop.run.job.Steps`)."""
 
     batcher: SftBatcher
     eval_batcher: SftBatcher | None

@@ -1,11 +1,11 @@
 """The skeleton every command's run shares (``strop sft``, ``strop ppo``, ``strop eval``).
 
 - :func:`training_job` / :func:`eval_job`: the command's preflight
-  (:func:`~strop.preflight.preflight`, which gives the run's one ``Backend``), then what
+  (:func:`~strop.run.preflight.preflight`, which gives the run's one ``Backend``), then what
   it holds for its whole life (a :class:`Job`): the run directory
-  (:func:`~strop.preflight.holding_run_dir`), its progress report
-  (:class:`~strop.progress.RunProgress`) and, for training, the Ctrl-C / SIGTERM report
-  that names the checkpoint to resume from (:func:`~strop.interrupts.reporting_interrupts`);
+  (:func:`~strop.run.preflight.holding_run_dir`), its progress report
+  (:class:`~strop.run.progress.RunProgress`) and, for training, the Ctrl-C / SIGTERM report
+  that names the checkpoint to resume from (:func:`~strop.run.interrupts.reporting_interrupts`);
 - :func:`run_steps`: resume (or seed the adapter from ``lora.restore_path``), the run's
   record (``config.yaml``, ``versions.json``: once the resume succeeded), the steps,
   metrics on the logging cadence, checkpoints on theirs (never cut by Ctrl-C), and the
@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, Self
 from strop.backends.base import Backend, Policy, TrainableModel
 from strop.config import Config
 from strop.data import Tokenizer, policy_tokenizer
-from strop.interrupts import deferred_interrupts, reporting_interrupts
 from strop.io.checkpoint_dir import refuse_step_past_the_end
 from strop.io.run_identity import PolicyRun
 from strop.io.run_record import CONFIG_FILE, record_run
 from strop.metrics import MetricsWriter
-from strop.nonfinite import CHECKPOINT_KEY, count_skipped, likely_causes
-from strop.preflight import holding_run_dir, preflight
-from strop.progress import RunProgress, is_main_by_environment
+from strop.run.interrupts import deferred_interrupts, reporting_interrupts
+from strop.run.nonfinite import CHECKPOINT_KEY, count_skipped, likely_causes
+from strop.run.preflight import holding_run_dir, preflight
+from strop.run.progress import RunProgress, is_main_by_environment
 
 if TYPE_CHECKING:
     from strop.engines import RolloutEngine
@@ -163,7 +163,7 @@ class PolicySteps:
 
     def count_skipped(self, metrics: dict[str, float], where: str) -> None:
         """Pop ``skipped`` from an update's ``metrics`` and count it; a non-finite update
-        without ``train.skip_nonfinite`` raises (:func:`~strop.nonfinite.count_skipped`)."""
+        without ``train.skip_nonfinite`` raises (:func:`~strop.run.nonfinite.count_skipped`)."""
         config = self.config
         self.skipped += count_skipped(
             metrics,

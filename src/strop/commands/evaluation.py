@@ -49,9 +49,9 @@ from strop.generation import SamplingParams
 from strop.io.atomic import write_text_atomically
 from strop.io.model_spec import check_context_length, read_model_spec, response_end_ids
 from strop.io.peft import load_adapter
-from strop.job import Job, eval_job
 from strop.rl.episodes import Episodes
 from strop.rl.prompts import PromptSet
+from strop.run.job import Job, eval_job
 from strop.scoring import build_reward_model, sample_and_score
 
 logger = logging.getLogger(__name__)

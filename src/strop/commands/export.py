@@ -31,7 +31,7 @@ from strop.io.run_record import CONFIG_FILE
 from strop.io.writable import require_output_dir
 from strop.lora_targets import match_targets
 from strop.objectives.roles import RolePlan
-from strop.preflight import preflight
+from strop.run.preflight import preflight
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def export_config(run: str, overrides: Sequence[str] = ()) -> Config:
     if Path(run).is_dir():
         return _recorded(Path(run), overrides)
     if run == "demo":
-        from strop.demo import demo_recipe, with_backend_run_dir
+        from strop.commands.demo import demo_recipe, with_backend_run_dir
 
         overrides = with_backend_run_dir(overrides)
         run = demo_recipe(overrides)  # demo-calc with env.name=calculator

@@ -5,7 +5,7 @@ draws nothing useful, so a plain log line is written instead, once the first ste
 and then at most every ``interval`` seconds as steps end, with the step, the command's
 own figures (loss, reward, ...), seconds per step and the time left::
 
-    12:01:15 INFO strop.progress: ppo 12/60 | reward 0.412 | val acc 55.0% | 3.10 s/step | ETA 2m29s
+    12:01:15 INFO strop.run.progress: ppo 12/60 | reward 0.412 | val acc 55.0% | 3.10 s/step | ETA 2m29s
 
 Seconds per step and the ETA count the steps after the first, which carries the compiles
 and warm-up (the bar's own estimate leaves it out too); the line after the first step
@@ -15,7 +15,7 @@ While a step or a phase (loading the model, the first compile, validation) runs 
 nothing said, a line names what is running: after ``first_line`` seconds (1 s) for the
 first line of the command, then every ``interval`` seconds::
 
-    12:01:30 INFO strop.progress: ppo 12/60 | step 13 running for 15s
+    12:01:30 INFO strop.run.progress: ppo 12/60 | step 13 running for 15s
 
 so that the command speaks within seconds and is never silent for more than about
 ``interval`` seconds. A phase is not announced the moment it begins: a command that

@@ -27,15 +27,15 @@ from pathlib import Path
 
 from strop.assets import tiny_calc_path, tiny_math_path
 from strop.backends import get_backend
+from strop.commands.plot import plot_run
 from strop.config import Config, load_config
 from strop.config.env import NONE
 from strop.config.sources import overrides_set, parse_override
 from strop.data.synthetic import split_paths, write_splits
 from strop.errors import ConfigError
 from strop.metrics.sinks import read_metrics
-from strop.plot import plot_run
-from strop.preflight import holding_run_dir
 from strop.rl.ppo import PpoResult, run_ppo
+from strop.run.preflight import holding_run_dir
 
 RECIPE = "demo"
 N_TRAIN = 2000  # training prompts (PPO draws 16 per iteration)

@@ -90,7 +90,7 @@ def _demo_outcome(table: Table, result: Any, run: Any, time: str) -> None:
 
 
 def demo_summary(result: Any) -> Table:
-    """`strop demo` (:class:`strop.demo.DemoResult`): accuracy before and after PPO."""
+    """`strop demo` (:class:`strop.commands.demo.DemoResult`): accuracy before and after PPO."""
     ppo = result.ppo
     table = Table(title="strop demo", show_header=False)
     table.add_row("backend", result.backend)
@@ -104,7 +104,7 @@ def demo_summary(result: Any) -> Table:
 
 
 def dpo_demo_summary(result: Any) -> Table:
-    """`strop demo dpo` (:class:`strop.demo_dpo.DpoDemoResult`): the pairs, then accuracy
+    """`strop demo dpo` (:class:`strop.commands.demo_dpo.DpoDemoResult`): the pairs, then accuracy
     before and after DPO."""
     dpo = result.dpo
     table = Table(title="strop demo dpo", show_header=False)
@@ -130,7 +130,7 @@ def _size(size: int) -> str:
 
 
 def plan_table(plan: Any, model: str) -> Table:
-    """`strop plan` (:class:`strop.plan.MemoryPlan`): each part's size, the peak, the verdict."""
+    """`strop plan` (:class:`strop.commands.plan.MemoryPlan`): each part's size, the peak, the verdict."""
     table = Table(title=f"strop plan: {plan.job} on {model}")
     for name, justify in (("part", "left"), ("when", "left"), ("size", "right"),
                           ("how", "left")):  # fmt: skip

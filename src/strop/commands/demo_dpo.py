@@ -7,7 +7,7 @@ One command, on a laptop CPU, in the run directory ``runs/demo-dpo-<backend>`` (
    the same 256 held-out problems) under ``<run_dir>/data``;
 2. ``eval.num_samples`` responses to each of the first ``eval.max_examples`` training
    problems at ``eval.temperature``, sampled and scored by ``strop eval``
-   (:func:`strop.evaluation.run_eval`: the backend's native sampler, ``eval.reward``, the
+   (:func:`strop.commands.evaluation.run_eval`: the backend's native sampler, ``eval.reward``, the
    answer checker) into ``<run_dir>/sampled/eval/results.jsonl``;
 3. preference pairs (:func:`build_pairs`): per problem, a right response as ``chosen`` and
    a wrong one as ``rejected`` (a problem whose responses are all right or all wrong gives
@@ -35,17 +35,17 @@ import numpy as np
 
 from strop.assets import tiny_math_path
 from strop.backends import get_backend
+from strop.commands.demo import N_TRAIN, N_VALIDATION  # strop demo's problems: the same splits
+from strop.commands.evaluation import EvalResult, run_eval
+from strop.commands.plot import plot_run
 from strop.config import Config, load_config
 from strop.config.sources import overrides_set
 from strop.data import read_data_file
 from strop.data.synthetic import split_paths, write_splits
-from strop.demo import N_TRAIN, N_VALIDATION  # strop demo's problems: the same splits
 from strop.dpo.loop import DpoResult, run_dpo
 from strop.errors import ConfigError, DataError
-from strop.evaluation import EvalResult, run_eval
 from strop.io.atomic import write_text_atomically
-from strop.plot import plot_run
-from strop.preflight import holding_run_dir
+from strop.run.preflight import holding_run_dir
 
 RECIPE = "demo-dpo"
 PAIRS_FILE = "pairs.jsonl"

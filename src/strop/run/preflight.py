@@ -25,7 +25,7 @@ before any tokenizer, data or weights load, the job takes its run directory
 demo takes it first, as it writes its data there), after checking the job can write
 there, and in its checkpoint directory. A refused job changes nothing there:
 ``config.yaml`` and ``versions.json`` are written once the resume succeeded
-(:func:`strop.job.run_steps`).
+(:func:`strop.run.job.run_steps`).
 
 How a batch splits over the devices: both backends lay the batch's rows over the mesh's ``data`` x ``fsdp`` axes (``data``
 replicates the weights, ``fsdp`` shards them; both split the rows), and tensor
