@@ -185,33 +185,28 @@ class Policy(TrainableModel, Protocol):
 
 
 class PolicyMethods:
-    """The :class:`Policy` methods both backends' policies share, written once over their
-    own package's modules of the same names, which a policy class names: ``preference``
-    (``forward_pair_logps``, ``prepare_reference``, ``train_pairs``), ``lora`` (``adapter_weights``,
-    ``set_adapter_weights``) and ``write_once``. A policy has ``config`` and ``model``."""
+    """The :class:`Policy` methods both backends' policies share, written once. A policy
+    has ``config``, ``model``, ``pairs`` (its backend's ``preference.PreferencePairs``:
+    the pair layouts over its forward), and names its package's ``lora`` module
+    (``adapter_weights``, ``set_adapter_weights``) and ``write_once``."""
 
-    preference: ClassVar[ModuleType]
     lora: ClassVar[ModuleType]
     write_once: ClassVar[Callable[[Callable[[], object], str], None]]  # a staticmethod
     config: Config
     model: Any
+    pairs: Any
 
     def pair_logps(
         self, batch: dict[str, np.ndarray], chunks: int, *, reference: bool = False
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Each pair's chosen and rejected log-probability sums, one forward per layout
-        (the backend's ``preference.forward_pair_logps``)."""
-        return self.preference.forward_pair_logps(self, batch, chunks, reference=reference)
-
-    def prepare_reference(self) -> None:
-        """The frozen reference, made now (the backend's ``preference.prepare_reference``)."""
-        self.preference.prepare_reference(self)
+        """Each pair's chosen and rejected log-probability sums, one forward per layout."""
+        return self.pairs.logps(batch, chunks, reference=reference)
 
     def train_pairs(
         self, batch: dict[str, np.ndarray], chunks: int, objective: PreferenceObjective
     ) -> dict[str, float]:
-        """One preference update (the backend's ``preference.train_pairs``)."""
-        return self.preference.train_pairs(self, batch, chunks, objective)
+        """One preference update."""
+        return self.pairs.train(batch, chunks, objective)
 
     def load_adapter(self, path: str | os.PathLike) -> None:
         """Seed the LoRA weights from a PEFT adapter directory."""

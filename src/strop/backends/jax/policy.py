@@ -9,21 +9,26 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
 from strop.backends.base import PolicyMethods
-from strop.backends.jax import lora, preference
+from strop.backends.jax import lora
 from strop.backends.jax.checkpoint import TrainCheckpoints
 from strop.backends.jax.generate import generate
 from strop.backends.jax.lora import (
     apply_lora,
     check_supported,
+    initial_reference,
     trainable_filter,
     with_adapters_merged,
 )
+from strop.backends.jax.ppo_steps import logprobs
+from strop.backends.jax.preference import PreferencePairs
 from strop.backends.jax.sharding import (
     is_main_process,
     make_mesh,
@@ -50,8 +55,8 @@ class JaxPolicy(PolicyMethods, Sampler):
     """A causal LM being fine-tuned (LoRA or full) on a mesh."""
 
     backend = "jax"
-    # the modules and write_once that PolicyMethods calls: this package's
-    preference, lora, write_once = preference, lora, staticmethod(write_once)
+    # the module and write_once that PolicyMethods calls: this package's
+    lora, write_once = lora, staticmethod(write_once)
 
     def __init__(self, config: Config, run: PolicyRun = INFERENCE):
         check_supported(config.lora)
@@ -71,6 +76,8 @@ class JaxPolicy(PolicyMethods, Sampler):
             model, self.mesh, config.optim, total_steps=run.total_steps, trainable=self.trainable
         )
         self.checkpoints = run.checkpoints(TrainCheckpoints, config, "jax")
+        self.pairs = PreferencePairs(self.token_logprobs, self.trainer, self.mesh)
+        self._reference: nnx.State | None = None  # made once, by prepare_reference
 
     @property
     def is_main(self) -> bool:
@@ -88,6 +95,34 @@ class JaxPolicy(PolicyMethods, Sampler):
             self.model, arrays["input_ids"], arrays["attention_mask"], arrays["loss_mask"]
         )
         return float(total), float(count)
+
+    def token_logprobs(self, rows: dict[str, jax.Array], *, reference: bool = False) -> jax.Array:
+        """``[R, W]`` log-probabilities of each token of packed rows on the mesh
+        (``input_ids``, ``attention_mask`` with segment ids, ``positions``: a pair layout),
+        without gradient; ``reference``: of the frozen reference (:meth:`prepare_reference`)."""
+        graphdef, trainable, frozen = nnx.split(self.model, self.trainable, ...)
+        if reference:
+            trainable = self._reference_weights()
+        ids, mask, positions = rows["input_ids"], rows["attention_mask"], rows["positions"]
+        return logprobs(graphdef, trainable, frozen, ids, mask, positions, 1.0)
+
+    def prepare_reference(self) -> None:
+        """Make the reference now: the DPO loop calls it before a checkpoint is restored,
+        so that with full fine-tuning its copy is of the starting weights."""
+        self._reference_weights()
+
+    def _reference_weights(self) -> nnx.State:
+        """The reference's trainable-shaped part, made once as PPO's
+        (:func:`~strop.backends.jax.lora.initial_reference`): a zero adapter (``x W + x A
+        B`` with ``A = B = 0`` is the base's ``x W``), ``dpo.reference: adapter:DIR``'s
+        weights, frozen, or (full fine-tuning) a copy of the weights as they are now."""
+        if self._reference is None:
+            path = self.config.dpo.reference_adapter
+            kind = "copy" if not self.config.lora.enabled else "adapter" if path else "base"
+            plan = SimpleNamespace(reference=kind, reference_adapter=path)
+            graphdef, trainable, frozen = nnx.split(self.model, self.trainable, ...)
+            self._reference = initial_reference(graphdef, trainable, frozen, self.config, plan)
+        return self._reference
 
     def sample(
         self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding

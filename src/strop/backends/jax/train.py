@@ -324,10 +324,7 @@ class Trainer:
         self.tx = make_optimizer(optim, total_steps)
         self.opt_state = replicate_unplaced(self.tx.init(self.params), mesh)
         self.traces = TraceCounter()
-        self._update = jit_update(
-            self.tx, partial(sft_loss, self.graphdef), on_trace=self.traces.record,
-            name="sft_update",
-        )  # fmt: skip
+        self._update = self.jit_update(sft_loss, name="sft_update")
 
     @property
     def params(self) -> nnx.State:
@@ -351,10 +348,17 @@ class Trainer:
         metrics = self.run(self._update, arrays)
         return {**metrics, "tokens": target_tokens(batch["loss_mask"])}
 
+    def jit_update(self, loss: Callable, *bound: Any, name: str) -> Callable:
+        """The jitted :func:`update` of this trainer's optimizer over the micro loss
+        ``loss(graphdef, *bound, trainable, frozen, micro)`` (:func:`sft_loss`,
+        :func:`~strop.backends.jax.preference.preference_loss`), for :meth:`run`; its
+        traces are counted in ``traces``, ``name`` is the program's."""
+        micro_loss = partial(loss, self.graphdef, *bound)
+        return jit_update(self.tx, micro_loss, on_trace=self.traces.record, name=name)
+
     def run(self, update: Callable, arrays: dict[str, jax.Array]) -> dict[str, float]:
-        """One optimizer step of ``update`` (a :func:`jit_update` over this trainer's
-        ``tx``, e.g. the SFT one or :mod:`~strop.backends.jax.preference`'s) on
-        ``[micro, ...]`` device arrays; its stats as host floats."""
+        """One optimizer step of ``update`` (one of :meth:`jit_update`) on ``[micro, ...]``
+        device arrays; its stats as host floats."""
         _, params, frozen = nnx.split(self.model, self.trainable, ...)
         params, self.opt_state, stats = update(params, self.opt_state, frozen, arrays)
         nnx.update(self.model, params)
