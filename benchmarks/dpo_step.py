@@ -68,7 +68,7 @@ def measure(backend: str, lora: bool, args: argparse.Namespace) -> dict:
     from strop.data.batching import SftBatcher
     from strop.dpo.loop import DpoSteps
     from strop.io.model_spec import read_model_spec
-    from strop.io.run_identity import PolicyRun
+    from strop.io.run_identity import CheckpointPlace, PolicyRun
 
     steps = args.warmup + args.steps
     config = load_config("dpo-lora-tiny", [
@@ -86,7 +86,7 @@ def measure(backend: str, lora: bool, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as checkpoints:
         began = time.perf_counter()
         policy = get_backend(backend).build_policy(
-            config, PolicyRun(total_steps=steps, checkpoint_dir=checkpoints)
+            config, PolicyRun(steps, CheckpointPlace.of(config, directory=checkpoints))
         )
         policy.prepare_reference()
         build_s = time.perf_counter() - began

@@ -34,6 +34,7 @@ from strop.config import load_config
 from strop.data import Tokenizer
 from strop.engines import NativeEngine
 from strop.generation import SamplingParams
+from strop.objectives.roles import RolePlan
 from strop.rl.episodes import Episodes
 from strop.run.preflight import check_environment
 
@@ -69,7 +70,9 @@ def run(backend: str, args: argparse.Namespace) -> list[list[str]]:
     environment = check_environment(config.env.name, config.env.args)
     episodes = Episodes.from_config(config, tok, [tok.eos_token_id], environment)
     episodes = dataclasses.replace(episodes, factory=Scripted)
-    actor = get_backend(backend).build_actor_critic(config, total_updates=1, checkpoint_dir=None)
+    actor = get_backend(backend).build_actor_critic(
+        config, total_updates=1, plan=RolePlan.from_config(config), checkpoints=None
+    )
     actor.expect_prompts(episodes.longest_prefix)
     engine = NativeEngine(actor)
     records = [{"question": f"What is {17 * k + 3} * {29 * k + 11}?"} for k in range(args.episodes)]

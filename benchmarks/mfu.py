@@ -81,7 +81,7 @@ def measure(backend: str, lora: bool, args: argparse.Namespace) -> dict:
     from strop.backends import get_backend
     from strop.config import load_config
     from strop.io.model_spec import read_model_spec
-    from strop.io.run_identity import PolicyRun
+    from strop.io.run_identity import CheckpointPlace, PolicyRun
 
     config = load_config("tiny", [
         f"backend={backend}", f"model.path={args.model}", f"model.dtype={args.dtype}",
@@ -93,7 +93,8 @@ def measure(backend: str, lora: bool, args: argparse.Namespace) -> dict:
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as checkpoints:
         policy = get_backend(backend).build_policy(
-            config, PolicyRun(total_steps=args.steps + args.warmup, checkpoint_dir=checkpoints)
+            config,
+            PolicyRun(args.steps + args.warmup, CheckpointPlace.of(config, directory=checkpoints)),
         )
         build_s = time.perf_counter() - began
         times, losses = [], []

@@ -42,7 +42,7 @@ def measure(backend: str, lora: bool, model_dir: str, args: argparse.Namespace) 
     """Runs inside the child process: build, warm up, time ``args.steps`` steps."""
     from strop.backends import get_backend
     from strop.config import load_config
-    from strop.io.run_identity import PolicyRun
+    from strop.io.run_identity import CheckpointPlace, PolicyRun
 
     config = load_config(
         "tiny",
@@ -60,7 +60,8 @@ def measure(backend: str, lora: bool, model_dir: str, args: argparse.Namespace) 
     )
     with tempfile.TemporaryDirectory() as checkpoints:
         policy = get_backend(backend).build_policy(
-            config, PolicyRun(total_steps=args.steps + WARMUP_STEPS, checkpoint_dir=checkpoints)
+            config,
+            PolicyRun(args.steps + WARMUP_STEPS, CheckpointPlace.of(config, directory=checkpoints)),
         )
         times, losses = [], []
         for step in range(WARMUP_STEPS + args.steps):

@@ -242,8 +242,9 @@ def demo(overrides: Overrides = None) -> None:
     With env.name=calculator: LoRA-GRPO on the shipped tiny calculator agent's episodes.
 
     strop demo dpo ...: LoRA-DPO on pairs from the tiny math model's own samples."""
-    if "dpo" in (overrides or ()):  # `strop demo dpo [key=value ...]`, the word anywhere
-        _dpo_demo([o for o in overrides or () if o != "dpo"])
+    words = [o for o in overrides or () if o in DEMOS]  # `strop demo dpo [key=value ...]`
+    if words:  # the word anywhere
+        DEMOS[words[0]]([o for o in overrides or () if o not in DEMOS])
         return
     from strop.commands.demo import run_demo
 
@@ -258,6 +259,10 @@ def _dpo_demo(overrides: Sequence[str]) -> None:
     result = run_dpo_demo(overrides)
     if result.dpo.is_main:
         Console().print(summaries.dpo_demo_summary(result))
+
+
+DEMOS: dict[str, Callable[[Sequence[str]], None]] = {"dpo": _dpo_demo}
+"""The demos beside PPO's, by the word after ``strop demo``."""
 
 
 @app.command("plan")
@@ -277,7 +282,7 @@ def plan_command(
         str,
         typer.Option(
             "--job", help="sft, dpo, ppo, or auto (the recipe's ppo: or dpo: section, else sft)."
-        ),
+        ),  # the kinds strop.run.kinds.planned_kinds() names
     ] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
@@ -346,7 +351,9 @@ def export(
         raise StropError("--out DIRECTORY is required")
     kind = True if merged else False if adapter else None
     result = run_export(export_config(run, overrides or ()), out, merged=kind)
-    what = {"ppo": "the actor of PPO", "dpo": "DPO"}.get(result.job, "SFT")
+    from strop.run.kinds import run_kind
+
+    what = run_kind(result.job).trained
     form = "a merged model" if result.merged else "a PEFT adapter"
     typer.echo(f"exported {what} step {result.step} to {result.path} ({form})")
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from strop.backends.torch.fsdp import decoder_layers
 from strop.backends.torch.lora import adapter_weights, set_adapter_weights
 from strop.backends.torch.policy import TorchPolicy
-from strop.io.run_identity import PolicyRun
+from strop.io.run_identity import CheckpointPlace, PolicyRun
 from tests.distributed.cases import (
     full_config,
     global_batch,
@@ -60,8 +60,8 @@ def main() -> None:
     batch = global_batch()
 
     policy = TorchPolicy(
-        lora_config(lora_model, out / "lora-run"),
-        PolicyRun(total_steps=4, checkpoint_dir=out / "lora-ckpt"),
+        cfg := lora_config(lora_model, out / "lora-run"),
+        PolicyRun(4, CheckpointPlace.of(cfg, directory=out / "lora-ckpt")),
     )
     assert dist.is_initialized() and dist.get_world_size() == 2
     params = dict(policy.model.named_parameters())
@@ -85,8 +85,8 @@ def main() -> None:
     }
 
     policy = TorchPolicy(
-        full_config(full_model, out / "full-run"),
-        PolicyRun(total_steps=4, checkpoint_dir=out / "full-ckpt"),
+        cfg := full_config(full_model, out / "full-run"),
+        PolicyRun(4, CheckpointPlace.of(cfg, directory=out / "full-ckpt")),
     )
     loss_sum, count = sft_gradients(policy, batch, micro_batches=1)
     full = {

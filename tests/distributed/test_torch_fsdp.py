@@ -19,7 +19,7 @@ import pytest
 
 from strop.backends.torch.lora import adapter_weights, set_adapter_weights
 from strop.backends.torch.policy import TorchPolicy
-from strop.io.run_identity import PolicyRun
+from strop.io.run_identity import CheckpointPlace, PolicyRun
 from tests.distributed.addition_task import write_addition_task
 from tests.distributed.cases import (
     full_config,
@@ -68,7 +68,8 @@ def test_lora_two_processes_equal_one(two_process_run, tmp_path):
     assert int(sharded["layers"]) == 2
 
     policy = TorchPolicy(
-        lora_config(lora_model, tmp_path), PolicyRun(total_steps=4, checkpoint_dir=tmp_path / "c")
+        cfg := lora_config(lora_model, tmp_path),
+        PolicyRun(4, CheckpointPlace.of(cfg, directory=tmp_path / "c")),
     )
     set_adapter_weights(policy.model, seeded_adapter(policy.model), "test")
     loss_sum, count = sft_gradients(policy, global_batch(), micro_batches=2)
@@ -93,8 +94,8 @@ def test_one_process_resumes_a_two_process_checkpoint(two_process_run, tmp_path)
     out, (lora_model, _) = two_process_run
     sharded = dict(np.load(out / "lora.npz"))
     policy = TorchPolicy(
-        lora_config(lora_model, tmp_path),
-        PolicyRun(total_steps=4, checkpoint_dir=out / "lora-ckpt"),
+        cfg := lora_config(lora_model, tmp_path),
+        PolicyRun(4, CheckpointPlace.of(cfg, directory=out / "lora-ckpt")),
     )
     assert policy.latest_checkpoint() == 1
     assert policy.restore_checkpoint(1) == {"step": 1}
@@ -106,7 +107,8 @@ def test_full_finetuning_two_processes_equal_one(two_process_run, tmp_path):
     out, (_, tied_model) = two_process_run
     sharded = dict(np.load(out / "full.npz"))
     policy = TorchPolicy(
-        full_config(tied_model, tmp_path), PolicyRun(total_steps=4, checkpoint_dir=tmp_path / "c")
+        cfg := full_config(tied_model, tmp_path),
+        PolicyRun(4, CheckpointPlace.of(cfg, directory=tmp_path / "c")),
     )
     loss_sum, _ = sft_gradients(policy, global_batch(), micro_batches=1)
     grads = named_grads(policy.model)
@@ -122,7 +124,8 @@ def test_sharded_model_generates_what_one_process_does(two_process_run, tmp_path
     out, (_, tied_model) = two_process_run
     sharded = dict(np.load(out / "generate.npz"))
     policy = TorchPolicy(
-        full_config(tied_model, tmp_path), PolicyRun(total_steps=4, checkpoint_dir=tmp_path / "c")
+        cfg := full_config(tied_model, tmp_path),
+        PolicyRun(4, CheckpointPlace.of(cfg, directory=tmp_path / "c")),
     )
     here = sample_prompts(policy)
     for name in ("greedy", "sampled"):

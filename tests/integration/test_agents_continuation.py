@@ -23,6 +23,7 @@ from strop.data import Tokenizer
 from strop.engines import NativeEngine
 from strop.generation import SamplingParams
 from strop.io.tiny import make_tiny_checkpoint
+from strop.objectives.roles import RolePlan
 from strop.rl.episodes import Episodes
 from strop.run.preflight import check_environment
 from tests.tiny_models import build_tiny_model
@@ -85,7 +86,9 @@ def test_continuing_from_the_kv_cache_samples_what_re_prefilling_does(backend, t
     assert not prefilled.kv_cache
     cached = dataclasses.replace(cached, factory=Scripted)
     prefilled = dataclasses.replace(prefilled, factory=Scripted)
-    actor = get_backend(backend).build_actor_critic(config, total_updates=1, checkpoint_dir=None)
+    actor = get_backend(backend).build_actor_critic(
+        config, total_updates=1, plan=RolePlan.from_config(config), checkpoints=None
+    )
     actor.expect_prompts(cached.longest_prefix)  # as `strop ppo` does
 
     reused = []  # per call: how many ids each row took from its cache

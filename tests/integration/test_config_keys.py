@@ -18,6 +18,7 @@ from pydantic import BaseModel
 import strop
 from strop.config import Config, load_config
 from strop.metrics.sinks import read_metrics
+from strop.run.kinds import run_kind
 from strop.run.preflight import preflight
 from strop.sft.loop import run_sft
 from tests.integration.test_sft_run import config_for, sft_inputs  # noqa: F401
@@ -96,10 +97,10 @@ def test_sft_eval_every_without_eval_data_is_refused(sft_inputs, tmp_path, capsy
 def test_logging_level_sets_stroops_own_level(tmp_path) -> None:
     config = load_config("tiny", [f"run_dir={tmp_path}", "logging.level=WARNING"])
     try:
-        preflight(config, "eval", None)
+        preflight(config, run_kind("eval"))
         assert logging.getLogger("strop").level == logging.WARNING
         preflight(config.model_copy(update={"logging": config.logging.model_copy(
-            update={"level": "DEBUG"})}), "eval", None)  # fmt: skip
+            update={"level": "DEBUG"})}), run_kind("eval"))  # fmt: skip
         assert logging.getLogger("strop").level == logging.DEBUG
     finally:
         logging.getLogger("strop").setLevel(logging.INFO)

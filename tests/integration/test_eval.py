@@ -128,7 +128,7 @@ def test_eval_plays_episodes_and_counts_what_ppo_validation_counts(calc_inputs, 
     from strop.cli import evaluate
     from strop.data import Tokenizer
     from strop.generation import SamplingParams
-    from strop.io.model_spec import response_end_ids
+    from strop.io.model_spec import read_model_spec, response_end_ids
     from strop.rl.episodes import Episodes
     from strop.rl.prompts import PromptSet
     from strop.run.preflight import check_environment
@@ -152,7 +152,10 @@ def test_eval_plays_episodes_and_counts_what_ppo_validation_counts(calc_inputs, 
     tok = Tokenizer.from_pretrained(config.model.path)
     environment = check_environment(config.env.name, config.env.args)
     episodes = Episodes.from_config(
-        config, tok, response_end_ids(config.model.path, tok.eos_token_id), environment
+        config,
+        tok,
+        response_end_ids(read_model_spec(config.model.path), tok.eos_token_id),
+        environment,
     )
     prompts = PromptSet.read(data, config, tok)
     policy = get_backend("torch").build_policy(config)

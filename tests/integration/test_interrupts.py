@@ -117,7 +117,7 @@ def test_a_signal_stops_a_run_in_one_line_and_it_resumes(
     leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.isdigit()]
     assert leftovers == []
     # not a terminal: plain progress lines instead of a bar
-    assert re.search(r"strop\.progress: sft \d+/400 \| ", stderr), stderr
+    assert re.search(r"strop\.run\.progress: sft \d+/400 \| ", stderr), stderr
 
     resumed = subprocess.run(
         _command(sft_inputs, run_dir, backend, steps=latest + 2),

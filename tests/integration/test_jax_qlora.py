@@ -18,6 +18,7 @@ from strop.config import load_config
 from strop.generation import SamplingParams
 from strop.io.model_spec import read_model_spec
 from strop.io.run_identity import PolicyRun
+from strop.objectives.roles import RolePlan
 from strop.rl.experience import build_experience, minibatches
 from tests.distributed.cases import global_batch
 from tests.parity.test_ppo_backends import make_config, random_weights, rollout_batch
@@ -85,7 +86,9 @@ def test_a_ppo_iteration_on_an_nf4_base_shared_by_actor_critic_and_reference(
         model_dir, "backend=jax", "lora.base_quantization=nf4",
         f"ppo.advantage_estimator={estimator}", "ppo.kl_in_reward=false",
     )  # fmt: skip
-    engine = JaxActorCritic(config, total_updates=2, checkpoint_dir=None)
+    engine = JaxActorCritic(
+        config, total_updates=2, plan=RolePlan.from_config(config), checkpoints=None
+    )
     assert engine.plan.has_critic == (estimator == "gae")
     before = quantized_state(engine.actor_module())
     assert before
@@ -125,7 +128,9 @@ def test_qlora_exports_a_peft_adapter_for_the_float_base_and_a_dequantized_merge
 
     model_dir = tiny_model_dir("qwen2")
     config = make_config(model_dir, "backend=jax", "lora.base_quantization=nf4")
-    engine = JaxActorCritic(config, total_updates=2, checkpoint_dir=None)
+    engine = JaxActorCritic(
+        config, total_updates=2, plan=RolePlan.from_config(config), checkpoints=None
+    )
     engine.set_lora_weights(actor=random_weights(engine, seed=3)["actor"])
     batch = global_batch()
     ids, mask = batch["input_ids"], batch["attention_mask"]

@@ -10,7 +10,9 @@ import pytest
 from strop.backends import get_backend
 from strop.config import load_config
 from strop.io.hf import SafetensorsReader
+from strop.io.model_spec import read_model_spec
 from strop.io.run_identity import PolicyRun
+from strop.objectives.roles import RolePlan
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
@@ -24,8 +26,8 @@ def test_merged_weights_are_what_export_merged_writes(backend, lora, tiny_model_
             load_config("tiny", [*overrides, f"run_dir={tmp_path / 'sft'}"]),
             PolicyRun(total_steps=2))),
         ("actor", built.build_actor_critic(
-            load_config("ppo-lora-tiny", [*overrides, f"run_dir={tmp_path / 'ppo'}"]),
-            total_updates=2, checkpoint_dir=None)),
+            ppo := load_config("ppo-lora-tiny", [*overrides, f"run_dir={tmp_path / 'ppo'}"]),
+            total_updates=2, plan=RolePlan.from_config(ppo), checkpoints=None)),
     ):  # fmt: skip
         written = SafetensorsReader(model.export_merged(tmp_path / f"{name}-merged"))
         streamed = list(model.merged_weights())
@@ -51,7 +53,7 @@ def test_merging_an_adapter_on_a_tied_head_is_refused(tiny_model_dir, kind, targ
     config = load_config("tiny", [f"model.path={tiny_model_dir(kind)}", "lora.enabled=true",
                                   f"lora.target_modules={targets}"])  # fmt: skip
     if not refused:
-        refuse_merging_a_tied_head(config)
+        refuse_merging_a_tied_head(config, read_model_spec(config.model.path))
         return
     with pytest.raises(ConfigError, match="cannot merge into this model's tied embeddings"):
-        refuse_merging_a_tied_head(config)
+        refuse_merging_a_tied_head(config, read_model_spec(config.model.path))

@@ -30,8 +30,12 @@ from strop.config import load_config
 from strop.io.run_identity import PolicyRun
 from strop.io.tiny import make_tiny_checkpoint
 from strop.metrics.sinks import read_metrics
+from strop.objectives.roles import RolePlan
 from strop.rl.ppo import run_ppo
 from strop.rl.prompts import PromptSet
+from strop.run.job import build_trained_model
+from strop.run.kinds import run_kind
+from strop.run.preflight import preflight
 from strop.sft.loop import run_sft
 from tests.integration.poisoned_strop import install, write_poison
 
@@ -291,12 +295,10 @@ def test_ppo_nonfinite_stops_with_one_line_then_resumes_or_skips(ppo_task, tmp_p
 
 def restored_weights(task, run_dir: Path, backend: str):
     """Actor and critic adapters and the value head of the run's latest checkpoint."""
-    from strop.backends import get_backend
 
     config = load_config("ppo-lora-tiny", ppo_overrides(task, run_dir, backend))
-    engine = get_backend(backend).build_actor_critic(
-        config, total_updates=config.ppo.optimizer_updates(), checkpoint_dir=run_dir / "checkpoints"
-    )
+    facts = preflight(config, run_kind("ppo"), exporting=True)  # as strop export restores it
+    engine = build_trained_model(config, facts)
     engine.restore_checkpoint(engine.latest_checkpoint())
     return engine.lora_weights()
 
@@ -317,7 +319,9 @@ def test_skipped_ppo_updates_leave_weights_and_optimizers_bit_identical(
 
     _, token = ppo_task
     config = load_config("ppo-lora-tiny", ppo_overrides(ppo_task, tmp_path, backend))
-    engine = get_backend(backend).build_actor_critic(config, total_updates=4, checkpoint_dir=None)
+    engine = get_backend(backend).build_actor_critic(
+        config, total_updates=4, plan=RolePlan.from_config(config), checkpoints=None
+    )
     clean, poisoned = update_batch(engine, seed=0), update_batch(engine, seed=1, poison=token)
     for train in (engine.train_critic, engine.train_policy):  # optimizer state is not zero
         assert train(clean, 1)["skipped"] == 0.0

@@ -24,6 +24,7 @@ from strop.config import load_config
 from strop.io.tiny import make_tiny_checkpoint
 from strop.metrics.sinks import read_metrics
 from strop.rl.ppo import run_ppo
+from tests.run_facts import ONCE_EACH, counting_run_facts
 
 BACKENDS = ("jax", "torch")
 REQUIRED_METRICS = {
@@ -79,6 +80,14 @@ def config_for(task, run_dir, backend, *overrides):
             *overrides,
         ],
     )
+
+
+def test_a_ppo_run_reads_its_facts_once_before_step_1(task, tmp_path, monkeypatch):
+    """The model's config.json, the role plan's job identity and the checkpoint listing:
+    read once, at preflight, and handed on (issue 46)."""
+    with counting_run_facts(monkeypatch) as counts:
+        run_ppo(config_for(task, tmp_path, "torch"), stop_after=0)
+    assert counts == ONCE_EACH
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -19,6 +19,7 @@ from strop.config import load_config
 from strop.errors import CheckpointError
 from strop.metrics.sinks import read_metrics
 from strop.sft.loop import run_sft
+from tests.run_facts import ONCE_EACH, counting_run_facts
 from tests.tiny_models import save_tiny_model
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
@@ -60,6 +61,14 @@ def config_for(sft_inputs, run_dir, **overrides):
 
 
 BACKENDS = pytest.mark.parametrize("backend", ["jax", "torch"])
+
+
+def test_an_sft_run_reads_its_facts_once_before_step_1(sft_inputs, tmp_path, monkeypatch):
+    """The model's config.json, the job identity and the checkpoint listing: read once,
+    at preflight, and handed on (issue 46)."""
+    with counting_run_facts(monkeypatch) as counts:
+        run_sft(config_for(sft_inputs, tmp_path / "run", backend="torch"), stop_after=0)
+    assert counts == ONCE_EACH
 
 
 @BACKENDS

@@ -10,7 +10,7 @@ from strop.backends.torch.lora import lora_modules
 from strop.backends.torch.policy import TorchPolicy
 from strop.config import load_config
 from strop.errors import ConfigError
-from strop.io.run_identity import PolicyRun
+from strop.io.run_identity import CheckpointPlace, PolicyRun
 from tests.distributed.cases import global_batch
 
 
@@ -28,7 +28,9 @@ def policy_for(model_dir, tmp_path, *overrides) -> TorchPolicy:
             *overrides,
         ],
     )
-    return TorchPolicy(config, PolicyRun(total_steps=20, checkpoint_dir=tmp_path / "ckpt"))
+    return TorchPolicy(
+        config, PolicyRun(20, CheckpointPlace.of(config, directory=tmp_path / "ckpt"))
+    )
 
 
 def host_copies(model, trainable: bool) -> dict[str, np.ndarray]:

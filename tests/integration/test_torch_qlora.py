@@ -21,6 +21,7 @@ from strop.backends.torch.quantized import (
 )
 from strop.generation import SamplingParams
 from strop.io.model_spec import read_model_spec
+from strop.objectives.roles import RolePlan
 from strop.rl.experience import build_experience, minibatches
 from tests.distributed.cases import global_batch, seeded_adapter
 from tests.integration.test_torch_lora_training import policy_for
@@ -85,7 +86,9 @@ def test_a_ppo_iteration_on_an_nf4_base_shared_by_actor_critic_and_reference(
         model_dir, "backend=torch", "lora.base_quantization=nf4",
         f"ppo.advantage_estimator={estimator}", "ppo.kl_in_reward=false",
     )  # fmt: skip
-    engine = TorchActorCritic(config, total_updates=2, checkpoint_dir=None)
+    engine = TorchActorCritic(
+        config, total_updates=2, plan=RolePlan.from_config(config), checkpoints=None
+    )
     assert engine.plan.has_critic == (estimator == "gae")
     before = quantized_state(engine.loaded.model)
     assert before  # the one model all roles run on is quantized

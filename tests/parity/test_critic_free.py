@@ -15,7 +15,9 @@ import pytest
 from strop.backends.jax.actor_critic import JaxActorCritic
 from strop.backends.torch.actor_critic import CRITIC_ADAPTER, TorchActorCritic
 from strop.io.model_spec import read_model_spec
+from strop.io.run_identity import CheckpointPlace
 from strop.objectives import estimators
+from strop.objectives.roles import RolePlan
 from strop.rl.experience import build_experience, minibatches
 from tests.parity.test_multi_turn_update import holey_batch
 from tests.parity.test_ppo_backends import make_config, rollout_batch
@@ -39,7 +41,10 @@ def grpo_config(model_path, *overrides):
 
 @pytest.mark.parametrize("backend", ENGINES)
 def test_a_critic_free_engine_allocates_no_critic(qwen2, backend, tmp_path):
-    engine = ENGINES[backend](grpo_config(qwen2), total_updates=2, checkpoint_dir=tmp_path)
+    config = grpo_config(qwen2)
+    plan = RolePlan.from_config(config)
+    place = CheckpointPlace.of(config, job="ppo", roles=plan, directory=tmp_path)
+    engine = ENGINES[backend](config, total_updates=2, plan=plan, checkpoints=place)
     assert engine.plan.has_critic is False
     assert engine.lora_weights().keys() == {"actor"}
     if backend == "jax":
@@ -72,7 +77,7 @@ def test_one_grpo_iteration_is_the_same_on_jax_and_torch(qwen2):
     holes where the environment spoke: the advantages are the oracle's on the policy's
     tokens and 0 in the holes, and JAX = torch throughout."""
     config = grpo_config(qwen2)
-    engines = {name: build(config, total_updates=4, checkpoint_dir=None)
+    engines = {name: build(config, total_updates=4, plan=RolePlan.from_config(config), checkpoints=None)
                for name, build in ENGINES.items()}  # fmt: skip
     vocab = read_model_spec(qwen2).vocab_size
     for batch in (rollout_batch(vocab, seed=12), holey_batch(vocab, seed=12)):

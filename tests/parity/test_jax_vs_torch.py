@@ -19,7 +19,7 @@ from strop.backends.jax import lora as jax_lora
 from strop.backends.torch import lora as torch_lora
 from strop.backends.torch.model import forward_logits
 from strop.config import load_config
-from strop.io.run_identity import PolicyRun
+from strop.io.run_identity import CheckpointPlace, PolicyRun
 from tests.distributed.cases import global_batch
 
 LORA_MODULES = {"jax": jax_lora, "torch": torch_lora}
@@ -43,7 +43,7 @@ def build(backend, model_dir, tmp_path, *overrides):
         ],
     )
     return get_backend(backend).build_policy(
-        config, PolicyRun(total_steps=10, checkpoint_dir=tmp_path / f"{backend}-ckpt")
+        config, PolicyRun(10, CheckpointPlace.of(config, directory=tmp_path / f"{backend}-ckpt"))
     )
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from strop.batch import packing
 from strop.io.model_spec import read_model_spec
+from strop.objectives.roles import RolePlan
 from strop.rl.experience import build_experience, minibatches
 from tests.parity.test_ppo_backends import (
     ENGINES,
@@ -81,7 +82,7 @@ def setup(tiny_model_dir):
     model = tiny_model_dir("qwen2")
     config = sgd_config(model)
     batch = holey_batch(read_model_spec(model).vocab_size)
-    engines = {name: build(config, total_updates=1, checkpoint_dir=None)
+    engines = {name: build(config, total_updates=1, plan=RolePlan.from_config(config), checkpoints=None)
                for name, build in ENGINES.items()}  # fmt: skip
     start = random_weights(engines["jax"], seed=1)
     engines["jax"].set_lora_weights(**start)
@@ -142,9 +143,11 @@ def test_packed_rows_with_holes_update_as_unpacked(setup, backend):
     assert plan is not None and plan.bins < len(ROWS)  # the rows do pack
     scores = np.array([1.0, 0.0, 0.5, 1.0])
     ppo = config.ppo.model_copy(update={"pack": True, "pack_width": 2.0})
+    packed_config = config.model_copy(update={"ppo": ppo})
     packed = ENGINES[backend](
-        config.model_copy(update={"ppo": ppo}), total_updates=1, checkpoint_dir=None
-    )
+        packed_config, total_updates=1, plan=RolePlan.from_config(packed_config),
+        checkpoints=None,
+    )  # fmt: skip
     seen = {}
     for pack, engine in ((False, engines[backend]), (True, packed)):
         engine.set_lora_weights(**start)

@@ -22,6 +22,7 @@ from strop.backends.torch.actor_critic import TorchActorCritic
 from strop.backends.torch.train import used_columns
 from strop.config import load_config
 from strop.io.model_spec import read_model_spec
+from strop.objectives.roles import RolePlan
 from strop.rl.experience import build_experience, minibatches
 
 TOL = 1e-4
@@ -124,7 +125,7 @@ def qwen2(tiny_model_dir):
 
 def test_one_ppo_update_is_the_same_on_jax_and_torch(qwen2):
     config = sgd_config(qwen2)
-    engines = {name: build(config, total_updates=1, checkpoint_dir=None)
+    engines = {name: build(config, total_updates=1, plan=RolePlan.from_config(config), checkpoints=None)
                for name, build in ENGINES.items()}  # fmt: skip
     start = random_weights(engines["jax"], seed=1)
     for engine in engines.values():
@@ -173,7 +174,12 @@ def test_the_critic_and_policy_updates_in_one_call_are_the_two_calls(qwen2, back
     """``train_critic_and_policy`` (the PPO loop's call; one program on JAX) gives the stats
     and weights of ``train_critic`` then ``train_policy``."""
     config = make_config(qwen2, "ppo.kl_coef=0.1", "ppo.kl_estimator=k3", "ppo.value_clip=0.2")
-    engines = [ENGINES[backend](config, total_updates=2, checkpoint_dir=None) for _ in range(2)]
+    engines = [
+        ENGINES[backend](
+            config, total_updates=2, plan=RolePlan.from_config(config), checkpoints=None
+        )
+        for _ in range(2)
+    ]
     start = random_weights(engines[0], seed=1)
     for engine in engines:
         engine.set_lora_weights(**start)
@@ -211,7 +217,9 @@ def test_torch_drops_padding_columns_without_changing_a_number(qwen2):
     mask = batch["response_mask"] > 0
     seen = []
     for rollout in (batch, wide):
-        engine = TorchActorCritic(config, total_updates=1, checkpoint_dir=None)
+        engine = TorchActorCritic(
+            config, total_updates=1, plan=RolePlan.from_config(config), checkpoints=None
+        )
         engine.set_lora_weights(**random_weights(engine, seed=1))
         old, ref, values = (
             engine.logprobs(rollout), engine.logprobs(rollout, reference=True),
@@ -239,7 +247,10 @@ def test_torch_drops_padding_columns_without_changing_a_number(qwen2):
 def test_engine_values_are_the_head_on_the_previous_column(qwen2, backend):
     """values[:, t] = head(hidden[:, t - 1]) from transformers' own forward, with the
     critic adapter merged in: the PPO loop's values obey invariant 3."""
-    engine = ENGINES[backend](make_config(qwen2), total_updates=1, checkpoint_dir=None)
+    config = make_config(qwen2)
+    engine = ENGINES[backend](
+        config, total_updates=1, plan=RolePlan.from_config(config), checkpoints=None
+    )
     weights = random_weights(engine, seed=4)
     engine.set_lora_weights(critic=weights["critic"], value_head=weights["value_head"])
     batch = rollout_batch(read_model_spec(qwen2).vocab_size, seed=5)
@@ -282,7 +293,9 @@ def base_arrays(engine) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("backend", ENGINES)
 def test_lora_ppo_keeps_the_base_trains_the_head_and_holds_one_base(qwen2, backend):
     config = make_config(qwen2, "optim.warmup_steps=0")
-    engine = ENGINES[backend](config, total_updates=3, checkpoint_dir=None)
+    engine = ENGINES[backend](
+        config, total_updates=3, plan=RolePlan.from_config(config), checkpoints=None
+    )
     before = base_arrays(engine)
     head_before = engine.lora_weights()["value_head"]
     batch = rollout_batch(read_model_spec(qwen2).vocab_size, seed=6)
@@ -329,7 +342,9 @@ def test_lora_ppo_keeps_the_base_trains_the_head_and_holds_one_base(qwen2, backe
 @pytest.mark.parametrize("backend", ENGINES)
 def test_full_parameter_ppo_keeps_a_frozen_reference_and_a_separate_critic(qwen2, backend):
     config = make_config(qwen2, "lora.enabled=false", "optim.lr=1e-3", "optim.warmup_steps=0")
-    engine = ENGINES[backend](config, total_updates=2, checkpoint_dir=None)
+    engine = ENGINES[backend](
+        config, total_updates=2, plan=RolePlan.from_config(config), checkpoints=None
+    )
     batch = rollout_batch(read_model_spec(qwen2).vocab_size, seed=7)
     old, ref, values = (
         engine.logprobs(batch),
@@ -383,7 +398,9 @@ def test_a_reference_adapter_is_the_reference_policy(qwen2, backend, tmp_path):
         qwen2, "lora.rank=8", "lora.alpha=16", f"ppo.reference_adapter={sft_adapter}",
         "optim.lr=1e-2", "optim.warmup_steps=0", "generation.temperature=0.7",
     )  # fmt: skip
-    engine = ENGINES[backend](config, total_updates=2, checkpoint_dir=None)
+    engine = ENGINES[backend](
+        config, total_updates=2, plan=RolePlan.from_config(config), checkpoints=None
+    )
     batch = rollout_batch(spec.vocab_size, seed=8)
     mask = batch["response_mask"] > 0
 

@@ -20,6 +20,7 @@ from strop.backends.jax import losses as jax_losses
 from strop.backends.torch import losses as torch_losses
 from strop.objectives.micro import critic_micro_loss, policy_micro_loss
 from strop.objectives.ppo import PolicyObjective, ValueObjective, aggregation_weights
+from strop.objectives.roles import RolePlan
 from tests import losses_reference as ref
 from tests.parity.test_ppo_losses import backend_policy_loss, backend_value_loss
 
@@ -256,7 +257,9 @@ def test_a_ppo_update_ignores_garbage_in_masked_columns(tiny_model_dir, backend)
         "ppo.entropy_coef=0.01", "ppo.dual_clip=3.0", "ppo.value_clip=0.2",
         "generation.temperature=0.7",
     )  # fmt: skip
-    engine = ENGINES[backend](config, total_updates=2, checkpoint_dir=None)
+    engine = ENGINES[backend](
+        config, total_updates=2, plan=RolePlan.from_config(config), checkpoints=None
+    )
     start = random_weights(engine, seed=1)
     engine.set_lora_weights(**start)
     batch = make_rollout(vocab_of(qwen2))

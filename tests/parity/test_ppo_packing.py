@@ -15,6 +15,7 @@ import pytest
 
 from strop.batch import packing
 from strop.io.model_spec import read_model_spec
+from strop.objectives.roles import RolePlan
 from strop.rl.experience import build_experience, minibatches
 from tests.parity.test_ppo_backends import (
     ENGINES,
@@ -82,7 +83,9 @@ def test_packed_rows_compute_what_the_rows_do_unpacked(tiny_model_dir, backend, 
     seen = {}
     for pack in (False, True):
         config = make_config(model, *overrides, f"ppo.pack={str(pack).lower()}")
-        engine = ENGINES[backend](config, total_updates=1, checkpoint_dir=None)
+        engine = ENGINES[backend](
+            config, total_updates=1, plan=RolePlan.from_config(config), checkpoints=None
+        )
         engine.set_lora_weights(**random_weights(engine, seed=1))
         forwards = (engine.logprobs(batch), engine.logprobs(batch, reference=True),
                     engine.values(batch))  # fmt: skip

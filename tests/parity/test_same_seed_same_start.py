@@ -30,6 +30,7 @@ from strop.backends.torch.actor_critic import TorchActorCritic
 from strop.config import load_config
 from strop.io.model_spec import read_model_spec
 from strop.io.run_identity import PolicyRun
+from strop.objectives.roles import RolePlan
 from strop.rl.experience import build_experience, minibatches
 from tests.distributed.cases import global_batch
 from tests.parity.test_ppo_backends import make_config, rollout_batch
@@ -121,7 +122,9 @@ def test_first_sft_steps_agree(qwen2, tmp_path, dtype, tolerance):
 def test_ppo_engines_start_alike(qwen2):
     config = make_config(qwen2, f"seed={SEED}")
     weights = {
-        name: build(config, total_updates=1, checkpoint_dir=None).lora_weights()
+        name: build(
+            config, total_updates=1, plan=RolePlan.from_config(config), checkpoints=None
+        ).lora_weights()
         for name, build in ENGINES.items()
     }
     rank = config.lora.rank
@@ -147,7 +150,8 @@ def test_first_ppo_iteration_agrees_on_the_same_rollout(qwen2):
     runs it."""
     config = make_config(qwen2, f"seed={SEED}", "ppo.kl_in_reward=false", "ppo.kl_coef=0.1")
     engines = {
-        name: build(config, total_updates=4, checkpoint_dir=None) for name, build in ENGINES.items()
+        name: build(config, total_updates=4, plan=RolePlan.from_config(config), checkpoints=None)
+        for name, build in ENGINES.items()
     }
     batch = rollout_batch(read_model_spec(qwen2).vocab_size, seed=11)
     scores = np.array([1.0, 0.0, 0.5, 1.0])

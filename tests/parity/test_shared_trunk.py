@@ -17,6 +17,7 @@ import pytest
 from strop.backends.jax.actor_critic import JaxActorCritic
 from strop.backends.torch.actor_critic import CRITIC_ADAPTER, TorchActorCritic
 from strop.io.model_spec import read_model_spec
+from strop.objectives.roles import RolePlan
 from strop.rl.experience import build_experience, minibatches
 from tests.parity.test_ppo_backends import (
     assert_adapters_close,
@@ -40,9 +41,14 @@ def shared_config(model_path):
 
 
 def test_one_shared_update_is_the_sum_of_the_separate_policy_and_critic_updates(qwen2):
-    separate = TorchActorCritic(sgd_config(qwen2), total_updates=1, checkpoint_dir=None)
+    sgd = sgd_config(qwen2)
+    separate = TorchActorCritic(
+        sgd, total_updates=1, plan=RolePlan.from_config(sgd), checkpoints=None
+    )
     config = shared_config(qwen2)
-    shared = TorchActorCritic(config, total_updates=1, checkpoint_dir=None)
+    shared = TorchActorCritic(
+        config, total_updates=1, plan=RolePlan.from_config(config), checkpoints=None
+    )
     assert CRITIC_ADAPTER not in shared.loaded.model.peft_config
     assert shared.critic_trainer is None and len(shared._optimizers()) == 1
 
@@ -94,8 +100,12 @@ def test_one_shared_update_is_the_sum_of_the_separate_policy_and_critic_updates(
 def test_one_shared_update_is_the_same_on_jax_and_torch(qwen2):
     config = shared_config(qwen2)
     engines = {
-        "jax": JaxActorCritic(config, total_updates=1, checkpoint_dir=None),
-        "torch": TorchActorCritic(config, total_updates=1, checkpoint_dir=None),
+        "jax": JaxActorCritic(
+            config, total_updates=1, plan=RolePlan.from_config(config), checkpoints=None
+        ),
+        "torch": TorchActorCritic(
+            config, total_updates=1, plan=RolePlan.from_config(config), checkpoints=None
+        ),
     }
     jax_engine = engines["jax"]
     assert jax_engine.critic is None and len(jax_engine._optimizers()) == 1

@@ -13,6 +13,7 @@ from strop.io.model_spec import read_model_spec
 from strop.objectives.micro import policy_micro_loss
 from strop.objectives.plugins import PolicyLossError
 from strop.objectives.ppo import PolicyObjective, aggregation_weights
+from strop.objectives.roles import RolePlan
 from strop.rl.experience import build_experience, minibatches
 from tests.parity.test_critic_free import ENGINES
 from tests.parity.test_ppo_backends import make_config, rollout_batch
@@ -22,6 +23,7 @@ SCORES = np.array([1.0, 0.0, 0.25, 0.75])
 
 USER_LOSS = '''
 from strop.objectives.losses import policy_loss
+from strop.objectives.roles import RolePlan
 
 
 @policy_loss(reads=("ref_logprobs",), sequence_level=True)
@@ -50,7 +52,9 @@ def test_a_loss_from_a_file_trains_the_same_on_jax_and_torch(tiny_model_dir, tmp
     stats = {}
     engines = {}
     for name, build in ENGINES.items():
-        engine = engines[name] = build(config, total_updates=4, checkpoint_dir=None)
+        engine = engines[name] = build(
+            config, total_updates=4, plan=RolePlan.from_config(config), checkpoints=None
+        )
         stats[name] = []
         for iteration in range(2):
             old, ref = engine.logprobs(batch), engine.logprobs(batch, reference=True)

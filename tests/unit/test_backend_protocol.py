@@ -28,6 +28,7 @@ from strop.backends.base import (
 from strop.config import load_config
 from strop.generation import Decoding, Sampler, SamplingParams
 from strop.io.run_identity import PolicyRun
+from strop.objectives.roles import RolePlan
 
 PROTOCOLS = (Sampler, ModelHandle, TrainableModel, Policy, ActorCritic, RewardModel, Backend)
 FRAMEWORK = {"jax": "jax", "torch": "torch"}
@@ -184,10 +185,9 @@ def test_built_models_are_instances_of_their_protocols(name, tiny_model_dir, tmp
     )
     assert isinstance(policy, Policy) and isinstance(policy, TrainableModel)
     assert policy.backend == name and policy.is_main
+    ppo = load_config("ppo-lora-tiny", [*overrides, f"run_dir={tmp_path / 'ppo'}"])
     engine = backend.build_actor_critic(
-        load_config("ppo-lora-tiny", [*overrides, f"run_dir={tmp_path / 'ppo'}"]),
-        total_updates=2,
-        checkpoint_dir=None,
+        ppo, total_updates=2, plan=RolePlan.from_config(ppo), checkpoints=None
     )
     assert isinstance(engine, ActorCritic) and isinstance(engine, TrainableModel)
     assert engine.backend == name and engine.is_main

@@ -8,6 +8,7 @@ import pytest
 from strop import quantization
 from strop.config import LoraConfig, load_config
 from strop.errors import ConfigError
+from strop.run.kinds import run_kind
 from strop.run.preflight import preflight
 
 
@@ -47,7 +48,7 @@ def test_both_backends_take_both_kinds_on_one_process(kind):
 def test_preflight_refuses_torchrun(tmp_path, monkeypatch, no_model_builds):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="runs on one process"):
-        preflight(run_config(tmp_path, "backend=torch"), "sft", None)
+        preflight(run_config(tmp_path, "backend=torch"), run_kind("sft"))
 
 
 def test_preflight_refuses_a_missing_bitsandbytes(tmp_path, monkeypatch, no_model_builds):
@@ -57,7 +58,7 @@ def test_preflight_refuses_a_missing_bitsandbytes(tmp_path, monkeypatch, no_mode
         lambda name, *a: None if name == "bitsandbytes" else real(name, *a),
     )  # fmt: skip
     with pytest.raises(ConfigError, match="needs bitsandbytes: pip install 'strop\\[qlora\\]'"):
-        preflight(run_config(tmp_path, "backend=torch"), "sft", None)
+        preflight(run_config(tmp_path, "backend=torch"), run_kind("sft"))
 
 
 def test_a_checkpoint_records_the_quantized_base(tmp_path):

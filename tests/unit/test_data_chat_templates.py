@@ -20,6 +20,8 @@ from strop.data.sft import tokenize_examples
 from strop.data.sources import Example
 from strop.errors import ConfigError, DataError
 from strop.rl.run import PpoRun
+from strop.run.kinds import run_kind
+from strop.run.preflight import preflight
 from tests.chat_templates import PHI4_MINI_INSTRUCT, QWEN3, save_chat_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -295,7 +297,8 @@ def test_a_ppo_run_renders_its_prompts_with_the_data_settings(families, tmp_path
         "data.answer_key=answer", "data.chat_template=qwen3-training",
         "data.chat_template_kwargs={enable_thinking: false}",
     ]  # fmt: skip
-    run = PpoRun.read(load_config(None, settings), None, None)
+    config = load_config(None, settings)
+    run = PpoRun.read(config, None, preflight(config, run_kind("ppo")))
     [prompt] = run.train.ids
     assert run.tokenizer.chat_template == read_chat_template("qwen3-training")
     assert run.tokenizer.decode(prompt).endswith("<|im_start|>assistant\n" + NO_THOUGHT)

@@ -13,7 +13,7 @@ import yaml
 import strop
 from strop.config import Config, dump_config, load_config
 from strop.errors import ConfigError
-from strop.io.model_spec import check_context_length
+from strop.io.model_spec import check_context_length, read_model_spec
 from strop.run.preflight import check_environment
 
 TINY_MATH = str(Path(strop.__file__).parent / "assets" / "tiny-math")  # 256 positions
@@ -112,13 +112,16 @@ def test_an_environment_that_cannot_be_built_is_one_line(tmp_path, monkeypatch, 
 
 
 def test_context_length_is_checked_against_the_episode_budget() -> None:
+    TINY_MATH_SPEC = (read_model_spec(TINY_MATH), TINY_MATH)
     check = {"max_length": 512, "max_new_tokens": 300}  # one turn; an episode holds several
     with pytest.raises(ConfigError, match=r"generation\.max_new_tokens=300 leaves no room"):
-        check_context_length(TINY_MATH, "ppo", **check)
-    check_context_length(TINY_MATH, "ppo", **check, max_episode_tokens=256)
-    check_context_length(TINY_MATH, "ppo", **check, longest_prompt=60, max_episode_tokens=256)
+        check_context_length(*TINY_MATH_SPEC, samples=True, **check)
+    check_context_length(*TINY_MATH_SPEC, samples=True, **check, max_episode_tokens=256)
+    check_context_length(
+        *TINY_MATH_SPEC, samples=True, **check, longest_prompt=60, max_episode_tokens=256
+    )
     with pytest.raises(ConfigError) as info:
-        check_context_length(TINY_MATH, "ppo", **check, max_episode_tokens=257)
+        check_context_length(*TINY_MATH_SPEC, samples=True, **check, max_episode_tokens=257)
     assert str(info.value).startswith("env.max_episode_tokens=257 is more than the model's ")
     assert "lower env.max_episode_tokens to at most 256" in str(info.value)
 

@@ -74,12 +74,15 @@ def test_errors_say_what_to_pass(tmp_path, monkeypatch):
 def test_an_override_the_checkpoint_refuses_says_how_to_export(tmp_path):
     from strop.assets import tiny_math_path
     from strop.io.run_identity import job_identity
+    from strop.objectives.roles import RolePlan
 
     run_dir = tmp_path / "run"
     trained = trained_run(run_dir, f"model.path={tiny_math_path()}", "backend=torch")
     identity = run_dir / "checkpoints" / "2" / "identity.json"
     identity.parent.mkdir(parents=True)
-    identity.write_text(json.dumps(job_identity(trained, "torch", "ppo")))
+    identity.write_text(
+        json.dumps(job_identity(trained, "torch", job="ppo", roles=RolePlan.from_config(trained)))
+    )
     with pytest.raises(CheckpointError) as err:  # refused before a model loads
         run_export(export_config(str(run_dir), ["lora.rank=4"]), tmp_path / "out", merged=False)
     assert "lora.rank is 8 in the checkpoint but 4 now. Export with the settings it was " in (

@@ -18,6 +18,7 @@ from strop.io.model_spec import read_model_spec
 from strop.io.run_identity import PolicyRun
 from strop.models import parse_config
 from strop.models.counts import parameter_count
+from strop.objectives.roles import RolePlan
 
 QWEN_7B = {
     "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
@@ -183,7 +184,7 @@ def test_ppo_plan_within_15_percent_of_measured_peak(tmp_path, vocab, prompts, g
         f"generation.max_new_tokens={new}",
     ])  # fmt: skip
     actor_critic = get_backend("torch").build_actor_critic(
-        config, total_updates=4, checkpoint_dir=None
+        config, total_updates=4, plan=RolePlan.from_config(config), checkpoints=None
     )
     actor_critic.expect_prompts(prompt)
     rng = np.random.default_rng(0)

@@ -9,6 +9,7 @@ import pytest
 
 from strop.config import load_config
 from strop.errors import ConfigError
+from strop.run.kinds import run_kind
 
 
 def config(recipe: str = "tiny", **overrides):
@@ -28,7 +29,7 @@ def config(recipe: str = "tiny", **overrides):
 def test_layouts_that_fit(devices, mesh, expected):
     assert config(**mesh, **{"sft.micro_batch_size": 8}).mesh.check_layout(devices) == (expected)
     layout = config(**mesh, **{"sft.batch_size": 16, "sft.micro_batch_size": 8})
-    assert layout.mesh.check_layout(devices, layout.rows_per_pass("sft")) == expected
+    assert layout.mesh.check_layout(devices, run_kind("sft").rows_per_pass(layout)) == expected
 
 
 @pytest.mark.parametrize(
@@ -48,7 +49,7 @@ def test_mesh_sizes_that_do_not_fit_the_devices(devices, mesh):
 def test_rows_per_pass_must_split_over_data_times_fsdp():
     sft = config(**{"sft.batch_size": 12, "sft.micro_batch_size": 6, "mesh.data": 2})
     with pytest.raises(ConfigError) as err:
-        sft.mesh.check_layout(8, sft.rows_per_pass("sft"))
+        sft.mesh.check_layout(8, run_kind("sft").rows_per_pass(sft))
     assert str(err.value) == (
         "sft.micro_batch_size=6 rows do not split over the 8 data-parallel devices (mesh "
         "data=2 x fsdp=4 on 8 device(s)): make sft.micro_batch_size a multiple of 8"
@@ -56,19 +57,19 @@ def test_rows_per_pass_must_split_over_data_times_fsdp():
     # tensor parallelism splits no rows: 6 rows over data 2 x fsdp 1 x tensor 4 fit
     fits = config(**{"sft.batch_size": 12, "sft.micro_batch_size": 6, "mesh.data": 2,
                      "mesh.fsdp": 1, "mesh.tensor": -1})  # fmt: skip
-    assert fits.mesh.check_layout(8, fits.rows_per_pass("sft"))["tensor"] == 4
+    assert fits.mesh.check_layout(8, run_kind("sft").rows_per_pass(fits))["tensor"] == 4
 
 
 def test_ppo_rows_are_the_micro_batch_or_else_the_mini_batch():
     ppo = config("ppo-lora-tiny")
     assert ppo.ppo.micro_batch_size is None
-    assert ppo.rows_per_pass("ppo") == {"ppo.mini_batch_size": ppo.ppo.mini_batch_size}
+    assert run_kind("ppo").rows_per_pass(ppo) == {"ppo.mini_batch_size": ppo.ppo.mini_batch_size}
     micro = config("ppo-lora-tiny", **{"ppo.micro_batch_size": 4})
-    assert micro.rows_per_pass("ppo") == {"ppo.micro_batch_size": 4}
+    assert run_kind("ppo").rows_per_pass(micro) == {"ppo.micro_batch_size": 4}
     with pytest.raises(ConfigError, match=r"ppo\.micro_batch_size=4 rows do not split over the 8"):
-        micro.mesh.check_layout(8, micro.rows_per_pass("ppo"))
-    micro.mesh.check_layout(4, micro.rows_per_pass("ppo"))
-    assert ppo.rows_per_pass("eval") == {}
+        micro.mesh.check_layout(8, run_kind("ppo").rows_per_pass(micro))
+    micro.mesh.check_layout(4, run_kind("ppo").rows_per_pass(micro))
+    assert run_kind("eval").rows_per_pass(ppo) == {}
 
 
 # A resume the checkpoints refuse, and a run already past its end: refused here, before
@@ -91,7 +92,13 @@ def _checkpointed_run(tmp_path, backend: str, job: str, step: int, *overrides: s
     )  # fmt: skip
     identity = run_dir / "checkpoints" / str(step) / IDENTITY_FILES[backend]
     identity.parent.mkdir(parents=True)
-    identity.write_text(json.dumps(job_identity(trained, backend, job)))
+    identity.write_text(
+        json.dumps(
+            job_identity(
+                trained, backend, job=run_kind(job).identity_job, roles=run_kind(job).roles(trained)
+            )
+        )
+    )
     (run_dir / "config.yaml").write_text("recorded: config\n")
     (run_dir / "versions.json").write_text('{"recorded": "versions"}')
     return trained, run_dir
@@ -182,10 +189,13 @@ def _model_with_positions(tmp_path, positions: int) -> str:
 
 def test_context_longer_than_the_models_positions_is_refused_in_one_line(tmp_path):
     from strop.io.model_spec import check_context_length as check_positions
+    from strop.io.model_spec import read_model_spec
 
     def check_context_length(config, job, longest=None):  # as preflight and the loops call it
+        kind = run_kind(job)
         check_positions(
-            config.model.path, job, max_length=config.data.max_length,
+            read_model_spec(config.model.path), config.model.path, samples=kind.samples,
+            prompts_cut_at_max_length=kind.trains, max_length=config.data.max_length,
             max_new_tokens=config.generation.max_new_tokens, longest_prompt=longest,
         )  # fmt: skip
 

@@ -19,6 +19,8 @@ from strop.engines.vllm_sync import VllmRollouts
 from strop.generation import Generation, SamplingParams
 from strop.rl.ppo import PpoLoop
 from strop.run.job import Job, run_steps
+from strop.run.kinds import run_kind
+from strop.run.preflight import RunFacts
 from strop.run.progress import RunProgress
 
 PARAMS = SamplingParams(max_new_tokens=2, temperature=1.0)
@@ -173,7 +175,8 @@ def test_a_restored_checkpoint_or_a_loaded_adapter_marks_the_engine_stale(tmp_pa
         stop_after = 0
     steps = type("NoSteps", (), {"model": model, "always_written": ()})()
     steps.restore_counters = lambda saved: None
-    job = Job("ppo", RunProgress("ppo", 2, {}, enabled=False), get_backend(config.backend))
+    facts = RunFacts(run_kind("ppo"), get_backend(config.backend))
+    job = Job(facts, RunProgress("ppo", 2, {}, enabled=False))
     run_steps(config, steps, job, total=2, stop_after=stop_after, rollouts=Recording(model))
     assert marks == [{"checkpoint": "restore_checkpoint", "adapter": "load_adapter"}[source]]
 

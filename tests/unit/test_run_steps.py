@@ -12,6 +12,8 @@ from strop.backends import get_backend
 from strop.config import load_config
 from strop.errors import ConfigError
 from strop.run.job import Job, run_steps
+from strop.run.kinds import run_kind
+from strop.run.preflight import RunFacts
 from strop.run.progress import RunProgress
 
 METRICS = b'{"step": 3, "train/loss": 1.0}\n{"step": 4, "train/loss": 2.0}\n'
@@ -54,7 +56,10 @@ def run(tmp_path, latest: int, total: int):
     config = load_config("tiny", [f"run_dir={tmp_path}", f"sft.steps={total}", "backend=torch"])
     (tmp_path / "metrics.jsonl").write_bytes(METRICS)
     model = FinishedModel(latest)
-    job = Job("sft", RunProgress("sft", total, {}, enabled=False), get_backend("torch"))
+    job = Job(
+        RunFacts(run_kind("sft"), get_backend("torch")),
+        RunProgress("sft", total, {}, enabled=False),
+    )
     return model, run_steps(config, NoSteps(model), job, total=total, stop_after=None)
 
 

@@ -15,6 +15,7 @@ import pytest
 from strop.config import load_config
 from strop.errors import ConfigError
 from strop.io.writable import require_writable_dir, require_writable_parent
+from strop.run.kinds import run_kind
 
 REFUSAL = "(cannot write in |.* is a file, not a directory)"
 REFUSED = rf"^--out .*: {REFUSAL}"
@@ -107,7 +108,7 @@ def test_wandb_online_without_a_login_is_refused_before_the_models_load(no_wandb
 
     config = load_config("tiny", [f"run_dir={no_wandb_login / 'run'}", "logging.wandb=true"])
     with pytest.raises(ConfigError, match=r"^logging\.wandb=true, but no W&B login was found"):
-        preflight(config, "sft", None)
+        preflight(config, run_kind("sft"))
     (no_wandb_login / "netrc").write_text("machine api.wandb.ai login user password k3y\n")
     require_wandb_login()  # `wandb login` wrote this
 

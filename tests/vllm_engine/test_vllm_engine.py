@@ -19,6 +19,7 @@ from strop.config import load_config
 from strop.engines.vllm import VllmEngine
 from strop.engines.vllm_sync import VllmRollouts
 from strop.generation import SamplingParams
+from strop.objectives.roles import RolePlan
 
 LOGPROB_BOUND = 2e-4  # float32: vLLM's and the trainer's kernels differ in reduction order
 
@@ -91,7 +92,9 @@ def test_greedy_tokens_equal_native_and_transformers_before_and_after_an_update(
         tiny_dir, tmp_path, f"lora.enabled={str(lora).lower()}", f"backend={backend}",
         "mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1", f"generation.vllm_sync={sync}",
     )  # fmt: skip
-    model = get_backend(backend).build_actor_critic(config, total_updates=4, checkpoint_dir=None)
+    model = get_backend(backend).build_actor_critic(
+        config, total_updates=4, plan=RolePlan.from_config(config), checkpoints=None
+    )
     engine = VllmEngine(config)
     temp = tmp_path / "tmp"
     temp.mkdir()
@@ -141,7 +144,9 @@ def _update_batch(model, prompts, generation):
 
 def test_sampled_logprobs_match_the_trainers_teacher_forced_ones(tiny_dir, tmp_path):
     config = config_for(tiny_dir, tmp_path, "generation.temperature=0.7")
-    model = get_backend("torch").build_actor_critic(config, total_updates=4, checkpoint_dir=None)
+    model = get_backend("torch").build_actor_critic(
+        config, total_updates=4, plan=RolePlan.from_config(config), checkpoints=None
+    )
     rollouts = VllmRollouts(model, VllmEngine(config), config)
     try:
         prompts = prompts_for(384, rows=8)

@@ -23,7 +23,7 @@ from strop.data import Tokenizer
 from strop.engines.vllm import VllmEngine
 from strop.engines.vllm_sync import VllmRollouts
 from strop.generation import SamplingParams
-from strop.io.model_spec import response_end_ids
+from strop.io.model_spec import read_model_spec, response_end_ids
 from strop.metrics.sinks import read_metrics
 from strop.rl.episodes import Episodes
 from strop.rl.ppo import run_ppo
@@ -97,7 +97,10 @@ def test_ppo_on_vllm_episodes_syncs_before_each_iteration_and_greedy_turns_are_n
         tok = Tokenizer.from_pretrained(config.model.path)
         environment = check_environment(config.env.name, config.env.args)
         episodes = Episodes.from_config(
-            config, tok, response_end_ids(config.model.path, tok.eos_token_id), environment
+            config,
+            tok,
+            response_end_ids(read_model_spec(config.model.path), tok.eos_token_id),
+            environment,
         )
         lines = data["validation"].read_text().splitlines()
         cases = [json.loads(line) for line in lines]

@@ -25,7 +25,7 @@ import numpy as np
 from strop.errors import StropError
 from strop.generation import Sampler
 from strop.io.peft import read_adapter_for, write_adapter_once
-from strop.io.run_identity import INFERENCE, PolicyRun
+from strop.io.run_identity import INFERENCE, CheckpointPlace, PolicyRun
 from strop.models import ModelSpec
 
 if TYPE_CHECKING:
@@ -331,13 +331,13 @@ class Backend(Protocol):
         config: Config,
         *,
         total_updates: int,
-        checkpoint_dir: str | os.PathLike | None,
-        plan: RolePlan | None = None,
+        plan: RolePlan,
+        checkpoints: CheckpointPlace | None,
     ) -> ActorCritic:
         """The :class:`ActorCritic` of ``config`` (PPO, export of a PPO run) with the roles
-        ``plan`` names (default: :meth:`RolePlan.from_config` of ``config``; the backend
-        reads no ``ppo.*`` / ``critic.*`` setting itself); schedules span
-        ``total_updates``, checkpoints live in ``checkpoint_dir`` (``None``: none are kept)."""
+        ``plan`` names (the run's, read once at preflight; the backend reads no ``ppo.*`` /
+        ``critic.*`` setting itself); schedules span ``total_updates``; ``checkpoints``:
+        where they live and what they belong to (``None``: none are kept)."""
         ...
 
     def build_reward_model(self, config: Config, path: str | os.PathLike) -> RewardModel:

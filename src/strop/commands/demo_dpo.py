@@ -27,7 +27,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +208,7 @@ def _write_pairs(path: Path, sampled: EvalResult, problems: list, seed: int) -> 
 
 
 def _write_summary(path: Path, demo: DpoDemoResult) -> None:
-    figures = {k: v for k, v in asdict(demo).items() if k != "dpo"}
+    figures = {f.name: getattr(demo, f.name) for f in fields(demo)}
+    figures = {k: v for k, v in figures.items() if not is_dataclass(v)}  # the DPO run's own
     figures = {k: str(v) if isinstance(v, Path) else v for k, v in figures.items()}
     write_text_atomically(path, json.dumps(figures, indent=2) + "\n")

@@ -47,8 +47,9 @@ from strop.engines import RolloutEngine, rollout_engine
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
 from strop.io.atomic import write_text_atomically
-from strop.io.model_spec import check_context_length, read_model_spec, response_end_ids
+from strop.io.model_spec import check_context_length, response_end_ids
 from strop.io.peft import load_adapter
+from strop.models import ModelSpec
 from strop.rl.episodes import Episodes
 from strop.rl.prompts import PromptSet
 from strop.run.job import Job, eval_job
@@ -77,12 +78,12 @@ class EvalResult:
     is_main: bool = True  # False on every process but the first of a distributed run
 
 
-def _config_with_adapter(config: Config) -> Config:
-    """``config`` with its ``lora:`` section describing ``eval.adapter`` (if one is given)."""
+def _config_with_adapter(config: Config, spec: ModelSpec) -> Config:
+    """``config`` with its ``lora:`` section describing ``eval.adapter`` (if one is given),
+    checked against the base model's ``spec`` before its r and targets size the model
+    built for it."""
     if config.eval.adapter is None:
         return config
-    # Checked against the base model before its r and targets size the model built for it.
-    spec = read_model_spec(config.model.path)
     adapter_config, _ = load_adapter(config.eval.adapter, spec)
     targets = adapter_config.get("target_modules")
     lora = config.lora.model_copy(
@@ -120,7 +121,8 @@ def run_eval(config: Config) -> EvalResult:
 def _evaluate(config: Config, path: str, reward, job: Job) -> EvalResult:
     progress = job.progress
     progress.phase("reading the data")
-    config = _config_with_adapter(config)
+    spec = job.facts.model_spec(config)
+    config = _config_with_adapter(config, spec)
     tokenizer = policy_tokenizer(config)
     examples, _ = read_data_file(path, config.data)
     # Every record's gold, as the reward finds it (refused by file:line if it has none),
@@ -137,12 +139,9 @@ def _evaluate(config: Config, path: str, reward, job: Job) -> EvalResult:
     progress.set_total(len(examples))
     longest = max(len(p) for p in prompts)
     check_context_length(  # before the weights load
-        config.model.path,
-        "eval",
-        max_length=config.data.max_length,
-        max_new_tokens=config.generation.max_new_tokens,
-        longest_prompt=longest,
-    )
+        spec, config.model_path(), samples=True, max_length=config.data.max_length,
+        max_new_tokens=config.generation.max_new_tokens, longest_prompt=longest,
+    )  # fmt: skip
 
     reward.start()  # its worker imports the user's function while the model loads
     progress.phase("loading the model")
@@ -164,7 +163,7 @@ def _sample_and_record(
     params = dataclasses.replace(
         SamplingParams.from_config(config.generation), temperature=config.eval.temperature
     )
-    eos_ids = response_end_ids(config.model.path, tokenizer.eos_token_id)
+    eos_ids = response_end_ids(job.facts.model_spec(config), tokenizer.eos_token_id)
     k = config.eval.num_samples
 
     records, tokens, stopped = [], 0, 0
@@ -250,14 +249,15 @@ def _evaluate_episodes(config: Config, path: str, job: Job) -> EvalResult:
     evaluation does."""
     progress = job.progress
     progress.phase("reading the data")
-    config = _config_with_adapter(config)
+    spec = job.facts.model_spec(config)
+    config = _config_with_adapter(config, spec)
     tokenizer = policy_tokenizer(config)
-    stops = response_end_ids(config.model.path, tokenizer.eos_token_id)
+    stops = response_end_ids(spec, tokenizer.eos_token_id)
     episodes = Episodes.from_config(config, tokenizer, stops, job.environment)
     assert episodes is not None  # env.name is set
     prompts = PromptSet.read(path, config, tokenizer, config.eval.max_examples)
     check_context_length(  # before the weights load
-        config.model.path, "eval", max_length=config.data.max_length,
+        spec, config.model_path(), samples=True, max_length=config.data.max_length,
         max_new_tokens=config.generation.max_new_tokens, longest_prompt=prompts.longest,
         max_episode_tokens=config.env.max_episode_tokens,
     )  # fmt: skip

@@ -25,12 +25,12 @@ from strop.io.checkpoint_dir import (
     refuse_other_backends_checkpoints,
     stored_identity,
 )
-from strop.io.model_spec import read_model_spec
-from strop.io.run_identity import PolicyRun
 from strop.io.run_record import CONFIG_FILE
 from strop.io.writable import require_output_dir
 from strop.lora_targets import match_targets
-from strop.objectives.roles import RolePlan
+from strop.models import ModelSpec
+from strop.run.job import build_trained_model
+from strop.run.kinds import run_kind
 from strop.run.preflight import preflight
 
 logger = logging.getLogger(__name__)
@@ -101,12 +101,11 @@ def _recorded(run_dir: Path, overrides: list[str]) -> Config:
     return load_config(run_dir, overrides)  # config.yaml with run_dir the directory
 
 
-def refuse_merging_a_tied_head(config: Config) -> None:
+def refuse_merging_a_tied_head(config: Config, spec: ModelSpec) -> None:
     """A LoRA adapter on ``lm_head`` of a model whose head is its embedding table
     (``tie_word_embeddings``: Gemma 3, SmolLM3, Qwen2.5-0.5B...) has no merged form that
     keeps the tie: merged into the shared table it would change the embeddings too, and
     written once it would be dropped. Refused in one line before anything loads."""
-    spec = read_model_spec(config.model_path())
     targets = match_targets(config.lora.target_modules, spec.linear_paths())
     if spec.tie_word_embeddings and "lm_head" in targets:
         raise ConfigError(
@@ -132,28 +131,24 @@ def run_export(config: Config, out: str | os.PathLike, *, merged: bool | None) -
             f"no {config.backend} checkpoint in {Path(checkpoint_dir).absolute()}; train "
             f"first, or name the run to export: {USAGE}{_runs_beside(Path(config.run_dir))}"
         )
-    job = str(identity.get("job", "sft"))  # SFT checkpoints predate the key
+    kind = run_kind(str(identity.get("job", "sft")))  # SFT checkpoints predate the key
     if config.model.path is None and identity.get("base_model"):
         config = config.model_copy(
             update={"model": config.model.model_copy(update={"path": identity["base_model"]})}
         )
         logger.info("base model from the run's checkpoints: model.path=%s", config.model.path)
-    backend = preflight(config, job, checkpoint_dir, advice=EXPORT_ADVICE, exporting=True).backend
+    facts = preflight(
+        config, kind, checkpoint_dir=checkpoint_dir, advice=EXPORT_ADVICE, exporting=True
+    )
     if merged and config.lora.enabled:
-        refuse_merging_a_tied_head(config)
-    if job == "ppo":
-        engine = backend.build_actor_critic(
-            config, total_updates=config.ppo.optimizer_updates(), checkpoint_dir=checkpoint_dir,
-            plan=RolePlan.from_config(config),
-        )  # fmt: skip
-    else:
-        engine = backend.build_policy(config, PolicyRun.of(config, job))
+        refuse_merging_a_tied_head(config, facts.model_spec(config))
+    engine = build_trained_model(config, facts)  # as the run built it
     step = engine.latest_checkpoint()
     if step is None:
         raise CheckpointError(f"no complete checkpoint in {Path(checkpoint_dir).absolute()}")
     engine.restore_checkpoint(step)
     path = engine.export_merged(out) if merged else engine.export_adapter(out)
-    return ExportResult(job, step, Path(path), merged)
+    return ExportResult(kind.name, step, Path(path), merged)
 
 
 def _runs_beside(run_dir: Path) -> str:

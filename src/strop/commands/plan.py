@@ -65,7 +65,7 @@ from strop.io.model_spec import read_model_spec, require_model_directory
 from strop.lora_targets import match_targets
 from strop.models import ModelSpec
 from strop.models.counts import layer_linear_shapes, parameter_count, parameters_in_words
-from strop.objectives.roles import RolePlan
+from strop.run.kinds import Logits, planned_kinds, run_kind
 
 if TYPE_CHECKING:
     from strop.config import Config
@@ -215,9 +215,10 @@ def kv_cache_bytes(spec: ModelSpec, *, rows: int, length: int, compute_dtype: st
 # Bytes per token and vocabulary entry that the loss keeps of the logits (float32): SFT's
 # log-softmax, its gradient and the logits' gradient; a PPO policy update's entropy adds
 # more (torch keeps three more copies; XLA fuses some). Read off CPU measurements.
-_LOGITS_BYTES = {("torch", "sft"): 12, ("torch", "ppo"): 24, ("jax", "sft"): 16, ("jax", "ppo"): 20}
-_LOGITS_BYTES |= {(backend, "dpo"): _LOGITS_BYTES[backend, "sft"] for backend in ("jax", "torch")}
-PLANNED_JOBS = ("sft", "dpo", "ppo")
+_LOGITS_BYTES: dict[tuple[str, Logits], int] = {
+    ("torch", "token_logprobs"): 12, ("torch", "policy_gradient"): 24,
+    ("jax", "token_logprobs"): 16, ("jax", "policy_gradient"): 20,
+}  # fmt: skip
 
 
 def _round_up(n: int, multiple: int = 16) -> int:
@@ -229,23 +230,26 @@ def _round_up(n: int, multiple: int = 16) -> int:
 
 def plan_memory(
     config: Config,
-    job: Literal["sft", "dpo", "ppo"],
+    job: str,
     spec: ModelSpec,
     *,
     device_bytes: int | None = None,
     device_source: str = "unknown",
 ) -> MemoryPlan:
-    """The parts of ``job`` (``sft``, ``dpo`` or ``ppo``) under ``config`` for ``spec``'s
-    model. DPO is SFT's parts over its pairs' rows (a pair's prompt once, then both answers:
-    at most twice ``data.max_length`` tokens), plus its reference: nothing with LoRA (the
-    adapters off, or a second adapter for ``dpo.reference=adapter:DIR``), a frozen copy of
-    the weights in full fine-tuning."""
+    """The parts of a run of kind ``job`` (``sft``, ``dpo``, ``ppo``...) under ``config``
+    for ``spec``'s model: the weights, the adapters, the optimizer and gradients, and what
+    the kind's :class:`~strop.run.kinds.Footprint` says it holds beside them (its rows
+    and length, a frozen copy of the weights, a reference adapter, the rollouts)."""
+    kind = run_kind(job)
+    if kind.footprint is None:
+        raise ConfigError(f"strop plan does not plan strop {kind.name}")
     param, compute = config.model.param_dtype, config.model.dtype
     p = DTYPE_BYTES[param]
     lora = config.lora
     quantization = lora.base_quantization if lora.enabled else "none"
     base = base_weight_bytes(spec, param, quantization)
-    roles = RolePlan.from_config(config) if job == "ppo" else None
+    roles = kind.roles(config)
+    footprint = kind.footprint(config, roles)
     parts: list[Part] = []
 
     def add(name: str, size: float, phase: Phase, detail: str) -> None:
@@ -259,15 +263,13 @@ def plan_memory(
     else:
         for model in roles.models:
             add(f"{model} weights", base, "resident", weights)
-    if job == "dpo" and not lora.enabled and config.dpo.reference == "base":
-        add("reference weights", base, "resident", weights + ", a frozen copy (dpo.reference=base)")
+    if footprint.frozen_copy is not None and not lora.enabled:
+        add("reference weights", base, "resident", f"{weights}, {footprint.frozen_copy}")
 
     trained = 0  # bytes of trained numbers: gradients and the optimizer's moments follow
     if lora.enabled:
         numbers, targets = adapter_numbers(spec, lora.target_modules, lora.rank)
-        adapters = roles.adapters if roles else ("policy",)
-        if job == "dpo" and config.dpo.reference.startswith("adapter"):
-            adapters = ("policy", "reference")
+        adapters = footprint.adapters
         detail = f"r={lora.rank} on {len(targets)} linears: {numbers / 1e6:.1f}M x 4 B"
         for name in adapters:
             add(f"LoRA adapter ({name})", numbers * ADAPTER_BYTES, "resident", detail)
@@ -293,15 +295,7 @@ def plan_memory(
         "updates take turns)" if roles is not None and roles.own_critic
         else "one per trained number, at its dtype")  # fmt: skip
 
-    if job == "dpo":
-        rows, length = config.dpo.micro_batch_size, 2 * config.data.max_length
-    elif roles is None:
-        rows, length = config.sft.micro_batch_size, config.data.max_length
-    else:
-        rows = roles.rows.per_micro_batch
-        length = config.data.max_length + config.generation.max_new_tokens
-        if config.env.enabled:
-            length = config.env.max_episode_tokens
+    rows, length = footprint.rows, footprint.length
     acts, formula = activation_bytes(
         spec,
         backend=config.backend,
@@ -310,17 +304,17 @@ def plan_memory(
         compute_dtype=compute,
         lora_rank=lora.rank if lora.enabled else None,
         lora_linears=per_layer,
-        logits=_LOGITS_BYTES[config.backend, job],
+        logits=_LOGITS_BYTES[config.backend, footprint.logits],
         attention_width=length * (config.ppo.pack_width if roles and config.ppo.pack else 1),
         lm_head_trained=head_trained and not lora.enabled,
     )
     add("activations", acts, "forward", f"N = {rows} rows x {length} tokens; {formula}")
-    if roles is not None:
-        _rollout_parts(config, spec, roles, add, device_bytes, length)
+    if footprint.rollouts:
+        _rollout_parts(config, spec, add, device_bytes, length)
     return MemoryPlan(job, tuple(parts), device_bytes, device_source)
 
 
-def _rollout_parts(config, spec, roles, add, device_bytes, length) -> None:
+def _rollout_parts(config, spec, add, device_bytes, length) -> None:
     """PPO's rollout phase: the native sampler's KV cache, or the vLLM engine's share."""
     gen = config.generation
     rows = config.ppo.rollouts_per_step
@@ -361,10 +355,11 @@ def plan_for(
 ) -> MemoryPlan:
     """`strop plan`'s: ``job`` (``auto``: ppo or dpo when the recipe sets that section, else
     sft) for ``model.path``'s config.json; one-line errors for a missing model or job."""
-    if job == "auto":
-        job = next((j for j in ("ppo", "dpo") if j in config.model_fields_set), "sft")
-    if job not in PLANNED_JOBS:
-        raise ConfigError(f"--job {job}: strop plan knows {', '.join(PLANNED_JOBS)} (or auto)")
+    planned = [kind.name for kind in planned_kinds()]
+    if job == "auto":  # the last planned kind whose section the recipe sets, else the first
+        job = next((n for n in reversed(planned[1:]) if n in config.model_fields_set), planned[0])
+    if job not in planned:
+        raise ConfigError(f"--job {job}: strop plan knows {', '.join(planned)} (or auto)")
     if config.model.path is None:
         raise ConfigError("model.path is not set: strop plan reads its config.json")
     require_model_directory(config.model.path, "model.path")

@@ -198,22 +198,6 @@ class Config(_Section):
         """Where the run's checkpoints go: ``checkpoint.dir``, else ``<run_dir>/checkpoints``."""
         return Path(self.checkpoint.dir or Path(self.run_dir) / "checkpoints")
 
-    def rows_per_pass(self, job: str) -> dict[str, int]:
-        """The keys that set how many rows one forward/backward pass of ``job`` holds
-        (what :meth:`MeshConfig.check_layout` checks); none for eval (generation batches
-        of any size run: rows shard where they divide)."""
-        if job == "sft":
-            return {"sft.micro_batch_size": self.sft.micro_batch_size}
-        if job == "ppo":
-            if self.ppo.micro_batch_size is None:
-                return {"ppo.mini_batch_size": self.ppo.mini_batch_size}
-            return {"ppo.micro_batch_size": self.ppo.micro_batch_size}
-        return {}
-
-    def steps_of(self, job: str) -> int:
-        """The steps a training ``job`` runs (``sft.steps``, ``ppo.steps``, ``dpo.steps``)."""
-        return {"ppo": self.ppo.steps, "dpo": self.dpo.steps}.get(job, self.sft.steps)
-
 
 def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """The validated config of a recipe (a YAML path or a built-in name; None = defaults)

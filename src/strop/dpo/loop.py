@@ -34,6 +34,7 @@ from strop.dpo.evaluate import EVAL_PREFIX, PairEvaluator
 from strop.errors import ConfigError
 from strop.objectives.preference import STATS, PreferenceObjective
 from strop.run.job import PolicySteps, RunResult, train_policy
+from strop.run.kinds import run_kind
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def run_dpo(config: Config, *, stop_after: int | None = None) -> DpoResult:
     writes what ``strop sft`` writes, with the ``dpo/*`` statistics in the metrics."""
     check_dpo(config)
     figures = {"loss": "loss {:.4f}", "accuracy": "accuracy {:.0%}"}
-    run, policy = train_policy(config, "dpo", figures, partial(_read, config), stop_after)
+    run, policy = train_policy(config, run_kind("dpo"), figures, partial(_read, config), stop_after)
     return DpoResult.of(config, run, policy, losses=[rec["dpo/loss"] for rec in run.records])
 
 

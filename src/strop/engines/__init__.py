@@ -79,7 +79,7 @@ class NativeEngine(Sampler):
 
 @dataclass(frozen=True)
 class EngineEntry:
-    """A registered rollout engine: ``check(config, job)`` refuses (one line,
+    """A registered rollout engine: ``check(config, trains)`` refuses (one line,
     :class:`~strop.errors.ConfigError`) what it cannot do before any model loads;
     ``build(config, model, max_prompt_tokens)`` returns the engine over ``model``;
     ``logprobs_temperature(config)``: the temperature of the untruncated distribution its
@@ -87,12 +87,12 @@ class EngineEntry:
     unless the engine has only another one: vLLM's before the temperature, 1, where top-k
     or top-p cut at another temperature; :func:`sampler_logprobs_temperature`)."""
 
-    check: Callable[[Config, str], None]
+    check: Callable[[Config, bool], None]
     build: Callable[[Config, Any, int | None], RolloutEngine]
     logprobs_temperature: Callable[[Config], float] = lambda config: config.generation.temperature
 
 
-def _check_nothing(config: Config, job: str) -> None:
+def _check_nothing(config: Config, trains: bool) -> None:
     pass
 
 
@@ -100,10 +100,10 @@ def _build_native(config: Config, model: Any, max_prompt_tokens: int | None) -> 
     return NativeEngine(model)
 
 
-def _check_vllm(config: Config, job: str) -> None:
+def _check_vllm(config: Config, trains: bool) -> None:
     from strop.engines.vllm import check_vllm, check_vllm_ppo
 
-    if job == "ppo":
+    if trains:  # the engine samples a model that trains: its weights sync each step
         check_vllm_ppo(config)
     check_vllm(
         config,
@@ -130,7 +130,7 @@ ENGINES: dict[str, EngineEntry] = {}
 
 
 def register(
-    name: str, check: Callable[[Config, str], None], build: Callable, **entry: Any
+    name: str, check: Callable[[Config, bool], None], build: Callable, **entry: Any
 ) -> None:
     """Make ``generation.engine=name`` build ``build`` after ``check`` (see
     :class:`EngineEntry`, whose other fields ``entry`` may set)."""
@@ -157,10 +157,11 @@ def sampler_logprobs_temperature(config: Config) -> float:
     return _entry(config).logprobs_temperature(config)
 
 
-def check_engine(config: Config, job: str) -> None:
-    """Refuse, before any model loads, what the run's engine cannot do for ``job``
-    (``"ppo"``, ``"eval"``, ...) (one line, exit 2)."""
-    _entry(config).check(config, job)
+def check_engine(config: Config, *, trains: bool) -> None:
+    """Refuse, before any model loads, what the run's engine cannot do for a run that
+    samples (one line, exit 2); ``trains``: the model it samples trains (PPO), rather than
+    staying as loaded (eval)."""
+    _entry(config).check(config, trains)
 
 
 @contextmanager

@@ -39,7 +39,12 @@ def remove_unfinished_saves(directory: str | os.PathLike, backend: str | None = 
                 shutil.rmtree(leftover, ignore_errors=True)
 
 
-def backends_with_checkpoints(directory: str | os.PathLike) -> dict[str, list[int]]:
+Listing = dict[str, list[int]]
+"""The steps each backend has written to a checkpoint directory
+(:func:`backends_with_checkpoints`)."""
+
+
+def backends_with_checkpoints(directory: str | os.PathLike) -> Listing:
     """The steps each backend has written to ``directory``, judged by where the step keeps
     its identity (complete or not: a foreign half-written step is not ours to clean)."""
     directory = Path(directory)
@@ -66,10 +71,15 @@ def stored_identity(directory: str | os.PathLike, backend: str) -> dict | None:
     return None if newest is None else newest[1]
 
 
-def newest_identity(directory: str | os.PathLike, backend: str) -> tuple[int, dict] | None:
+def newest_identity(
+    directory: str | os.PathLike, backend: str, listing: Listing | None = None
+) -> tuple[int, dict] | None:
     """``(step, identity)`` of ``backend``'s newest checkpoint in ``directory`` with a
-    readable identity (read as JSON, no backend needed); ``None`` when there is none."""
-    for step in reversed(backends_with_checkpoints(directory).get(backend, [])):
+    readable identity (read as JSON, no backend needed); ``None`` when there is none.
+    ``listing``: :func:`backends_with_checkpoints` of ``directory``, if read already."""
+    if listing is None:
+        listing = backends_with_checkpoints(directory)
+    for step in reversed(listing.get(backend, [])):
         path = Path(directory) / str(step) / IDENTITY_FILES[backend]
         try:
             identity = json.loads(path.read_text())
@@ -87,15 +97,19 @@ def stored_job(directory: str | os.PathLike, backend: str) -> str | None:
     return None if identity is None else str(identity.get("job", "sft"))  # SFT predates it
 
 
-def refuse_other_backends_checkpoints(directory: str | os.PathLike, backend: str) -> None:
+def refuse_other_backends_checkpoints(
+    directory: str | os.PathLike, backend: str, listing: Listing | None = None
+) -> None:
     """Raise :class:`CheckpointError` if another backend wrote checkpoints to ``directory``.
 
     The backends store checkpoints in their own formats (Orbax, DCP) and do not convert
     between them, so resuming there with ``backend`` would either fail on files it cannot
     read or silently start over next to the other run's steps. Cheap (a directory
-    listing), so it runs before any model loads.
+    listing), so it runs before any model loads; ``listing``: that listing, if read already.
     """
-    for other, steps in backends_with_checkpoints(directory).items():
+    if listing is None:
+        listing = backends_with_checkpoints(directory)
+    for other, steps in listing.items():
         if other != backend:
             listed = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
             raise CheckpointError(
@@ -226,25 +240,15 @@ def short_reason(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
-def refuse_run_past_its_end(
-    directory: str | os.PathLike, backend: str, job: str, total: int, run_dir: str
+def refuse_step_past_the_end(
+    step: int, total: int, run_dir: str, *, steps_key: str, step_word: str = "step"
 ) -> None:
-    """Refuse (:class:`ConfigError`) a run whose newest checkpoint (of ``backend``, in
-    ``directory``) is past the ``total`` steps the config asks for: there is nothing to
-    train, and resuming would report a run of those steps that is not one (and drop the
-    records past them from ``metrics.jsonl``)."""
-    steps = backends_with_checkpoints(directory).get(backend)
-    if steps:
-        refuse_step_past_the_end(steps[-1], job, total, run_dir)
-
-
-def refuse_step_past_the_end(step: int, job: str, total: int, run_dir: str) -> None:
-    """Raise :class:`ConfigError` if checkpoint ``step`` is past ``job``'s ``total`` steps
-    (``ppo.steps``, ``dpo.steps`` or ``sft.steps``)."""
+    """Raise :class:`ConfigError` if checkpoint ``step`` is past the run's ``total`` steps
+    (``steps_key``'s value: ``sft.steps``, ``ppo.steps``...; one is a ``step_word``):
+    there is nothing to train, and resuming would report a run of those steps that is not
+    one (and drop the records past them from ``metrics.jsonl``)."""
     if step > total:
-        key, what = {"ppo": ("ppo.steps", "iteration"), "dpo": ("dpo.steps", "step")}.get(
-            job, ("sft.steps", "step")
-        )
+        key, what = steps_key, step_word
         raise ConfigError(
             f"run_dir {run_dir} already holds checkpoint {what} {step}, past "
             f"{key}={total}: nothing to train; raise {key} to continue the run, export it "

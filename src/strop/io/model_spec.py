@@ -33,43 +33,45 @@ def read_model_spec(path: str | os.PathLike) -> ModelSpec:
     return parse_config(cfg, source=str(config_path))
 
 
-def response_end_ids(path: str | os.PathLike, tokenizer_eos_id: int) -> list[int]:
-    """The ids that end a response of the model at ``path``: its tokenizer's EOS
+def response_end_ids(spec: ModelSpec, tokenizer_eos_id: int) -> list[int]:
+    """The ids that end a response of ``spec``'s model: its tokenizer's EOS
     (``tokenizer_eos_id``) and every EOS id of its config (``generation_config`` may list
     several)."""
-    return sorted({tokenizer_eos_id, *read_model_spec(path).eos_token_ids})
+    return sorted({tokenizer_eos_id, *spec.eos_token_ids})
 
 
 def check_context_length(
-    model_path: str | None,
-    job: str,
+    spec: ModelSpec,
+    model_path: str,
     *,
+    samples: bool,
     max_length: int,
     max_new_tokens: int,
     longest_prompt: int | None = None,
     max_episode_tokens: int | None = None,
+    prompts_cut_at_max_length: bool = False,
 ) -> None:
-    """Refuse (:class:`ConfigError`) sequences longer than the model's positions
+    """Refuse (:class:`ConfigError`) sequences longer than ``spec``'s positions
     (``max_position_embeddings`` of ``model_path``'s config.json), which would otherwise
-    sample garbage without a word (or fail in vLLM after its load): SFT's ``max_length``
-    (``data.max_length``); for ``ppo`` and ``eval``, ``max_new_tokens``
-    (``generation.max_new_tokens``; at preflight, ``longest_prompt=None``) and then the
-    longest prompt read plus ``max_new_tokens`` (checked again once the prompts are read,
-    before the weights load). A run that plays episodes (``max_episode_tokens``:
-    ``env.max_episode_tokens``, prompt and every turn included) checks that instead: a
-    turn samples no further than its episode's budget."""
-    if model_path is None or not (Path(model_path) / CONFIG_FILE).is_file():
-        return  # nothing to check against (yet): the load names what is missing
-    positions = read_model_spec(model_path).max_position_embeddings
+    sample garbage without a word (or fail in vLLM after its load). A run that does not
+    sample trains on ``data.max_length`` (``max_length``) tokens. A run that ``samples``
+    needs room for ``max_new_tokens`` (``generation.max_new_tokens``; at preflight,
+    ``longest_prompt=None``) and then the longest prompt read plus ``max_new_tokens``
+    (checked again once the prompts are read, before the weights load); where
+    ``prompts_cut_at_max_length`` (a training run drops prompts longer than
+    ``data.max_length``), the message offers that fix too. A run that plays episodes
+    (``max_episode_tokens``: ``env.max_episode_tokens``, prompt and every turn included)
+    checks that instead: a turn samples no further than its episode's budget."""
+    positions = spec.max_position_embeddings
     limit = f"the model's max_position_embeddings={positions} ({model_path}/{CONFIG_FILE})"
-    if job in ("sft", "dpo"):
+    if not samples:
         if max_length > positions:
             raise ConfigError(
                 f"data.max_length={max_length} is more than {limit}: "
                 f"lower data.max_length to at most {positions}"
             )
         return
-    if job in ("ppo", "eval") and max_episode_tokens is not None:
+    if max_episode_tokens is not None:
         if max_episode_tokens > positions:
             raise ConfigError(
                 f"env.max_episode_tokens={max_episode_tokens} is more than {limit}: lower "
@@ -77,7 +79,7 @@ def check_context_length(
             )
         return
     new = max_new_tokens
-    if job not in ("ppo", "eval") or new + (longest_prompt or 1) <= positions:
+    if new + (longest_prompt or 1) <= positions:
         return
     if longest_prompt is None:
         raise ConfigError(
@@ -85,7 +87,7 @@ def check_context_length(
             f"lower generation.max_new_tokens to at most {positions - 1}"
         )
     fix = f"lower generation.max_new_tokens to at most {max(positions - longest_prompt, 1)}"
-    if job == "ppo" and positions - new >= 1:  # data.max_length drops the longer prompts
+    if prompts_cut_at_max_length and positions - new >= 1:
         fix += f", or data.max_length to {positions - new} to drop the longer prompts"
     raise ConfigError(
         f"the longest prompt ({longest_prompt} tokens) + generation.max_new_tokens={new} "

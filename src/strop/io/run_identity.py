@@ -13,11 +13,10 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from strop.config import Config, LoraConfig
 from strop.errors import CheckpointError
-from strop.io.checkpoint_dir import newest_identity
 from strop.objectives.roles import RolePlan
 
 T = TypeVar("T")
@@ -68,59 +67,61 @@ def run_identity(model_path: str | os.PathLike, lora: LoraConfig, backend: str) 
     }
 
 
-def job_identity(config: Config, backend: str, job: str) -> dict[str, Any]:
-    """What ``config``'s checkpoints of ``job`` on ``backend`` belong to: :func:`run_identity`
-    (SFT: no ``job`` key, as SFT checkpoints were before any other job had one); for DPO
-    ``job: dpo``; for PPO ``job: ppo`` with what :meth:`RolePlan.identity` records of the
-    roles of ``config``'s plan (a critic-free run: ``critic: false``; a critic on the
-    actor's adapters: ``critic: shared_trunk``; an own critic: nothing, as checkpoints
-    were before either existed)."""
+def job_identity(
+    config: Config, backend: str, *, job: str | None = None, roles: RolePlan | None = None
+) -> dict[str, Any]:
+    """What ``config``'s checkpoints on ``backend`` belong to: :func:`run_identity`, plus
+    the ``job`` that wrote them (None for SFT, whose checkpoints predate the key) and what
+    :meth:`RolePlan.identity` records of the run's ``roles`` (a critic-free run:
+    ``critic: false``; a critic on the actor's adapters: ``critic: shared_trunk``; an own
+    critic: nothing, as checkpoints were before either existed)."""
     identity = run_identity(config.model_path(), config.lora, backend)
-    if job == "ppo":
-        identity |= {"job": "ppo", **RolePlan.from_config(config).identity()}
-    elif job == "dpo":
-        identity["job"] = "dpo"
+    if job is not None:
+        identity["job"] = job
+    if roles is not None:
+        identity |= roles.identity()
     return identity
 
 
-def run_checkpoints(
-    kind: Callable[..., T],
-    config: Config,
-    directory: str | os.PathLike | None,
-    backend: str,
-    job: Literal["sft", "ppo", "dpo"],
-    *args: Any,
-) -> T | None:
-    """A backend's checkpoints (``kind``: its ``TrainCheckpoints``, given ``args`` after the
-    identity) of ``config``'s ``job`` in ``directory``, keeping ``checkpoint.keep``; None
-    where ``directory`` is None (no checkpoints are kept)."""
-    if directory is None:
-        return None
-    identity = job_identity(config, backend, job)
-    return kind(directory, identity, *args, keep=config.checkpoint.keep)
+@dataclass(frozen=True)
+class CheckpointPlace:
+    """Where a run keeps its checkpoints (``directory``), what they belong to
+    (``identity``: :func:`job_identity`, derived once, at preflight) and how many it keeps
+    (``checkpoint.keep``)."""
+
+    directory: Path
+    identity: Mapping[str, Any]
+    keep: int
+
+    @classmethod
+    def of(
+        cls,
+        config: Config,
+        *,
+        job: str | None = None,
+        roles: RolePlan | None = None,
+        directory: str | os.PathLike | None = None,
+    ) -> CheckpointPlace:
+        """``config``'s checkpoints of ``job`` with ``roles`` (:func:`job_identity`) in
+        ``directory`` (default :meth:`Config.checkpoint_path`)."""
+        identity = job_identity(config, config.backend, job=job, roles=roles)
+        where = Path(directory) if directory is not None else config.checkpoint_path()
+        return cls(where, identity, config.checkpoint.keep)
+
+    def open(self, kind: Callable[..., T], *args: Any) -> T:
+        """A backend's checkpoints here (``kind``: its ``TrainCheckpoints``, given ``args``
+        after the identity)."""
+        return kind(self.directory, dict(self.identity), *args, keep=self.keep)
 
 
 @dataclass(frozen=True)
 class PolicyRun:
-    """What a job asks of the policy it builds (``Backend.build_policy``): a learning-rate
-    schedule spanning ``total_steps``, and checkpoints of ``job`` in ``checkpoint_dir``
-    (``None``: none are kept). The default, :data:`INFERENCE`, serves eval and benchmarks:
-    one step, no checkpoints."""
+    """What a run asks of the policy it builds (``Backend.build_policy``): a learning-rate
+    schedule spanning ``total_steps``, and its ``checkpoints`` (``None``: none are kept).
+    The default, :data:`INFERENCE`, serves eval and benchmarks: one step, no checkpoints."""
 
     total_steps: int = 1
-    checkpoint_dir: str | os.PathLike | None = None
-    job: Literal["sft", "dpo"] = "sft"
-
-    @classmethod
-    def of(cls, config: Config, job: Literal["sft", "dpo"]) -> PolicyRun:
-        """``config``'s run of ``job``: its steps, its checkpoint directory."""
-        return cls(config.steps_of(job), config.checkpoint_path(), job)
-
-    def checkpoints(
-        self, kind: Callable[..., T], config: Config, backend: str, *args: Any
-    ) -> T | None:
-        """:func:`run_checkpoints` of this run on ``backend``."""
-        return run_checkpoints(kind, config, self.checkpoint_dir, backend, self.job, *args)
+    checkpoints: CheckpointPlace | None = None
 
 
 INFERENCE = PolicyRun()  # a policy built to sample or score: one step, no checkpoints
@@ -184,18 +185,16 @@ def check_same_run(
 
 
 def check_checkpoint(
-    directory: str | os.PathLike,
-    config: Config,
-    job: str,
+    place: CheckpointPlace,
+    newest: tuple[int, Mapping[str, Any]] | None,
     *,
     advice: str = RESUME_ADVICE,
 ) -> None:
-    """Refuse (:class:`CheckpointError`) a checkpoint directory whose newest checkpoint
-    another run wrote (another base model, LoRA shape, job or critic: its stored identity
-    against :func:`job_identity` of ``config``'s ``job``): the check the backend repeats on
-    restore, made before anything loads or is written."""
-    newest = newest_identity(directory, config.backend)
+    """Refuse (:class:`CheckpointError`) a checkpoint directory whose ``newest`` checkpoint
+    (``(step, stored identity)``, :func:`~strop.io.checkpoint_dir.newest_identity`) another
+    run wrote (another base model, LoRA shape, job or critic: against ``place``'s
+    identity): the check the backend repeats on restore, made before anything loads or is
+    written."""
     if newest is not None:
         step, stored = newest
-        current = job_identity(config, config.backend, job)
-        check_same_run(Path(directory) / str(step), stored, current, advice=advice)
+        check_same_run(place.directory / str(step), stored, place.identity, advice=advice)

@@ -43,7 +43,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -61,7 +61,8 @@ from strop.rl.overlong import length_penalty, without_truncated
 from strop.rl.rollout import Rollout
 from strop.rl.rollout_correction import PREFIX as MISMATCH
 from strop.rl.run import PpoRun
-from strop.run.job import Job, RunResult, run_steps, training_job
+from strop.run.job import Job, RunResult, build_trained_model, run_steps, training_job
+from strop.run.kinds import run_kind
 from strop.run.nonfinite import count_skipped, likely_causes
 from strop.run.progress import RunProgress
 from strop.scoring import build_reward_model, sample_and_score, sample_records
@@ -87,7 +88,7 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
             build_model=partial(build_reward_model, config), limits=limits,
         )  # fmt: skip
     figures = {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"}
-    with training_job(config, "ppo", config.ppo.steps, figures) as job:  # preflight first
+    with training_job(config, run_kind("ppo"), figures) as job:  # preflight first
         try:
             return _train(config, stop_after, job, reward)
         finally:
@@ -102,14 +103,11 @@ def _train(
     and run its iterations (:func:`~strop.run.job.run_steps`)."""
     ppo, progress = config.ppo, job.progress
     progress.phase("reading the prompts")
-    run = PpoRun.read(config, reward, job.environment)
+    run = PpoRun.read(config, reward, job.facts)
     if reward is not None:  # (with env.name there is none)
         reward.start()  # its worker imports the user's function while the models load
     progress.phase("loading the models")
-    model = job.backend.build_actor_critic(
-        config, total_updates=ppo.optimizer_updates(), checkpoint_dir=job.checkpoints,
-        plan=run.plan,
-    )  # fmt: skip
+    model = cast(ActorCritic, build_trained_model(config, job.facts))  # the plan's roles
     model.expect_prompts(run.longest)  # what a backend that compiles each shape pads to
     with rollout_engine(config, model, max_prompt_tokens=run.longest) as rollouts:
         loop = PpoLoop(config, model, rollouts, run, reward, progress)

@@ -11,9 +11,8 @@ and the backend's ``build_actor_critic`` take what they need from it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from strop import rewards
 from strop.config import Config
@@ -22,6 +21,9 @@ from strop.io.model_spec import check_context_length, response_end_ids
 from strop.objectives.roles import RolePlan
 from strop.rl.episodes import Episodes
 from strop.rl.prompts import PromptSet
+
+if TYPE_CHECKING:
+    from strop.run.preflight import RunFacts
 
 
 @dataclass(frozen=True)
@@ -46,17 +48,18 @@ class PpoRun:
         cls,
         config: Config,
         reward: rewards.WeightedReward | None,
-        environment: Callable[[], Any] | None,
+        facts: RunFacts,
     ) -> PpoRun:
         """Read the run's inputs (``reward``: the resolved ``ppo.reward``; None with
-        ``env.name``, whose environment scores the episodes: ``environment``, its factory,
-        built once by preflight); what they refuse is one line
-        (:class:`~strop.errors.StropError`), before any model loads."""
+        ``env.name``, whose environment scores the episodes with the factory preflight
+        built once, as it read the model's spec and the role plan: ``facts``); what they
+        refuse is one line (:class:`~strop.errors.StropError`), before any model loads."""
         ppo = config.ppo
-        model_path = config.model.path
+        spec, plan = facts.model_spec(config), facts.roles
+        assert plan is not None  # a PPO run has roles
         tokenizer = policy_tokenizer(config)
-        stops = response_end_ids(model_path, tokenizer.eos_token_id)
-        episodes = Episodes.from_config(config, tokenizer, stops, environment)
+        stops = response_end_ids(spec, tokenizer.eos_token_id)
+        episodes = Episodes.from_config(config, tokenizer, stops, facts.environment)
         train = PromptSet.read(config.data.train_path, config, tokenizer, reward=reward)
         validation = None
         if config.data.eval_path and ppo.validate_every:
@@ -65,11 +68,11 @@ class PpoRun:
             )
         longest = max(train.longest, validation.longest if validation is not None else 0)
         check_context_length(  # before the weights load
-            model_path, "ppo", max_length=config.data.max_length,
-            max_new_tokens=config.generation.max_new_tokens, longest_prompt=longest,
+            spec, config.model_path(), samples=True, prompts_cut_at_max_length=True,
+            max_length=config.data.max_length, max_new_tokens=config.generation.max_new_tokens,
+            longest_prompt=longest,
             max_episode_tokens=config.env.max_episode_tokens if episodes else None,
         )  # fmt: skip
         if episodes is not None:  # a turn is sampled after up to env.max_episode_tokens - 1
             longest = episodes.longest_prefix
-        plan = RolePlan.from_config(config)  # which roles the run has, and what trains
         return cls(tokenizer, stops, episodes, train, validation, longest, plan)

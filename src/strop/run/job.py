@@ -22,18 +22,18 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self, cast
 
 from strop.backends.base import Backend, Policy, TrainableModel
 from strop.config import Config
 from strop.data import Tokenizer, policy_tokenizer
 from strop.io.checkpoint_dir import refuse_step_past_the_end
-from strop.io.run_identity import PolicyRun
 from strop.io.run_record import CONFIG_FILE, record_run
 from strop.metrics import MetricsWriter
 from strop.run.interrupts import deferred_interrupts, reporting_interrupts
+from strop.run.kinds import RunKind, run_kind
 from strop.run.nonfinite import CHECKPOINT_KEY, count_skipped, likely_causes
-from strop.run.preflight import holding_run_dir, preflight
+from strop.run.preflight import RunFacts, holding_run_dir, preflight
 from strop.run.progress import RunProgress, is_main_by_environment
 
 if TYPE_CHECKING:
@@ -44,48 +44,65 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Job:
-    """What a command holds while it runs: its ``name`` (``"sft"``, ``"ppo"``,
-    ``"eval"``), its progress report, the run's backend (its builders, ``write_once``),
-    for training the directory its checkpoints go to (``checkpoint.dir``, else
-    ``<run_dir>/checkpoints``) and, with ``env.name``, the environment factory that
-    preflight built once (what its episodes make their environments with)."""
+    """What a command holds while it runs: what preflight read (:class:`RunFacts`: the
+    kind of run, the backend, the model's spec, the role plan, the checkpoints' place and
+    identity, the environment factory) and the run's progress report."""
 
-    name: str
+    facts: RunFacts
     progress: RunProgress
-    backend: Backend
-    checkpoints: Path | None = None  # a training job's checkpoint directory
-    environment: Callable[[], Any] | None = None  # env.name's factory with env.args
+
+    @property
+    def name(self) -> str:
+        """The kind of run's name (``"sft"``, ``"ppo"``...)."""
+        return self.facts.kind.name
+
+    @property
+    def backend(self) -> Backend:
+        """The run's backend (its builders, ``write_once``)."""
+        return self.facts.backend
+
+    @property
+    def checkpoints(self) -> Path | None:
+        """A training run's checkpoint directory (``checkpoint.dir``, else
+        ``<run_dir>/checkpoints``)."""
+        place = self.facts.checkpoints
+        return None if place is None else place.directory
+
+    @property
+    def environment(self) -> Callable[[], Any] | None:
+        """``env.name``'s factory with ``env.args``, built once by preflight."""
+        return self.facts.environment
 
 
 @contextmanager
-def training_job(config: Config, job: str, steps: int, figures: Mapping[str, str]) -> Iterator[Job]:
-    """Preflight ``job`` (``"sft"``, ``"ppo"``) of ``steps`` steps, before anything loads,
-    then hold ``config.run_dir`` for it; its progress report shows ``figures`` (see
-    :class:`RunProgress`)."""
-    checkpoints = config.checkpoint_path()
-    checked = preflight(config, job, checkpoints)
-    backend = checked.backend
-    progress = RunProgress(job, steps, figures, enabled=is_main_by_environment())
+def training_job(config: Config, kind: RunKind, figures: Mapping[str, str]) -> Iterator[Job]:
+    """Preflight a run of ``kind``, before anything loads, then hold ``config.run_dir``
+    for it; its progress report shows ``figures`` (see :class:`RunProgress`)."""
+    facts = preflight(config, kind)
+    progress = RunProgress(
+        kind.name, kind.total_steps(config), figures, enabled=is_main_by_environment()
+    )
+    checkpoints = facts.checkpoints.directory if facts.checkpoints is not None else None
 
     def step_running() -> int:
         return progress.completed + 1
 
     with (
-        holding_run_dir(config, backend, checkpoints),
+        holding_run_dir(config, facts.backend, checkpoints),
         progress,
         reporting_interrupts(step_running, checkpoints, config.backend),
     ):
-        yield Job(job, progress, backend, checkpoints, checked.environment)
+        yield Job(facts, progress)
 
 
 @contextmanager
 def eval_job(config: Config, figures: Mapping[str, str]) -> Iterator[Job]:
     """Preflight ``strop eval``, then hold ``config.run_dir`` for it; its progress report's
     total is set once the data is read."""
-    checked = preflight(config, "eval", checkpoint_dir=None)
+    facts = preflight(config, run_kind("eval"))
     progress = RunProgress("eval", 0, figures, enabled=is_main_by_environment())
-    with holding_run_dir(config, checked.backend), progress:
-        yield Job("eval", progress, checked.backend, environment=checked.environment)
+    with holding_run_dir(config, facts.backend), progress:
+        yield Job(facts, progress)
 
 
 class Steps(Protocol):
@@ -194,22 +211,31 @@ class PolicySteps:
 
 def train_policy(
     config: Config,
-    job: Literal["sft", "dpo"],
+    kind: RunKind,
     figures: Mapping[str, str],
     read: Callable[[Tokenizer], Callable[[Policy], PolicySteps]],
     stop_after: int | None,
 ) -> tuple[Finished, Policy]:
-    """Run a supervised ``job`` (SFT, DPO) in its :func:`training_job`: ``read`` its data
-    with the model's tokenizer before the model loads (a bad record is refused first), then
-    :func:`run_steps` of what ``read`` returned, made over the job's policy
-    (:meth:`PolicyRun.of <strop.io.run_identity.PolicyRun.of>`)."""
-    total = config.steps_of(job)
-    with training_job(config, job, total, figures) as running:  # preflight first
+    """Run a supervised ``kind`` of run (SFT, DPO) in its :func:`training_job`: ``read``
+    its data with the model's tokenizer before the model loads (a bad record is refused
+    first), then :func:`run_steps` of what ``read`` returned, made over the policy the
+    kind builds."""
+    total = kind.total_steps(config)
+    with training_job(config, kind, figures) as running:  # preflight first
         running.progress.phase("reading the data")
         steps = read(policy_tokenizer(config))
         running.progress.phase("loading the model")
-        policy = running.backend.build_policy(config, PolicyRun.of(config, job))
+        policy = cast(Policy, build_trained_model(config, running.facts))
         return run_steps(config, steps(policy), running, total=total, stop_after=stop_after), policy
+
+
+def build_trained_model(config: Config, facts: RunFacts) -> TrainableModel:
+    """The model a run of ``facts.kind`` trains (its declaration's ``build``), with the
+    schedule, role plan and checkpoints preflight read."""
+    build = facts.kind.build
+    if build is None:
+        raise ValueError(f"strop {facts.kind.name} trains no model")
+    return build(facts.backend, config, facts)
 
 
 def run_steps(
@@ -233,7 +259,11 @@ def run_steps(
     model, run_dir, progress = steps.model, Path(config.run_dir), job.progress
     start, resumed_from = 0, model.latest_checkpoint()
     if resumed_from is not None:
-        refuse_step_past_the_end(resumed_from, job.name, total, config.run_dir)
+        kind = job.facts.kind
+        refuse_step_past_the_end(
+            resumed_from, total, config.run_dir, steps_key=str(kind.steps_key),
+            step_word=kind.step_word,
+        )  # fmt: skip
         extra = model.restore_checkpoint(resumed_from)
         if rollouts is not None:
             rollouts.mark_stale()

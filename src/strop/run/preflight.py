@@ -1,24 +1,26 @@
 """Checks a job runs before it reads anything large: launch, run dir, config vs devices.
 
-:func:`preflight` is the first thing ``strop sft``, ``ppo`` and ``eval`` do after the
-config validates. It reads the config in the order of the floors, from what imports the
+:func:`preflight` is the first thing every run (``strop sft``, ``dpo``, ``ppo``, ``eval``,
+and ``strop export``'s restore) does after the config validates, and the one place the
+run's facts are read: the model's ``config.json``, the role plan, the checkpoint
+directory's listing and the job identity, handed on in :class:`RunFacts`. It reads the config in the order of the floors, from what imports the
 user's code down to the files on disk: it refuses a launch the backend cannot serve
 (``torchrun`` with the JAX backend), a ``lora.base_quantization`` the backend, install or
-launch cannot run (:func:`strop.quantization.refuse_unsupported`), and a PPO or eval run's
+launch cannot run (:func:`strop.quantization.refuse_unsupported`), and a sampling run's
 environment that cannot be built (:func:`check_environment`); asks the backend once
 (``get_backend``; ``logging.wandb``'s W&B login is checked there, on the main process);
 refuses what the run's rollout engine cannot do (:func:`~strop.engines.check_engine`), a
 checkpoint directory another backend wrote
 (:func:`~strop.io.checkpoint_dir.refuse_other_backends_checkpoints`), and, with the
 backend's device count, a mesh or batch layout that does not fit the devices
-(:meth:`~strop.config.MeshConfig.check_layout` of :meth:`~strop.config.Config.rows_per_pass`:
+(:meth:`~strop.config.MeshConfig.check_layout` of the kind's ``rows_per_pass``:
 a mistake of the config, said before a model's or a data file's); then the files:
 a ``model.path`` that is no directory (:func:`~strop.io.model_spec.require_model_directory`),
 a context longer than the model's positions (:func:`~strop.io.model_spec.check_context_length`),
 a checkpoint the job would resume but cannot: one another run (or job) wrote (its
 stored identity against the config's, read without a backend:
 :func:`~strop.io.run_identity.check_checkpoint`), or one already past the job's last step
-(:func:`~strop.io.checkpoint_dir.refuse_run_past_its_end`). Each check of the files takes the
+(:func:`~strop.io.checkpoint_dir.refuse_step_past_the_end`). Each check of the files takes the
 values it reads, not the config. Then, still
 before any tokenizer, data or weights load, the job takes its run directory
 (:func:`holding_run_dir`: one job per run directory, a second one refused at once; the
@@ -44,7 +46,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,19 +56,28 @@ from strop.config import Config
 from strop.engines import check_engine
 from strop.errors import ConfigError
 from strop.io import run_lock
-from strop.io.checkpoint_dir import refuse_other_backends_checkpoints, refuse_run_past_its_end
+from strop.io.checkpoint_dir import (
+    Listing,
+    backends_with_checkpoints,
+    newest_identity,
+    refuse_other_backends_checkpoints,
+    refuse_step_past_the_end,
+)
 from strop.io.model_spec import (
     CONFIG_FILE,
     check_context_length,
     read_model_spec,
     require_model_directory,
 )
-from strop.io.run_identity import RESUME_ADVICE, check_checkpoint
+from strop.io.run_identity import RESUME_ADVICE, CheckpointPlace, check_checkpoint
 from strop.metrics.wandb_sink import require_wandb, require_wandb_login
 from strop.quantization import refuse_unsupported as refuse_unsupported_quantization
 
 if TYPE_CHECKING:
     from strop.backends.base import Backend
+    from strop.models import ModelSpec
+    from strop.objectives.roles import RolePlan
+    from strop.run.kinds import RunKind
 
 
 @contextmanager
@@ -76,8 +87,9 @@ def holding_run_dir(
     """Hold ``config.run_dir`` for the job's life (:mod:`strop.io.run_lock`); the main
     process (``backend.write_once``) takes the lock and every process learns whether it
     could, once it has checked that the job can write there (:func:`run_lock.take
-    <strop.io.run_lock.take>`; a training job, in its ``checkpoints`` directory too)."""
-    refuse_launcher_of_another_backend(config)
+    <strop.io.run_lock.take>`; a training job, in its ``checkpoints`` directory too). The
+    one path every command takes its run directory by (a demo, which writes its data
+    there before its run's preflight, takes it first; the lock is the process's own)."""
     backend.write_once(
         lambda: run_lock.take(config.run_dir, checkpoints), f"locking {config.run_dir}"
     )
@@ -123,39 +135,50 @@ def check_environment(name: str, args: Mapping[str, Any]) -> Callable[[], Any]:
     return partial(factory, **args)
 
 
-TRAINING_JOBS = ("sft", "ppo", "dpo")
-"""The jobs that train (and checkpoint): W&B, checkpoint and step checks apply."""
-
-
 @dataclass(frozen=True)
-class Checked:
-    """What :func:`preflight` resolved for the job: the run's one backend and, for a PPO or
-    eval run with ``env.name``, the environment factory it built once
+class RunFacts:
+    """What :func:`preflight` read, once, for everything after it: the run's ``kind``
+    (:class:`~strop.run.kinds.RunKind`) and its one ``backend``; ``spec``, the model's
+    ``config.json`` (None where there is none to read yet: the load names what is
+    missing); ``roles``, the kind's role plan (None: one policy); ``checkpoints``, where a
+    training run keeps its checkpoints and what they belong to (its identity, derived here
+    once); ``listing``, the steps each backend had written there when preflight listed it;
+    and, for a run that samples with ``env.name``, the environment factory it built once
     (:func:`check_environment`)."""
 
+    kind: RunKind
     backend: Backend
+    spec: ModelSpec | None = None
+    roles: RolePlan | None = None
+    checkpoints: CheckpointPlace | None = None
+    listing: Listing = field(default_factory=dict)
     environment: Callable[[], Any] | None = None
+
+    def model_spec(self, config: Config) -> ModelSpec:
+        """The model's spec as preflight read it; where it found no ``config.json``, the
+        one-line :class:`~strop.errors.ModelError` naming what is missing."""
+        return self.spec if self.spec is not None else read_model_spec(config.model_path())
 
 
 def preflight(
     config: Config,
-    job: str,
-    checkpoint_dir: str | os.PathLike | None,
+    kind: RunKind,
     *,
+    checkpoint_dir: str | os.PathLike | None = None,
     advice: str = RESUME_ADVICE,
     exporting: bool = False,
-) -> Checked:
-    """Everything ``job`` (``"sft"``, ``"ppo"``, ``"dpo"`` or ``"eval"``) can refuse before
-    loading a tokenizer, data or weights, in the order of the module's docstring; raises
-    :class:`~strop.errors.StropError` subclasses, else returns what it resolved
-    (:class:`Checked`): the run's :class:`~strop.backends.base.Backend` (asked once, here)
-    and its environment's factory. Sets the level of strop's
-    log messages (``logging.level``). ``exporting``: ``strop export`` restores the newest
-    checkpoint whatever the step count says, and needs neither W&B, the environment nor
-    the rollout engine the run used; ``advice`` ends the message of a checkpoint another
-    run wrote."""
+) -> RunFacts:
+    """Everything a run of ``kind`` can refuse before loading a tokenizer, data or
+    weights, in the order of the module's docstring; raises
+    :class:`~strop.errors.StropError` subclasses, else returns what it read, once
+    (:class:`RunFacts`). Sets the level of strop's log messages (``logging.level``).
+    ``checkpoint_dir``: where a training run's checkpoints are (default
+    :meth:`~strop.config.Config.checkpoint_path`). ``exporting``: ``strop export``
+    restores the newest checkpoint whatever the step count says, and needs neither W&B,
+    the environment nor the rollout engine the run used; ``advice`` ends the message of a
+    checkpoint another run wrote."""
     logging.getLogger("strop").setLevel(config.logging.level)
-    training, running = job in TRAINING_JOBS, not exporting
+    training, running = kind.trains, not exporting
     if config.logging.wandb and training and running:
         require_wandb()
     refuse_launcher_of_another_backend(config)
@@ -164,27 +187,44 @@ def preflight(
         backend=config.backend, distributed=launched_by_torchrun(),
     )  # fmt: skip
     environment = None
-    if job in ("ppo", "eval") and config.env.enabled and running:
+    if kind.samples and config.env.enabled and running:
         environment = check_environment(config.env.name, config.env.args)
     backend = get_backend(config.backend)  # the one call of a command
     if config.logging.wandb and training and running:
         backend.write_once(require_wandb_login, "checking the W&B login")  # the main's
-    if running:  # an export samples nothing: a vLLM run exports without vLLM
-        check_engine(config, job)
-    if checkpoint_dir is not None:
-        refuse_other_backends_checkpoints(checkpoint_dir, config.backend)
-    config.mesh.check_layout(backend.device_count(), config.rows_per_pass(job))
+    if running and kind.samples:  # an export samples nothing: a vLLM run exports without vLLM
+        check_engine(config, trains=training)
+    listing: Listing = {}
+    if training:
+        checkpoint_dir = checkpoint_dir or config.checkpoint_path()
+        listing = backends_with_checkpoints(checkpoint_dir)  # the one listing before step 1
+        refuse_other_backends_checkpoints(checkpoint_dir, config.backend, listing)
+    config.mesh.check_layout(backend.device_count(), kind.rows_per_pass(config))
     require_model_directory(config.model.path, "model.path")
+    spec = None
     if config.model.path is not None and (Path(config.model.path) / CONFIG_FILE).is_file():
-        backend.check_model(read_model_spec(config.model.path))  # a family it cannot build
-    check_context_length(
-        config.model.path, job, max_length=config.data.max_length,
-        max_new_tokens=config.generation.max_new_tokens,
-        max_episode_tokens=config.env.max_episode_tokens if config.env.enabled else None,
-    )  # fmt: skip
-    if checkpoint_dir is not None and training:  # another run's (job's) checkpoints first
-        check_checkpoint(checkpoint_dir, config, job, advice=advice)
-        if running:
-            total = config.steps_of(job)
-            refuse_run_past_its_end(checkpoint_dir, config.backend, job, total, config.run_dir)
-    return Checked(backend, environment)
+        spec = read_model_spec(config.model.path)  # the one parse of config.json
+        backend.check_model(spec)  # a family it cannot build
+        check_context_length(
+            spec, config.model.path, samples=kind.samples,
+            prompts_cut_at_max_length=training, max_length=config.data.max_length,
+            max_new_tokens=config.generation.max_new_tokens,
+            max_episode_tokens=config.env.max_episode_tokens if config.env.enabled else None,
+        )  # fmt: skip
+    roles = kind.roles(config)
+    place = None
+    if training:
+        assert checkpoint_dir is not None
+        place = CheckpointPlace.of(
+            config, job=kind.identity_job, roles=roles, directory=checkpoint_dir
+        )  # the job identity, derived once
+        check_checkpoint(
+            place, newest_identity(checkpoint_dir, config.backend, listing), advice=advice
+        )
+        steps = listing.get(config.backend)
+        if running and steps:
+            refuse_step_past_the_end(
+                steps[-1], kind.total_steps(config), config.run_dir, steps_key=str(kind.steps_key),
+                step_word=kind.step_word,
+            )  # fmt: skip
+    return RunFacts(kind, backend, spec, roles, place, listing, environment)

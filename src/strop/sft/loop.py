@@ -19,6 +19,7 @@ from strop.data import Tokenizer, load_sft_examples, make_sft_batcher
 from strop.data.batching import SftBatcher
 from strop.errors import ConfigError
 from strop.run.job import PolicySteps, RunResult, train_policy
+from strop.run.kinds import run_kind
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def run_sft(config: Config, *, stop_after: int | None = None) -> SftResult:
             "to train without evaluation"
         )
     figures = {"loss": "loss {:.4f}", "tokens_per_s": "{:,.0f} tok/s"}
-    run, policy = train_policy(config, "sft", figures, partial(_read, config), stop_after)
+    run, policy = train_policy(config, run_kind("sft"), figures, partial(_read, config), stop_after)
     return SftResult.of(config, run, policy, losses=[rec["train/loss"] for rec in run.records])
 
 

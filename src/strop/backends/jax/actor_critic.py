@@ -65,7 +65,7 @@ from strop.batch.columns import FixedWidths
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
-from strop.io.run_identity import run_checkpoints
+from strop.io.run_identity import CheckpointPlace
 from strop.lora_init import critic_seed as critic_seed_of
 from strop.objectives.ppo import PolicyObjective, ValueObjective
 from strop.objectives.roles import RolePlan
@@ -79,12 +79,12 @@ class JaxActorCritic(Sampler):
     widths = FixedWidths()  # the run's, from expect_prompts: one compile per run
 
     def __init__(
-        self, config: Config, *, total_updates: int,
-        checkpoint_dir: str | os.PathLike | None, plan: RolePlan | None = None,
+        self, config: Config, *, total_updates: int, plan: RolePlan,
+        checkpoints: CheckpointPlace | None,
     ):  # fmt: skip
         check_supported(config.lora)
         self.config = config
-        self.plan = plan = plan or RolePlan.from_config(config)
+        self.plan = plan
         self.mesh = make_mesh(config.mesh)
         self.policy_objective = PolicyObjective.from_config(config)
         self.value_objective = ValueObjective.from_config(config)
@@ -123,7 +123,7 @@ class JaxActorCritic(Sampler):
                 self._joint_update = jit_joint_update(
                     self._critic, policy, name="critic_and_policy_update"
                 )
-        self.checkpoints = run_checkpoints(TrainCheckpoints, config, checkpoint_dir, "jax", "ppo")
+        self.checkpoints = None if checkpoints is None else checkpoints.open(TrainCheckpoints)
 
     # construction helpers ----------------------------------------------------------------
 

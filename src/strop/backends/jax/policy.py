@@ -75,7 +75,9 @@ class JaxPolicy(PolicyMethods, Sampler):
         self.trainer = Trainer(
             model, self.mesh, config.optim, total_steps=run.total_steps, trainable=self.trainable
         )
-        self.checkpoints = run.checkpoints(TrainCheckpoints, config, "jax")
+        self.checkpoints = (
+            None if run.checkpoints is None else run.checkpoints.open(TrainCheckpoints)
+        )
         self.pairs = PreferencePairs(self.token_logprobs, self.trainer, self.mesh)
         self._reference: nnx.State | None = None  # made once, by prepare_reference
 

@@ -54,7 +54,7 @@ from strop.batch.columns import FixedWidths
 from strop.config import Config
 from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
-from strop.io.run_identity import run_checkpoints
+from strop.io.run_identity import CheckpointPlace
 from strop.lora_init import critic_seed as critic_seed_of
 from strop.objectives.micro import critic_micro_loss, policy_micro_loss
 from strop.objectives.ppo import SHARED_CRITIC_PREFIX, PolicyObjective, ValueObjective
@@ -74,12 +74,12 @@ class TorchActorCritic(Sampler):
     widths = FixedWidths()  # the sampler's, compiled (expect_prompts); training: any shape
 
     def __init__(
-        self, config: Config, *, total_updates: int,
-        checkpoint_dir: str | os.PathLike | None, plan: RolePlan | None = None,
+        self, config: Config, *, total_updates: int, plan: RolePlan,
+        checkpoints: CheckpointPlace | None,
     ):  # fmt: skip
         model_path = config.model_path()
         self.config = config
-        self.plan = plan = plan or RolePlan.from_config(config)
+        self.plan = plan
         self.placement = place(config.mesh)
         self.policy_objective = PolicyObjective.from_config(config)
         self.value_objective = ValueObjective.from_config(config)
@@ -139,8 +139,8 @@ class TorchActorCritic(Sampler):
             params=actor_params + [p for head in shared_head for p in head.parameters()],
             modules=[self.loaded.model, *shared_head],
         )  # fmt: skip
-        self.checkpoints = run_checkpoints(
-            TrainCheckpoints, config, checkpoint_dir, "torch", "ppo", self.placement
+        self.checkpoints = (
+            None if checkpoints is None else checkpoints.open(TrainCheckpoints, self.placement)
         )
 
     def _build_critic(

@@ -89,7 +89,11 @@ class TorchPolicy(PolicyMethods, Sampler):
         self.trainer = Trainer(
             self.loaded, config.optim, total_steps=run.total_steps, seed=config.seed
         )
-        self.checkpoints = run.checkpoints(TrainCheckpoints, config, "torch", self.placement)
+        self.checkpoints = (
+            None
+            if run.checkpoints is None
+            else run.checkpoints.open(TrainCheckpoints, self.placement)
+        )
         self.pairs = PreferencePairs(
             self.token_logprobs, self.packed_logits, self.trainer, self.placement
         )
