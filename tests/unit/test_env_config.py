@@ -44,6 +44,7 @@ def test_defaults_keep_single_turn_runs_as_they_were() -> None:
     assert (env.max_turns, env.max_episode_tokens) == (4, 1024)
     assert (env.step_timeout_s, env.max_error_fraction) == (60.0, 0.5)
     assert env.max_tool_calls_per_turn == 8
+    assert (env.tool_timeout_s, env.tool_workers) == (None, None)  # the tools', one per episode
     assert config.ppo.reward == "gsm8k"
 
 
@@ -76,6 +77,8 @@ def test_an_environment_scores_the_episodes_and_the_config_round_trips(tmp_path)
             ["env.max_tool_calls_per_turn=0"],
             "env.max_tool_calls_per_turn: Input should be greater than 0",
         ),
+        (["env.tool_workers=0"], "env.tool_workers: Input should be greater than 0"),
+        (["env.tool_timeout_s=-1"], "env.tool_timeout_s: Input should be greater than 0"),
         (["env.args=3"], "env.args: Input should be a valid dictionary"),
         (["env.nmae=calculator"], "did you mean 'env.name'?"),
     ],
