@@ -8,12 +8,10 @@ import json
 import os
 import time
 
-import pytest
-
 from strop.agents.rollout import RolloutLimits, run_episodes
 from strop.agents.tool_env import ToolEnv, with_run_limits
 from strop.agents.tools import Tool
-from tests.unit.test_agents_rollout import Scripted
+from tests.unit.test_agents_rollout import Scripted, tok  # noqa: F401
 
 SLEEP_S = 0.25
 
@@ -29,7 +27,7 @@ def calls(n: int, seconds: float = SLEEP_S) -> str:
     return "".join(f"<tool_call>\n{json.dumps(call)}\n</tool_call>" for _ in range(n))
 
 
-def episodes(tok, n_records, turn, step_timeout_s, **run_limits):
+def episodes(tokenizer, n_records, turn, step_timeout_s, **run_limits):
     records = [{"question": "Wait for it.", "answer": "1"}] * n_records
     factory = with_run_limits(
         lambda: ToolEnv([Tool.from_function(slow, timeout_s=5.0)]),
@@ -38,15 +36,15 @@ def episodes(tok, n_records, turn, step_timeout_s, **run_limits):
         **run_limits,
     )
     limits = RolloutLimits(max_turns=3, max_new_tokens=256, step_timeout_s=step_timeout_s)
-    generate = Scripted(tok, {"Wait for it.": [turn, "#### 1"]})
-    return run_episodes(records, factory, tok, generate, limits)
+    generate = Scripted(tokenizer, {"Wait for it.": [turn, "#### 1"]})
+    return run_episodes(records, factory, tokenizer, generate, limits)
 
 
 def tool_replies(outcome) -> list[str]:
     return [m["content"] for m in outcome.episode.messages if m["role"] == "tool"]
 
 
-def test_a_batch_of_slow_calls_runs_at_once_within_the_step_deadline(tok):
+def test_a_batch_of_slow_calls_runs_at_once_within_the_step_deadline(tok):  # noqa: F811
     # four times as many calls as asyncio's default pool has threads, each a quarter of a
     # second: queued on that pool they ran in waves, and the last waves ran past the step
     # deadline (each failed its episode); on a pool sized to the batch they all run at once
@@ -57,7 +55,7 @@ def test_a_batch_of_slow_calls_runs_at_once_within_the_step_deadline(tok):
     assert all(o.info["tool_errors"] == 0 and o.rewards == {} for o in outcomes)
 
 
-def test_a_turn_s_calls_past_the_step_deadline_are_tool_errors_not_a_failed_episode(tok):
+def test_a_turn_s_calls_past_the_step_deadline_are_tool_errors_not_a_failed_episode(tok):  # noqa: F811
     # six calls of 0.3 s in one turn under a 1 s step: the calls that fit run, the one the
     # turn's time runs out in and the ones after it are answered as errors
     (outcome,) = episodes(tok, 1, calls(6, 0.3), step_timeout_s=1.0)
@@ -69,7 +67,7 @@ def test_a_turn_s_calls_past_the_step_deadline_are_tool_errors_not_a_failed_epis
     assert outcome.info["tool_errors"] == 6 - replies.count("done") >= 2
 
 
-def test_the_run_s_per_call_deadline_bounds_every_tool(tok):
+def test_the_run_s_per_call_deadline_bounds_every_tool(tok):  # noqa: F811
     # env.tool_timeout_s: each call's own deadline (the tool's 5 s replaced), a call past it
     # an error observation; the episode goes on and is scored
     (outcome,) = episodes(tok, 1, calls(1, 2.0), step_timeout_s=30.0, tool_timeout_s=0.2)
@@ -77,11 +75,3 @@ def test_the_run_s_per_call_deadline_bounds_every_tool(tok):
     (reply,) = tool_replies(outcome)
     assert reply.startswith("error: slow did not finish within 0.2 s"), reply
     assert outcome.info["tool_errors"] == 1
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from strop.data import Tokenizer
-    from tests.chat_templates import save_chat_tokenizer
-
-    return Tokenizer.from_pretrained(save_chat_tokenizer(tmp_path_factory.mktemp("q"), "qwen2.5"))
