@@ -23,6 +23,7 @@ from strop.agents.environment import (
     StepResult,
     call_maybe_async,
     load_environment,
+    register_source,
 )
 from strop.agents.tool_env import ToolEnv
 from strop.errors import ConfigError, DataError, StropError
@@ -245,6 +246,26 @@ def test_load_environment_from_a_module_a_file_and_a_class(env_file):
     assert type(by_file).__name__ == "Counter"
     assert load_environment("strop_test_agent_envs:Counter", start=1).start == 1
     assert isinstance(load_environment("calculator"), ToolEnv)
+
+
+def test_a_registered_source_resolves_its_references(env_file, monkeypatch):
+    """``<source>:<name>`` goes to the source registered under that word (``verifiers`` is
+    one, registered by strop.agents); ``package.module:factory`` is untouched by it."""
+    import strop.agents.environment as environment
+
+    asked = []
+
+    def toy(reference, name):
+        asked.append((reference, name))
+        return lambda **kwargs: load_environment("strop_test_agent_envs:make", **kwargs)
+
+    monkeypatch.setattr(environment, "SOURCES", dict(environment.SOURCES))
+    register_source("toy", toy)
+    assert sorted(environment.SOURCES) == ["toy", "verifiers"]
+    env = load_environment(" toy: my_game ", start=3)
+    assert asked == [("toy: my_game", "my_game")]
+    assert asyncio.run(call_maybe_async(env.reset, {})) == [{"role": "user", "content": "3"}]
+    assert type(load_environment("strop_test_agent_envs:make")).__name__ == "Counter"
 
 
 @pytest.mark.parametrize(

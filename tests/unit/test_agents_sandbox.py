@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -11,15 +12,20 @@ import time
 
 import pytest
 
+from strop.agents.python_env import python_tool
 from strop.agents.sandbox import (
     SandboxLimits,
     SandboxResult,
     SandboxUnavailableError,
-    python,
     run_python,
 )
 
 SMALL = SandboxLimits(wall_time_s=8, cpu_time_s=1, memory_mb=256, max_processes=8)
+
+
+def python(code: str) -> str:
+    """What the python tool shows the model for ``code``."""
+    return python_tool(SMALL).call({"code": code}).text
 
 
 def run(code: str, limits: SandboxLimits = SMALL) -> SandboxResult:
@@ -155,10 +161,11 @@ def test_as_root_the_real_home_and_the_run_directory_are_out_of_reach(tmp_path):
     assert not os.path.exists("/root/.ssh") or "id_" not in result.stdout
 
 
-def test_writing_a_world_writable_dir_outside_the_temp_dir_is_not_prevented():
-    # Documented limit: a world-writable directory (like /tmp itself) stays writable to the
-    # child; only the file size limit applies. The fresh temp dir is removed afterwards.
-    shared = tempfile.mkdtemp(prefix="strop-test-shared-")
+def test_writing_a_world_writable_dir_outside_the_scratch_dirs_is_not_prevented():
+    # Documented limit: a world-writable directory other than /tmp, /var/tmp, /dev/shm and
+    # /run (here one beside the tests) stays writable to the child; only the file size limit
+    # applies. The fresh temp dir is removed afterwards.
+    shared = tempfile.mkdtemp(prefix="strop-test-shared-", dir=os.path.dirname(__file__))
     try:
         os.chmod(shared, 0o1777)
         note = os.path.join(shared, "note.txt")
@@ -203,6 +210,8 @@ def test_as_an_unprivileged_user_network_is_cut_and_a_fork_bomb_capped(tmp_path)
             "print(r.error.split(':')[0])\n"
             f"r = run_python({FORK_BOMB!r}, L)\n"
             "print(r.error.split(':')[0], int(r.stdout))\n"
+            "r = run_python(\"import os\\nprint(os.listdir('/tmp') == [os.path.basename(os.getcwd())])\", L)\n"
+            "print(r.stdout.strip(), r.error)\n"
         )
         env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": root, "HOME": "/"}
         argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3"]
@@ -214,8 +223,9 @@ def test_as_an_unprivileged_user_network_is_cut_and_a_fork_bomb_capped(tmp_path)
     if "cannot run here" in done.stderr:
         pytest.skip(done.stderr.strip().splitlines()[-1])
     assert done.returncode == 0, done.stderr
-    network, bomb = done.stdout.splitlines()
+    network, bomb, tmp = done.stdout.splitlines()
     assert network == "network refused (the sandbox has no network)"
+    assert tmp == "True None"  # its /tmp is private: only its working directory
     assert bomb.startswith("timeout ") and 0 < int(bomb.split()[1]) < 6
     assert sandboxed_pids() == []
 
@@ -237,3 +247,53 @@ def test_bad_limits_are_one_line_errors():
 def test_a_lone_surrogate_in_the_code_is_the_snippet_s_error():
     result = run('print("\ud800")')
     assert not result.ok and result.exit_code == 1 and "SyntaxError" in result.error
+
+
+def test_tmp_shm_and_run_are_private_bounded_and_leave_nothing_behind():
+    # Before: /tmp and /dev/shm were the host's, written without bound (180 MB in 1.3 s) and
+    # left behind. Now each is a private tmpfs of scratch_mb: the writes stop at it, with
+    # ENOSPC, and the host never sees them.
+    limits = SandboxLimits(scratch_mb=2, max_file_mb=8, wall_time_s=8)
+    dirs = [d for d in ("/tmp", "/var/tmp", "/dev/shm") if os.path.isdir(d)] + ["."]  # its cwd
+    name = f"strop-test-fill-{os.getpid()}-{time.monotonic_ns()}"
+    code = (
+        f"import os\nfor d in {dirs!r}:\n    n = 0\n    try:\n"
+        f"        with open(os.path.join(d, {name!r}), 'wb') as f:\n"
+        "            for _ in range(8):\n                f.write(b'x' * 2**20); f.flush(); n += 1\n"
+        "    except OSError as e:\n        print(d, n, e.errno)\n    else:\n        print(d, n, 0)\n"
+    )
+    result = run(code, limits)
+    try:
+        assert result.ok, result.error
+        for line, place in zip(result.stdout.splitlines(), dirs, strict=True):
+            where, megabytes, errno = line.split()
+            assert where == place and int(megabytes) <= 2 and errno == "28", line  # ENOSPC
+        assert not [d for d in dirs[:-1] if os.path.exists(os.path.join(d, name))]
+    finally:
+        for d in dirs[:-1]:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(d, name))
+
+
+def test_a_world_writable_unix_socket_in_tmp_or_run_is_out_of_reach():
+    # Before: the network namespace cuts TCP, but a filesystem socket is a file: one the host
+    # listens on in /tmp or /run (X11, D-Bus, docker.sock where their modes allow) took the
+    # snippet's connection.
+    for directory in ("/tmp", "/run"):
+        if not os.path.isdir(directory):
+            continue
+        path = os.path.join(directory, f"strop-test-{os.getpid()}.sock")
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(path)
+            try:
+                os.chmod(path, 0o777)
+                server.listen()
+                code = f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({path!r})\nprint('connected')"
+                result = run(code)
+                server.settimeout(0.1)
+                with pytest.raises(TimeoutError):
+                    server.accept()  # nothing reached the host's socket
+            finally:
+                os.remove(path)
+        assert "connected" not in result.stdout
+        assert "FileNotFoundError" in result.error, result.error

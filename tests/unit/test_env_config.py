@@ -5,6 +5,9 @@ context-length check against ``env.max_episode_tokens``."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -44,6 +47,7 @@ def test_defaults_keep_single_turn_runs_as_they_were() -> None:
     assert (env.max_turns, env.max_episode_tokens) == (4, 1024)
     assert (env.step_timeout_s, env.max_error_fraction) == (60.0, 0.5)
     assert env.max_tool_calls_per_turn == 8
+    assert (env.tool_timeout_s, env.tool_workers) == (None, None)  # the tools', one per episode
     assert config.ppo.reward == "gsm8k"
 
 
@@ -76,6 +80,8 @@ def test_an_environment_scores_the_episodes_and_the_config_round_trips(tmp_path)
             ["env.max_tool_calls_per_turn=0"],
             "env.max_tool_calls_per_turn: Input should be greater than 0",
         ),
+        (["env.tool_workers=0"], "env.tool_workers: Input should be greater than 0"),
+        (["env.tool_timeout_s=-1"], "env.tool_timeout_s: Input should be greater than 0"),
         (["env.args=3"], "env.args: Input should be a valid dictionary"),
         (["env.nmae=calculator"], "did you mean 'env.name'?"),
     ],
@@ -109,6 +115,39 @@ def test_an_environment_that_cannot_be_built_is_one_line(tmp_path, monkeypatch, 
     assert said in message, message
     check_environment("envs.py:make", {"level": 3})  # the factory takes any keywords
     check_environment("calculator", {"max_turns": 2})
+
+
+def test_preflight_warns_when_the_python_sandbox_can_read_the_gold_answers(caplog) -> None:
+    # the sandbox's snippets run as a fresh uid (as root): they read what others may read. A
+    # data file others can reach and read is a warning, not an error; a private one is not
+    # (as another user than root, the snippets run as that user: always a warning)
+    top = Path(tempfile.mkdtemp(prefix="strop-test-golds-"))  # under /tmp, which all enter
+    try:
+        data = top / "train.jsonl"
+        data.write_text('{"question": "2+2", "answer": "4"}\n')
+        seen = {}
+        for case, (top_mode, file_mode) in {
+            "readable": (0o755, 0o644), "private file": (0o755, 0o600),
+            "private directory": (0o700, 0o644),
+        }.items():  # fmt: skip
+            top.chmod(top_mode)
+            data.chmod(file_mode)
+            for name in ("python", "calculator"):
+                caplog.clear()
+                check_environment(name, {}, (str(data), None))
+                seen[case, name] = [r.getMessage() for r in caplog.records]
+    finally:
+        shutil.rmtree(top)
+    (said,) = seen["readable", "python"]
+    assert said.startswith(f"{data} is readable by the python tool's sandboxed snippets")
+    assert "gold answers" in said and "\n" not in said
+    root = os.getuid() == 0
+    assert (
+        bool(seen["private file", "python"])
+        is bool(seen["private directory", "python"])
+        is not root
+    )
+    assert not any(seen[case, "calculator"] for case in ("readable", "private file"))
 
 
 def test_context_length_is_checked_against_the_episode_budget() -> None:

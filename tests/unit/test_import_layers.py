@@ -2,7 +2,8 @@
 
 Every ``import strop...`` / ``from strop... import ...`` counts, at module level and inside
 functions alike (a lazy import is still a dependency); only ``if TYPE_CHECKING:`` imports
-(annotations, never run) do not. Folder-level edges among the
+(annotations, never run) do not. No two modules of ``src/strop`` import each other, directly
+or round a loop. Folder-level edges among the
 training packages (``backends``, ``rl``, ``sft``, ``dpo``, ``rewards``) may not form a loop: the
 backends sit above the core they are driven by, and what both need (batch layout,
 objectives, the reward model's checks) lives in packages below both. The core packages
@@ -12,6 +13,7 @@ import no array framework at module level.
 from __future__ import annotations
 
 import ast
+import graphlib
 import itertools
 from collections import defaultdict
 from pathlib import Path
@@ -168,3 +170,75 @@ def test_the_walk_sees_lazy_imports(tmp_path):
     assert cycles({("rl", "backends"): {}, ("backends", "rl"): {}}) == [
         ["backends", "rl", "backends"]
     ]
+
+
+def module_edges() -> dict[str, dict[str, str]]:
+    """Module -> {imported module of strop: the first import line that makes the edge}.
+
+    ``from package import name`` is an edge to ``package.name`` when that is a module (the
+    submodule it imports), else to ``package``; a module does not count its parent packages
+    (Python runs their ``__init__`` first, but they are the package's entrance, not a
+    dependency the module chose), as import-linter and grimp count it."""
+    paths = {module_name(path): path for path in sorted(ROOT.rglob("*.py"))}
+    edges: dict[str, dict[str, str]] = defaultdict(dict)
+    for source, path in paths.items():
+        found = imports(path)
+        for target, _, line in found:
+            named = {t for t, _, at in found if at == line and t.startswith(f"{target}.")}
+            if target not in paths or target == source or named & paths.keys():
+                continue  # not a module of strop, itself, or a package whose submodule is named
+            edges[source].setdefault(target, f"{path.relative_to(ROOT)}:{line}")
+    return edges
+
+
+def module_cycles(edges: dict[str, dict[str, str]]) -> list[list[str]]:
+    """Loops among the modules: one per edge cut (graphlib finds one, it is cut, the search
+    runs again), so every loop is broken by some reported one."""
+    graph = {source: set(targets) for source, targets in edges.items()}
+    loops = []
+    while True:
+        try:
+            graphlib.TopologicalSorter(graph).prepare()
+        except graphlib.CycleError as exc:
+            loop = exc.args[1]  # [a, b, ..., a]: each node is a dependency of the one before
+            loops.append(loop[::-1])
+            graph[loop[-1]].discard(loop[-2])
+        else:
+            return loops
+
+
+def test_no_import_cycle_between_modules():
+    """No module of strop imports one that imports it back, directly or round a loop (lazy
+    imports count: a loop through a function's import is still a loop)."""
+    edges = module_edges()
+    loops = module_cycles(edges)
+    lines = []
+    for loop in loops:
+        lines.append(" -> ".join(loop))
+        lines += [f"    {edges[a][b]} imports {b}" for a, b in itertools.pairwise(loop)]
+    assert not loops, "import cycles between strop's modules:\n" + "\n".join(lines)
+
+
+def test_the_module_walk_finds_a_loop_through_a_lazy_import(tmp_path):
+    """A check of the checker: a loop made by an import inside a function is found, and
+    ``from package import submodule`` is an edge to the submodule."""
+    package = tmp_path / "strop" / "agents"
+    package.mkdir(parents=True)
+    (tmp_path / "strop" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "env.py").write_text("def f():\n    from strop.agents import source\n")
+    (package / "source.py").write_text("from strop.agents.env import f\n")
+    global ROOT
+    saved, ROOT = ROOT, tmp_path / "strop"
+    try:
+        edges = module_edges()
+    finally:
+        ROOT = saved
+    assert edges == {
+        "strop.agents.env": {"strop.agents.source": "agents/env.py:2"},
+        "strop.agents.source": {"strop.agents.env": "agents/source.py:1"},
+    }
+    assert module_cycles(edges) in (
+        [["strop.agents.env", "strop.agents.source", "strop.agents.env"]],
+        [["strop.agents.source", "strop.agents.env", "strop.agents.source"]],
+    )

@@ -155,11 +155,14 @@ def test_a_sleeping_vllm_engine_stays_awake_through_an_iteration_s_episodes(tok,
 
 def test_the_run_s_episodes_come_from_the_config_and_need_a_chat_template(tok) -> None:  # noqa: F811
     overrides = ["env.name=calculator", "env.args={max_turns: 2}", "env.max_tool_calls_per_turn=3"]
+    overrides += ["env.tool_timeout_s=2.5", "env.tool_workers=5", "env.step_timeout_s=30"]
     config = load_config(None, overrides)
     environment = check_environment(config.env.name, config.env.args)  # preflight's
     episodes = Episodes.from_config(config, tok, [tok.eos_token_id], environment)
     assert episodes.factory().max_turns == 2 and episodes.longest_prefix == 1023
-    assert episodes.factory().max_tool_calls_per_turn == 3
+    env = episodes.factory()
+    assert (env.max_tool_calls_per_turn, env.call_timeout_s, env.turn_timeout_s) == (3, 2.5, 29)
+    assert (episodes.limits.tool_workers, episodes.limits.step_timeout_s) == (5, 30)
     assert Episodes.from_config(load_config(None, []), tok, [0], None) is None
     no_template = SimpleNamespace(chat_template=None)
     with pytest.raises(ConfigError, match="rendered with the model's chat template"):

@@ -18,8 +18,11 @@ which can be called once per episode). :func:`call_maybe_async` calls either kin
 * ``package.module:factory`` or ``path/to/file.py:factory`` (imported as
   :mod:`strop.references` imports rewards and losses): ``factory(**kwargs)`` must return an
   object with ``reset`` and ``step`` methods (a class is a factory too);
-* ``verifiers:<module>``: a ``verifiers`` 0.4 taskset, played in strop's loop
-  (:mod:`strop.agents.verifiers_env`; verifiers is imported only then).
+* ``<source>:<name>``, for a source registered with :func:`register_source`:
+  ``verifiers:<module>`` is a ``verifiers`` 0.4 taskset, played in strop's loop
+  (:mod:`strop.agents.verifiers_env`, registered by :mod:`strop.agents`; verifiers is
+  imported only then). This module imports no source: each registers itself, so the
+  protocol sits below everything that plays it.
 
 Every mistake raises :class:`EnvironmentLoadError`, one line naming the reference.
 """
@@ -32,8 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from strop.errors import ConfigError
-from strop.references import BadReference, import_function, is_reference, split
-from strop.rewards.calling import one_line
+from strop.references import BadReference, import_function, is_reference, one_line, split
 
 Message = dict[str, Any]
 T = TypeVar("T")
@@ -47,6 +49,21 @@ BUILTINS: dict[str, str] = {
 
 class EnvironmentLoadError(ConfigError):
     """An environment reference names nothing usable (one line, with the reference)."""
+
+
+Source = Callable[[str, str], Callable[..., Any]]
+"""``resolve(reference, name) -> factory``: a source's factory for ``<source>:<name>``
+(``name`` stripped), :class:`EnvironmentLoadError` when it has none."""
+
+SOURCES: dict[str, Source] = {}
+"""The registered sources of environments, by the word before the colon (``verifiers``)."""
+
+
+def register_source(source: str, resolve: Source) -> None:
+    """Make ``env.name=<source>:<name>`` resolve through ``resolve(reference, name)``
+    (see :data:`Source`); ``source`` is a word a Python module path never takes the place
+    of (a source named like a package would hide ``package:factory``)."""
+    SOURCES[source] = resolve
 
 
 @dataclass
@@ -89,10 +106,9 @@ def resolve_environment(reference: str) -> Callable[..., Any]:
     """The factory ``reference`` names (a built-in's, or the imported one), without calling
     it; :class:`EnvironmentLoadError` when there is none."""
     ref = reference.strip()
-    if ref.startswith("verifiers:"):
-        from strop.agents.verifiers_env import verifiers_factory
-
-        return verifiers_factory(ref)
+    source, colon, name = ref.partition(":")
+    if colon and source.strip() in SOURCES:
+        return SOURCES[source.strip()](ref, name.strip())
     if not is_reference(ref):
         if ref not in BUILTINS:
             hint = f"; give the factory too: {ref}:FACTORY" if ref.endswith(".py") else ""

@@ -7,12 +7,20 @@ A snippet that fails (it raised, exited non-zero, ran out of time, memory or out
 error: the model sees its output and ``[error: ...]``, and the step counts it in
 ``tool_errors``. The tool's own timeout is the sandbox's wall clock plus a margin, so the
 sandbox, not the tool thread, ends a slow snippet.
+
+The snippets read what other users may read (as root they run as a fresh uid; as another
+user, as that user): :func:`warn_if_snippets_can_read` warns, at preflight, when that
+includes the run's data files, whose gold answers the model could then print.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import logging
+import os
+import stat
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from strop.agents.calculator import correct
@@ -27,6 +35,7 @@ SYSTEM_PROMPT = (
     "'#### <number>'."
 )
 TIMEOUT_MARGIN_S = 5.0
+logger = logging.getLogger(__name__)
 
 
 def python_tool(limits: SandboxLimits | None = None) -> Tool:
@@ -50,6 +59,7 @@ def python_tool(limits: SandboxLimits | None = None) -> Tool:
             parts.append(f"[error: {result.error}]")
         return ToolOutcome("\n".join(parts) if parts else "(no output)", error=not result.ok)
 
+    python.runs_model_code = True  # type: ignore[attr-defined]  # see warn_if_snippets_can_read
     return Tool.from_function(python, timeout_s=limits.wall_time_s + TIMEOUT_MARGIN_S)
 
 
@@ -79,3 +89,32 @@ def python_environment(
         max_turns=max_turns,
         tool_format=tool_format,
     )
+
+
+def warn_if_snippets_can_read(env: Any, paths: Iterable[str | None]) -> None:
+    """A logged warning (not an error) for each file of ``paths`` a sandboxed snippet of
+    ``env`` could read: ``env`` has a tool that runs the model's code (:func:`python_tool`),
+    and the file is readable by others (its mode, and every directory above it, let other
+    users reach and read it; or strop runs as another user than root, whose snippets read
+    what that user reads). A data file holds the gold answers."""
+    tools = getattr(env, "tools", None)
+    tools = tools.values() if isinstance(tools, Mapping) else ()
+    if not any(getattr(tool.function, "runs_model_code", False) for tool in tools):
+        return
+    for path in filter(None, paths):
+        if os.path.exists(path) and (os.getuid() != 0 or _others_can_read(Path(path))):
+            why = "strop runs as a user the snippets run as" if os.getuid() else "its mode"
+            logger.warning(
+                "%s is readable by the python tool's sandboxed snippets (%s): the model can "
+                "print its gold answers; keep the data in a directory others cannot enter "
+                "(chmod 700, as root), see docs/agents.md",
+                path,
+                why,
+            )
+
+
+def _others_can_read(path: Path) -> bool:
+    path = path.resolve()
+    reach = all(os.stat(d).st_mode & stat.S_IXOTH for d in path.parents)
+    files = path.rglob("*") if path.is_dir() else [path]
+    return reach and any(f.stat().st_mode & stat.S_IROTH for f in files if f.is_file())

@@ -2,8 +2,7 @@
 
 The engine is a callable ``generate(prefixes, max_new_tokens) -> list[Turn]``: one
 :class:`Turn` (sampled ids, their log-probs, ``"stop"`` or ``"length"``) per prefix of token
-ids; :mod:`strop.agents.continuation` makes one from any strop sampler (JAX and torch
-policies and actor-critics, the vLLM engine).
+ids (:mod:`strop.agents.continuation` makes one from any strop sampler).
 
 :func:`run_episodes` plays one episode per record with its own environment instance from a
 factory (:func:`~strop.agents.environment.resolve_environment`): ``reset(record)`` ->
@@ -12,7 +11,8 @@ round the ids of every active episode go to ONE ``generate`` call (a finished ep
 its row), each turn is added with :meth:`Episode.add_sampled`, and the environments step
 concurrently (``async def`` methods on one event loop in a daemon thread, plain ones in
 daemon threads of their own), each within ``step_timeout_s``; their messages are added with
-:meth:`Episode.add_messages`.
+:meth:`Episode.add_messages`. The loop's ``asyncio.to_thread`` pool (tool calls, which mostly
+wait on a child) has ``tool_workers`` threads, one per episode: a batch's calls run at once.
 
 Bounds (:class:`RolloutLimits`): a turn samples at most ``max_new_tokens``, never more than
 the episode has left of ``max_episode_tokens`` (rows of one call with different budgets are
@@ -97,6 +97,7 @@ class RolloutLimits:
       step_timeout_s: the wall-clock deadline of one ``reset`` or ``step``; None: none.
       max_error_fraction: stop (:class:`EpisodeError`) when more than this share of a
         batch's episodes fail; None: never stop.
+      tool_workers: threads for blocking calls (tool calls); None: one per episode.
     """
 
     max_turns: int = 8
@@ -104,9 +105,11 @@ class RolloutLimits:
     max_new_tokens: int = 512
     step_timeout_s: float | None = 60.0
     max_error_fraction: float | None = 0.5
+    tool_workers: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_episode_tokens", "max_new_tokens"):
+        counts = ("max_turns", "max_episode_tokens", "max_new_tokens", "tool_workers")
+        for name in counts[: 3 if self.tool_workers is None else 4]:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -168,6 +171,7 @@ def run_episodes(
     limits = limits or RolloutLimits()
     name = name or getattr(environment, "__name__", type(environment).__name__)
     slots = [_Slot(record, EpisodeOutcome(None)) for record in records]
+    _LOOP.size_executor(limits.tool_workers or max(len(records), 1))
     for slot in slots:
         try:
             slot.env = environment()
@@ -263,10 +267,7 @@ def _fail(slot: _Slot, reason: str) -> None:
 def _gather(slots: list[_Slot], run: Callable, what: str, timeout_s: float | None) -> None:
     """``run(slot)`` (a coroutine) for every live slot at once on the shared loop; a slot
     whose call raises or outlives ``timeout_s`` fails."""
-    live = [s for s in slots if s.active]
-    if not live:
-        return
-    futures = {_LOOP.submit(run(slot)): slot for slot in live}
+    futures = {_LOOP.submit(run(slot)): slot for slot in slots if slot.active}
     done, pending = cf.wait(futures, timeout=timeout_s)
     for future in pending:
         future.cancel()
@@ -317,17 +318,30 @@ async def _call(method: Callable[..., Any], *args: Any) -> Any:
 
 
 class _SharedLoop:
-    """An event loop in a daemon thread for environment calls, (re)started when needed."""
+    """An event loop in a daemon thread for environment calls, (re)started when needed,
+    whose default executor (``asyncio.to_thread``) has :meth:`size_executor`'s threads."""
 
     def __init__(self) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._executor, self._workers = cf.ThreadPoolExecutor(1), 1
+
+    def size_executor(self, workers: int) -> None:
+        """``workers`` threads for the loop's blocking calls (not asyncio's default, ``min(32,
+        cores + 4)``: tool calls mostly wait); calls still running keep the old pool's."""
+        with self._lock:
+            if workers != self._workers:
+                self._executor.shutdown(wait=False)
+                self._executor = cf.ThreadPoolExecutor(workers, thread_name_prefix="strop-tool")
+                self._workers = workers
+                self._loop.set_default_executor(self._executor)
 
     def submit(self, coroutine: Any) -> cf.Future:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._loop = asyncio.new_event_loop()
+                self._loop.set_default_executor(self._executor)
                 self._thread = threading.Thread(
                     target=self._loop.run_forever, name="strop-env-loop", daemon=True
                 )

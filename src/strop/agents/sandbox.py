@@ -1,13 +1,15 @@
 """Run untrusted Python (a snippet a model wrote) in a limited child process.
 
-Each :func:`run_python` call starts a fresh ``python -I`` in a fresh temporary directory
-(removed afterwards) with a scrubbed environment, in new PID and network namespaces, under
-resource limits (CPU time, address space, processes, file size, open files), with a wall-clock
-timeout and a bound on the output it returns. As root the child also gets a new mount
-namespace (directories that others cannot enter, such as ``/root``, are covered by an empty
-tmpfs; only the interpreter's own prefix is bound back) and runs as a fresh unprivileged uid;
-as another user it runs in a user namespace mapped to that user. What it does NOT protect
-against is in docs/agents.md ("The python sandbox").
+Each :func:`run_python` call starts a fresh ``python -I`` with a scrubbed environment, in new
+PID, network and mount namespaces, under resource limits (CPU time, address space,
+processes, file size, open files), with a wall-clock timeout and a bound on the output it
+returns. In its mount namespace ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run`` are private
+tmpfs of ``scratch_mb`` each (the host's files and sockets there out of reach, nothing
+written there left behind), and its working directory (``HOME``, ``TMPDIR``) is a fresh one
+in that ``/tmp``. As root the child runs as a fresh unprivileged uid, and directories
+that others cannot enter, such as ``/root``, are covered by an empty tmpfs (only the
+interpreter's own prefix bound back); as another user it runs in a user namespace mapped
+to that user. What it does NOT protect against is in docs/agents.md ("The python sandbox").
 
 A small bootstrap (``_BOOT``, run by the same interpreter) does the isolation, forks the
 snippet's interpreter as PID 1 of the new PID namespace and reports on a status pipe: when that
@@ -33,7 +35,8 @@ from dataclasses import dataclass
 
 from strop.errors import StropError
 
-__all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailableError", "python", "run_python"]
+__all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailableError", "run_python"]
+SCRATCH = ("/tmp", "/var/tmp", "/dev/shm", "/run")  # private tmpfs in the sandbox
 
 
 class SandboxUnavailableError(StropError):
@@ -46,8 +49,9 @@ class SandboxLimits:
 
     ``wall_time_s`` bounds the whole call; ``cpu_time_s`` the CPU seconds of each process;
     ``memory_mb`` each process's address space (RLIMIT_AS); ``max_processes`` the processes
-    and threads alive at once; ``max_file_mb`` any file written; ``max_output_bytes`` what is
-    kept of stdout and of stderr (more ends the run). ``allow_network=True`` keeps the host's
+    and threads alive at once; ``max_file_mb`` any file written; ``scratch_mb`` each private
+    tmpfs (``SCRATCH``: all it may write); ``max_output_bytes`` what is kept of stdout and of
+    stderr (more ends the run). ``allow_network=True`` keeps the host's
     network (nothing else changes): off by default, and a host where the network cannot be
     cut refuses to run rather than run with it.
     """
@@ -57,13 +61,15 @@ class SandboxLimits:
     memory_mb: int = 512
     max_processes: int = 16
     max_file_mb: int = 16
+    scratch_mb: int = 16
     max_open_files: int = 64
     max_output_bytes: int = 16_384
     allow_network: bool = False
     python: str | None = None  # the interpreter; None = the one running strop
 
     def __post_init__(self):
-        for name in ("wall_time_s", "cpu_time_s", "memory_mb", "max_processes", "max_file_mb"):
+        positive = ("wall_time_s", "cpu_time_s", "memory_mb", "max_processes", "max_file_mb")
+        for name in (*positive, "scratch_mb"):
             if not getattr(self, name) > 0:
                 raise StropError(f"sandbox limit {name} must be > 0, got {getattr(self, name)!r}")
         if self.max_open_files < 8 or self.max_output_bytes < 1:
@@ -107,12 +113,14 @@ libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
 def call(name, *args):
     if getattr(libc, name)(*args) != 0:
         err = ctypes.get_errno(); raise OSError(err, name + ": " + os.strerror(err))
-MS_REC, MS_PRIVATE, MS_BIND = 0x4000, 0x40000, 0x1000
+MS_REC, MS_PRIVATE, MS_BIND, MS_NOSUID, MS_NODEV = 0x4000, 0x40000, 0x1000, 0x2, 0x4
 uid, gid = os.getuid(), os.getgid()
-flags = 0x20000000 | (0 if cfg["network"] else 0x40000000)  # CLONE_NEWPID, CLONE_NEWNET
+flags = 0x20000000 | 0x00020000 | (0 if cfg["network"] else 0x40000000)  # NEWPID, NEWNS, NEWNET
+with open(cfg["code"], "rb") as f:
+    code = f.read()
 try:
     if uid == 0:
-        call("unshare", flags | 0x00020000)  # CLONE_NEWNS
+        call("unshare", flags)
         call("mount", b"none", b"/", None, MS_REC | MS_PRIVATE, None)
         for top, keep in cfg["hide"]:
             fds = [os.open(k, os.O_PATH | os.O_DIRECTORY) for k in keep]
@@ -126,6 +134,18 @@ try:
         for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)), ("gid_map", "%d %d 1" % (gid, gid))):
             with open("/proc/self/" + name, "w") as f:
                 f.write(text)
+        call("mount", b"none", b"/", None, MS_REC | MS_PRIVATE, None)
+    for path, mode in cfg["scratch"]:  # parents first: /run before a /run/shm
+        os.makedirs(path, exist_ok=True)
+        opts = "mode=%s,size=%dm,nr_inodes=4096" % (mode, cfg["scratch_mb"])
+        call("mount", b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode())
+    work = cfg["env"]["HOME"]
+    os.mkdir(work, 0o700)
+    with open(os.path.join(work, "snippet.py"), "wb") as f:
+        f.write(code)
+    if uid == 0:
+        for p in (work, os.path.join(work, "snippet.py")):
+            os.chown(p, cfg["uid"], cfg["uid"])
 except OSError as e:
     fail("cannot isolate the sandbox (%s)" % e)
 pid = os.fork()
@@ -137,6 +157,7 @@ if pid == 0:
             resource.setrlimit(getattr(resource, name), (soft, hard))
         if uid == 0:
             os.setgroups([]); os.setgid(cfg["uid"]); os.setuid(cfg["uid"])
+        os.chdir(work)
         for sig in (signal.SIGXCPU, signal.SIGXFSZ, signal.SIGPIPE, signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
@@ -156,17 +177,10 @@ _FIRST_UID = 0x30000000  # fresh uids: no file, no process and no rlimit count i
 
 
 def _uids_in_use() -> set[int]:
-    uids = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/status") as f:
-                    for line in f:
-                        if line.startswith("Uid:"):
-                            uids.add(int(line.split()[1]))
-                            break
-            except OSError:
-                continue
+    uids: set[int] = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{entry}/status") as f:
+            uids |= {int(line.split()[1]) for line in f if line.startswith("Uid:")}
     return uids
 
 
@@ -200,9 +214,9 @@ def _prefix(python: str) -> str:
     return os.path.dirname(os.path.dirname(real))
 
 
-def _env(tmp: str) -> dict[str, str]:
+def _env(home: str) -> dict[str, str]:
     """Only what Python needs: no HOME of the user, no proxies, no tokens, no STROP_*/WANDB_*."""
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp}
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home}
     env.update(LANG="C.UTF-8", LC_ALL="C.UTF-8", PYTHONIOENCODING="utf-8")
     env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     return env
@@ -221,15 +235,21 @@ def _config(code_path: str, tmp: str, limits: SandboxLimits, uid: int | None) ->
     ]
     hide = []
     if uid is not None:
-        keep = [_prefix(python), sys.prefix, os.path.dirname(os.path.abspath(python)), tmp]
+        keep = [_prefix(python), sys.prefix, os.path.dirname(os.path.abspath(python))]
         hide = _hidden_tops(keep)
+    scratch = {os.path.realpath(d) for d in SCRATCH if os.path.isdir(d)}
+    scratch.add(os.path.realpath("/tmp"))
+    work = os.path.join(os.path.realpath("/tmp"), os.path.basename(tmp))  # in the private /tmp
     return {
         "network": limits.allow_network,
         "hide": hide,
+        "scratch": [[d, "0755" if d == "/run" else "1777"] for d in sorted(scratch)],
+        "scratch_mb": limits.scratch_mb,
         "uid": uid,
         "rlimits": rlimits,
-        "argv": [os.path.abspath(python), "-I", code_path],
-        "env": _env(tmp),
+        "code": code_path,
+        "argv": [os.path.abspath(python), "-I", os.path.join(work, "snippet.py")],
+        "env": _env(work),
     }
 
 
@@ -257,8 +277,10 @@ def _explain(status: int, cpu: float, stderr: str, limits: SandboxLimits) -> str
         return f"process limit ({limits.max_processes}) reached: {last}"
     if "[Errno 101]" in last or "[Errno 99]" in last or "Network is unreachable" in last:
         return f"network refused (the sandbox has no network): {last}"
-    if last.startswith(("OSError: [Errno 27]", "OSError: [Errno 28]")):
+    if last.startswith("OSError: [Errno 27]"):
         return f"file size limit ({limits.max_file_mb} MB) exceeded: {last}"
+    if last.startswith("OSError: [Errno 28]"):
+        return f"scratch space limit ({limits.scratch_mb} MB) reached: {last}"
     return f"exit status {code}: {last}" if last else f"exit status {code}"
 
 
@@ -277,9 +299,6 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
         # the snippet's own SyntaxError, as a file with those bytes gives.
         with open(code_path, "w", encoding="utf-8", errors="surrogatepass") as f:
             f.write(code)
-        if uid is not None:
-            os.chown(tmp, uid, uid)
-            os.chown(code_path, uid, uid)
         cfg = _config(code_path, tmp, limits, uid)
         status_r, status_w = os.pipe()
         try:
@@ -377,21 +396,3 @@ def _result(proc, bufs, lines, error, truncated, limits, start) -> SandboxResult
         error = "killed: the sandbox ended without reporting an exit status"
     wall = time.monotonic() - start
     return SandboxResult(out, err, exit_code, error, truncated, wall)
-
-
-def python(code: str) -> str:
-    """Run a Python program in a sandbox and return what it printed.
-
-    The program runs in a fresh process with no network, a temporary working directory
-    and limits on time, memory, processes and output. Print what you want to see.
-
-    Args:
-        code: The Python source to run, for example "print(2**100)".
-    """
-    result = run_python(code)
-    parts = [result.stdout.rstrip("\n")] if result.stdout else []
-    if result.stderr:
-        parts.append(result.stderr.rstrip("\n"))
-    if result.error:
-        parts.append(f"[error: {result.error}]")
-    return "\n".join(parts) if parts else "(no output)"

@@ -13,12 +13,19 @@ in the env's ``tool_format``). Then:
   gives the reward parts of the final answer;
 * calls, on the assistant's ``max_turns``-th turn: the episode ends unrun, ``truncated``
   in ``info``, and the answer is scored as it stands (usually 0: there is none);
-* else the first ``max_tool_calls_per_turn`` calls run (:meth:`~strop.agents.tools.Tool.call`:
-  never raises, bounded in time and output) and one ``{"role": "tool", "name", "content"}``
-  message per call comes back, in the order of the calls; the calls past that limit do not
-  run and are answered with one error message. A call that could not be read and a call to
-  an unknown tool are answered with an error message of their own (a name that is no tool's
-  shown cut to ``MAX_NAME_CHARS``).
+* else the first ``max_tool_calls_per_turn`` calls run, one after another
+  (:meth:`~strop.agents.tools.Tool.call`: never raises, bounded in time and output), and
+  one ``{"role": "tool", "name", "content"}`` message per call comes back, in the order of
+  the calls; the calls past that limit do not run and are answered with one error message.
+  A call that could not be read and a call to an unknown tool are answered with an error
+  message of their own (a name that is no tool's shown cut to ``MAX_NAME_CHARS``).
+
+Deadlines: each call has its own, counted from when it starts (``call_timeout_s``: the run's
+``env.tool_timeout_s``; else its tool's ``timeout_s``); a turn's calls together have
+``turn_timeout_s`` (a run sets it just under ``env.step_timeout_s``, so that slow calls end
+as tool errors, never as a step past its deadline). A call past either deadline is answered
+with an error message, the calls after the turn's time ran out do not run (one error
+message), and all are counted in ``tool_errors``.
 
 ``info`` counts this step's ``tool_calls`` (every call the model attempted), ``tool_errors``
 (those answered with an error) and ``truncated`` (1 when max_turns cut the episode).
@@ -27,7 +34,10 @@ An instance runs one episode at a time (``reset`` remembers the record).
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
@@ -41,6 +51,7 @@ Score = Callable[[Mapping[str, Any], list[Message]], Mapping[str, float]]
 ERROR_NAME = "error"  # the tool message's name when a call names no tool we could read
 DEFAULT_MAX_TOOL_CALLS_PER_TURN = 8
 MAX_NAME_CHARS = 64  # the longest tool name (Tool.from_function): longer ones are cut
+STEP_RESERVE_S = 1.0  # what a step keeps of its deadline after its calls (at most 10% of it)
 
 _tool_of = lru_cache(maxsize=256)(Tool.from_function)
 """A function's :class:`~strop.agents.tools.Tool`, built once per function and limits: an
@@ -63,6 +74,10 @@ class ToolEnv:
       tool_timeout_s, max_output_chars: the limits of a call to a tool made here from a
         function (a :class:`~strop.agents.tools.Tool` given keeps its own).
       max_tool_calls_per_turn: the most calls of one assistant turn that run (>= 1).
+      turn_timeout_s: the most seconds one turn's calls take together; None: no bound.
+
+    ``call_timeout_s`` set after construction (:func:`with_run_limits` sets the run's)
+    is the deadline of every call, the tools' own replaced.
     """
 
     def __init__(
@@ -76,6 +91,7 @@ class ToolEnv:
         tool_timeout_s: float | None = DEFAULT_TIMEOUT_S,
         max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
         max_tool_calls_per_turn: int = DEFAULT_MAX_TOOL_CALLS_PER_TURN,
+        turn_timeout_s: float | None = None,
     ) -> None:
         if max_turns < 1:
             raise ConfigError(f"max_turns must be at least 1, got {max_turns}")
@@ -84,6 +100,8 @@ class ToolEnv:
                 f"max_tool_calls_per_turn must be at least 1, got {max_tool_calls_per_turn}"
             )
         self.max_tool_calls_per_turn = max_tool_calls_per_turn
+        self.turn_timeout_s = turn_timeout_s
+        self.call_timeout_s: float | None = None  # the run's deadline of every call
         self.tools: dict[str, Tool] = {}
         for item in tools:
             tool = (
@@ -124,18 +142,25 @@ class ToolEnv:
             info["truncated"] = 1
             return StepResult(None, self._scored(messages), info)
         replies = []
-        for call in calls[: self.max_tool_calls_per_turn]:
-            name, outcome = await self._answer(call)
+        turn = self.turn_timeout_s
+        ends = None if turn is None else time.monotonic() + turn
+        running = calls[: self.max_tool_calls_per_turn]
+        for k, call in enumerate(running):
+            left = None if ends is None else ends - time.monotonic()
+            if left is not None and left <= 0:
+                replies.append(
+                    _not_run(len(running) - k, f"this turn's {turn:g} s of tool time ran out")
+                )
+                info["tool_errors"] += len(running) - k
+                break
+            name, outcome = await self._answer(call, left)
             info["tool_errors"] += outcome.error
             replies.append({"role": "tool", "name": name, "content": outcome.text})
         skipped = len(calls) - self.max_tool_calls_per_turn
         if skipped > 0:
             info["tool_errors"] += skipped
-            text = (
-                f"error: {skipped} more tool calls were not run: at most "
-                f"{self.max_tool_calls_per_turn} calls of one turn run"
-            )
-            replies.append({"role": "tool", "name": ERROR_NAME, "content": text})
+            cap = self.max_tool_calls_per_turn
+            replies.append(_not_run(skipped, f"at most {cap} calls of one turn run"))
         return StepResult(replies, {}, info)
 
     def calls_of(self, message: Message) -> list[ToolCall | ToolCallError]:
@@ -145,7 +170,11 @@ class ToolEnv:
             return [_structured(entry) for entry in message["tool_calls"]]
         return parse_tool_calls(str(message.get("content") or ""), self.tool_format).calls
 
-    async def _answer(self, call: ToolCall | ToolCallError) -> tuple[str, ToolOutcome]:
+    async def _answer(
+        self, call: ToolCall | ToolCallError, left_s: float | None
+    ) -> tuple[str, ToolOutcome]:
+        """The call's tool message name and outcome; past ``left_s`` (the turn's time left) an
+        error outcome, the call abandoned (its thread finishes, or times out, on its own)."""
         if isinstance(call, ToolCallError):
             name = shown_name(call.name) if call.name else ERROR_NAME
             return name, ToolOutcome(f"error: {call.message}", error=True)
@@ -155,7 +184,16 @@ class ToolEnv:
             said = shown_name(call.name)
             text = f"error: there is no tool named {said!r}; the tools are: {known}"
             return said, ToolOutcome(text[:500], error=True)
-        return call.name, await tool.acall(call.arguments)
+        if self.call_timeout_s is not None:
+            tool = dataclasses.replace(tool, timeout_s=self.call_timeout_s)
+        try:
+            return call.name, await asyncio.wait_for(tool.acall(call.arguments), left_s)
+        except TimeoutError:
+            text = (
+                f"error: {call.name} did not finish within the {left_s:.2g} s left of this "
+                f"turn's {self.turn_timeout_s:g} s of tool time and was abandoned"
+            )
+            return call.name, ToolOutcome(text, error=True)
 
     def _scored(self, messages: list[Message]) -> dict[str, float]:
         if self.score is None:
@@ -164,15 +202,27 @@ class ToolEnv:
 
 
 def with_run_limits(
-    factory: Callable[[], Any], *, max_tool_calls_per_turn: int
+    factory: Callable[[], Any],
+    *,
+    max_tool_calls_per_turn: int,
+    step_timeout_s: float | None = None,
+    tool_timeout_s: float | None = None,
 ) -> Callable[[], Any]:
-    """``factory`` whose :class:`ToolEnv` environments take the run's cap on calls per turn
-    (``env.max_tool_calls_per_turn``); an environment of another kind is returned as made."""
+    """``factory`` whose :class:`ToolEnv` environments take the run's limits: its cap on
+    calls per turn (``env.max_tool_calls_per_turn``), the deadline of each call
+    (``env.tool_timeout_s``; None: the tools' own) and a turn's tool time, the step's
+    deadline (``env.step_timeout_s``) less what the step keeps for itself
+    (:data:`STEP_RESERVE_S`, at most a tenth of it). An environment of another kind is
+    returned as made."""
 
     def environment() -> Any:
         env = factory()
         if isinstance(env, ToolEnv):
             env.max_tool_calls_per_turn = max_tool_calls_per_turn
+            if step_timeout_s is not None:
+                env.turn_timeout_s = step_timeout_s - min(STEP_RESERVE_S, step_timeout_s / 10)
+            if tool_timeout_s is not None:
+                env.call_timeout_s = tool_timeout_s
         return env
 
     environment.__name__ = getattr(factory, "__name__", type(factory).__name__)
@@ -198,6 +248,12 @@ def prompt_messages(record: Mapping[str, Any]) -> list[Message]:
         f"a record needs 'messages', 'prompt' or 'question' to start an episode; it has "
         f"{', '.join(sorted(map(str, record))) or 'no keys'}"
     )
+
+
+def _not_run(count: int, why: str) -> Message:
+    """The one tool message answering ``count`` calls of a turn that did not run."""
+    text = f"error: {count} more tool calls were not run: {why}"
+    return {"role": "tool", "name": ERROR_NAME, "content": text}
 
 
 def shown_name(name: str) -> str:

@@ -53,7 +53,6 @@ from strop.agents.tool_env import ToolEnv
 from strop.agents.tools import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_TIMEOUT_S, Tool
 from strop.agents.verifiers_load import (
     ADAPTER_KEYS,
-    PREFIX,
     Loaded,
     describe,
     import_module,
@@ -64,10 +63,9 @@ from strop.agents.verifiers_load import (
 from strop.errors import DataError
 
 
-def verifiers_factory(reference: str) -> Callable[..., VerifiersEnv]:
-    """The factory of ``verifiers:<module>``: ``factory(**env.args)`` is one episode's
-    environment. The module is imported now (a missing one is one line)."""
-    module = reference.strip()[len(PREFIX) :].strip()
+def verifiers_factory(reference: str, module: str) -> Callable[..., VerifiersEnv]:
+    """The factory of ``reference``, ``verifiers:<module>``: ``factory(**env.args)`` is one
+    episode's environment. The module is imported now (a missing one is one line)."""
     if not module:
         raise EnvironmentLoadError(
             f"environment {reference!r}: name the module after 'verifiers:', e.g. "

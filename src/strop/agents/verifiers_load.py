@@ -19,7 +19,6 @@ from typing import Any
 from strop.agents.environment import EnvironmentLoadError
 from strop.rewards.calling import one_line
 
-PREFIX = "verifiers:"
 ADAPTER_KEYS = ("max_turns", "tool_format", "tool_timeout_s", "max_output_chars")
 SUPPORTED = (
     "strop plays single-agent verifiers 0.4 tasksets (verifiers.v1: a Taskset of Tasks with "

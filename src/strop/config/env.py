@@ -48,7 +48,23 @@ class EnvConfig(_Section):
         60.0,
         gt=0,
         description="Deadline of one reset or step of the environment; past it the episode "
-        "fails (reward 0, counted in env/errors). null: no deadline.",
+        "fails (reward 0, counted in env/errors). null: no deadline. In an environment of "
+        "strop's tools a turn's tool calls stop just before it (the calls it cuts are tool "
+        "errors, not a failed episode).",
+    )
+    tool_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Deadline of each tool call in an environment of strop's tools, counted "
+        "from when the call starts; a call past it is a tool error the model reads. null: each "
+        "tool's own (10 s; python: its sandbox's limits.wall_time_s + 5 s).",
+    )
+    tool_workers: int | None = Field(
+        None,
+        gt=0,
+        description="Threads that run the episodes' tool calls at once (they mostly wait on a "
+        "sandboxed child process); null: one per episode of the batch. Fewer queue the "
+        "calls, and the wait counts against each step's deadline.",
     )
     max_tool_calls_per_turn: int = Field(
         8,

@@ -115,10 +115,16 @@ class Episodes:
             max_new_tokens=config.generation.max_new_tokens,
             step_timeout_s=env.step_timeout_s,
             max_error_fraction=env.max_error_fraction,
+            tool_workers=env.tool_workers,
         )
         stops = tuple(int(i) for i in eos_ids)
         jax = config.backend == "jax"
-        factory = with_run_limits(environment, max_tool_calls_per_turn=env.max_tool_calls_per_turn)
+        factory = with_run_limits(
+            environment,
+            max_tool_calls_per_turn=env.max_tool_calls_per_turn,
+            step_timeout_s=env.step_timeout_s,
+            tool_timeout_s=env.tool_timeout_s,
+        )
         return cls(factory, env.name, limits, tokenizer, stops, jax, env.kv_cache)
 
     @property

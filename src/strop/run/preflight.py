@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -115,23 +115,28 @@ def refuse_launcher_of_another_backend(config: Config) -> None:
         )
 
 
-def check_environment(name: str, args: Mapping[str, Any]) -> Callable[[], Any]:
+def check_environment(
+    name: str, args: Mapping[str, Any], data_files: Sequence[str | None] = ()
+) -> Callable[[], Any]:
     """``env.name`` imported and its factory called once with ``env.args`` (the environment
     then dropped), so that a missing file, module or factory, or arguments the factory
     refuses, are one line (:class:`~strop.agents.environment.EnvironmentLoadError`) before
-    anything loads, not a failure of every episode at the first iteration. Returns that
+    anything loads, not a failure of every episode at the first iteration; a warning when
+    its sandboxed snippets could read ``data_files`` (their gold answers). Returns that
     factory with ``env.args``: what the run's episodes make their environments with."""
     from strop.agents.environment import (
         EnvironmentLoadError,
         new_environment,
         resolve_environment,
     )
+    from strop.agents.python_env import warn_if_snippets_can_read
 
     try:
         factory = resolve_environment(name)
-        new_environment(factory, name, **args)
+        env = new_environment(factory, name, **args)
     except EnvironmentLoadError as exc:
         raise EnvironmentLoadError(f"env.name: {exc}") from None
+    warn_if_snippets_can_read(env, data_files)
     return partial(factory, **args)
 
 
@@ -188,7 +193,8 @@ def preflight(
     )  # fmt: skip
     environment = None
     if kind.samples and config.env.enabled and running:
-        environment = check_environment(config.env.name, config.env.args)
+        data_files = (config.data.train_path, config.data.eval_path, config.eval.path)
+        environment = check_environment(config.env.name, config.env.args, data_files)
     backend = get_backend(config.backend)  # the one call of a command
     if config.logging.wandb and training and running:
         backend.write_once(require_wandb_login, "checking the W&B login")  # the main's
