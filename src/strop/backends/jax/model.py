@@ -345,6 +345,13 @@ class CausalLM(nnx.Module):
         )
         return KVCache(layers, jnp.zeros((batch, slots), jnp.bool_), jnp.zeros((), jnp.int32))
 
+    def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
+        """Float32 logits ``[..., V]`` of final normed hidden states ``[..., E]`` (the LM head,
+        or the tied embeddings, an adapter included; then the final soft-cap, Gemma's)."""
+        head = self.model.embed_tokens.attend if self.lm_head is None else self.lm_head
+        logits, cap = head(hidden).astype(jnp.float32), self.spec.final_logit_softcap
+        return logits if cap is None else jnp.tanh(logits / cap) * cap
+
     def __call__(
         self,
         input_ids: jax.Array,
@@ -386,14 +393,6 @@ class CausalLM(nnx.Module):
                 input_ids, positions, mask, real, cache.layers, cache.index
             )
             cache = KVCache(layers, valid, cache.index + input_ids.shape[-1])
-        kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-        if self.lm_head is None:
-            logits = self.model.embed_tokens.attend(kept)
-        else:
-            logits = self.lm_head(kept)
-        logits = logits.astype(jnp.float32)
-        if self.spec.final_logit_softcap is not None:
-            cap = self.spec.final_logit_softcap
-            logits = jnp.tanh(logits / cap) * cap
+        logits = self.logits_from_hidden(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         aux_loss = None if routing is None else load_balancing_loss(routing)
         return CausalLMOutput(logits, hidden, cache, aux_loss)
