@@ -104,6 +104,23 @@ def save_adapter(
     return target
 
 
+def adapter_lora(lora: LoraConfig, path: str | os.PathLike, spec: ModelSpec) -> LoraConfig:
+    """``lora`` describing the PEFT adapter at ``path`` (its r, alpha and targets), checked
+    against the base model's ``spec`` (:func:`load_adapter`) before its shape sizes the
+    model built for it: what a model that loads the adapter is built with."""
+    adapter_config, _ = load_adapter(path, spec)
+    targets = adapter_config.get("target_modules")
+    return lora.model_copy(
+        update={
+            "enabled": True,
+            "rank": adapter_config["r"],
+            "alpha": float(adapter_config.get("lora_alpha", adapter_config["r"])),
+            "target_modules": [targets] if isinstance(targets, str) else list(targets),
+            "dropout": 0.0,
+        }
+    )
+
+
 def load_adapter(
     path: str | os.PathLike, spec: ModelSpec | None = None
 ) -> tuple[dict[str, Any], AdapterWeights]:
