@@ -115,10 +115,20 @@ def adapter_lora(lora: LoraConfig, path: str | os.PathLike, spec: ModelSpec) -> 
             "enabled": True,
             "rank": adapter_config["r"],
             "alpha": float(adapter_config.get("lora_alpha", adapter_config["r"])),
-            "target_modules": [targets] if isinstance(targets, str) else list(targets),
+            "target_modules": peft_target_patterns(targets),
             "dropout": 0.0,
         }
     )
+
+
+def peft_target_patterns(targets: str | Iterable[str]) -> list[str]:
+    """PEFT's ``target_modules`` as the full-match patterns ``lora.target_modules`` takes:
+    a string is already one (PEFT matches it with ``re.fullmatch``); a list names modules
+    by their last part (PEFT matches a name or a dotted suffix: ``q_proj`` is
+    ``model.layers.0.self_attn.q_proj``)."""
+    if isinstance(targets, str):
+        return [targets]
+    return [rf"(.*\.)?{re.escape(name)}" for name in sorted(targets)]
 
 
 def load_adapter(

@@ -96,7 +96,7 @@ def train_on_rollouts(
     """A run of ``kind`` that samples the model it trains and updates it with PPO's losses
     (``strop ppo``, ``strop distill``): preflight, the reward, the run's inputs, its models
     and rollout engine, then the iterations of the loop ``make_loop`` builds."""
-    check_ppo_config(config)
+    check_ppo_config(config, f"strop {kind.name}")
     reward = None  # with env.name the environment's reward parts score the episodes
     if not config.env.enabled:
         limits = rewards.RewardLimits.of(config.ppo, "ppo")  # a deadline: a worker's
