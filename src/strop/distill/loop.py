@@ -28,11 +28,8 @@ from strop.run.kinds import role_plan, run_kind
 from strop.run.teacher import teacher_config
 
 if TYPE_CHECKING:
-    from strop import rewards
     from strop.backends.base import ActorCritic
-    from strop.engines import RolloutEngine
     from strop.rl.episodes import Sample
-    from strop.rl.run import PpoRun
     from strop.run.job import Job
 
 ADVANTAGES = {"reverse_kl": reverse_kl_advantages}
@@ -55,26 +52,15 @@ class DistillLoop(PpoLoop):
 
     teacher: ActorCritic | None = None
 
-    @classmethod
-    def build(
-        cls,
-        config: Config,
-        model: ActorCritic,
-        rollouts: RolloutEngine,
-        run: PpoRun,
-        reward: rewards.WeightedReward | None,
-        job: Job,
-    ) -> DistillLoop:
-        """The loop, and the frozen teacher it scores with, built as the student's models
-        are (its role plan: :func:`~strop.run.kinds.role_plan`), without checkpoints."""
+    def prepare(self, job: Job) -> None:
+        """The frozen teacher, built as the student's models are (its role plan:
+        :func:`~strop.run.kinds.role_plan`), without checkpoints."""
         job.progress.phase("loading the teacher")
-        config_of_teacher = teacher_config(config)
-        teacher = job.backend.build_actor_critic(
-            config_of_teacher, total_updates=1, plan=role_plan(config_of_teacher),
-            checkpoints=None,
-        )  # fmt: skip
-        teacher.expect_prompts(run.longest)  # the student's widths: one compile per shape
-        return cls(config, model, rollouts, run, reward, job.progress, teacher=teacher)
+        config = teacher_config(self.config)
+        self.teacher = job.backend.build_actor_critic(
+            config, total_updates=1, plan=role_plan(config), checkpoints=None
+        )
+        self.teacher.expect_prompts(self.run.longest)  # the student's widths: one compile each
 
     def _experience(self, sample: Sample) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """PPO's experience, then every sampled token's advantage from the teacher's

@@ -170,8 +170,15 @@ class PpoLoop:
         reward: rewards.WeightedReward | None,
         job: Job,
     ) -> PpoLoop:
-        """The loop of a run (:func:`train_on_rollouts`'s ``make_loop``)."""
-        return cls(config, model, rollouts, run, reward, job.progress)
+        """The loop of a run (:func:`train_on_rollouts`'s ``make_loop``), made ready for it
+        (:meth:`prepare`)."""
+        loop = cls(config, model, rollouts, run, reward, job.progress)
+        loop.prepare(job)
+        return loop
+
+    def prepare(self, job: Job) -> None:
+        """What a loop builds beside the run's models before its first iteration (PPO's:
+        nothing)."""
 
     def __post_init__(self) -> None:
         self.sampling = SamplingParams.from_config(self.config.generation)
