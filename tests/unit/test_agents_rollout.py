@@ -255,3 +255,23 @@ def test_an_environment_that_cuts_its_episode_counts_as_truncated(tok) -> None:
     (outcome,) = run_episodes(RECORDS[:1], one_turn, tok, Scripted(tok, SCRIPTS), LIMITS)
     assert outcome.truncated and outcome.error is None and outcome.turns == 1
     assert outcome.rewards == {"correct": 0.0} and outcome.info["truncated"] == 1
+
+
+class Counting(Toy):
+    """Toy, with counters in ``info``: numbers, a bool, text, a NaN, a built-in's name."""
+
+    def step(self, messages):
+        result = Toy.step(self, messages)
+        info = {"guesses": 1, "won": result.messages is None, "note": "hello", "turns": 99}
+        return StepResult(result.messages, result.rewards, {**info, "odd": float("nan")})
+
+
+def test_numeric_info_counters_are_logged_as_env_metrics(tok) -> None:
+    records = toy_records(None, n=2)
+    records[1]["turns"] = 1
+    outcomes = run_episodes(records, Counting, tok, Scripted(tok, TOY), LIMITS)
+    assert [o.info["guesses"] for o in outcomes] == [2.0, 1.0]  # summed over the steps
+    metrics = episode_metrics(outcomes)
+    assert metrics["env/guesses"] == 1.5 and metrics["env/won"] == 1.0  # means per episode
+    assert metrics["env/turns"] == 1.5  # strop's own count, not the environment's "turns"
+    assert "env/note" not in metrics and "env/odd" not in metrics  # not finite numbers

@@ -229,8 +229,8 @@ async def _step(slot: _Slot, limits: RolloutLimits) -> Any:
                 f"step returned the reward part {part!r} = {value!r}, not a finite number"
             )
         outcome.rewards[str(part)] = outcome.rewards.get(str(part), 0.0) + float(value)
-    for key, value in result.info.items():
-        if isinstance(value, int | float) and not isinstance(value, bool):
+    for key, value in result.info.items():  # numbers (a bool counts 0/1), finite ones
+        if isinstance(value, int | float) and math.isfinite(value):
             outcome.info[str(key)] = outcome.info.get(str(key), 0.0) + float(value)
     if result.messages is None:
         return _end(slot, truncated=outcome.info.get("truncated", 0.0) > 0)
@@ -380,7 +380,9 @@ def _settle(slots: list[_Slot], name: str, limits: RolloutLimits) -> None:
 def episode_metrics(outcomes: Sequence[EpisodeOutcome]) -> dict[str, float]:
     """Means over the episodes: ``env/turns``, ``env/tool_calls`` and ``env/tool_errors``
     (per episode), ``env/truncated`` and ``env/errors`` (shares of the episodes),
-    ``env/episode_tokens`` (token ids per episode), and ``reward/<part>`` per part."""
+    ``env/episode_tokens`` (token ids per episode), ``env/<name>`` per other ``info``
+    counter (its sum over an episode's steps; a name of the above is strop's own), and
+    ``reward/<part>`` per part."""
     if not outcomes:
         return {}
 
@@ -395,6 +397,8 @@ def episode_metrics(outcomes: Sequence[EpisodeOutcome]) -> dict[str, float]:
         "env/errors": mean(o.error is not None for o in outcomes),
         "env/episode_tokens": mean(len(o.episode) if o.episode else 0 for o in outcomes),
     }
+    for name in sorted({key for o in outcomes for key in o.info}):
+        metrics.setdefault(f"env/{name}", mean(o.info.get(name, 0.0) for o in outcomes))
     for part in sorted({p for o in outcomes for p in o.rewards}):
         metrics[f"reward/{part}"] = mean(o.rewards.get(part, 0.0) for o in outcomes)
     return metrics
