@@ -6,7 +6,12 @@ An :class:`Environment` has two methods, each either plain or ``async def``:
   turns, in the OpenAI / Hugging Face chat format) for one data record;
 * ``step(messages) -> StepResult``: given the conversation so far, whose last message is
   the assistant's, the messages to add (tool results, a user turn), or ``None`` when the
-  episode is over, with the reward parts of this turn and counters in ``info``.
+  episode is over, with the reward parts of this turn and counters in ``info``;
+
+and may have a third, ``finish(truncated=...) -> StepResult | None``, called once at the clean
+end of an episode (``truncated``: whether a limit cut it): its rewards and info are the
+episode's too (a game that scores at its end gives a budget-exhausted outcome there; see
+:func:`~strop.agents.rollout.run_episodes`).
 
 An instance holds the state of one episode at a time (``reset`` starts it); run several
 episodes at once with several instances (:func:`resolve_environment` gives the factory,
