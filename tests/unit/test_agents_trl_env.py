@@ -17,6 +17,8 @@ from tests.unit.test_agents_rollout import Scripted, tok  # noqa: F401
 # TRL's GRPO guide ("Providing an external dataset"), as written there, plus a self-sampling
 # twin whose reset returns the prompt, with async methods.
 ENVS = '''
+import threading
+
 class IncrementEnv:
     def reset(self, target, **kwargs) -> None:
         self.counter = 0
@@ -54,6 +56,18 @@ class SelfSampled(IncrementEnv):
         """Increment the internal counter."""
         self.counter += step
         return self.counter
+
+
+class Blocking(IncrementEnv):
+    """Its plain reset and get_reward say whether they ran off the shared event loop (in the
+    loop's worker threads), where a slow one holds up no other episode."""
+
+    def reset(self, **kwargs) -> None:
+        self.counter, self.target = 0, 1
+        self.off_loop = threading.current_thread().name.startswith("strop-tool")
+
+    def get_reward(self) -> float:
+        return float(self.off_loop and threading.current_thread().name.startswith("strop-tool"))
 
 
 class PromptOnly:
@@ -113,6 +127,14 @@ def test_a_prompt_reset_returns_is_appended_and_async_methods_work(tok, envs) ->
         {"role": "user", "content": " Reach 5."},  # no prompt: TRL's empty user turn
     ]
     assert [o.rewards for o in outcomes] == [{"SelfSampled": 1.0}, {"SelfSampled": 0.0}]
+
+
+def test_plain_reset_and_get_reward_run_off_the_event_loop(tok, envs) -> None:  # noqa: F811
+    factory = check_environment("trl_envs.py:Blocking", {})
+    records = [{"prompt": "Play."}] * 2
+    limits = RolloutLimits(max_turns=1, max_new_tokens=16, max_episode_tokens=1024)
+    outcomes = run_episodes(records, factory, tok, Scripted(tok, {"Play.": ["Done."]}), limits)
+    assert [o.rewards for o in outcomes] == [{"Blocking": 1.0}] * 2
 
 
 def test_an_object_with_reset_only_is_refused_in_one_line(envs) -> None:

@@ -26,6 +26,7 @@ this shape. A TRL environment with a tool named ``step`` reads as strop's protoc
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import inspect
 import math
@@ -33,7 +34,7 @@ import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from strop.agents.environment import Message, StepResult, call_maybe_async
+from strop.agents.environment import Message, StepResult
 from strop.agents.tool_env import ToolEnv, prompt_messages
 from strop.agents.tools import Tool
 from strop.errors import DataError
@@ -70,7 +71,7 @@ class TrlEnvironment(ToolEnv):
 
     async def reset(self, record: Mapping[str, Any]) -> list[Message]:
         self.record = record
-        observation = await call_maybe_async(self.env.reset, **record)
+        observation = await _off_the_loop(self.env.reset, **record)
         if observation is not None and not isinstance(observation, str):
             raise DataError(
                 f"{self.name}.reset returned a {type(observation).__name__}; TRL's reset "
@@ -89,7 +90,7 @@ class TrlEnvironment(ToolEnv):
         """``get_reward()``, once, however the episode ended (None: no part)."""
         if not callable(self.get_reward):
             return None
-        value = await call_maybe_async(self.get_reward)
+        value = await _off_the_loop(self.get_reward)
         if value is None:
             return None
         if isinstance(value, numbers.Real):  # a bool, an int, a numpy scalar: as TRL takes it
@@ -97,6 +98,14 @@ class TrlEnvironment(ToolEnv):
         if not isinstance(value, float) or not math.isfinite(value):
             raise DataError(f"{self.name}.get_reward returned {value!r:.80}, not a finite number")
         return StepResult(None, {self.name: value})
+
+
+async def _off_the_loop(method: Callable[..., Any], **kwargs: Any) -> Any:
+    """``method(**kwargs)``: awaited when ``async def``, else in a worker thread of the loop's
+    pool, so that a slow plain ``reset`` (a game server to reach) holds up no other episode."""
+    if inspect.iscoroutinefunction(method):
+        return await method(**kwargs)
+    return await asyncio.to_thread(method, **kwargs)
 
 
 def _tool_methods(env: Any) -> list[Any]:
