@@ -212,6 +212,16 @@ def ppo(recipe: Recipe, overrides: Overrides = None) -> None:
     _print(summaries.ppo_summary, "strop ppo", run_ppo(load_config(recipe, overrides or ())))
 
 
+@app.command()
+def distill(recipe: Recipe, overrides: Overrides = None) -> None:
+    """On-policy distillation: distill.teacher scores the student's samples per token."""
+    from strop.distill.loop import run_distill
+
+    _print(
+        summaries.ppo_summary, "strop distill", run_distill(load_config(recipe, overrides or ()))
+    )
+
+
 @app.command("eval")
 def evaluate(recipe: Recipe, overrides: Overrides = None) -> None:
     """Accuracy of model.path (plus eval.adapter) on eval.path; writes <run_dir>/eval/."""

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow
 SFT = [sys.executable, "-m", "strop", "sft", "sft-lora-tiny"]
 PPO = [sys.executable, "-m", "strop", "ppo", "ppo-lora-tiny"]
 DPO = [sys.executable, "-m", "strop", "dpo", "dpo-lora-tiny"]
+DISTILL = [sys.executable, "-m", "strop", "distill", "ppo-lora-tiny"]
 STEPS = {"jax": 30, "torch": 40}
 KILLS = {"jax": 8, "torch": 8}
 MAX_DELAY_S = {"jax": 0.8, "torch": 0.4}  # the longest a step (with its save) is timed for
@@ -198,6 +199,7 @@ def ppo_inputs(tmp_path_factory):
     problems = [json.loads(line) for line in paths["train"].read_text().splitlines()]
     texts = [f"{p['question']} {p['answer']}" for p in problems]
     make_tiny_checkpoint(root / "model", texts, seed=0, layers=1)
+    make_tiny_checkpoint(root / "teacher", texts, seed=1, layers=1)  # strop distill's
     return [
         f"model.path={root / 'model'}",
         f"data.train_path={paths['train']}",
@@ -226,6 +228,31 @@ def test_ppo_sigkill_then_resume_gives_the_same_metrics(tmp_path, ppo_inputs, ja
     want, got = _straight_then_killed_twice(PPO, common, env, backend, tmp_path)
     assert [r["step"] for r in got] == [r["step"] for r in want]
     assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [pytest.param("jax", marks=pytest.mark.acceptance), "torch"],  # PPO's covers JAX's skeleton
+)
+def test_distill_sigkill_then_resume_gives_the_same_metrics(
+    tmp_path, ppo_inputs, jax_cache, backend
+):
+    """`strop distill` (the student's adapter and optimizer, the teacher frozen and not in
+    the checkpoint) killed twice: every iteration's metrics, distill/* included, equal an
+    uninterrupted run's."""
+    model = Path(ppo_inputs[0].removeprefix("model.path="))
+    teacher = f"distill.teacher={model.parent / 'teacher'}"  # ppo_inputs' own
+    common = [
+        f"backend={backend}", "ppo.steps=6", "ppo.prompts_per_step=4",
+        "ppo.num_generations_per_prompt=2", "ppo.mini_batch_size=8", "ppo.validate_every=3",
+        "ppo.validation_size=8", "ppo.advantage_estimator=grpo", "generation.max_new_tokens=16",
+        "checkpoint.every_steps=1", "checkpoint.keep=2", "logging.tensorboard=false",
+        teacher, *ppo_inputs,
+    ]  # fmt: skip
+    want, got = _straight_then_killed_twice(DISTILL, common, _env(jax_cache), backend, tmp_path)
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
+    assert all("distill/reverse_kl" in r for r in want if r["step"] > 0)
 
 
 def _straight_then_killed_twice(

@@ -104,3 +104,15 @@ def test_malformed_line_names_the_line(tmp_path):
     )
     with pytest.raises(PlotError, match=r"metrics\.jsonl:2: invalid JSON"):
         plot_run(tmp_path)
+
+
+def test_a_distillation_plots_its_divergence_from_the_teacher(tmp_path):
+    records = [
+        (s, {"train/reward": s / 10, "distill/reverse_kl": 1 / s, "distill/teacher_logprob": -1.0,
+             "distill/student_logprob": -1.0 - 1 / s})
+        for s in range(1, 6)
+    ]  # fmt: skip
+    write_metrics(tmp_path, records)
+    assert plot_run(tmp_path).read_bytes().startswith(PNG_SIGNATURE)
+    series = read_series(tmp_path / "metrics.jsonl")
+    assert sorted(series) == ["distill/reverse_kl", "distill/teacher_logprob", "train/reward"]

@@ -48,7 +48,7 @@ from strop.errors import ConfigError
 from strop.generation import SamplingParams
 from strop.io.atomic import write_text_atomically
 from strop.io.model_spec import check_context_length, response_end_ids
-from strop.io.peft import load_adapter
+from strop.io.peft import adapter_lora
 from strop.models import ModelSpec
 from strop.rl.episodes import Episodes
 from strop.rl.prompts import PromptSet
@@ -84,17 +84,7 @@ def _config_with_adapter(config: Config, spec: ModelSpec) -> Config:
     built for it."""
     if config.eval.adapter is None:
         return config
-    adapter_config, _ = load_adapter(config.eval.adapter, spec)
-    targets = adapter_config.get("target_modules")
-    lora = config.lora.model_copy(
-        update={
-            "enabled": True,
-            "rank": adapter_config["r"],
-            "alpha": float(adapter_config.get("lora_alpha", adapter_config["r"])),
-            "target_modules": [targets] if isinstance(targets, str) else list(targets),
-            "dropout": 0.0,
-        }
-    )
+    lora = adapter_lora(config.lora, config.eval.adapter, spec)
     return config.model_copy(update={"lora": lora})
 
 

@@ -265,6 +265,13 @@ def plan_memory(
             add(f"{model} weights", base, "resident", weights)
     if footprint.frozen_copy is not None and not lora.enabled:
         add("reference weights", base, "resident", f"{weights}, {footprint.frozen_copy}")
+    for name, path, frozen_quantization in footprint.frozen_models:  # a teacher
+        frozen = read_model_spec(path)
+        detail = f"{parameters_in_words(frozen)} x {p} B ({param}), frozen ({path})"
+        if frozen_quantization != "none":
+            detail = f"{parameters_in_words(frozen)}, layer linears {frozen_quantization}, frozen"
+        add(f"{name} weights", base_weight_bytes(frozen, param, frozen_quantization), "resident",
+            detail)  # fmt: skip
 
     trained = 0  # bytes of trained numbers: gradients and the optimizer's moments follow
     if lora.enabled:

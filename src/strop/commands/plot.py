@@ -1,6 +1,7 @@
 """`strop plot RUN_DIR`: a run's curves as a PNG (PPO: reward and validation accuracy, and
 with ``env.name`` the tool calls per episode; SFT: training and eval loss; DPO: its loss,
-reward accuracy and margin, and the held-out pairs' loss and accuracy).
+reward accuracy and margin, and the held-out pairs' loss and accuracy; a distillation: PPO's,
+and the student's divergence from the teacher).
 
 Reads ``<run_dir>/metrics.jsonl`` (one JSON object per logged step, ``{"step": 10,
 "train/reward": 0.31, ...}``, see :mod:`strop.metrics.sinks`) and draws each of
@@ -34,6 +35,9 @@ PANELS = (
     ("dpo/reward_accuracy", "dpo/reward_accuracy", "chosen reward higher"),
     ("eval/dpo/reward_accuracy", "eval/dpo/reward_accuracy (held-out)", "chosen reward higher"),
     ("dpo/reward_margin", "dpo/reward_margin", "chosen - rejected reward"),
+    ("distill/reverse_kl", "distill/reverse_kl (student || teacher)", "nats per token"),
+    ("distill/jsd", "distill/jsd (generalized JSD, student vs teacher)", "per token"),
+    ("distill/teacher_logprob", "distill/teacher_logprob", "teacher log p per token"),
 )
 PLOT_FILE = "plot.png"
 

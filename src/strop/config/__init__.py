@@ -13,6 +13,7 @@ from typing import Any, Literal, Self
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from strop.config.distill import DistillConfig
 from strop.config.dpo import DpoConfig
 from strop.config.env import EnvConfig
 from strop.config.ppo import CriticConfig, PpoConfig, RewardTerm
@@ -46,6 +47,7 @@ __all__ = [
     "Config",
     "CriticConfig",
     "DataConfig",
+    "DistillConfig",
     "DpoConfig",
     "EnvConfig",
     "EvalConfig",
@@ -87,6 +89,7 @@ class Config(_Section):
     sft: SftConfig = _section(SftConfig, "Supervised fine-tuning loop.")
     ppo: PpoConfig = _section(PpoConfig, "PPO loop.")
     dpo: DpoConfig = _section(DpoConfig, "Preference optimisation (`strop dpo`).")
+    distill: DistillConfig = _section(DistillConfig, "On-policy distillation (`strop distill`).")
     critic: CriticConfig = _section(CriticConfig, "PPO value model.")
     generation: GenerationConfig = _section(GenerationConfig, "Sampling.")
     env: EnvConfig = _section(EnvConfig, "Multi-turn episodes in an environment (PPO, eval).")

@@ -112,6 +112,10 @@ class Tokenizer:
             template = read_chat_template(chat_template)
         return cls(backend, special, template, name=str(path), template_kwargs=template_kwargs)
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's id, the added (special) tokens included."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     # -- text <-> ids ------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:

@@ -104,6 +104,33 @@ def save_adapter(
     return target
 
 
+def adapter_lora(lora: LoraConfig, path: str | os.PathLike, spec: ModelSpec) -> LoraConfig:
+    """``lora`` describing the PEFT adapter at ``path`` (its r, alpha and targets), checked
+    against the base model's ``spec`` (:func:`load_adapter`) before its shape sizes the
+    model built for it: what a model that loads the adapter is built with."""
+    adapter_config, _ = load_adapter(path, spec)
+    targets = adapter_config.get("target_modules")
+    return lora.model_copy(
+        update={
+            "enabled": True,
+            "rank": adapter_config["r"],
+            "alpha": float(adapter_config.get("lora_alpha", adapter_config["r"])),
+            "target_modules": peft_target_patterns(targets),
+            "dropout": 0.0,
+        }
+    )
+
+
+def peft_target_patterns(targets: str | Iterable[str]) -> list[str]:
+    """PEFT's ``target_modules`` as the full-match patterns ``lora.target_modules`` takes:
+    a string is already one (PEFT matches it with ``re.fullmatch``); a list names modules
+    by their last part (PEFT matches a name or a dotted suffix: ``q_proj`` is
+    ``model.layers.0.self_attn.q_proj``)."""
+    if isinstance(targets, str):
+        return [targets]
+    return [rf"(.*\.)?{re.escape(name)}" for name in sorted(targets)]
+
+
 def load_adapter(
     path: str | os.PathLike, spec: ModelSpec | None = None
 ) -> tuple[dict[str, Any], AdapterWeights]:

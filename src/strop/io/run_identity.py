@@ -40,6 +40,19 @@ def _weights_fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
+def model_fingerprint(model_dir: str | os.PathLike) -> dict[str, str]:
+    """A model directory's identity: the sha256 of its ``config.json`` (none for an adapter
+    directory) and a fingerprint of its safetensors files."""
+    model_dir = Path(model_dir).resolve()
+    config = model_dir / "config.json"
+    try:
+        config_sha = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else ""
+        weights_sha = _weights_fingerprint(model_dir)
+    except OSError as err:
+        raise CheckpointError(f"cannot identify model {model_dir}: {err}") from None
+    return {"config_sha256": config_sha, "weights_fingerprint": weights_sha}
+
+
 def run_identity(model_path: str | os.PathLike, lora: LoraConfig, backend: str) -> dict[str, Any]:
     """What a checkpoint belongs to: the base model, the LoRA shape and the backend.
 
@@ -47,12 +60,8 @@ def run_identity(model_path: str | os.PathLike, lora: LoraConfig, backend: str) 
     weight files; its absolute path is recorded for messages only.
     """
     model_dir = Path(model_path).resolve()
-    config = model_dir / "config.json"
-    try:
-        config_sha = hashlib.sha256(config.read_bytes()).hexdigest()
-        weights_sha = _weights_fingerprint(model_dir)
-    except OSError as err:
-        raise CheckpointError(f"cannot identify base model {model_dir}: {err}") from None
+    fingerprint = model_fingerprint(model_dir)
+    config_sha, weights_sha = fingerprint["config_sha256"], fingerprint["weights_fingerprint"]
     adapter: dict[str, Any] = {"enabled": lora.enabled}
     if lora.enabled:
         adapter |= {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.target_modules)}
@@ -68,19 +77,25 @@ def run_identity(model_path: str | os.PathLike, lora: LoraConfig, backend: str) 
 
 
 def job_identity(
-    config: Config, backend: str, *, job: str | None = None, roles: RolePlan | None = None
+    config: Config,
+    backend: str,
+    *,
+    job: str | None = None,
+    roles: RolePlan | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What ``config``'s checkpoints on ``backend`` belong to: :func:`run_identity`, plus
     the ``job`` that wrote them (None for SFT, whose checkpoints predate the key) and what
     :meth:`RolePlan.identity` records of the run's ``roles`` (a critic-free run:
     ``critic: false``; a critic on the actor's adapters: ``critic: shared_trunk``; an own
-    critic: nothing, as checkpoints were before either existed)."""
+    critic: nothing, as checkpoints were before either existed), and what the kind of run
+    adds (``extra``: a distillation's teacher)."""
     identity = run_identity(config.model_path(), config.lora, backend)
     if job is not None:
         identity["job"] = job
     if roles is not None:
         identity |= roles.identity()
-    return identity
+    return identity | dict(extra or {})
 
 
 @dataclass(frozen=True)
@@ -100,11 +115,12 @@ class CheckpointPlace:
         *,
         job: str | None = None,
         roles: RolePlan | None = None,
+        extra: Mapping[str, Any] | None = None,
         directory: str | os.PathLike | None = None,
     ) -> CheckpointPlace:
-        """``config``'s checkpoints of ``job`` with ``roles`` (:func:`job_identity`) in
-        ``directory`` (default :meth:`Config.checkpoint_path`)."""
-        identity = job_identity(config, config.backend, job=job, roles=roles)
+        """``config``'s checkpoints of ``job`` with ``roles`` and ``extra``
+        (:func:`job_identity`) in ``directory`` (default :meth:`Config.checkpoint_path`)."""
+        identity = job_identity(config, config.backend, job=job, roles=roles, extra=extra)
         where = Path(directory) if directory is not None else config.checkpoint_path()
         return cls(where, identity, config.checkpoint.keep)
 

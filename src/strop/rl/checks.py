@@ -11,14 +11,14 @@ from strop.objectives.plugins import resolve_policy_loss
 logger = logging.getLogger("strop.rl.ppo")  # the run's own log lines, as before
 
 
-def check_ppo_config(config: Config) -> None:
+def check_ppo_config(config: Config, command: str = "strop ppo") -> None:
     """What ``strop ppo`` refuses (:class:`ConfigError`) or warns of in a valid config,
     before anything loads: inputs it needs, greedy rollouts, validation without held-out
     prompts; the KL's placement, the loss aggregation a policy loss brings, settings the
     policy loss or a shared trunk ignore, a sampler's log-probabilities in a low-precision
-    model."""
+    model. ``command``: the run's, as messages name it (``strop distill`` shares the loop)."""
     if config.model.path is None or config.data.train_path is None:
-        raise ConfigError("strop ppo needs model.path and data.train_path")
+        raise ConfigError(f"{command} needs model.path and data.train_path")
     if config.generation.temperature <= 0:
         raise ConfigError(
             "generation.temperature must be > 0 for PPO: the policy's log-probabilities are "

@@ -33,6 +33,9 @@ model the run's longest prompt once (``expect_prompts``); a backend that compile
 shape (JAX; torch's sampler with ``generation.compile``) pads what it compiles from that
 (:mod:`strop.batch.columns`), so that a run compiles once, whatever the prompts drawn and
 the response lengths.
+
+Over 400 lines: one job, the iteration (sample, score, experience, update, validate), read
+top to bottom; :func:`train_on_rollouts` is the run around it that ``strop distill`` shares.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from strop.rl.rollout import Rollout
 from strop.rl.rollout_correction import PREFIX as MISMATCH
 from strop.rl.run import PpoRun
 from strop.run.job import Job, RunResult, build_trained_model, run_steps, training_job
-from strop.run.kinds import run_kind
+from strop.run.kinds import RunKind, run_kind
 from strop.run.nonfinite import count_skipped, likely_causes
 from strop.run.progress import RunProgress
 from strop.scoring import build_reward_model, sample_and_score, sample_records
@@ -79,7 +82,21 @@ class PpoResult(RunResult):
 
 def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
     """Train for ``ppo.steps`` iterations (or until ``stop_after``), resuming if possible."""
-    check_ppo_config(config)
+    return train_on_rollouts(config, run_kind("ppo"), PpoLoop.build, stop_after=stop_after)
+
+
+MakeLoop = Callable[..., "PpoLoop"]
+"""``PpoLoop.build``'s signature: what a kind of run that trains on its own rollouts
+iterates with (PPO's loop, or one that changes how its advantages are made)."""
+
+
+def train_on_rollouts(
+    config: Config, kind: RunKind, make_loop: MakeLoop, *, stop_after: int | None
+) -> PpoResult:
+    """A run of ``kind`` that samples the model it trains and updates it with PPO's losses
+    (``strop ppo``, ``strop distill``): preflight, the reward, the run's inputs, its models
+    and rollout engine, then the iterations of the loop ``make_loop`` builds."""
+    check_ppo_config(config, f"strop {kind.name}")
     reward = None  # with env.name the environment's reward parts score the episodes (+ this)
     if config.ppo.reward != "none":
         limits = rewards.RewardLimits.of(config.ppo, "ppo")  # a deadline: a worker's
@@ -88,16 +105,20 @@ def run_ppo(config: Config, *, stop_after: int | None = None) -> PpoResult:
             build_model=partial(build_reward_model, config), limits=limits,
         )  # fmt: skip
     figures = {"reward": "reward {:.3f}", "accuracy": "val acc {:.1%}"}
-    with training_job(config, run_kind("ppo"), figures) as job:  # preflight first
+    with training_job(config, kind, figures) as job:  # preflight first
         try:
-            return _train(config, stop_after, job, reward)
+            return _train(config, stop_after, job, reward, make_loop)
         finally:
             if reward is not None:
                 reward.close()
 
 
 def _train(
-    config: Config, stop_after: int | None, job: Job, reward: rewards.WeightedReward | None
+    config: Config,
+    stop_after: int | None,
+    job: Job,
+    reward: rewards.WeightedReward | None,
+    make_loop: MakeLoop,
 ) -> PpoResult:
     """Read the run (:class:`~strop.rl.run.PpoRun`), build its models and rollout engine,
     and run its iterations (:func:`~strop.run.job.run_steps`)."""
@@ -110,7 +131,7 @@ def _train(
     model = cast(ActorCritic, build_trained_model(config, job.facts))  # the plan's roles
     model.expect_prompts(run.longest)  # what a backend that compiles each shape pads to
     with rollout_engine(config, model, max_prompt_tokens=run.longest) as rollouts:
-        loop = PpoLoop(config, model, rollouts, run, reward, progress)
+        loop = make_loop(config, model, rollouts, run, reward, job)
         steps = run_steps(
             config, loop, job, total=ppo.steps, stop_after=stop_after, rollouts=rollouts
         )
@@ -139,6 +160,19 @@ class PpoLoop:
     skipped: dict[str, int] = field(default_factory=lambda: {"policy": 0, "critic": 0})
     always_written: tuple[str, ...] = ("validation/accuracy",)
     samples: list[dict[str, Any]] = field(default_factory=list)  # the last validation's
+
+    @classmethod
+    def build(
+        cls,
+        config: Config,
+        model: ActorCritic,
+        rollouts: RolloutEngine,
+        run: PpoRun,
+        reward: rewards.WeightedReward | None,
+        job: Job,
+    ) -> PpoLoop:
+        """The loop of a run (:func:`train_on_rollouts`'s ``make_loop``)."""
+        return cls(config, model, rollouts, run, reward, job.progress)
 
     def __post_init__(self) -> None:
         self.sampling = SamplingParams.from_config(self.config.generation)

@@ -16,14 +16,16 @@ through the :class:`~strop.backends.base.Backend` it is handed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from strop.config import Config
 from strop.errors import ConfigError
-from strop.io.run_identity import CheckpointPlace, PolicyRun
+from strop.io.run_identity import PolicyRun
 from strop.objectives.roles import RolePlan
+from strop.run.teacher import check_teacher, teacher_identity
 
 if TYPE_CHECKING:
     from strop.backends.base import Backend, TrainableModel
@@ -49,6 +51,9 @@ class Footprint:
     frozen_copy: str | None = None
     adapters: tuple[str, ...] = ("policy",)
     rollouts: bool = False
+    frozen_models: tuple[tuple[str, str, str], ...] = ()
+    """Frozen models of their own held beside the trained one: ``(name, checkpoint
+    directory, quantization)`` (a distillation's teacher)."""
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,10 @@ class RunKind:
       (what the mesh must divide);
     - ``roles``: its :class:`RolePlan` (None: one policy);
     - ``identity_job``: the ``job`` its checkpoints' identity records (None for SFT,
-      whose checkpoints predate the key);
+      whose checkpoints predate the key), and ``identity_extra``, what else they record
+      (a distillation's teacher);
+    - ``check``: what a run of this kind refuses before anything loads, beyond what every
+      run does (a distillation's teacher that cannot score the student);
     - ``footprint``: what ``strop plan`` counts (None: not planned);
     - ``build``: the model it trains, with its schedule and checkpoints (what its loop
       runs and ``strop export`` restores);
@@ -83,6 +91,8 @@ class RunKind:
     step_word: str = "step"
     roles: Callable[[Config], RolePlan | None] = lambda config: None
     identity_job: str | None = None
+    identity_extra: Callable[[Config], dict[str, Any]] | None = None
+    check: Callable[[Config], None] | None = None
     footprint: Callable[[Config, RolePlan | None], Footprint] | None = None
     build: Callable[[Backend, Config, RunFacts], TrainableModel] | None = None
     trained: str = "the policy"
@@ -148,6 +158,12 @@ def _dpo_footprint(config: Config, roles: RolePlan | None) -> Footprint:
     )  # fmt: skip
 
 
+def role_plan(config: Config) -> RolePlan:
+    """The roles of a run that samples and trains (PPO's, a distillation's student and
+    its teacher), from ``config`` alone: derived here, once per model, and handed on."""
+    return RolePlan.from_config(config)
+
+
 def _ppo_rows_per_pass(config: Config) -> dict[str, int]:
     if config.ppo.micro_batch_size is None:
         return {"ppo.mini_batch_size": config.ppo.mini_batch_size}
@@ -194,16 +210,29 @@ register(
     RunKind(
         "ppo", trains=True, samples=True, steps_key="ppo.steps", steps=lambda c: c.ppo.steps,
         step_word="iteration",
-        rows_per_pass=_ppo_rows_per_pass, roles=RolePlan.from_config, identity_job="ppo",
+        rows_per_pass=_ppo_rows_per_pass, roles=role_plan, identity_job="ppo",
         footprint=_ppo_footprint, build=_build_actor_critic, trained="the actor of PPO",
+    )
+)  # fmt: skip
+
+
+def _distill_footprint(config: Config, roles: RolePlan | None) -> Footprint:
+    """PPO's, and the teacher: a frozen model of its own (quantized or not)."""
+    teacher = config.distill.teacher
+    frozen = () if teacher is None else (("teacher", teacher, config.distill.teacher_quantization),)
+    return dataclasses.replace(_ppo_footprint(config, roles), frozen_models=frozen)
+
+
+register(
+    RunKind(
+        "distill", trains=True, samples=True, steps_key="ppo.steps", steps=lambda c: c.ppo.steps,
+        step_word="iteration", rows_per_pass=_ppo_rows_per_pass, roles=role_plan,
+        identity_job="distill", identity_extra=teacher_identity, check=check_teacher,
+        footprint=_distill_footprint, build=_build_actor_critic,
+        trained="the student of a distillation",
     )
 )  # fmt: skip
 register(
     RunKind("eval", trains=False, samples=True, steps_key=None, steps=None,
             rows_per_pass=lambda config: {})
 )  # fmt: skip
-
-
-def checkpoint_place(kind: RunKind, config: Config, roles: RolePlan | None) -> CheckpointPlace:
-    """Where a run of ``kind`` keeps its checkpoints and what they belong to."""
-    return CheckpointPlace.of(config, job=kind.identity_job, roles=roles)

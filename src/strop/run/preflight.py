@@ -191,6 +191,8 @@ def preflight(
         config.lora.base_quantization if config.lora.enabled else "none",
         backend=config.backend, distributed=launched_by_torchrun(),
     )  # fmt: skip
+    if kind.check is not None and running:
+        kind.check(config)  # what this kind of run refuses besides
     environment = None
     if kind.samples and config.env.enabled and running:
         data_files = (config.data.train_path, config.data.eval_path, config.eval.path)
@@ -221,8 +223,9 @@ def preflight(
     place = None
     if training:
         assert checkpoint_dir is not None
+        extra = kind.identity_extra(config) if kind.identity_extra is not None else None
         place = CheckpointPlace.of(
-            config, job=kind.identity_job, roles=roles, directory=checkpoint_dir
+            config, job=kind.identity_job, roles=roles, extra=extra, directory=checkpoint_dir
         )  # the job identity, derived once
         check_checkpoint(
             place, newest_identity(checkpoint_dir, config.backend, listing), advice=advice
