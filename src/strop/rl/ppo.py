@@ -23,7 +23,8 @@ Per iteration (``ppo.steps`` of them):
    iterations, and a checkpoint of actor and critic every ``checkpoint.every_steps``.
 
 With ``env.name`` steps 1-2 play multi-turn episodes in an environment, scored by its reward
-parts (:mod:`strop.rl.episodes`); the rest is the same, on the episodes' sampled tokens.
+parts (:mod:`strop.rl.episodes`) plus, when ``ppo.reward`` lists weighted terms, theirs on
+the last model turn; the rest is the same, on the episodes' sampled tokens.
 
 Every random choice is seeded from ``(seed, step)``, so a run killed and resumed from its
 latest checkpoint computes what an uninterrupted run would.
