@@ -46,6 +46,13 @@ class TwoTurns:
         if sum(m["role"] == "assistant" for m in messages) < 2:
             return StepResult([{"role": "user", "content": "Check it."}], digits, {"tool_calls": 1})
         return StepResult(None, {**digits, **correct(self.record, messages)})
+
+
+class NeedsLevel(TwoTurns):
+    """Reads a column the data does not have."""
+
+    def reset(self, record):
+        return [{"role": "user", "content": f"Level {record['level']}: {record['question']}"}]
 '''
 ENV_METRICS = {
     "env/turns", "env/tool_calls", "env/tool_errors", "env/truncated", "env/errors",
@@ -165,8 +172,20 @@ def test_ppo_trains_on_episodes_and_a_stopped_run_resumes_exactly(
             ("env.name=calculator", "ppo.reward=none", "env.args={turns: 2}"),
             "error: env.name: environment 'calculator': calculator_environment(...) failed: ",
         ),
+        (
+            ("env.name=two_turns.py:NeedsLevel", "ppo.reward=none"),
+            "train.jsonl: its first record cannot open an episode of "
+            "env.name=two_turns.py:NeedsLevel: reset failed: ",
+        ),
     ],
-    ids=["missing-file", "missing-factory", "unknown-built-in", "reward-too", "bad-args"],
+    ids=[
+        "missing-file",
+        "missing-factory",
+        "unknown-built-in",
+        "reward-too",
+        "bad-args",
+        "record-it-cannot-reset",
+    ],
 )
 def test_a_bad_environment_is_one_line_before_any_model_loads(
     task,  # noqa: F811

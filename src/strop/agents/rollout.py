@@ -160,6 +160,31 @@ class _Slot:
     active: bool = True
 
 
+def opening_problem(
+    record: Mapping[str, Any],
+    environment: Callable[[], Any],
+    tokenizer: Tokenizer,
+    limits: RolloutLimits | None = None,
+    *,
+    stop_ids: Sequence[int] | None = None,
+) -> str | None:
+    """Why an episode of ``record`` cannot open (its environment's factory or ``reset``
+    fails on it, or returns messages the chat template cannot render), None if it opens:
+    what a run checks on its first record before any model loads."""
+    slot = _Slot(record, EpisodeOutcome(None))
+    try:
+        slot.env = environment()
+    except Exception as exc:
+        return f"the factory failed: {one_line(exc)}"
+    _gather(
+        [slot],
+        lambda s: _start(s, tokenizer, stop_ids),
+        "reset",
+        (limits or RolloutLimits()).step_timeout_s,
+    )
+    return slot.outcome.error
+
+
 def run_episodes(
     records: Sequence[Mapping[str, Any]],
     environment: Callable[[], Any],

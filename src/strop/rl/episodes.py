@@ -44,12 +44,13 @@ from strop.agents.rollout import (
     EpisodeOutcome,
     RolloutLimits,
     episode_metrics,
+    opening_problem,
     run_episodes,
 )
 from strop.agents.tool_env import with_run_limits
 from strop.config import Config
 from strop.data import Tokenizer
-from strop.errors import ConfigError
+from strop.errors import ConfigError, DataError
 from strop.generation import Decoding, SamplingParams
 from strop.rewards import extract_answer
 from strop.rewards.weighted import ScoredBatch, WeightedReward
@@ -127,6 +128,20 @@ class Episodes:
             tool_timeout_s=env.tool_timeout_s,
         )
         return cls(factory, env.name, limits, tokenizer, stops, jax, env.kv_cache)
+
+    def check_opening(self, record: dict[str, Any], source: str) -> None:
+        """Refuse (one line, :class:`DataError`) a data file whose first record (of
+        ``source``) no episode can open: the environment's ``reset`` fails on it, or its
+        opening messages do not render; said before any model loads, not as every
+        episode's failure at the first iteration."""
+        problem = opening_problem(
+            record, self.factory, self.tokenizer, self.limits, stop_ids=self.eos_ids
+        )
+        if problem is not None:
+            raise DataError(
+                f"{source}: its first record cannot open an episode of env.name={self.name}: "
+                f"{problem}"
+            )
 
     @property
     def longest_prefix(self) -> int:

@@ -61,6 +61,8 @@ class PpoRun:
         stops = response_end_ids(spec, tokenizer.eos_token_id)
         episodes = Episodes.from_config(config, tokenizer, stops, facts.environment)
         train = PromptSet.read(config.data.train_path, config, tokenizer, reward=reward)
+        if episodes is not None:  # the environment takes the records: one tried before loading
+            episodes.check_opening(train.records([0])[0], str(config.data.train_path))
         validation = None
         if config.data.eval_path and ppo.validate_every:
             validation = PromptSet.read(
