@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 import pytest
@@ -255,3 +256,77 @@ def test_an_environment_that_cuts_its_episode_counts_as_truncated(tok) -> None:
     (outcome,) = run_episodes(RECORDS[:1], one_turn, tok, Scripted(tok, SCRIPTS), LIMITS)
     assert outcome.truncated and outcome.error is None and outcome.turns == 1
     assert outcome.rewards == {"correct": 0.0} and outcome.info["truncated"] == 1
+
+
+class Counting(Toy):
+    """Toy, with counters in ``info``: numbers, a bool, text, a NaN, a built-in's name."""
+
+    def step(self, messages):
+        result = Toy.step(self, messages)
+        info = {"guesses": 1, "won": result.messages is None, "note": "hello", "turns": 99}
+        return StepResult(result.messages, result.rewards, {**info, "odd": float("nan")})
+
+
+def test_numeric_info_counters_are_logged_as_env_metrics(tok) -> None:
+    records = toy_records(None, n=2)
+    records[1]["turns"] = 1
+    outcomes = run_episodes(records, Counting, tok, Scripted(tok, TOY), LIMITS)
+    assert [o.info["guesses"] for o in outcomes] == [2.0, 1.0]  # summed over the steps
+    metrics = episode_metrics(outcomes)
+    assert metrics["env/guesses"] == 1.5 and metrics["env/won"] == 1.0  # means per episode
+    assert metrics["env/turns"] == 1.5  # strop's own count, not the environment's "turns"
+    assert "env/note" not in metrics and "env/odd" not in metrics  # not finite numbers
+
+
+class Scoring(Toy):
+    """A game that scores at its end only, in ``finish``: +1 when it ended the episode
+    itself, -1 when a limit cut it (a budget-exhausted outcome); misbehaves there as the
+    record's ``finish`` says."""
+
+    finished: list[bool]
+
+    def finish(self, *, truncated):
+        Scoring.finished.append(truncated)
+        bad = self.record.get("finish")
+        if bad == "raises":
+            raise ValueError("the referee left")
+        if bad == "not a StepResult":
+            return -1.0
+        if bad == "nothing":
+            return None
+        return StepResult(None, {"outcome": -1.0 if truncated else 1.0}, {"finished": 1})
+
+
+class AsyncScoring(Scoring):
+    async def finish(self, *, truncated):
+        await asyncio.sleep(0)
+        return Scoring.finish(self, truncated=truncated)
+
+
+@pytest.mark.parametrize("factory", [Scoring, AsyncScoring])
+def test_finish_scores_an_episode_at_its_end_truncated_or_not(tok, factory) -> None:
+    Scoring.finished = []
+    records = toy_records("never ends", n=3)  # 0, 2: end in 2 turns; 1: cut at max_turns
+    records[2]["finish"] = "nothing"
+    outcomes = run_episodes(records, factory, tok, Scripted(tok, TOY), LIMITS)
+    assert sorted(Scoring.finished) == [False, False, True]  # once per episode
+    assert [o.truncated for o in outcomes] == [False, True, False]
+    assert outcomes[0].rewards == {"correct": 1.0, "format": 0.25, "outcome": 1.0}
+    assert outcomes[1].rewards == {"correct": 0.0, "format": 0.75, "outcome": -1.0}
+    assert outcomes[2].rewards == {"correct": 1.0, "format": 0.25, "outcome": 0.0}  # None
+    assert [o.info.get("finished") for o in outcomes] == [1.0, 1.0, None]
+    assert all(o.error is None for o in outcomes)
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [("raises", r"finish failed: .*test_agents_rollout.py:\d+: ValueError: the referee left"),
+     ("not a StepResult", "finish returned a float, not a StepResult or None")],
+)  # fmt: skip
+def test_a_finish_that_fails_fails_its_episode(tok, bad, says) -> None:
+    Scoring.finished = []
+    records = toy_records(None, n=4)
+    records[1]["finish"] = bad
+    outcomes = run_episodes(records, Scoring, tok, Scripted(tok, TOY), LIMITS)
+    assert re.search(says, outcomes[1].error) and outcomes[1].rewards["outcome"] == 0.0
+    assert [o.error for o in outcomes[::2]] == [None, None] and outcomes[0].rewards["outcome"] == 1

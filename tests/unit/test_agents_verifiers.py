@@ -46,6 +46,7 @@ def test_an_episode_calls_the_toolset_and_is_scored_by_verifiers():
     # Task.score's parts, each its score times its weight (used_tool weighs 0.5).
     assert results[1].messages is None
     assert results[1].rewards == {"correct": 1.0, "used_tool": 0.5}
+    assert results[1].info["calls_made"] == 1.0  # its @vf.metric, logged as env/calls_made
     trace = env.trace
     assert trace.state.calls == 1 and trace.metrics == {"calls_made": 1.0}
     assert [m.role for m in trace.messages] == ["system", "user", "assistant", "tool", "assistant"]
@@ -89,6 +90,33 @@ def test_a_stop_on_the_trace_ends_the_episode(tmp_path, monkeypatch):
     # the trace scored holds them.
     assert [m.role for m in env.trace.messages] == ["system", "user", "assistant", "tool"]
     assert result.rewards == {"correct": 0.0, "used_tool": 0.5}
+
+
+DIAGNOSTIC = """
+import verifiers.v1 as vf
+from tests.verifiers_calc import CalcTask, CalcTaskset
+
+class Diagnosed(CalcTask):
+    @vf.reward(weight=0.0)
+    async def reply_chars(self, trace: vf.Trace) -> float:
+        return float(len(trace.last_reply))
+
+class DiagnosedTaskset(vf.Taskset[Diagnosed, vf.TasksetConfig]):
+    load = CalcTaskset.load
+
+__all__ = ["DiagnosedTaskset"]
+"""
+
+
+def test_a_weight_0_reward_is_logged_by_its_raw_score_not_as_a_part(tmp_path, monkeypatch):
+    """A diagnostic reward (weight 0) adds nothing to the episode's reward; its part would
+    log 0 whatever it measured, so its score goes to ``info`` (``env/<name>``) instead."""
+    (tmp_path / "vf_diagnosed.py").write_text(DIAGNOSTIC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = load_environment("verifiers:vf_diagnosed")
+    (result,) = play(env, RECORD, ["It is 943."])
+    assert result.rewards == {"correct": 1.0, "used_tool": 0.0}
+    assert result.info["reply_chars"] == len("It is 943.") and result.info["calls_made"] == 0
 
 
 SCRATCHPAD = """

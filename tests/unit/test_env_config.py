@@ -65,10 +65,26 @@ def test_an_environment_scores_the_episodes_and_the_config_round_trips(tmp_path)
     assert served.generation.engine == "vllm"  # episodes on vLLM (tests/vllm_engine)
 
 
+def test_weighted_trainer_rewards_go_beside_the_environment_s_parts(tmp_path) -> None:
+    """As TRL sums reward_funcs with the environment's reward: ppo.reward as weighted terms
+    goes with env.name (a single named reward, as the shipped recipes set for single-turn
+    runs, is still refused: it would silently add to the environment's parts)."""
+    terms = "ppo.reward=[{reward: format, weight: 0.1}, {reward: gsm8k, weight: 0}]"
+    config = load_config(None, ["env.name=calculator", terms])
+    assert [(t.reward, t.weight) for t in config.ppo.reward] == [("format", 0.1), ("gsm8k", 0.0)]
+    again = tmp_path / "config.yaml"
+    again.write_text(dump_config(config))
+    assert load_config(again).model_dump() == config.model_dump()
+
+
 @pytest.mark.parametrize(
     ("overrides", "said"),
     [
-        (["env.name=calculator", "ppo.reward=gsm8k"], "set ppo.reward=none"),
+        (
+            ["env.name=calculator", "ppo.reward=gsm8k"],
+            "set ppo.reward=none, or add a reward of each episode's final answer to its parts "
+            "as weighted terms: ppo.reward=[{reward: gsm8k, weight: 0.1}]",
+        ),
         (["ppo.reward=none"], "ppo.reward=none leaves nothing to score"),
         (["env.name=calculator", "eval.reward=math"], "leave eval.reward unset"),
         (["env.name=calculator", "ppo.overlong=penalty"], "use ppo.overlong=mask or keep"),

@@ -77,10 +77,22 @@ def test_a_dpo_run_plots_its_loss_accuracy_and_margin(tmp_path):
     assert series["eval/dpo/loss"] == ([5, 10], [0.05, 0.1])
 
 
+def test_an_agent_run_plots_its_tool_calls_per_episode(tmp_path):
+    """An agent run (env.name, e.g. the calculator demo) draws env/tool_calls, what its
+    reward teaches (the calculator demo: calling the tool for the casual questions too)."""
+    records = [(s, {"train/reward": s / 20, "env/tool_calls": 0.25 + s / 40}) for s in range(1, 11)]
+    records.append((10, {"validation/accuracy": 0.5}))
+    write_metrics(tmp_path, records)
+    assert plot_run(tmp_path).read_bytes().startswith(PNG_SIGNATURE)
+    series = read_series(tmp_path / "metrics.jsonl")
+    assert sorted(series) == ["env/tool_calls", "train/reward", "validation/accuracy"]
+    assert series["env/tool_calls"][1] == pytest.approx([0.25 + s / 40 for s in range(1, 11)])
+
+
 def test_metrics_with_nothing_to_plot_is_a_strop_error(tmp_path):
     write_metrics(tmp_path, [(1, {"timing/step_s": 2.0}), (2, {"timing/step_s": 1.5})])
     with pytest.raises(
-        PlotError, match="no train/reward, validation/accuracy, train/loss, eval/loss, dpo/loss"
+        PlotError, match="no train/reward, validation/accuracy, env/tool_calls, train/loss, eval/"
     ):
         plot_run(tmp_path)
     assert not (tmp_path / "plot.png").exists()

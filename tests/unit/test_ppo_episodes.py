@@ -11,13 +11,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from strop import rewards
 from strop.agents import rollout as agents_rollout
 from strop.agents.calculator import calculator_environment
 from strop.agents.rollout import RolloutLimits
 from strop.config import load_config
 from strop.errors import ConfigError
 from strop.generation import SamplingParams
-from strop.rl.episodes import Episodes
+from strop.rl.episodes import Episodes, add_trainer_reward
+from strop.rl.ppo import PpoLoop
 from strop.rl.prompts import PromptSet
 from strop.run.preflight import check_environment
 from tests.unit.test_agents_rollout import RECORDS, SCRIPTS, Scripted, tok  # noqa: F401
@@ -167,3 +169,53 @@ def test_the_run_s_episodes_come_from_the_config_and_need_a_chat_template(tok) -
     no_template = SimpleNamespace(chat_template=None)
     with pytest.raises(ConfigError, match="rendered with the model's chat template"):
         Episodes.from_config(config, no_template, [0], environment)
+
+
+def test_a_trainer_reward_is_added_to_the_environment_s_parts(tok) -> None:  # noqa: F811
+    """ppo.reward's weighted terms score each episode's final answer and are summed with its
+    environment's parts, as TRL sums reward_funcs with the environment's reward; a weight-0
+    term logs its raw score; a failed episode scores 0 there too."""
+    records = [*RECORDS, {"question": "What is 3 + 4?", "answer": "7", "boom": True}]
+    sample = episodes_of(tok).sample(
+        ScriptedSampler(tok), records, SamplingParams(max_new_tokens=64, temperature=1.0), seed=0
+    )
+    reward = rewards.resolve(
+        [{"reward": "format", "weight": 0.5}, {"reward": "gsm8k", "weight": 0, "name": "gold"}]
+    )
+    columns = {key: [r[key] for r in records] for key in ("question", "answer")}
+    prompts = PromptSet([[1]] * 4, columns["answer"], [r["question"] for r in records], columns)
+    prompts = PromptSet(**{**prompts.__dict__, "golds_of": {"gold": columns["answer"]}})
+    scored = add_trainer_reward(sample, reward, *prompts.reward_inputs(range(4)))
+    np.testing.assert_array_equal(scored.task_scores, [1.5, 1.5, 1.5, 0.0])
+    assert scored.scored.parts == {
+        "correct": [1.0, 1.0, 1.0, 0.0], "format": [1.0, 1.0, 1.0, 0.0], "gold": [1.0, 1.0, 1.0, 0.0],
+    }  # fmt: skip
+    metrics = {**scored.scored.metrics(), **scored.metrics}
+    assert metrics["reward/format"] == metrics["reward/gold"] == 0.75
+    assert metrics["reward/items"] == 4 and metrics["env/tool_calls"] == pytest.approx(3 / 4)
+    np.testing.assert_array_equal(scored.no_loss, sample.no_loss)
+    clash = rewards.resolve([{"reward": "format", "weight": 1, "name": "correct"}])
+    with pytest.raises(
+        ConfigError, match=r"ppo\.reward's term 'correct' has the name of a reward part"
+    ):
+        add_trainer_reward(sample, clash, *prompts.reward_inputs(range(4)))
+
+
+def test_the_ppo_loop_adds_ppo_reward_to_its_episodes(tok) -> None:  # noqa: F811
+    overrides = ["env.name=calculator", "ppo.reward=[{reward: format, weight: 0.5}]"]
+    overrides += ["ppo.prompts_per_step=3", "ppo.num_generations_per_prompt=1"]
+    config = load_config(
+        None, [*overrides, "ppo.mini_batch_size=3", "generation.max_new_tokens=64"]
+    )
+    columns = {key: [r[key] for r in RECORDS] for key in ("question", "answer")}
+    train = PromptSet([[1]] * 3, columns["answer"], columns["question"], columns)
+    run = SimpleNamespace(
+        episodes=episodes_of(tok, calculator_environment), train=train, tokenizer=tok
+    )
+    reward = rewards.resolve(config.ppo.reward)
+    loop = PpoLoop(config, None, ScriptedSampler(tok), run, reward)
+    loop._timings = {}
+    sample = loop._sample(step=0)
+    np.testing.assert_array_equal(sample.task_scores, [1.5, 1.5, 1.5])
+    assert sample.scored.parts == {"correct": [1.0] * 3, "format": [1.0] * 3}
+    assert {"timing/generate", "timing/reward"} <= loop._timings.keys()

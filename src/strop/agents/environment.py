@@ -6,7 +6,12 @@ An :class:`Environment` has two methods, each either plain or ``async def``:
   turns, in the OpenAI / Hugging Face chat format) for one data record;
 * ``step(messages) -> StepResult``: given the conversation so far, whose last message is
   the assistant's, the messages to add (tool results, a user turn), or ``None`` when the
-  episode is over, with the reward parts of this turn and counters in ``info``.
+  episode is over, with the reward parts of this turn and counters in ``info``;
+
+and may have a third, ``finish(truncated=...) -> StepResult | None``, called once at the clean
+end of an episode (``truncated``: whether a limit cut it): its rewards and info are the
+episode's too (a game that scores at its end gives a budget-exhausted outcome there; see
+:func:`~strop.agents.rollout.run_episodes`).
 
 An instance holds the state of one episode at a time (``reset`` starts it); run several
 episodes at once with several instances (:func:`resolve_environment` gives the factory,
@@ -18,11 +23,15 @@ which can be called once per episode). :func:`call_maybe_async` calls either kin
 * ``package.module:factory`` or ``path/to/file.py:factory`` (imported as
   :mod:`strop.references` imports rewards and losses): ``factory(**kwargs)`` must return an
   object with ``reset`` and ``step`` methods (a class is a factory too);
+* an object of another framework's shape, for which an adapter is registered with
+  :func:`register_adapter`: TRL's ``environment_factory`` environments (``reset(**row)``,
+  tool methods, ``get_reward()``; :mod:`strop.agents.trl_env`, registered by
+  :mod:`strop.agents`) are played as they are;
 * ``<source>:<name>``, for a source registered with :func:`register_source`:
   ``verifiers:<module>`` is a ``verifiers`` 0.4 taskset, played in strop's loop
   (:mod:`strop.agents.verifiers_env`, registered by :mod:`strop.agents`; verifiers is
-  imported only then). This module imports no source: each registers itself, so the
-  protocol sits below everything that plays it.
+  imported only then). This module imports no source and no adapter: each registers
+  itself, so the protocol sits below everything that plays it.
 
 Every mistake raises :class:`EnvironmentLoadError`, one line naming the reference.
 """
@@ -57,6 +66,21 @@ Source = Callable[[str, str], Callable[..., Any]]
 
 SOURCES: dict[str, Source] = {}
 """The registered sources of environments, by the word before the colon (``verifiers``)."""
+
+
+Adapter = Callable[[Any], Any]
+"""``adapt(made) -> environment | None``: what a factory made, played as an environment, or
+None when it is not the adapter's shape; :class:`EnvironmentLoadError` for one of its shape
+that cannot be played."""
+
+ADAPTERS: list[Adapter] = []
+"""The registered adapters, tried in order on what a factory made without strop's ``reset``
+and ``step``."""
+
+
+def register_adapter(adapt: Adapter) -> None:
+    """Play objects of another shape through ``adapt`` (see :data:`Adapter`)."""
+    ADAPTERS.append(adapt)
 
 
 def register_source(source: str, resolve: Source) -> None:
@@ -133,7 +157,24 @@ def resolve_environment(reference: str) -> Callable[..., Any]:
         )
     except BadReference as exc:
         raise EnvironmentLoadError(f"environment {reference!r}: {exc}") from None
-    return found.function
+    return _adapting(found.function)
+
+
+def _adapting(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """``factory`` whose result, when it is no environment of strop's, is the first
+    registered adapter's environment of it (:data:`ADAPTERS`)."""
+
+    def make(**kwargs: Any) -> Any:
+        made = factory(**kwargs)
+        if is_environment(made) or inspect.isawaitable(made):
+            return made
+        for adapt in ADAPTERS:
+            if (adapted := adapt(made)) is not None:
+                return adapted
+        return made
+
+    make.__name__ = getattr(factory, "__name__", type(factory).__name__)
+    return make
 
 
 def load_environment(reference: str, **kwargs: Any) -> Any:
@@ -167,6 +208,7 @@ def new_environment(factory: Callable[..., Any], reference: str, **kwargs: Any) 
         raise EnvironmentLoadError(
             f"environment {reference!r}: {name}(...) returned a {type(env).__name__}, which "
             f"has no {' or '.join(missing)} method; an environment has reset(record) and "
-            "step(messages)"
+            "step(messages), or, as TRL's environment_factory, reset(**row) with tool methods "
+            "or get_reward()"
         )
     return env

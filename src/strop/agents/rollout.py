@@ -9,10 +9,17 @@ factory (:func:`~strop.agents.environment.resolve_environment`): ``reset(record)
 :class:`Episode` (with the environment's ``tool_schemas`` if it has them); then per
 round the ids of every active episode go to ONE ``generate`` call (a finished episode frees
 its row), each turn is added with :meth:`Episode.add_sampled`, and the environments step
-concurrently (``async def`` methods on one event loop in a daemon thread, plain ones in
-daemon threads of their own), each within ``step_timeout_s``; their messages are added with
-:meth:`Episode.add_messages`. The loop's ``asyncio.to_thread`` pool (tool calls, which mostly
-wait on a child) has ``tool_workers`` threads, one per episode: a batch's calls run at once.
+concurrently (:mod:`strop.agents.env_calls`: ``async def`` methods on one event loop in a
+daemon thread, plain ones in daemon threads of their own), each within ``step_timeout_s``;
+their messages are added with :meth:`Episode.add_messages`. The loop's ``asyncio.to_thread``
+pool (tool calls, which mostly wait on a child) has ``tool_workers`` threads, one per
+episode: a batch's calls run at once.
+
+At its clean end (not a failure) an episode's environment is told, when it has the optional
+method ``finish(truncated=...)`` (plain or ``async def``, within ``step_timeout_s``):
+``truncated=True`` when a limit cut the episode (see below), else False. What it returns,
+None or a :class:`StepResult`, adds its rewards and info to the episode's (its messages are
+not added): a game that scores at its end gives a budget-exhausted outcome there.
 
 Bounds (:class:`RolloutLimits`): a turn samples at most ``max_new_tokens``, never more than
 the episode has left of ``max_episode_tokens`` (rows of one call with different budgets are
@@ -23,8 +30,9 @@ with environment tokens, mask 0); when its ``max_turns``-th turn is not its last
 environment's reply is not added); or when the environment says so (``info["truncated"]``).
 
 A broken environment is contained and counted, never a crash or a hang: a factory,
-``reset`` or ``step`` that raises (``SystemExit`` too), a ``step`` that returns no
-:class:`StepResult` (or bad messages or rewards in one), a call past its deadline, messages
+``reset``, ``step`` or ``finish`` that raises (``SystemExit`` too), a ``step`` that returns no
+:class:`StepResult` (or bad messages or rewards in one; ``finish``: neither one nor None), a
+call past its deadline, messages
 the chat template cannot render. That episode ends with ``error`` set, *every* reward part
 0 (what it earned before is dropped), counted in ``env/errors``; each environment's first
 failure in the process is logged once as a warning. When more than ``max_error_fraction``
@@ -36,16 +44,14 @@ runaway plain ``step`` keeps its thread until it returns; an ``async def`` step 
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures as cf
-import inspect
 import logging
 import math
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from strop.agents.env_calls import LOOP, call_method
 from strop.agents.environment import StepResult
 from strop.agents.episode import Episode
 from strop.data.tokenizer import Tokenizer
@@ -171,13 +177,14 @@ def run_episodes(
     limits = limits or RolloutLimits()
     name = name or getattr(environment, "__name__", type(environment).__name__)
     slots = [_Slot(record, EpisodeOutcome(None)) for record in records]
-    _LOOP.size_executor(limits.tool_workers or max(len(records), 1))
+    LOOP.size_executor(limits.tool_workers or max(len(records), 1))
     for slot in slots:
         try:
             slot.env = environment()
         except Exception as exc:
             _fail(slot, f"the factory failed: {one_line(exc)}")
-    _gather(slots, lambda s: _start(s, tokenizer, stop_ids), "reset", limits.step_timeout_s)
+    live = [s for s in slots if s.active]
+    _gather(live, lambda s: _start(s, tokenizer, stop_ids), "reset", limits.step_timeout_s)
     for slot in slots:
         if slot.active and len(slot.outcome.episode) >= limits.max_episode_tokens:
             _end(slot, truncated=True)  # the prompt alone fills the budget
@@ -195,12 +202,16 @@ def run_episodes(
                 _end(slot, truncated=True)
         stepping = [s for s in active if s.active]
         _gather(stepping, lambda s: _step(s, limits), "step", limits.step_timeout_s)
+    ended = [
+        s for s in slots if s.outcome.error is None and callable(getattr(s.env, "finish", None))
+    ]
+    _gather(ended, _finish, "finish", limits.step_timeout_s)
     _settle(slots, name, limits)
     return [slot.outcome for slot in slots]
 
 
 async def _start(slot: _Slot, tokenizer: Tokenizer, stop_ids: Sequence[int] | None) -> None:
-    messages = await _call(slot.env.reset, slot.record)
+    messages = await call_method(slot.env.reset, slot.record)
     _check_messages(messages, "reset")
     tools = getattr(slot.env, "tool_schemas", None)
     tools = tools() if callable(tools) else tools
@@ -212,26 +223,12 @@ async def _start(slot: _Slot, tokenizer: Tokenizer, stop_ids: Sequence[int] | No
 
 async def _step(slot: _Slot, limits: RolloutLimits) -> Any:
     episode, outcome = slot.outcome.episode, slot.outcome
-    result = await _call(slot.env.step, episode.messages)
+    result = await call_method(slot.env.step, episode.messages)
     if not isinstance(result, StepResult):
         raise _Failed(f"step returned a {type(result).__name__}, not a StepResult")
     if result.messages is not None:
         _check_messages(result.messages, "step")
-    if not isinstance(result.rewards, Mapping) or not isinstance(result.info, Mapping):
-        raise _Failed("a StepResult's rewards and info must be dicts")
-    for part, value in result.rewards.items():
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
-            raise _Failed(
-                f"step returned the reward part {part!r} = {value!r}, not a finite number"
-            )
-        outcome.rewards[str(part)] = outcome.rewards.get(str(part), 0.0) + float(value)
-    for key, value in result.info.items():
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            outcome.info[str(key)] = outcome.info.get(str(key), 0.0) + float(value)
+    _count(outcome, result, "step")
     if result.messages is None:
         return _end(slot, truncated=outcome.info.get("truncated", 0.0) > 0)
     if outcome.turns >= limits.max_turns:
@@ -242,6 +239,36 @@ async def _step(slot: _Slot, limits: RolloutLimits) -> Any:
         raise _Failed(f"its messages cannot be rendered: {one_line(exc)}") from None
     if len(episode) >= limits.max_episode_tokens:
         _end(slot, truncated=True)
+
+
+async def _finish(slot: _Slot) -> None:
+    """The environment's ``finish(truncated=...)`` at the clean end of its episode: the
+    rewards and info of the :class:`StepResult` it returns, if any, are counted."""
+    result = await call_method(slot.env.finish, truncated=slot.outcome.truncated)
+    if result is not None and not isinstance(result, StepResult):
+        raise _Failed(f"finish returned a {type(result).__name__}, not a StepResult or None")
+    if result is not None:
+        _count(slot.outcome, result, "finish")
+
+
+def _count(outcome: EpisodeOutcome, result: StepResult, method: str) -> None:
+    """Add a result's reward parts (finite numbers, else :class:`_Failed`) and numeric
+    ``info`` counters (finite numbers, a bool as 0 or 1; others left out) to ``outcome``."""
+    if not isinstance(result.rewards, Mapping) or not isinstance(result.info, Mapping):
+        raise _Failed("a StepResult's rewards and info must be dicts")
+    for part, value in result.rewards.items():
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise _Failed(
+                f"{method} returned the reward part {part!r} = {value!r}, not a finite number"
+            )
+        outcome.rewards[str(part)] = outcome.rewards.get(str(part), 0.0) + float(value)
+    for key, value in result.info.items():
+        if isinstance(value, int | float) and math.isfinite(value):
+            outcome.info[str(key)] = outcome.info.get(str(key), 0.0) + float(value)
 
 
 def _check_messages(messages: Any, method: str) -> None:
@@ -265,9 +292,9 @@ def _fail(slot: _Slot, reason: str) -> None:
 
 
 def _gather(slots: list[_Slot], run: Callable, what: str, timeout_s: float | None) -> None:
-    """``run(slot)`` (a coroutine) for every live slot at once on the shared loop; a slot
-    whose call raises or outlives ``timeout_s`` fails."""
-    futures = {_LOOP.submit(run(slot)): slot for slot in slots if slot.active}
+    """``run(slot)`` (a coroutine) for every slot of ``slots`` at once on the shared loop; a
+    slot whose call raises or outlives ``timeout_s`` fails."""
+    futures = {LOOP.submit(run(slot)): slot for slot in slots}
     done, pending = cf.wait(futures, timeout=timeout_s)
     for future in pending:
         future.cancel()
@@ -278,78 +305,6 @@ def _gather(slots: list[_Slot], run: Callable, what: str, timeout_s: float | Non
             _fail(futures[future], str(exc))
         elif exc is not None:
             _fail(futures[future], f"{what} failed: {one_line(exc)}")
-
-
-async def _call(method: Callable[..., Any], *args: Any) -> Any:
-    """``method(*args)``: awaited on the loop when ``async def``, else in a daemon thread
-    (Python cannot stop a thread: a runaway call keeps it)."""
-    if inspect.iscoroutinefunction(method):
-        try:
-            return await method(*args)
-        except SystemExit as exc:  # would stop the loop's thread
-            raise RuntimeError(one_line(exc)) from None
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
-
-    def work() -> None:
-        try:
-            result: Any = method(*args)
-            ok = True
-        except BaseException as exc:  # SystemExit from an environment is contained too
-            result, ok = exc, False
-
-        def settle() -> None:
-            if not future.done():
-                if ok:
-                    future.set_result(result)
-                else:
-                    exc = (
-                        result if isinstance(result, Exception) else RuntimeError(one_line(result))
-                    )
-                    future.set_exception(exc)
-
-        loop.call_soon_threadsafe(settle)
-
-    threading.Thread(target=work, name="strop-env-step", daemon=True).start()
-    result = await future
-    if inspect.isawaitable(result):  # a plain method returning a coroutine
-        result = await result
-    return result
-
-
-class _SharedLoop:
-    """An event loop in a daemon thread for environment calls, (re)started when needed,
-    whose default executor (``asyncio.to_thread``) has :meth:`size_executor`'s threads."""
-
-    def __init__(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._executor, self._workers = cf.ThreadPoolExecutor(1), 1
-
-    def size_executor(self, workers: int) -> None:
-        """``workers`` threads for the loop's blocking calls (not asyncio's default, ``min(32,
-        cores + 4)``: tool calls mostly wait); calls still running keep the old pool's."""
-        with self._lock:
-            if workers != self._workers:
-                self._executor.shutdown(wait=False)
-                self._executor = cf.ThreadPoolExecutor(workers, thread_name_prefix="strop-tool")
-                self._workers = workers
-                self._loop.set_default_executor(self._executor)
-
-    def submit(self, coroutine: Any) -> cf.Future:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._loop = asyncio.new_event_loop()
-                self._loop.set_default_executor(self._executor)
-                self._thread = threading.Thread(
-                    target=self._loop.run_forever, name="strop-env-loop", daemon=True
-                )
-                self._thread.start()
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-
-
-_LOOP = _SharedLoop()
 
 
 def _settle(slots: list[_Slot], name: str, limits: RolloutLimits) -> None:
@@ -380,7 +335,9 @@ def _settle(slots: list[_Slot], name: str, limits: RolloutLimits) -> None:
 def episode_metrics(outcomes: Sequence[EpisodeOutcome]) -> dict[str, float]:
     """Means over the episodes: ``env/turns``, ``env/tool_calls`` and ``env/tool_errors``
     (per episode), ``env/truncated`` and ``env/errors`` (shares of the episodes),
-    ``env/episode_tokens`` (token ids per episode), and ``reward/<part>`` per part."""
+    ``env/episode_tokens`` (token ids per episode), ``env/<name>`` per other ``info``
+    counter (its sum over an episode's steps; a name of the above is strop's own), and
+    ``reward/<part>`` per part."""
     if not outcomes:
         return {}
 
@@ -395,6 +352,8 @@ def episode_metrics(outcomes: Sequence[EpisodeOutcome]) -> dict[str, float]:
         "env/errors": mean(o.error is not None for o in outcomes),
         "env/episode_tokens": mean(len(o.episode) if o.episode else 0 for o in outcomes),
     }
+    for name in sorted({key for o in outcomes for key in o.info}):
+        metrics.setdefault(f"env/{name}", mean(o.info.get(name, 0.0) for o in outcomes))
     for part in sorted({p for o in outcomes for p in o.rewards}):
         metrics[f"reward/{part}"] = mean(o.rewards.get(part, 0.0) for o in outcomes)
     return metrics

@@ -30,7 +30,9 @@ harness) does, in this process:
 * **Reward**: at the end, verifiers' own ``Task.score`` over a ``vf.Trace`` of the
   conversation (assistant turns with their parsed ``tool_calls``, the tool results); each
   reward (each key of one returning several) is a part, its score times its weight, as in
-  ``trace.reward``, logged as ``reward/<name>``. ``@vf.metric`` values are not logged.
+  ``trace.reward``, logged as ``reward/<name>``. A reward of weight 0 (a diagnostic: it
+  adds nothing) and each ``@vf.metric`` go to ``info`` by their own score instead, logged
+  as ``env/<name>``.
 
 What needs verifiers' runtime, model client or interception server is refused in one line
 (:class:`~strop.agents.environment.EnvironmentLoadError`) at load: an exported ``vf.Env``
@@ -176,10 +178,16 @@ class VerifiersEnv(ToolEnv):
             if not await self._stopped():
                 return result
         await run_async(self.task.score(self.trace))
-        rewards = {
-            name: reward.value for name, reward in self.trace.rewards.items() if reward is not None
-        }
-        return StepResult(None, rewards, result.info)
+        rewards, info = {}, dict(result.info)
+        for name, reward in self.trace.rewards.items():
+            if reward is not None and reward.weight == 0:  # a diagnostic: its own score
+                info[name] = reward.score
+            elif reward is not None:
+                rewards[name] = reward.value
+        info.update(
+            {name: value for name, value in self.trace.metrics.items() if value is not None}
+        )
+        return StepResult(None, rewards, info)
 
     async def _stopped(self) -> bool:
         from verifiers.v1.session import call_hook

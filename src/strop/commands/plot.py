@@ -1,6 +1,7 @@
-"""`strop plot RUN_DIR`: a run's curves as a PNG (PPO: reward and validation accuracy; SFT:
-training and eval loss; DPO: its loss, reward accuracy and margin, and the held-out pairs'
-loss and accuracy; a distillation: PPO's, and the student's divergence from the teacher).
+"""`strop plot RUN_DIR`: a run's curves as a PNG (PPO: reward and validation accuracy, and
+with ``env.name`` the tool calls per episode; SFT: training and eval loss; DPO: its loss,
+reward accuracy and margin, and the held-out pairs' loss and accuracy; a distillation: PPO's,
+and the student's divergence from the teacher).
 
 Reads ``<run_dir>/metrics.jsonl`` (one JSON object per logged step, ``{"step": 10,
 "train/reward": 0.31, ...}``, see :mod:`strop.metrics.sinks`) and draws each of
@@ -26,6 +27,7 @@ from strop.io.writable import require_writable_parent
 PANELS = (
     ("train/reward", "train/reward", "mean reward"),
     ("validation/accuracy", "validation/accuracy", "accuracy"),
+    ("env/tool_calls", "env/tool_calls (episodes)", "tool calls per episode"),
     ("train/loss", "train/loss (SFT)", "loss per token"),
     ("eval/loss", "eval/loss (SFT)", "loss per token"),
     ("dpo/loss", "dpo/loss (DPO)", "loss per pair"),

@@ -154,8 +154,8 @@ class Config(_Section):
         for conflict, message in (*conflicts, *self._episode_conflicts()):
             if conflict:
                 raise ValueError(message)
-        if self.env.enabled:  # the environment's reward parts score the episodes
-            self.ppo.__dict__["reward"] = "none"  # unset: not in fields_set, as dumped
+        if self.env.enabled and "reward" not in self.ppo.model_fields_set:
+            self.ppo.__dict__["reward"] = "none"  # the environment's parts alone, as dumped
         return self
 
     def _episode_conflicts(self) -> tuple[tuple[bool, str], ...]:
@@ -170,11 +170,15 @@ class Config(_Section):
                 ),
             )
         return (
-            (
-                "reward" in ppo.model_fields_set and ppo.reward != "none",
+            (  # weighted terms go beside the environment's parts; a named reward (what the
+                # recipes set for single-turn runs) would add to them unasked
+                isinstance(ppo.reward, str)
+                and "reward" in ppo.model_fields_set
+                and ppo.reward != "none",
                 f"ppo.reward ({ppo.reward!r}) scores single-turn responses; with env.name "
                 f"({env.name}) the environment's reward parts score each episode: set "
-                "ppo.reward=none",
+                "ppo.reward=none, or add a reward of each episode's final answer to its parts "
+                f"as weighted terms: ppo.reward=[{{reward: {ppo.reward}, weight: 0.1}}]",
             ),
             (
                 self.eval.reward != EvalConfig.model_fields["reward"].default,  # dumped too

@@ -23,8 +23,9 @@ class EnvConfig(_Section):
         "completions, as without this section), a built-in (calculator, python), "
         "package.module:factory or path/to/file.py:factory; imported, and its factory called "
         "once with env.args, at preflight (a mistake: one line, before anything loads). "
-        "Its reward parts, summed, are each episode's reward (ppo.reward must be none; "
-        "eval.reward does not apply).",
+        "Its reward parts, summed, are each episode's reward, plus ppo.reward's when it is "
+        "given as weighted terms (they score the episode's last model turn); eval.reward does "
+        "not apply.",
     )
     args: dict[str, Any] = Field(
         default_factory=dict,

@@ -152,7 +152,10 @@ class PpoConfig(_Section):
         "gsm8k",
         description="A registered reward (gsm8k, math, format), package.module:function, "
         "path/to/file.py:function, or a list of {reward, weight, name} summed with weights; "
-        "none with env.name (the environment's reward parts score each episode; unset, it is none there).",
+        "none with env.name (the environment's reward parts score each episode; unset, it is none "
+        "there), or there a list of weighted terms, which score each episode's last model turn and "
+        "are added to the environment's parts (as TRL sums reward_funcs with the environment's "
+        "reward).",
     )
     reward_timeout_s: float | None = Field(
         300.0,

@@ -23,7 +23,7 @@ the iteration's updates), beside PPO's (``train/reward``, ``validation/accuracy`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,11 +35,8 @@ from strop.run.kinds import role_plan, run_kind
 from strop.run.teacher import teacher_config
 
 if TYPE_CHECKING:
-    from strop import rewards
     from strop.backends.base import ActorCritic
-    from strop.engines import RolloutEngine
     from strop.rl.episodes import Sample
-    from strop.rl.run import PpoRun
     from strop.run.job import Job
 
 ADVANTAGES = {"reverse_kl": reverse_kl_advantages}
@@ -68,32 +65,22 @@ class DistillLoop(PpoLoop):
     """PPO's loop (:class:`~strop.rl.ppo.PpoLoop`) whose advantages are the teacher's."""
 
     teacher: ActorCritic | None = None
-    divergence: JsdObjective | None = None  # what the student's update minimises, if not PPO's
+    divergence: JsdObjective | None = field(init=False, default=None)  # if not PPO's loss
 
-    @classmethod
-    def build(
-        cls,
-        config: Config,
-        model: ActorCritic,
-        rollouts: RolloutEngine,
-        run: PpoRun,
-        reward: rewards.WeightedReward | None,
-        job: Job,
-    ) -> DistillLoop:
-        """The loop, and the frozen teacher it scores with, built as the student's models
-        are (its role plan: :func:`~strop.run.kinds.role_plan`), without checkpoints."""
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        make = DIVERGENCES.get(self.config.distill.loss)  # what the student's update minimises
+        self.divergence = None if make is None else make(self.config)
+
+    def prepare(self, job: Job) -> None:
+        """The frozen teacher, built as the student's models are (its role plan:
+        :func:`~strop.run.kinds.role_plan`), without checkpoints."""
         job.progress.phase("loading the teacher")
-        config_of_teacher = teacher_config(config)
-        teacher = job.backend.build_actor_critic(
-            config_of_teacher, total_updates=1, plan=role_plan(config_of_teacher),
-            checkpoints=None,
-        )  # fmt: skip
-        teacher.expect_prompts(run.longest)  # the student's widths: one compile per shape
-        divergence = DIVERGENCES.get(config.distill.loss)
-        return cls(
-            config, model, rollouts, run, reward, job.progress, teacher=teacher,
-            divergence=None if divergence is None else divergence(config),
-        )  # fmt: skip
+        config = teacher_config(self.config)
+        self.teacher = job.backend.build_actor_critic(
+            config, total_updates=1, plan=role_plan(config), checkpoints=None
+        )
+        self.teacher.expect_prompts(self.run.longest)  # the student's widths: one compile each
 
     def iteration(self, step: int) -> dict[str, float]:
         """PPO's iteration; a divergence's update stats under ``distill/``."""

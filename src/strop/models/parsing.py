@@ -160,3 +160,9 @@ def optional_window(cfg: Mapping[str, Any], source: str, key: str = "sliding_win
     """``cfg[key]`` as a positive window, or ``None`` when absent or null."""
     value = cfg.get(key)
     return None if value is None else positive_int(cfg, key, source)
+
+
+def attention_biases(cfg: dict[str, Any]) -> dict[str, bool]:
+    """``attention_bias`` as most families read it: biases on q, k, v and o, or on none."""
+    bias = bool(cfg.get("attention_bias", False))
+    return {"qkv_bias": bias, "o_bias": bias}

@@ -28,8 +28,9 @@ engine, which may sleep between calls) is held awake for an iteration's rounds.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -51,7 +52,7 @@ from strop.data import Tokenizer
 from strop.errors import ConfigError
 from strop.generation import Decoding, SamplingParams
 from strop.rewards import extract_answer
-from strop.rewards.weighted import ScoredBatch
+from strop.rewards.weighted import ScoredBatch, WeightedReward
 from strop.rl.prompts import PromptSet
 from strop.rl.rollout import Rollout
 
@@ -238,6 +239,50 @@ class Episodes:
         record's answer, the reward)."""
         judged = self.judge(sampler, prompts, rows, params, seed=seed)
         return sum(judged.correct), judged.samples[: max(wanted, 0)]
+
+
+def add_trainer_reward(
+    sample: Sample,
+    reward: WeightedReward,
+    prompts: Sequence[str],
+    columns: Mapping[str, Sequence[Any]],
+    golds: Mapping[str, Sequence[str]],
+) -> Sample:
+    """``sample``'s episodes scored by ``ppo.reward``'s weighted terms too: each term scores
+    an episode's last model turn (``rollout.response_texts``: what a final-answer reward
+    reads) with its record's columns (``prompts``, ``columns``, ``golds``: the rows'
+    :meth:`~strop.rl.prompts.PromptSet.reward_inputs`), and the weighted sum is added to the
+    environment's parts, as TRL sums ``reward_funcs`` with the environment's reward. Each
+    term's own score is a part, logged as ``reward/<name>`` (weight 0 included), with the
+    reward's counters; a row with no loss weight (its environment failed, or it never
+    sampled a token) scores 0 there. A term named as a part of the environment is refused
+    (:class:`ConfigError`): both would be ``reward/<name>``."""
+    for component in reward.components:
+        if component.name in sample.scored.parts:
+            name = component.name
+            raise ConfigError(
+                f"ppo.reward's term {name!r} has the name of a reward part of the environment "
+                f"(both would be reward/{name}); give the term another name: "
+                f"{{reward: {component.reward.source or name}, weight: {component.weight:g}, "
+                f"name: {name}_2}}"
+            )
+    before = reward.stats
+    scored = reward.score(prompts, sample.rollout.response_texts, columns, golds)
+    kept = [not dropped for dropped in sample.no_loss.tolist()]
+    parts = {
+        name: [score if keep else 0.0 for score, keep in zip(scores, kept, strict=True)]
+        for name, scores in scored.parts.items()
+    }
+    total = [
+        math.fsum((environment, trainer if keep else 0.0))
+        for environment, trainer, keep in zip(sample.scored.total, scored.total, kept, strict=True)
+    ]
+    return dataclasses.replace(
+        sample,
+        scored=ScoredBatch(total, {**sample.scored.parts, **parts}),
+        task_scores=np.asarray(total, dtype=np.float64),
+        metrics={**sample.metrics, **(reward.stats - before).as_metrics()},
+    )
 
 
 @dataclass(frozen=True)

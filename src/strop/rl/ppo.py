@@ -23,7 +23,8 @@ Per iteration (``ppo.steps`` of them):
    iterations, and a checkpoint of actor and critic every ``checkpoint.every_steps``.
 
 With ``env.name`` steps 1-2 play multi-turn episodes in an environment, scored by its reward
-parts (:mod:`strop.rl.episodes`); the rest is the same, on the episodes' sampled tokens.
+parts (:mod:`strop.rl.episodes`) plus, when ``ppo.reward`` lists weighted terms, theirs on
+the last model turn; the rest is the same, on the episodes' sampled tokens.
 
 Every random choice is seeded from ``(seed, step)``, so a run killed and resumed from its
 latest checkpoint computes what an uninterrupted run would.
@@ -58,7 +59,7 @@ from strop.generation import SamplingParams
 from strop.objectives.ppo import SHARED_CRITIC_PREFIX
 from strop.rl import rollout_correction
 from strop.rl.checks import check_ppo_config
-from strop.rl.episodes import Sample
+from strop.rl.episodes import Sample, add_trainer_reward
 from strop.rl.experience import build_experience, minibatches
 from strop.rl.overlong import length_penalty, without_truncated
 from strop.rl.rollout import Rollout
@@ -97,8 +98,8 @@ def train_on_rollouts(
     (``strop ppo``, ``strop distill``): preflight, the reward, the run's inputs, its models
     and rollout engine, then the iterations of the loop ``make_loop`` builds."""
     check_ppo_config(config, f"strop {kind.name}")
-    reward = None  # with env.name the environment's reward parts score the episodes
-    if not config.env.enabled:
+    reward = None  # with env.name the environment's reward parts score the episodes (+ this)
+    if config.ppo.reward != "none":
         limits = rewards.RewardLimits.of(config.ppo, "ppo")  # a deadline: a worker's
         reward = rewards.resolve(
             config.ppo.reward, setting="ppo.reward",
@@ -125,7 +126,7 @@ def _train(
     ppo, progress = config.ppo, job.progress
     progress.phase("reading the prompts")
     run = PpoRun.read(config, reward, job.facts)
-    if reward is not None:  # (with env.name there is none)
+    if reward is not None:  # (with env.name, only when ppo.reward adds to the episodes')
         reward.start()  # its worker imports the user's function while the models load
     progress.phase("loading the models")
     model = cast(ActorCritic, build_trained_model(config, job.facts))  # the plan's roles
@@ -147,7 +148,8 @@ class PpoLoop:
     NaN/Inf (``train.skip_nonfinite``; without it the engine raises
     :class:`~strop.errors.NonFiniteError`), per role, cumulative over the run (resumes
     included): the metrics ``policy/nonfinite_skipped`` and ``critic/nonfinite_skipped``.
-    With ``run.episodes`` (``env.name``) it plays episodes instead, and ``reward`` is None.
+    With ``run.episodes`` (``env.name``) it plays episodes instead, and ``reward`` (None
+    unless ``ppo.reward`` is set there) adds to their environment's parts.
     """
 
     config: Config
@@ -170,8 +172,15 @@ class PpoLoop:
         reward: rewards.WeightedReward | None,
         job: Job,
     ) -> PpoLoop:
-        """The loop of a run (:func:`train_on_rollouts`'s ``make_loop``)."""
-        return cls(config, model, rollouts, run, reward, job.progress)
+        """The loop of a run (:func:`train_on_rollouts`'s ``make_loop``), made ready for it
+        (:meth:`prepare`)."""
+        loop = cls(config, model, rollouts, run, reward, job.progress)
+        loop.prepare(job)
+        return loop
+
+    def prepare(self, job: Job) -> None:
+        """What a loop builds beside the run's models before its first iteration (PPO's:
+        nothing)."""
 
     def __post_init__(self) -> None:
         self.sampling = SamplingParams.from_config(self.config.generation)
@@ -247,7 +256,13 @@ class PpoLoop:
         seed, prompts = _seed(self.config.seed, step), [train.ids[i] for i in rows]
         if self.run.episodes is not None:  # timing/generate: the episodes, environment included
             play = self.run.episodes.sample
-            return self._timed("generate", play, self.rollouts, train.records(rows), sampling, seed)
+            sample = self._timed(
+                "generate", play, self.rollouts, train.records(rows), sampling, seed
+            )
+            if self.reward is None:
+                return sample
+            inputs = train.reward_inputs(rows)  # ppo.reward beside the environment's parts
+            return self._timed("reward", add_trainer_reward, sample, self.reward, *inputs)
         before = self.reward.stats
         generation = self._timed(
             "generate", self.rollouts.generate, prompts, sampling, seed=seed,

@@ -50,9 +50,9 @@ class PpoRun:
         reward: rewards.WeightedReward | None,
         facts: RunFacts,
     ) -> PpoRun:
-        """Read the run's inputs (``reward``: the resolved ``ppo.reward``; None with
-        ``env.name``, whose environment scores the episodes with the factory preflight
-        built once, as it read the model's spec and the role plan: ``facts``); what they
+        """Read the run's inputs (``reward``: the resolved ``ppo.reward``, or None; with
+        ``env.name`` the environment scores the episodes, with the factory preflight built
+        once, as it read the model's spec and the role plan: ``facts``); what they
         refuse is one line (:class:`~strop.errors.StropError`), before any model loads."""
         ppo = config.ppo
         spec, plan = facts.model_spec(config), facts.roles

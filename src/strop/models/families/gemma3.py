@@ -14,6 +14,7 @@ from strop.models import Family
 from strop.models.parsing import (
     FULL,
     SLIDING,
+    attention_biases,
     build_layers,
     layer_types,
     optional_window,
@@ -37,7 +38,6 @@ def gemma3_fields(cfg, common, source):
     scalar = cfg.get("query_pre_attn_scalar", common["head_dim"])
     if not isinstance(scalar, int | float) or scalar <= 0:
         raise ModelError(f"{source}: query_pre_attn_scalar must be positive, got {scalar!r}")
-    bias = bool(cfg.get("attention_bias", False))
     return {
         "layers": build_layers(
             cfg,
@@ -47,8 +47,7 @@ def gemma3_fields(cfg, common, source):
             sliding_window=optional_window(cfg, source),
             rope_overrides=overrides,
         ),
-        "qkv_bias": bias,
-        "o_bias": bias,
+        **attention_biases(cfg),
         "qk_norm": "head",
         "norm_placement": "sandwich",
         "norm_weight_offset": 1.0,

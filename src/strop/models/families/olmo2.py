@@ -6,6 +6,7 @@ from strop.models import Family
 from strop.models.parsing import (
     FULL,
     SLIDING,
+    attention_biases,
     build_layers,
     layer_types,
     optional_window,
@@ -17,11 +18,9 @@ def olmo2_fields(cfg, common, source):
     n = common["num_layers"]
     types = layer_types(cfg, n, source, [FULL] * n)
     window = optional_window(cfg, source) if SLIDING in types else None
-    bias = bool(cfg.get("attention_bias", False))
     return {
         "layers": build_layers(cfg, common, source, types=types, sliding_window=window),
-        "qkv_bias": bias,
-        "o_bias": bias,
+        **attention_biases(cfg),
         "qk_norm": "projection",
         "norm_placement": "post",
         "norm_scale_in_float32": True,

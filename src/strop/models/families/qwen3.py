@@ -4,16 +4,14 @@ is its own setting (128 where ``hidden_size / heads`` is 64 in Qwen3-0.6B)."""
 
 from strop.models import Family
 from strop.models.families.qwen2 import qwen_layer_types
-from strop.models.parsing import build_layers, require_activation
+from strop.models.parsing import attention_biases, build_layers, require_activation
 
 
 def qwen3_fields(cfg, common, source):
     types, window = qwen_layer_types(cfg, common, source)
-    bias = bool(cfg.get("attention_bias", False))
     return {
         "layers": build_layers(cfg, common, source, types=types, sliding_window=window),
-        "qkv_bias": bias,
-        "o_bias": bias,
+        **attention_biases(cfg),
         "qk_norm": "head",
         "activation": require_activation(cfg, source, allowed={"silu": "silu"}),
     }

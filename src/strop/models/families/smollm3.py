@@ -5,7 +5,7 @@ sliding-window attention on the layers without RoPE when ``use_sliding_window``.
 from strop.errors import ModelError
 from strop.models import Family
 from strop.models.families.qwen2 import qwen_layer_types
-from strop.models.parsing import FULL, SLIDING, build_layers, require_activation
+from strop.models.parsing import FULL, SLIDING, attention_biases, build_layers, require_activation
 
 
 def smollm3_fields(cfg, common, source):
@@ -18,7 +18,6 @@ def smollm3_fields(cfg, common, source):
         raise ModelError(f"{source}: no_rope_layers must list {n} flags of 0 or 1")
     nope_sliding = [FULL if flag else SLIDING for flag in uses_rope]  # transformers' default
     types, window = qwen_layer_types(cfg, common, source, default=nope_sliding)
-    bias = bool(cfg.get("attention_bias", False))
     return {
         "layers": build_layers(
             cfg,
@@ -28,8 +27,7 @@ def smollm3_fields(cfg, common, source):
             sliding_window=window,
             no_rope=[not flag for flag in uses_rope],
         ),
-        "qkv_bias": bias,
-        "o_bias": bias,
+        **attention_biases(cfg),
         "mlp_bias": bool(cfg.get("mlp_bias", False)),
         "activation": require_activation(cfg, source, allowed={"silu": "silu"}),
     }
