@@ -30,6 +30,7 @@ from strop.models import ModelSpec
 
 if TYPE_CHECKING:
     from strop.config import Config
+    from strop.objectives.distill import JsdObjective
     from strop.objectives.preference import PreferenceObjective
     from strop.objectives.roles import RolePlan
 
@@ -268,6 +269,24 @@ class ActorCritic(TrainableModel, Protocol):
     def train_policy(self, batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, float]:
         """One actor update: ``loss``, ``pg_loss``, ``clipfrac``, ``approx_kl``,
         ``entropy``, ``grad_norm`` (and ``kl_loss``, ``dual_clip_frac`` when on)."""
+        ...
+
+    def train_jsd(
+        self,
+        batch: dict[str, np.ndarray],
+        micro_batches: int,
+        teacher: ActorCritic,
+        objective: JsdObjective,
+    ) -> dict[str, float]:
+        """One actor update of ``strop distill``'s ``distill.loss=jsd``, instead of
+        :meth:`train_policy`'s: the gradient of ``sum_t loss_weights[t] * JSD_beta`` between
+        the actor's and ``teacher``'s full next-token distributions at column ``t - 1``
+        (:class:`~strop.objectives.distill.JsdObjective`), on ``batch``'s rows (``input_ids``,
+        ``attention_mask``, ``loss_weights``). ``teacher`` is a frozen model of the same
+        backend scored in its reference role (:mod:`strop.run.teacher`); it runs inside the
+        update, per micro-batch and without gradient, and its head reaches the loss chunk by
+        chunk, so neither model's ``[B, L, V]`` logits are ever whole. Returns ``loss`` (the
+        JSD), ``jsd``, ``grad_norm`` and ``skipped``."""
         ...
 
     def train_critic_and_policy(

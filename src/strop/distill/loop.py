@@ -9,20 +9,27 @@ token's advantage becomes ``-(log p_student - log p_teacher)``
 (:func:`~strop.objectives.distill.reverse_kl_advantages`), plus ``distill.reward_weight``
 times the task reward's own advantage. Environment and tool tokens are holes for both.
 
+With ``distill.loss=jsd`` the advantages stay PPO's (unused) and the update changes
+instead (:meth:`DistillLoop._train`): the student's policy update minimises the generalized
+JSD between its and the teacher's full next-token distributions on its sampled tokens
+(:class:`~strop.objectives.distill.JsdObjective`, ``ActorCritic.train_jsd``), the teacher
+running inside it, chunk by chunk of tokens.
+
 Metrics: ``distill/reverse_kl`` (the mean per-token estimate of KL(student || teacher)),
-``distill/teacher_logprob`` and ``distill/student_logprob`` (per sampled token), beside
-PPO's (``train/reward``, ``validation/accuracy``...).
+``distill/teacher_logprob`` and ``distill/student_logprob`` (per sampled token), or with
+``jsd`` ``distill/jsd`` (the token-mean divergence each update started from, averaged over
+the iteration's updates), beside PPO's (``train/reward``, ``validation/accuracy``...).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from strop.config import Config
-from strop.objectives.distill import reverse_kl_advantages, token_reverse_kl
+from strop.objectives.distill import JsdObjective, reverse_kl_advantages, token_reverse_kl
 from strop.rl.ppo import PpoLoop, PpoResult, train_on_rollouts
 from strop.run.kinds import role_plan, run_kind
 from strop.run.teacher import teacher_config
@@ -35,6 +42,13 @@ if TYPE_CHECKING:
 ADVANTAGES = {"reverse_kl": reverse_kl_advantages}
 """Each ``distill.loss`` that trains on the teacher's per-token advantages: how it makes them
 from the student's and the teacher's log-probabilities of the sampled tokens."""
+
+DIVERGENCES = {"jsd": JsdObjective.from_config}
+"""Each ``distill.loss`` whose student update minimises a divergence to the teacher's full
+next-token distributions instead of PPO's loss (``ActorCritic.train_jsd``): its objective,
+from the config."""
+
+_DIVERGENCE_METRICS = {"policy/jsd": "distill/jsd"}  # the update's stat: the iteration's
 
 # what the teacher's forward reads of the update's arrays: the rollout rows themselves
 _ROLLOUT_COLUMNS = ("input_ids", "attention_mask", "response_mask")
@@ -51,6 +65,12 @@ class DistillLoop(PpoLoop):
     """PPO's loop (:class:`~strop.rl.ppo.PpoLoop`) whose advantages are the teacher's."""
 
     teacher: ActorCritic | None = None
+    divergence: JsdObjective | None = field(init=False, default=None)  # if not PPO's loss
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        make = DIVERGENCES.get(self.config.distill.loss)  # what the student's update minimises
+        self.divergence = None if make is None else make(self.config)
 
     def prepare(self, job: Job) -> None:
         """The frozen teacher, built as the student's models are (its role plan:
@@ -62,10 +82,20 @@ class DistillLoop(PpoLoop):
         )
         self.teacher.expect_prompts(self.run.longest)  # the student's widths: one compile each
 
+    def iteration(self, step: int) -> dict[str, float]:
+        """PPO's iteration; a divergence's update stats under ``distill/``."""
+        record = super().iteration(step)
+        for stat, metric in _DIVERGENCE_METRICS.items():
+            if stat in record:
+                record[metric] = record.pop(stat)
+        return record
+
     def _experience(self, sample: Sample) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """PPO's experience, then every sampled token's advantage from the teacher's
         log-probability of it (at the rollout temperature, as the student's)."""
         arrays, stats = super()._experience(sample)
+        if self.divergence is not None:  # the teacher is read in the update (_train)
+            return arrays, stats
         assert self.teacher is not None
         rows = {name: arrays[name] for name in _ROLLOUT_COLUMNS}
         teacher = self._timed("teacher", self.teacher.logprobs, rows, reference=True)
@@ -83,3 +113,18 @@ class DistillLoop(PpoLoop):
             "distill/student_logprob": float(np.where(on, student, 0.0).sum() / tokens),
         }
         return arrays, stats
+
+    def _train(
+        self, roles: tuple[str, ...], mini: dict[str, np.ndarray], micro_batches: int
+    ) -> tuple[dict[str, float], ...]:
+        """PPO's updates, or with a divergence the student's update that minimises it
+        (there is no critic in a distillation: :func:`~strop.run.teacher.check_teacher`)."""
+        if self.divergence is None:
+            return super()._train(roles, mini, micro_batches)
+        assert self.teacher is not None and set(roles) <= {"policy"}
+        stats = tuple(
+            self.model.train_jsd(mini, micro_batches, self.teacher, self.divergence) for _ in roles
+        )
+        if roles:
+            self.rollouts.mark_stale()
+        return stats

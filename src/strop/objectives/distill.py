@@ -10,7 +10,8 @@
   (:func:`generalized_jsd`; GKD, Agarwal et al. 2024, in TRL's convention), written once over
   a backend's :class:`~strop.objectives.losses.ArrayOps`. Each backend's ``distill.py``
   drives it chunk by chunk of tokens, so the full-vocabulary logits of both models never sit
-  in memory for the whole batch.
+  in memory for the whole batch; :class:`JsdObjective` is what the student's update
+  (``distill.loss=jsd``, ``ActorCritic.train_jsd``) minimises with it.
 
 Arrays are ``[B, L]`` in the teacher-forcing layout of :mod:`strop.objectives.gae` (column
 ``t`` is about emitting ``x_t``, from the logits at column ``t - 1``); ``mask`` is the
@@ -21,14 +22,47 @@ response mask, 1 on sampled tokens only: an episode's environment and tool token
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from strop.objectives.losses import LOG_RATIO_LIMIT, ArrayOps
 
+if TYPE_CHECKING:
+    from strop.config import Config
+
 DEFAULT_CHUNK_TOKENS = 256
 """Tokens per chunk of the JSD's drivers: the full-vocabulary working set of one chunk is a
 few ``[chunk, V]`` float32 arrays (about 0.9 GB at Qwen's V = 151,936), whatever the batch."""
+
+
+@dataclass(frozen=True)
+class JsdObjective:
+    """What ``distill.loss=jsd``'s student update minimises: the generalized JSD of
+    :func:`generalized_jsd` at ``beta`` and ``temperature``, summed under the mini-batch's
+    loss weights (token mean: TRL's ``batchmean``), computed ``chunk_tokens`` tokens at a
+    time by each backend's ``distill.py`` (``ActorCritic.train_jsd``). Hashable: a
+    backend may key a compiled update on it."""
+
+    beta: float
+    temperature: float
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+    batch_names = ("input_ids", "attention_mask", "loss_weights")
+    """The update arrays it reads: the rollout rows and their loss weights (0 off the
+    sampled tokens: prompts, padding and an episode's environment tokens are holes)."""
+
+    def __post_init__(self) -> None:
+        check_beta(self.beta)
+        check_temperature(self.temperature)
+        check_chunk_tokens(self.chunk_tokens)
+
+    @classmethod
+    def from_config(cls, config: Config) -> JsdObjective:
+        """The ``distill:`` section's ``beta``, ``temperature`` and ``chunk_tokens``."""
+        distill = config.distill
+        return cls(distill.beta, distill.temperature, distill.chunk_tokens)
 
 
 def check_beta(beta: float) -> None:

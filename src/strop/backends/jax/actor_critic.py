@@ -15,6 +15,10 @@ not leaves its attributes None (``critic*``: an own critic, ``head*``: a shared 
   critic adapter: a value head on the actor's.
 - **LoRA off**: the actor trains every weight, the critic is a second model plus the
   head, the reference a frozen copy of the actor's initial weights: three models.
+
+Over 400 lines: one class, the ActorCritic surface over the plan's roles (building them,
+forwards, updates, checkpoints, adapters and exports); every loss lives elsewhere
+(:mod:`~strop.backends.jax.ppo_steps`, :mod:`~strop.backends.jax.distill`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from flax import nnx
 from strop.backends.jax import ppo_steps
 from strop.backends.jax.checkpoint import TrainCheckpoints
 from strop.backends.jax.continuation import JaxContinuation
+from strop.backends.jax.distill import jit_jsd_update
 from strop.backends.jax.generate import generate
 from strop.backends.jax.lora import (
     adapter_weights,
@@ -67,6 +72,7 @@ from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import CheckpointPlace
 from strop.lora_init import critic_seed as critic_seed_of
+from strop.objectives.distill import JsdObjective
 from strop.objectives.ppo import PolicyObjective, ValueObjective
 from strop.objectives.roles import RolePlan
 from strop.quantization import say_merged_export_dequantizes
@@ -109,7 +115,8 @@ class JaxActorCritic(Sampler):
         )
         self.reference = initial_reference(self.actor_graph, self.actor, self.frozen, config, plan)
 
-        actor_tx = make_optimizer(config.optim, total_updates)
+        actor_tx = self.actor_tx = make_optimizer(config.optim, total_updates)
+        self._jsd_updates: dict[tuple[nnx.GraphDef, JsdObjective], Any] = {}  # train_jsd's
         if plan.policy_update.joint:
             self._build_shared_trunk(config, actor_tx, lm.spec.hidden_size)
         else:
@@ -279,6 +286,24 @@ class JaxActorCritic(Sampler):
         (arrays,) = self._arrays(batch, micro_batches, self.policy_objective.batch_names)
         self.actor, self.actor_opt, stats = self._policy_update(
             self.actor, self.actor_opt, self.frozen, arrays
+        )
+        return host_floats(stats)
+
+    def train_jsd(
+        self, batch: dict[str, np.ndarray], micro_batches: int, teacher: JaxActorCritic,
+        objective: JsdObjective,
+    ) -> dict[str, float]:  # fmt: skip
+        """One actor update minimising the JSD to ``teacher``'s reference role (one program
+        per teacher and objective, which takes the teacher's arrays as they are)."""
+        key = (teacher.actor_graph, objective)
+        if key not in self._jsd_updates:
+            self._jsd_updates[key] = jit_jsd_update(
+                self.actor_tx, self.actor_graph, teacher.actor_graph, objective
+            )
+        (arrays,) = self._arrays(batch, micro_batches, objective.batch_names)
+        frozen = (self.frozen, (teacher.reference, teacher.frozen))
+        self.actor, self.actor_opt, stats = self._jsd_updates[key](
+            self.actor, self.actor_opt, frozen, arrays
         )
         return host_floats(stats)
 

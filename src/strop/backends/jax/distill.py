@@ -9,18 +9,28 @@ to the core's :func:`~strop.objectives.distill.generalized_jsd` and summed under
 weights. Each chunk is rematerialised (``jax.checkpoint``), so the backward pass keeps only
 the hidden states and recomputes one chunk's logits at a time: the ``[B, L, V]`` logits of
 neither model are ever whole in memory. The torch backend's ``distill.py`` is the same.
+
+:func:`jsd_loss` is ``distill.loss=jsd``'s student update over one micro-batch
+(``JaxActorCritic.train_jsd``, jitted by :func:`jit_jsd_update`): the frozen teacher's
+forward, the student's, and the chunked JSD over both heads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
+from flax import nnx
 
 from strop.backends.jax.losses import F32, OPS
+from strop.backends.jax.train import jit_update, with_router_loss
 from strop.objectives.distill import (
     DEFAULT_CHUNK_TOKENS,
+    JsdObjective,
     check_beta,
     check_chunk_tokens,
     check_temperature,
@@ -89,3 +99,43 @@ def chunked_jsd_sum(
     parts = (split(student), split(teacher), split(token_weights))
     total, _ = jax.lax.scan(step, jnp.zeros((), F32), parts)
     return total
+
+
+def jsd_loss(
+    graphs: tuple[nnx.GraphDef, nnx.GraphDef], objective: JsdObjective, trainable: Any,
+    frozen: tuple[Any, tuple[Any, Any]], micro: dict[str, jax.Array],
+) -> tuple[jax.Array, dict[str, jax.Array]]:  # fmt: skip
+    """A micro-batch's share of the student's JSD loss (:class:`JsdObjective`: the sum under
+    its ``loss_weights``; plus a routed-experts student's load-balancing loss, as PPO's
+    policy loss has it), for :func:`~strop.backends.jax.train.update`; stat ``jsd``.
+
+    ``graphs`` are the student's and the teacher's graphdefs; ``frozen`` is the student's
+    frozen part and the teacher's ``(trainable, frozen)`` parts of the role it scores with:
+    arguments, never differentiated, so the teacher's forward and head are constants. Both
+    models' ``logits`` are unused, so under ``jit`` they are never computed."""
+    student_graph, teacher_graph = graphs
+    student_frozen, (teacher_trainable, teacher_frozen) = frozen
+    inputs = micro["input_ids"], micro["attention_mask"], micro.get("positions")
+    teacher = nnx.merge(teacher_graph, teacher_trainable, teacher_frozen)
+    teacher_hidden = jax.lax.stop_gradient(teacher(*inputs).hidden)
+    student = nnx.merge(student_graph, trainable, student_frozen)
+    output = student(*inputs)
+    jsd = chunked_jsd_sum(
+        output.hidden, teacher_hidden, student.logits_from_hidden, teacher.logits_from_hidden,
+        micro["loss_weights"], beta=objective.beta, temperature=objective.temperature,
+        chunk_tokens=objective.chunk_tokens,
+    )  # fmt: skip
+    return with_router_loss(student, output, jsd, {"jsd": jax.lax.stop_gradient(jsd)}, micro)
+
+
+def jit_jsd_update(
+    tx: optax.GradientTransformation,
+    student_graph: nnx.GraphDef,
+    teacher_graph: nnx.GraphDef,
+    objective: JsdObjective,
+) -> Callable:
+    """The student's jitted JSD update (:func:`~strop.backends.jax.train.jit_update` of
+    :func:`jsd_loss`): ``(trainable, opt_state, (frozen, (teacher_trainable,
+    teacher_frozen)), batch)`` -> the new trainable and optimizer states and the stats."""
+    loss = partial(jsd_loss, (student_graph, teacher_graph), objective)
+    return jit_update(tx, loss, name="jsd_update")

@@ -16,6 +16,10 @@ adapter each forward uses, what each update trains and a checkpoint holds).
 Under ``torchrun`` every model is FSDP2-sharded (DTensor parameters), the value head
 included, and each rank runs its share of every batch's rows. Updates and rollouts run
 the model in eval mode (no dropout): an unchanged policy's log-probabilities agree exactly.
+
+Over 400 lines: one class, the ActorCritic surface over the plan's roles (building them,
+forwards, updates, checkpoints, adapters and exports); every loss lives elsewhere
+(:mod:`strop.objectives.micro`, :mod:`strop.backends.torch.distill`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch import nn
 
 from strop.backends.torch.checkpoint import TrainCheckpoints
 from strop.backends.torch.continuation import TorchContinuation
+from strop.backends.torch.distill import jsd_micro_loss
 from strop.backends.torch.fsdp import all_gather_rows, place, shard_module, write_once
 from strop.backends.torch.generate import generate, sampler_keywords
 from strop.backends.torch.handle import export_merged, merged_weights
@@ -56,6 +61,7 @@ from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.io.peft import read_adapter_for, write_adapter_once
 from strop.io.run_identity import CheckpointPlace
 from strop.lora_init import critic_seed as critic_seed_of
+from strop.objectives.distill import JsdObjective
 from strop.objectives.micro import critic_micro_loss, policy_micro_loss
 from strop.objectives.ppo import SHARED_CRITIC_PREFIX, PolicyObjective, ValueObjective
 from strop.objectives.roles import RolePlan
@@ -280,6 +286,17 @@ class TorchActorCritic(Sampler):
                 logits = forward_logits(loaded, *_model_inputs(micro))
                 return policy_micro_loss(OPS, logits, micro, self.policy_objective)
 
+            return self.actor_trainer.update(batch, names, micro_batches, loss_fn)
+
+    def train_jsd(
+        self, batch: dict[str, np.ndarray], micro_batches: int, teacher: TorchActorCritic,
+        objective: JsdObjective,
+    ) -> dict[str, float]:  # fmt: skip
+        """One actor update minimising the JSD to ``teacher``'s reference role, whose adapter
+        stays active over the whole update (the backward recomputes its head's chunks)."""
+        batch, names = self._packed(batch, objective.batch_names, micro_batches)
+        with self._role("actor") as student, teacher._role("reference") as frozen:
+            loss_fn = partial(jsd_micro_loss, student, frozen, objective)
             return self.actor_trainer.update(batch, names, micro_batches, loss_fn)
 
     def _train_shared_trunk(self, batch: dict[str, np.ndarray], micro_batches: int):

@@ -10,6 +10,10 @@ chunk runs under non-reentrant activation checkpointing, so the backward pass ke
 hidden states and recomputes one chunk's logits at a time: the ``[B, L, V]`` logits of
 neither model are ever whole in memory. The JAX backend's ``distill.py`` is the same (it
 pads the last chunk where this one drops the unweighted tokens: JAX's shapes are static).
+
+:func:`jsd_micro_loss` is ``distill.loss=jsd``'s student update over one micro-batch
+(``TorchActorCritic.train_jsd``): the frozen teacher's forward without gradient, the
+student's with it, and the chunked JSD over both heads.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from strop.backends.torch.losses import F32, OPS
-from strop.backends.torch.model import LoadedModel
+from strop.backends.torch.model import LoadedModel, final_hidden
 from strop.objectives.distill import (
     DEFAULT_CHUNK_TOKENS,
+    JsdObjective,
     check_beta,
     check_chunk_tokens,
     check_temperature,
@@ -90,3 +95,21 @@ def chunked_jsd_sum(
             teacher_head, beta, temperature, use_reentrant=False,
         )  # fmt: skip
     return total
+
+
+def jsd_micro_loss(
+    student: LoadedModel, teacher: LoadedModel, objective: JsdObjective, micro
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A micro-batch's share of the student's JSD loss (:class:`JsdObjective`: the sum under
+    its ``loss_weights``), for :meth:`~strop.backends.torch.train.Trainer.update`; stat
+    ``jsd`` is the loss. ``teacher`` runs (with the adapter its role names active) without
+    gradient: its hidden states and head are constants of the student's update."""
+    inputs = micro["input_ids"], micro["attention_mask"], micro.get("positions")
+    with torch.no_grad():
+        teacher_hidden = final_hidden(teacher, *inputs)
+    jsd = chunked_jsd_sum(
+        final_hidden(student, *inputs), teacher_hidden, lm_head(student), lm_head(teacher),
+        micro["loss_weights"], beta=objective.beta, temperature=objective.temperature,
+        chunk_tokens=objective.chunk_tokens,
+    )  # fmt: skip
+    return jsd, {"jsd": jsd.detach()}

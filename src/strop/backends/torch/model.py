@@ -281,6 +281,22 @@ def run_model(
         )
 
 
+def final_hidden(
+    loaded: LoadedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The final normed hidden states ``[B, L, E]`` (compute dtype): ``hidden_states[-1]``
+    of the whole model's forward, so that FSDP2's and PEFT's root hooks run, with the LM
+    head on the last column only (``logits_to_keep=1``)."""
+    out = run_model(
+        loaded, input_ids, attention_mask, positions, output_hidden_states=True,
+        logits_to_keep=1,
+    )  # fmt: skip
+    return out.hidden_states[-1]
+
+
 def forward_logits(
     loaded: LoadedModel,
     input_ids: torch.Tensor,

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from strop.backends.torch.model import LoadedModel, run_model
+from strop.backends.torch.model import LoadedModel, final_hidden
 from strop.lora_init import value_head as initial_value_head
 from strop.objectives.gae import shift_values
 
@@ -67,11 +67,7 @@ class ValueModel(nn.Module):
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final normed hidden state ``[B, L, E]`` (in the compute dtype)."""
-        out = run_model(
-            self.loaded, input_ids, attention_mask, positions,
-            output_hidden_states=True, logits_to_keep=1,
-        )  # fmt: skip
-        return out.hidden_states[-1]
+        return final_hidden(self.loaded, input_ids, attention_mask, positions)
 
     def raw_values(
         self,
