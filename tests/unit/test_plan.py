@@ -108,13 +108,35 @@ def test_a_dpo_recipe_plans_dpo_its_pairs_and_its_reference(capsys, qwen_7b):
     assert full["reference weights"]["bytes"] == full["base weights"]["bytes"]
 
 
+def test_a_distillation_plans_its_teacher_and_the_jsd_its_chunks(capsys, qwen_7b, tmp_path):
+    """strop plan counts the teacher (quantized as asked) beside the student, and the JSD's
+    update holds both models' logits a chunk of tokens at a time, not whole."""
+    student = tmp_path / "student"
+    student.mkdir()
+    small = {**QWEN_7B, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 8}
+    (student / "config.json").write_text(json.dumps(small))
+    base = ["plan", "ppo-lora-tiny", *LORA_PPO_7B, f"model.path={student}",
+            f"distill.teacher={qwen_7b}", "--job", "distill", "--json"]  # fmt: skip
+    code, out, err = run(capsys, *base)
+    parts = {p["name"]: p for p in json.loads(out)["parts"]}
+    assert code == 0, err
+    teacher = parse_config(QWEN_7B)
+    assert parts["teacher weights"]["bytes"] == base_weight_bytes(teacher, "bfloat16")
+    assert "loss chunk" not in parts
+    _, out, _ = run(capsys, *base, "distill.teacher_quantization=nf4", "distill.loss=jsd")
+    jsd = {p["name"]: p for p in json.loads(out)["parts"]}
+    assert jsd["teacher weights"]["bytes"] == base_weight_bytes(teacher, "bfloat16", "nf4")
+    assert jsd["loss chunk"]["bytes"] == 256 * QWEN_7B["vocab_size"] * 4 * 6
+    assert jsd["activations"]["bytes"] < parts["activations"]["bytes"]  # no N x V logits
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
         (["model.path=/nowhere/at/all"], "model.path=/nowhere/at/all: no such directory"),
         ([], "model.path is not set"),
         (["lora.rnak=3"], "lora.rnak"),
-        (["--job", "kto"], "--job kto: strop plan knows sft, dpo, ppo"),
+        (["--job", "kto"], "--job kto: strop plan knows sft, dpo, ppo, distill"),
     ],
 )
 def test_plan_bad_input_is_one_line_exit_2(capsys, args, says):

@@ -218,7 +218,10 @@ def kv_cache_bytes(spec: ModelSpec, *, rows: int, length: int, compute_dtype: st
 _LOGITS_BYTES: dict[tuple[str, Logits], int] = {
     ("torch", "token_logprobs"): 12, ("torch", "policy_gradient"): 24,
     ("jax", "token_logprobs"): 16, ("jax", "policy_gradient"): 20,
+    ("torch", "chunked"): 0, ("jax", "chunked"): 0,  # Footprint.chunk's part instead
 }  # fmt: skip
+_CHUNK_ARRAYS = 6  # [chunk, V] float32 arrays of one JSD chunk: both models' logits and
+# log-probabilities, the mixture, the gradient (backends/*/distill.py)
 
 
 def _round_up(n: int, multiple: int = 16) -> int:
@@ -316,6 +319,10 @@ def plan_memory(
         lm_head_trained=head_trained and not lora.enabled,
     )
     add("activations", acts, "forward", f"N = {rows} rows x {length} tokens; {formula}")
+    if footprint.chunk is not None:
+        add("loss chunk", footprint.chunk * spec.vocab_size * 4 * _CHUNK_ARRAYS, "backward",
+            f"{footprint.chunk} tokens x V x 4 B x {_CHUNK_ARRAYS} (both models' logits, "
+            "their log-probabilities, the mixture, the gradient)")  # fmt: skip
     if footprint.rollouts:
         _rollout_parts(config, spec, add, device_bytes, length)
     return MemoryPlan(job, tuple(parts), device_bytes, device_source)

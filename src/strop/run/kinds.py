@@ -31,10 +31,11 @@ if TYPE_CHECKING:
     from strop.backends.base import Backend, TrainableModel
     from strop.run.preflight import RunFacts
 
-Logits = Literal["token_logprobs", "policy_gradient"]
+Logits = Literal["token_logprobs", "policy_gradient", "chunked"]
 """What one row's logits feed, for ``strop plan``'s activation estimate: the trained
-tokens' log-probabilities (SFT's cross-entropy, DPO's pair sums), or those plus the
-entropy and the clipped ratio of a policy-gradient update (PPO)."""
+tokens' log-probabilities (SFT's cross-entropy, DPO's pair sums), those plus the entropy
+and the clipped ratio of a policy-gradient update (PPO), or nothing whole: a loss that
+forms them a chunk of tokens at a time (a distillation's JSD, ``Footprint.chunk``)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class Footprint:
     frozen_models: tuple[tuple[str, str, str], ...] = ()
     """Frozen models of their own held beside the trained one: ``(name, checkpoint
     directory, quantization)`` (a distillation's teacher)."""
+    chunk: int | None = None
+    """With ``logits="chunked"``: the tokens whose logits (of the student and the teacher)
+    one chunk of the loss holds (``distill.chunk_tokens``)."""
 
 
 @dataclass(frozen=True)
@@ -218,9 +222,16 @@ register(
 
 def _distill_footprint(config: Config, roles: RolePlan | None) -> Footprint:
     """PPO's, and the teacher: a frozen model of its own (quantized or not)."""
-    teacher = config.distill.teacher
-    frozen = () if teacher is None else (("teacher", teacher, config.distill.teacher_quantization),)
-    return dataclasses.replace(_ppo_footprint(config, roles), frozen_models=frozen)
+    distill = config.distill
+    frozen = (
+        ()
+        if distill.teacher is None
+        else (("teacher", distill.teacher, distill.teacher_quantization),)
+    )
+    footprint = dataclasses.replace(_ppo_footprint(config, roles), frozen_models=frozen)
+    if distill.loss == "jsd":  # the JSD's update forms both models' logits a chunk at a time
+        footprint = dataclasses.replace(footprint, logits="chunked", chunk=distill.chunk_tokens)
+    return footprint
 
 
 register(
