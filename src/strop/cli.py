@@ -3,6 +3,9 @@
 Commands import heavy modules (jax, torch) inside their bodies so that ``strop --help``
 and config errors stay fast. A :class:`~strop.errors.StropError` escaping a command is
 printed as one ``error: ...`` line on stderr and exits with its ``exit_code``.
+
+Over 400 lines: one short function per command (what each does lives in ``commands/`` and
+the run kinds' loops), read best as the one list of what ``strop`` offers.
 """
 
 from __future__ import annotations
@@ -251,7 +254,8 @@ def demo(overrides: Overrides = None) -> None:
 
     With env.name=calculator: LoRA-GRPO on the shipped tiny calculator agent's episodes.
 
-    strop demo dpo ...: LoRA-DPO on pairs from the tiny math model's own samples."""
+    strop demo dpo ...: LoRA-DPO on pairs from the tiny math model's own samples.
+    strop demo distill ...: on-policy distillation from a PPO-trained teacher."""
     words = [o for o in overrides or () if o in DEMOS]  # `strop demo dpo [key=value ...]`
     if words:  # the word anywhere
         DEMOS[words[0]]([o for o in overrides or () if o not in DEMOS])
@@ -271,7 +275,15 @@ def _dpo_demo(overrides: Sequence[str]) -> None:
         Console().print(summaries.dpo_demo_summary(result))
 
 
-DEMOS: dict[str, Callable[[Sequence[str]], None]] = {"dpo": _dpo_demo}
+def _distill_demo(overrides: Sequence[str]) -> None:
+    from strop.commands.demo import DISTILL_RECIPE, run_demo
+
+    result = run_demo(overrides, recipe=DISTILL_RECIPE)
+    if result.ppo.is_main:
+        Console().print(summaries.demo_summary(result))
+
+
+DEMOS: dict[str, Callable[[Sequence[str]], None]] = {"dpo": _dpo_demo, "distill": _distill_demo}
 """The demos beside PPO's, by the word after ``strop demo``."""
 
 

@@ -66,3 +66,18 @@ def test_the_agent_demo_from_the_cli_runs_the_calculator_recipe(tmp_path, capsys
     assert (run_dir / "plot.png").read_bytes().startswith(PNG_SIGNATURE)
     out = capsys.readouterr().out
     assert "strop demo" in out and "validation accuracy" in out and "torch" in out
+
+
+def test_the_distill_demo_from_the_cli_distills_the_shipped_teacher(tmp_path, capsys, monkeypatch):
+    """`strop demo distill`, one iteration on torch: the shipped tiny-math student, the
+    teacher with the shipped adapter, the demo's problems; the summary says the teacher's
+    accuracy and how near the student came."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "distill", "backend=torch", "ppo.steps=1", "ppo.validation_size=16",
+              "ppo.validate_every=1"])  # fmt: skip
+    assert exit_info.value.code == 0
+    records = read_metrics(tmp_path / "runs" / "demo-distill-torch" / "metrics.jsonl")
+    assert records[-1]["distill/reverse_kl"] > 0  # the teacher's adapter: another policy
+    out = capsys.readouterr().out
+    assert "teacher's accuracy" in out and "within 3 points of it" in out

@@ -15,6 +15,13 @@ episodes in the built-in ``calculator`` environment (:mod:`strop.rl.episodes`) o
 shipped tiny calculator agent (:func:`strop.assets.tiny_calc_path`), on seeded arithmetic
 problems (:mod:`strop.agents.calculator_tasks`) written under ``<run_dir>/data``; its
 default run directories are ``runs/demo-calc-jax`` and ``runs/demo-calc-torch``.
+
+``strop demo distill`` runs on-policy distillation instead (the ``demo-distill`` recipe,
+:func:`strop.distill.loop.run_distill`): the student is the shipped tiny math model, the
+teacher the same model with the shipped adapter strop's PPO trained
+(:func:`strop.assets.tiny_math_teacher_path`), on the same problems as ``strop demo``; its
+summary adds the teacher's accuracy on them and the iteration (and wall time) at which the
+student came within :data:`NEAR_TEACHER` of it.
 """
 
 from __future__ import annotations
@@ -25,13 +32,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from strop.assets import tiny_calc_path, tiny_math_path
+from strop.assets import teacher_accuracy, tiny_calc_path, tiny_math_path, tiny_math_teacher_path
 from strop.backends import get_backend
 from strop.commands.plot import plot_run
 from strop.config import Config, load_config
 from strop.config.env import NONE
 from strop.config.sources import overrides_set, parse_override
 from strop.data.synthetic import split_paths, write_splits
+from strop.distill.loop import run_distill
 from strop.errors import ConfigError
 from strop.metrics.sinks import read_metrics
 from strop.rl.ppo import PpoResult, run_ppo
@@ -44,6 +52,10 @@ CALC_RECIPE = "demo-calc"  # with env.name=calculator
 CALC_ENV = "calculator"
 CALC_N_TRAIN = 4000  # arithmetic problems (strop.agents.calculator_tasks)
 CALC_N_VALIDATION = 128  # the held-out problems the tiny-calc model card measures
+DISTILL_RECIPE = "demo-distill"  # strop demo distill
+NEAR_TEACHER = 0.03  # "within 3 points of the teacher"
+RUNS = {RECIPE: run_ppo, CALC_RECIPE: run_ppo, DISTILL_RECIPE: run_distill}
+"""What each demo recipe runs."""
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +71,15 @@ class DemoResult:
     seconds: float  # wall time of this call's PPO iterations (validation included)
     tokens_per_s: float  # sampled response tokens per second of this call's iterations
     plot_path: Path | None
+    teacher_accuracy: float | None = None  # strop demo distill: the teacher's, measured
+    near_teacher: tuple[int, float] | None = None  # the iteration within NEAR_TEACHER, its s
 
 
-def run_demo(overrides: Sequence[str] = ()) -> DemoResult:
-    """Write the inputs the config leaves empty, run PPO, plot; a rerun resumes."""
-    recipe = demo_recipe(overrides)
-    overrides = demo_overrides(overrides)
+def run_demo(overrides: Sequence[str] = (), *, recipe: str | None = None) -> DemoResult:
+    """Write the inputs the config leaves empty, run PPO (or ``recipe``'s run: the
+    distillation of ``demo-distill``), plot; a rerun resumes."""
+    recipe = recipe or demo_recipe(overrides)
+    overrides = demo_overrides(overrides, recipe)
     config = load_config(recipe, overrides)
     with holding_run_dir(config, get_backend(config.backend)):  # PPO takes it again: one job
         return _demo(config, recipe, overrides)
@@ -92,12 +107,13 @@ def demo_recipe(overrides: Sequence[str]) -> str:
     )
 
 
-def demo_overrides(overrides: Sequence[str]) -> list[str]:
-    """The user's ``overrides`` and what the demo adds for the keys they leave alone: a run
-    directory per backend (:func:`with_backend_run_dir`), and ``ppo.old_logprobs=recompute``
-    on vLLM (logged)."""
-    overrides = with_backend_run_dir(overrides)
-    config = load_config(demo_recipe(overrides), overrides)
+def demo_overrides(overrides: Sequence[str], recipe: str | None = None) -> list[str]:
+    """The user's ``overrides`` of ``recipe`` (default :func:`demo_recipe`'s) and what the
+    demo adds for the keys they leave alone: a run directory per backend
+    (:func:`with_backend_run_dir`), and ``ppo.old_logprobs=recompute`` on vLLM (logged)."""
+    recipe = recipe or demo_recipe(overrides)
+    overrides = with_backend_run_dir(overrides, recipe)
+    config = load_config(recipe, overrides)
     if (
         config.generation.engine == "vllm"
         and config.ppo.old_logprobs == "sampler"
@@ -112,14 +128,14 @@ def demo_overrides(overrides: Sequence[str]) -> list[str]:
     return overrides
 
 
-def with_backend_run_dir(overrides: Sequence[str]) -> list[str]:
+def with_backend_run_dir(overrides: Sequence[str], recipe: str | None = None) -> list[str]:
     """``overrides`` of the demo recipe, plus its run directory ``runs/demo-<backend>``
     (``runs/demo-calc-<backend>`` with ``env.name=calculator``) where they name no
     ``run_dir``: one default run directory per backend, so a torch demo does not resume a
     JAX one (``strop export demo`` finds it the same way)."""
     if overrides_set(overrides, "run_dir"):
         return list(overrides)
-    config = load_config(demo_recipe(overrides), overrides)
+    config = load_config(recipe or demo_recipe(overrides), overrides)
     return [*overrides, f"run_dir={config.run_dir}-{config.backend}"]
 
 
@@ -129,6 +145,10 @@ def _demo(config: Config, recipe: str, overrides: Sequence[str]) -> DemoResult:
     inputs: list[str] = []
     if config.model.path is None:
         inputs.append(f"model.path={tiny_calc_path() if agent else tiny_math_path()}")
+    distill = recipe == DISTILL_RECIPE
+    if distill and config.distill.teacher is None:  # the shipped model and PPO's adapter
+        inputs += [f"distill.teacher={tiny_math_path()}",
+                   f"distill.teacher_adapter={tiny_math_teacher_path()}"]  # fmt: skip
     if config.data.train_path is None:
         out = Path(config.run_dir) / "data"
         backend.write_once(
@@ -139,7 +159,7 @@ def _demo(config: Config, recipe: str, overrides: Sequence[str]) -> DemoResult:
     config = load_config(recipe, [*inputs, *overrides])
 
     began = time.perf_counter()
-    result = run_ppo(config)
+    result = RUNS[recipe](config)
     seconds = time.perf_counter() - began
     plot_path = Path(config.run_dir) / "plot.png"
     backend.write_once(lambda: plot_run(config.run_dir, plot_path), f"writing the plot {plot_path}")
@@ -150,6 +170,7 @@ def _demo(config: Config, recipe: str, overrides: Sequence[str]) -> DemoResult:
     accuracies = [r["validation/accuracy"] for r in records if "validation/accuracy" in r]
     rollouts = config.ppo.rollouts_per_step
     tokens = sum(r["train/response_length"] * rollouts for r in result.history)
+    teacher = teacher_accuracy(config.seed) if distill else None
     return DemoResult(
         ppo=result,
         backend=config.backend,
@@ -158,7 +179,22 @@ def _demo(config: Config, recipe: str, overrides: Sequence[str]) -> DemoResult:
         seconds=seconds,
         tokens_per_s=tokens / seconds if result.history else 0.0,
         plot_path=plot_path,
+        teacher_accuracy=teacher,
+        near_teacher=None if teacher is None else first_near(records, teacher - NEAR_TEACHER),
     )
+
+
+def first_near(records: Sequence[dict], accuracy: float) -> tuple[int, float] | None:
+    """The first validated iteration whose greedy accuracy is at least ``accuracy``, and
+    the time of the iterations up to it (their ``timing/step``: sampling, scoring, the
+    teacher and the updates; the validations not counted);
+    None if none is."""
+    seconds = 0.0
+    for record in records:
+        seconds += record.get("timing/step", 0.0)
+        if record.get("validation/accuracy", -1.0) >= accuracy:
+            return int(record["step"]), seconds
+    return None
 
 
 def _write_problems(out: Path, seed: int, agent: bool) -> None:

@@ -99,6 +99,15 @@ def demo_summary(result: Any) -> Table:
         table.add_row("resumed from iteration", str(ppo.resumed_from))
     time = f"{result.seconds:.0f} s ({result.tokens_per_s:,.0f} sampled tok/s)"
     _demo_outcome(table, result, ppo, time)
+    if result.teacher_accuracy is not None:  # strop demo distill
+        table.add_row("teacher's accuracy", f"{result.teacher_accuracy:.1%} (the same problems)")
+        near = result.near_teacher
+        table.add_row(
+            "within 3 points of it",
+            "not yet"
+            if near is None
+            else f"at iteration {near[0]} ({near[1]:.0f} s of iterations)",
+        )
     table.add_row("tensorboard", str(ppo.run_dir / "tensorboard"))
     return table
 
