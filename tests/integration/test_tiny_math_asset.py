@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import strop
-from strop.assets import tiny_math_path
+from strop.assets import tiny_math_path, tiny_math_teacher_path
 from strop.data import Tokenizer, read_examples
 from strop.data.prompts import prompt_ids
 from strop.data.synthetic import make_problems
@@ -102,3 +102,82 @@ def test_transformers_tokenizer_agrees():
     text = make_problems(1, seed=6)[0]["answer"]
     assert ours.encode(text) == theirs.encode(text, add_special_tokens=False)
     assert ours.eos_token_id == theirs.eos_token_id
+
+
+# The teacher adapter of `strop demo distill` --------------------------------------------
+
+TEACHER_MAX_BYTES = 1024 * 1024
+TEACHER_EXAMPLES = 8  # held-out problems the adapter is checked on: seconds on a CPU
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory):
+    """strop demo's validation problems, the ones the teacher's model card scores."""
+    from strop.commands.demo import N_TRAIN, N_VALIDATION
+    from strop.data.synthetic import split_paths, write_splits
+
+    out = tmp_path_factory.mktemp("teacher") / "data"
+    write_splits(out, 0, N_TRAIN, N_VALIDATION)
+    return split_paths(out)["validation"]
+
+
+def test_teacher_adapter_is_a_small_peft_lora_over_tiny_math():
+    from peft import PeftConfig
+
+    from strop.config import load_config
+
+    path = tiny_math_teacher_path()
+    assert (path / "adapter_model.safetensors").stat().st_size < TEACHER_MAX_BYTES
+    card = (path / "README.md").read_text()
+    assert "scripts/make_teacher_adapter.sh" in card and "strop eval" in card
+    config = PeftConfig.from_pretrained(path)
+    assert config.peft_type == "LORA"
+    assert config.r == load_config("demo").lora.rank  # the demo recipe's LoRA, as trained
+
+
+def test_strop_eval_of_the_teacher_says_what_peft_over_transformers_says(held_out, tmp_path):
+    """`strop eval ... eval.adapter=<teacher>` answers the held-out problems as PEFT's
+    greedy generation over transformers' tiny-math does, and the adapter changes answers."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from strop.commands.evaluation import run_eval
+    from strop.config import load_config
+
+    overrides = [
+        f"model.path={tiny_math_path()}",
+        f"eval.path={held_out}",
+        f"eval.max_examples={TEACHER_EXAMPLES}",
+        "backend=torch",
+    ]
+    teacher = f"eval.adapter={tiny_math_teacher_path()}"
+    run_eval(load_config("demo", [*overrides, teacher, f"run_dir={tmp_path / 'teacher'}"]))
+    run_eval(load_config("demo", [*overrides, f"run_dir={tmp_path / 'base'}"]))
+    ours = [r["responses"][0] for r in read_eval(tmp_path / "teacher")]
+
+    tokenizer = Tokenizer.from_pretrained(tiny_math_path())
+    examples, _ = read_examples(held_out)
+    base = AutoModelForCausalLM.from_pretrained(tiny_math_path(), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, tiny_math_teacher_path()).eval()
+    theirs = []
+    for example in examples[:TEACHER_EXAMPLES]:
+        ids = torch.tensor([prompt_ids(example, tokenizer)])
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=load_config("demo").generation.max_new_tokens,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        theirs.append(tokenizer.decode(out[0, ids.shape[1] :].tolist(), skip_special_tokens=True))
+    assert ours == theirs
+    assert ours != [r["responses"][0] for r in read_eval(tmp_path / "base")]
+
+
+def read_eval(run_dir):
+    return [
+        json.loads(line) for line in (run_dir / "eval" / "results.jsonl").read_text().splitlines()
+    ]
