@@ -18,6 +18,7 @@ fine-tuned by ``scripts/train_tiny_agent.py`` on calculator tool-use demonstrati
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from strop.errors import ModelError
@@ -57,3 +58,11 @@ def _asset(name: str, what: str, files: tuple[str, ...], remake: str) -> Path:
             f"regenerate it with `{remake}`"
         )
     return path
+
+
+def teacher_accuracy(seed: int) -> float | None:
+    """The teacher's (tiny-math + :func:`tiny_math_teacher_path`) greedy accuracy on the
+    held-out problems ``strop demo`` writes for ``seed``, as its model card measured it
+    (``accuracy.json``); None for another seed (other problems: not measured)."""
+    measured = json.loads((tiny_math_teacher_path() / "accuracy.json").read_text())
+    return float(measured["accuracy"]) if measured["seed"] == seed else None
