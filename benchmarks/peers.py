@@ -786,8 +786,9 @@ def run_all(args: argparse.Namespace, work: Path) -> None:
         print("\n".join(peers_dpo.first_step_lines(results)))
     if args.distill:
         print("\nThe divergence each side trained on, first run (strop: distill/jsd, or "
-              "distill/reverse_kl's estimate; TRL: its logged loss)")  # fmt: skip
-        print("\n".join(peers_distill.divergence_lines(results)))
+              "distill/reverse_kl's estimate; TRL: its logged loss), and the mean response "
+              "length, all runs\n(strop's jsd update runs the teacher inside train)")  # fmt: skip
+        print("\n".join(peers_distill.job_lines(results)))
     if args.agent:
         print("\nEpisodes (rewards are in the table above)")
         print("\n".join(peers_agent.episode_lines(results)))

@@ -217,7 +217,8 @@ def strop_child(
 ) -> None:  # fmt: skip
     """Run ``strop distill`` (its code path, ``run_distill``) on the job; print RESULT:
     seconds per iteration, the phases' medians after the first, each iteration's
-    divergence (``distill/jsd``, or ``distill/reverse_kl`` under that loss) and reward."""
+    divergence (``distill/jsd``, or ``distill/reverse_kl`` under that loss), mean response
+    length and reward."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if backend == "torch":
         import torch
@@ -239,6 +240,7 @@ def strop_child(
         "seconds": [r["timing/step"] for r in history],
         "reward": [r["train/reward"] for r in history],
         "divergence": [r[metric] for r in history],
+        "length": [r["train/response_length"] for r in history],
         "phases": {  # jsd has no timing/teacher: its teacher runs inside the update
             phase: statistics.median(r[f"timing/{phase}"] for r in later)
             for phase in PHASES
@@ -248,16 +250,20 @@ def strop_child(
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def divergence_lines(results: dict[str, list[dict]]) -> list[str]:
+def job_lines(results: dict[str, list[dict]]) -> list[str]:
     """Per system, its first good run's divergence at the first and last iteration (the
     loss each side trained on: strop's ``distill/jsd``, TRL's logged loss; the same
-    quantity when the jobs match, 0 while the teacher is the student's base)."""
+    quantity when the jobs match, 0 while the teacher is the student's base), and the
+    mean response length over all its runs' iterations (the work an iteration does)."""
     lines = []
     for system, runs in results.items():
         good = [r for r in runs if "error" not in r and r.get("divergence")]
         if good:
             first = good[0]["divergence"]
+            lengths = [x for r in good for x in r.get("length", [])]
+            mean = f"{statistics.mean(lengths):.1f}" if lengths else "-"
             lines.append(
-                f"  {system}: iteration 1 {first[0]:.5f}, iteration {len(first)} {first[-1]:.5f}"
+                f"  {system}: divergence iteration 1 {first[0]:.5f}, iteration {len(first)} "
+                f"{first[-1]:.5f}; mean response {mean} tokens"
             )
     return lines

@@ -5,7 +5,7 @@
 Prints one ``RESULT {...}`` JSON line: the seconds of each iteration (one generation of
 ``micro_batch x accumulation`` completions, then one optimizer step over them; between the
 ends of consecutive steps, the first from train start), each step's logged loss (the
-divergence), and the generation's median seconds.
+divergence) and mean completion length, and the generation's median seconds.
 
 TRL's settings for the job: the student a PEFT ``LoraConfig`` (rank, alpha, dropout and the
 target regex strop's config gives) over the model, handed to the trainer as
@@ -167,11 +167,14 @@ def main() -> None:
         trainer.add_callback(timer)
         trainer.train()
 
-    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    logs = trainer.state.log_history
+    losses = [r["loss"] for r in logs if "loss" in r]
+    lengths = [r["completions/mean_length"] for r in logs if "completions/mean_length" in r]
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     print_result(
         timer.seconds,
         divergence=losses,
+        length=lengths,
         phases={"generate": statistics.median(generate_seconds[1:] or generate_seconds)},
         generations=len(generate_seconds),
         trainable=trainable,
