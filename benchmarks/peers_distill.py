@@ -205,8 +205,10 @@ def differences(config) -> list[str]:
         )
     else:
         out.append(
-            "the teacher is the student's base itself: with B = 0 the divergence and its "
-            "gradient are 0 at every step on both sides (the work per iteration is the same)"
+            "the teacher is the student's base itself: with B = 0 the divergence starts at 0 "
+            "on both sides and its gradient is 0 up to rounding (AdamW scales strop's "
+            "rounding-level gradients up to small steps: its divergence drifts to about "
+            "1e-4); the work per iteration is the same"
         )
     return out
 
