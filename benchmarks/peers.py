@@ -55,6 +55,17 @@ loss (log 2 when the jobs match)::
 
     .venv/bin/python benchmarks/peers.py --setup --dpo    # the same venv
     .venv/bin/python benchmarks/peers.py --dpo [--iterations 20] [--rounds 3]
+
+``--distill``: on-policy distillation (``benchmarks/peers_distill.py``): ``strop distill``
+(``distill.loss=jsd distill.beta=1``, torch) against TRL 1.16's ``DistillationTrainer``
+(``beta=1``) on the same student, teacher, prompts, lengths, LoRA and batch (the TRL GRPO
+venv; script ``benchmarks/peers/trl_distill.py``); seconds per iteration (one generation of
+16 prompts x 4, one optimizer step over the 64), and strop's default loss
+(``distill.loss=reverse_kl``) beside them. The teacher is tiny-math with the shipped teacher
+adapter when there is one, else ``--teacher-adapter DIR``'s, else tiny-math itself::
+
+    .venv/bin/python benchmarks/peers.py --setup --distill    # the same venv
+    .venv/bin/python benchmarks/peers.py --distill [--iterations 6] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -76,7 +87,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import peers_agent, peers_dpo  # noqa: E402
+from benchmarks import peers_agent, peers_distill, peers_dpo  # noqa: E402
 from benchmarks.report import cpu_name, print_table  # noqa: E402
 
 PEERS_DIR = REPO / "benchmarks" / "peers"
@@ -88,10 +99,13 @@ REQUIREMENTS = {
     # ml_dtypes: the agent job's TRL script imports strop's calculator (strop.io.hf needs it)
     "trl-grpo": [["torch==2.13.0"], ["trl==1.16.0", "peft==0.21.2", "ml_dtypes==0.6.0"]],
 }
-VENV_OF = {peers_agent.PEER: "trl-grpo", peers_dpo.PEER: peers_dpo.VENV}  # in another's venv
+VENV_OF = {  # peers that run in another's venv
+    peers_agent.PEER: "trl-grpo", peers_dpo.PEER: peers_dpo.VENV,
+    peers_distill.PEER: peers_distill.VENV,
+}  # fmt: skip
 SYSTEMS = (
     "strop-torch", "strop-torch-shared", "trl", "strop-jax", "strop-jax-shared", "tunix",
-    "trl-grpo", peers_agent.PEER, peers_dpo.PEER,
+    "trl-grpo", peers_agent.PEER, peers_dpo.PEER, peers_distill.PEER,
 )  # fmt: skip
 PAIRS = (
     ("strop-torch", "trl"),
@@ -101,6 +115,7 @@ PAIRS = (
     ("strop-torch", "trl-grpo"),
     ("strop-torch", peers_agent.PEER),
     *peers_dpo.PAIRS,
+    *peers_distill.PAIRS,
 )
 # strop-*-shared: the same job with critic.shared_trunk=true (the value head on the
 # actor's adapters, one update per mini-batch for both losses)
@@ -114,10 +129,12 @@ AGENT_SYSTEMS = ("strop-torch", peers_agent.PEER)
 SCRIPTS = {
     "trl": "trl_ppo.py", "tunix": "tunix_ppo.py", "trl-grpo": "trl_grpo.py",
     peers_agent.PEER: peers_agent.SCRIPT, peers_dpo.PEER: peers_dpo.SCRIPT,
+    peers_distill.PEER: peers_distill.SCRIPT,
 }  # fmt: skip
 GRPO = ["ppo.advantage_estimator=grpo"]
 N_TRAIN, N_VALIDATION = 2000, 256  # strop.commands.demo's split sizes
 PHASES = ("generate", "reward", "logprobs", "values", "train")
+PROMPTS = "prompts.jsonl"  # --distill: TRL's prompts, in strop's draw order
 
 
 def demo_config(overrides: list[str] | None = None):
@@ -272,6 +289,7 @@ def differences(config) -> dict[str, list[str]]:
         "trl": trl, "tunix": tunix, "trl-grpo": trl_grpo,
         peers_agent.PEER: peers_agent.differences(config),
         peers_dpo.PEER: peers_dpo.differences(config),
+        peers_distill.PEER: peers_distill.differences(config),
     }  # fmt: skip
 
 
@@ -307,15 +325,23 @@ def strop_child(
     grpo: bool = False,
     agent: bool = False,
     dpo: bool = False,
+    distill: bool = False,
+    teacher_adapter: Path | None = None,
 ) -> None:
     """Run strop's PPO (the `strop ppo` code path) with the demo recipe (``grpo``: with
     GRPO advantages, no critic; ``agent``: GRPO on calculator episodes with tiny-calc;
-    ``dpo``: ``strop dpo`` instead, :func:`peers_dpo.strop_child`; ``backend`` may carry
-    a variant's overrides); print RESULT."""  # fmt: skip
+    ``dpo``: ``strop dpo`` instead, :func:`peers_dpo.strop_child`; ``distill``: ``strop
+    distill``, :func:`peers_distill.strop_child`, with ``teacher_adapter``; ``backend`` may
+    carry a variant's overrides); print RESULT."""  # fmt: skip
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     backend, _, variant = backend.partition(VARIANT)
     if dpo:
         peers_dpo.strop_child(backend, data / "pairs.jsonl", run_dir, iterations, seed, variant)
+        return
+    if distill:
+        peers_distill.strop_child(
+            backend, data, run_dir, iterations, seed, variant, teacher_adapter
+        )
         return
     shared = backend.endswith("-shared")
     backend = backend.removesuffix("-shared")
@@ -367,20 +393,22 @@ def strop_child(
 
 def command_for(
     system: str, data: Path, work: Path, iterations: int, seed: int, job: dict, grpo: bool,
-    agent: bool = False, dpo: bool = False,
+    agent: bool = False, dpo: bool = False, distill: bool = False,
+    teacher_adapter: Path | None = None,
 ) -> list[str]:  # fmt: skip
     if system.startswith("strop-"):
         backend = system.removeprefix("strop-")  # torch or jax, maybe with -shared
+        adapter = ["--teacher-adapter", str(teacher_adapter)] if teacher_adapter else []
         return [sys.executable, __file__, "--child", backend, "--data", str(data),
                 "--run-dir", str(work / f"{system}-{os.urandom(4).hex()}"),
                 "--iterations", str(iterations), "--seed", str(seed),
                 *(["--grpo"] if grpo else []), *(["--agent"] if agent else []),
-                *(["--dpo"] if dpo else [])]  # fmt: skip
+                *(["--dpo"] if dpo else []), *(["--distill", *adapter] if distill else [])]  # fmt: skip
     python = VENVS / VENV_OF.get(system, system) / "bin" / "python"
     script = PEERS_DIR / SCRIPTS[system]
     model = peers_agent.tiny_calc() if agent else tiny_math()
     return [str(python), str(script), "--model", str(model), "--train",
-            str(data / ("pairs.jsonl" if dpo else "train.jsonl")),
+            str(data / ("pairs.jsonl" if dpo else PROMPTS if distill else "train.jsonl")),
             "--iterations", str(iterations), "--seed", str(seed),
             "--job", json.dumps(job),
             *(["--strop-src", str(REPO / "src")] if agent else [])]  # fmt: skip
@@ -483,7 +511,10 @@ def system_name(text: str) -> str:
 
 
 def summarize(
-    results: dict[str, list[dict]], config, unit: str = "iteration (64 rollouts)"
+    results: dict[str, list[dict]],
+    config,
+    unit: str = "iteration (64 rollouts)",
+    phase_names: tuple[str, ...] = PHASES,
 ) -> None:
     stats: dict[str, dict] = {}
     rows = []
@@ -527,7 +558,7 @@ def summarize(
     for system in stats:
         runs = [r for r in results[system] if "phases" in r]
         if runs:
-            cells = [[r["phases"].get(p) for r in runs] for p in PHASES]
+            cells = [[r["phases"].get(p) for r in runs] for p in phase_names]
             phases.append(
                 [system] + [f"{statistics.median(c):.2f}" if None not in c else "-" for c in cells]
             )
@@ -537,7 +568,7 @@ def summarize(
             "system's calls\n(TRL: generation only; Tunix: JAX dispatches asynchronously, so a "
             "phase can absorb time\nstill in flight from the one before)\n"
         )
-        print_table(["system", *PHASES], phases)
+        print_table(["system", *phase_names], phases)
 
     print("\nRatios strop/peer (below 1: strop is faster; a variant's base against it)")
     pairs = [
@@ -587,7 +618,8 @@ def main() -> None:
     parser.add_argument("--setup", action="store_true", help="build the peers' virtualenvs")
     parser.add_argument(
         "--iterations", type=int,
-        help=f"PPO iterations per run (default 8); --dpo: optimizer steps ({peers_dpo.STEPS})",
+        help=f"PPO iterations per run (default 8); --dpo: optimizer steps ({peers_dpo.STEPS}); "
+        f"--distill: iterations ({peers_distill.ITERATIONS})",
     )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=2, help="runs of each system, interleaved")
     parser.add_argument(
@@ -607,6 +639,17 @@ def main() -> None:
         help="DPO: strop dpo (dpo-lora-tiny, both backends) vs TRL's DPOTrainer (the --grpo venv)",
     )
     parser.add_argument(
+        "--distill",
+        action="store_true",
+        help="on-policy distillation: strop distill (jsd, beta 1; and reverse_kl) vs TRL's "
+        "DistillationTrainer (the --grpo venv)",
+    )
+    parser.add_argument(
+        "--teacher-adapter", type=Path,
+        help="--distill: a PEFT adapter over tiny-math for the teacher (default: the shipped "
+        "teacher adapter if this install has one, else none: the teacher is tiny-math)",
+    )  # fmt: skip
+    parser.add_argument(
         "--systems", nargs="+", type=system_name,
         help=f"of {', '.join(SYSTEMS)}; a strop one may end in +key=value,... "
         "(the same job with those overrides); default: the mode's",
@@ -618,23 +661,29 @@ def main() -> None:
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.iterations is None:
-        args.iterations = peers_dpo.STEPS if args.dpo else 8
+        args.iterations = (
+            peers_dpo.STEPS if args.dpo else peers_distill.ITERATIONS if args.distill else 8
+        )
     if args.setup:
-        grpo = args.grpo or args.agent or args.dpo
-        mode = "--dpo" if args.dpo else "--agent" if args.agent else "--grpo" if grpo else ""
+        grpo = args.grpo or args.agent or args.dpo or args.distill
+        flags = {"--dpo": args.dpo, "--agent": args.agent, "--distill": args.distill}
+        mode = next((f for f, on in flags.items() if on), "--grpo" if grpo else "")
         setup(["trl-grpo"] if grpo else [p for p in REQUIREMENTS if p != "trl-grpo"], mode)
         return
     if args.child:
         strop_child(
             args.child, Path(args.data), Path(args.run_dir), args.iterations, args.seed,
-            args.grpo, args.agent, args.dpo,
+            args.grpo, args.agent, args.dpo, args.distill, args.teacher_adapter,
         )  # fmt: skip
         return
-    if args.grpo + args.agent + args.dpo > 1:
-        parser.error("--grpo, --agent and --dpo are three jobs: pick one")
+    if args.grpo + args.agent + args.dpo + args.distill > 1:
+        parser.error("--grpo, --agent, --dpo and --distill are four jobs: pick one")
+    if args.distill and args.teacher_adapter is None:
+        args.teacher_adapter = peers_distill.shipped_teacher_adapter()
     mode = (
         AGENT_SYSTEMS if args.agent else GRPO_SYSTEMS if args.grpo
-        else peers_dpo.SYSTEMS if args.dpo else PPO_SYSTEMS
+        else peers_dpo.SYSTEMS if args.dpo else peers_distill.SYSTEMS if args.distill
+        else PPO_SYSTEMS
     )  # fmt: skip
     args.systems = args.systems or list(mode)
     if args.iterations < 2:
@@ -652,6 +701,11 @@ def run_all(args: argparse.Namespace, work: Path) -> None:
         pairs = peers_dpo.write_pairs(data / "pairs.jsonl", args.seed)
         config = peers_dpo.dpo_config(pairs, [f"seed={args.seed}"])
         job = peers_dpo.job_settings(config)
+    elif args.distill:
+        write_splits(data, args.seed, N_TRAIN, N_VALIDATION)
+        config = peers_distill.distill_config(data, args.teacher_adapter, [f"seed={args.seed}"])
+        job = peers_distill.job_settings(config)
+        peers_distill.write_prompts(config, data / PROMPTS, args.iterations)
     elif args.agent:
         opening = peers_agent.write_data(data, args.seed, N_TRAIN, N_VALIDATION)
         config = demo_config([f"seed={args.seed}", *peers_agent.OVERRIDES])
@@ -665,6 +719,9 @@ def run_all(args: argparse.Namespace, work: Path) -> None:
     print(
         "DPO step: strop dpo vs TRL's DPOTrainer, on the same pairs, model, LoRA and batches"
         if args.dpo
+        else "On-policy distillation iteration: strop distill vs TRL's DistillationTrainer, "
+        "on the same job"
+        if args.distill
         else "Multi-turn GRPO iteration: strop vs TRL's GRPOTrainer (tools=), on calculator episodes"
         if args.agent
         else "GRPO iteration: strop vs TRL's GRPOTrainer, on strop demo's job with GRPO advantages"
@@ -676,8 +733,11 @@ def run_all(args: argparse.Namespace, work: Path) -> None:
           f"{platform.system()} {platform.release()}")  # fmt: skip
     print(f"command:   .venv/bin/python {command}")
     print(f"strop:     {strop_revision()}")
-    print(f"versions:  {versions(args.grpo or args.agent or args.dpo)}")
-    print(f"job:       {peers_dpo.describe(config) if args.dpo else describe(config)}")
+    print(f"versions:  {versions(args.grpo or args.agent or args.dpo or args.distill)}")
+    describe_job = (
+        peers_dpo.describe if args.dpo else peers_distill.describe if args.distill else describe
+    )
+    print(f"job:       {describe_job(config)}")
     if args.dpo:
         print(
             f"pairs:     {peers_dpo.N_PAIRS} written by benchmarks/peers_dpo.py (seed {args.seed})"
@@ -695,7 +755,7 @@ def run_all(args: argparse.Namespace, work: Path) -> None:
         for system in args.systems:
             cmd = command_for(
                 system, data, work, args.iterations, args.seed, job, args.grpo, args.agent,
-                args.dpo,
+                args.dpo, args.distill, args.teacher_adapter,
             )  # fmt: skip
             log = logs / f"{system}-round{round_ + 1}.log"
             result = run_system(cmd, log, args.timeout)
@@ -712,7 +772,7 @@ def run_all(args: argparse.Namespace, work: Path) -> None:
     unit = (
         f"optimizer step ({config.dpo.batch_size} pairs)" if args.dpo else "iteration (64 rollouts)"
     )
-    summarize(results, config, unit)
+    summarize(results, config, unit, peers_distill.PHASES if args.distill else PHASES)
     if args.dpo:
         print(
             "\nCPU seconds per step after the first, medians (the process's, all threads), "
@@ -724,6 +784,11 @@ def run_all(args: argparse.Namespace, work: Path) -> None:
             "jobs match)"
         )
         print("\n".join(peers_dpo.first_step_lines(results)))
+    if args.distill:
+        print("\nThe divergence each side trained on, first run (strop: distill/jsd, or "
+              "distill/reverse_kl's estimate; TRL: its logged loss), and the mean response "
+              "length, all runs\n(strop's jsd update runs the teacher inside train)")  # fmt: skip
+        print("\n".join(peers_distill.job_lines(results)))
     if args.agent:
         print("\nEpisodes (rewards are in the table above)")
         print("\n".join(peers_agent.episode_lines(results)))
