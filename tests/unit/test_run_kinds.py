@@ -29,14 +29,18 @@ def _names(node: ast.AST) -> list[str]:
 
 def kind_branches(tree: ast.AST) -> list[int]:
     """Lines that branch on a kind's name: ``x == "ppo"``, ``x in ("sft", "dpo")``, and a
-    dict keyed by two kinds' names or more (``{"ppo": ..., "dpo": ...}.get(job)``)."""
+    dict keyed by two kinds' names or more looked up on the spot
+    (``{"ppo": ..., "dpo": ...}.get(job)``, ``{...}[job]``; a registry of things named like
+    kinds, such as the CLI's demos, is not a branch)."""
     lines = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
             if any(_names(operand) for operand in (node.left, *node.comparators)):
                 lines.append(node.lineno)
-        elif isinstance(node, ast.Dict) and sum(bool(_names(k)) for k in node.keys if k) >= 2:
-            lines.append(node.lineno)
+        elif isinstance(node, ast.Subscript | ast.Attribute):
+            table = node.value
+            if isinstance(table, ast.Dict) and sum(bool(_names(k)) for k in table.keys if k) >= 2:
+                lines.append(table.lineno)
     return lines
 
 
@@ -65,11 +69,12 @@ def test_the_checkers_see_what_they_count() -> None:
 if job == "ppo": pass
 if kind in ("sft", "dpo"): pass
 steps = {"ppo": 1, "dpo": 2}.get(job)
+DEMOS = {"dpo": 1, "distill": 2}
 if name == "other": pass
 plan = RolePlan.from_config(config)
 """
     assert kind_branches(ast.parse(source)) == [2, 3, 4]
-    assert role_plan_derivations(ast.parse(source)) == [6]
+    assert role_plan_derivations(ast.parse(source)) == [7]
 
 
 def test_no_module_branches_on_a_kind_of_runs_name() -> None:

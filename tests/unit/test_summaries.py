@@ -34,10 +34,17 @@ def test_the_training_tables_name_the_run_the_steps_and_the_export():
 def test_the_demo_tables_give_the_accuracy_before_and_after():
     ppo = run(history=[])
     demo = SimpleNamespace(ppo=ppo, backend="jax", accuracy_before=0.523, accuracy_after=0.805,
-                           seconds=55.0, tokens_per_s=1234.0, plot_path=Path("runs/x/plot.png"))  # fmt: skip
+                           seconds=55.0, tokens_per_s=1234.0, plot_path=Path("runs/x/plot.png"),
+                           teacher_accuracy=None, near_teacher=None)  # fmt: skip
     text = rendered(summaries.demo_summary(demo))
     assert "52.3% -> 80.5% (+28.2 points)" in text and "1,234 sampled tok/s" in text
     assert "resumed from iteration" in text and "runs/x/metrics.jsonl" in text
+    assert "teacher" not in text
+    distilled = SimpleNamespace(
+        **{**vars(demo), "teacher_accuracy": 0.867, "near_teacher": (40, 32.4)}
+    )
+    text = rendered(summaries.demo_summary(distilled))
+    assert "86.7% (the same problems)" in text and "at iteration 40 (32 s of iterations)" in text
     dpo = SimpleNamespace(dpo=run(), backend="torch", pairs=281, problems=1024,
                           samples_per_problem=4, pairs_path="runs/x/data/pairs.jsonl",
                           accuracy_before=0.523, accuracy_after=0.699, seconds=33.0,
