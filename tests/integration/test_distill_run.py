@@ -85,3 +85,21 @@ def test_a_distillation_logs_the_teachers_view_of_each_sampled_token(distill_inp
         assert record["distill/reverse_kl"] == pytest.approx(gap, abs=1e-5)
         assert record["distill/reverse_kl"] > 1e-3  # another model's weights: they disagree
         assert np.isfinite(record["policy/loss"])
+
+
+def test_a_resume_with_another_teacher_is_another_runs_checkpoint(distill_inputs, tmp_path):
+    """The checkpoints' identity records the teacher's fingerprint: the same student and
+    LoRA with another teacher differ in it (and a resume is refused as another run's)."""
+    from strop.config import load_config
+    from strop.io.run_identity import identity_differences, job_identity
+    from strop.run.teacher import teacher_identity
+
+    root, inputs = distill_inputs
+
+    def identity(teacher: str) -> dict:
+        config = load_config("ppo-lora-tiny", [*inputs, *COMMON, f"distill.teacher={teacher}"])
+        return job_identity(config, "torch", job="distill", extra=teacher_identity(config))
+
+    same, other = identity(str(root / "teacher")), identity(str(root / "stranger"))
+    assert identity_differences(same, identity(str(root / "teacher"))) == []
+    assert any("teacher." in line for line in identity_differences(same, other))
