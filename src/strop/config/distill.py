@@ -59,6 +59,14 @@ class DistillConfig(_Section):
         "once; the loss's memory is a few [chunk_tokens, vocabulary] float32 arrays, "
         "whatever the batch (docs/distill.md).",
     )
+    lmbda: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="jsd: the fraction of iterations whose responses the student samples; "
+        "the others train on the records' own completions (their answer), as GKD's lambda "
+        "(a seeded choice per iteration). 1 = always on-policy.",
+    )
     reward_weight: float = Field(
         0.0,
         ge=0,
@@ -74,5 +82,12 @@ class DistillConfig(_Section):
                 "distill.reward_weight mixes a task reward into the teacher's advantages, "
                 "which distill.loss=jsd has none of: use distill.loss=reverse_kl, or set "
                 "distill.reward_weight=0"
+            )
+        if self.lmbda < 1 and self.loss != "jsd":
+            raise ValueError(
+                f"distill.lmbda={self.lmbda} trains some iterations on the records' "
+                "completions, which only distill.loss=jsd's divergence can (reverse_kl's "
+                "advantages are of the student's own samples): use distill.loss=jsd, or "
+                "distill.lmbda=1"
             )
         return self

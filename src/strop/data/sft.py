@@ -167,3 +167,23 @@ def chat_segments(example: Example, tokenizer: Tokenizer) -> list[Segment]:
         raise DataError(f"{where}: the chat template renders the last turns inconsistently")
     segments.append((whole[len(done) :], 0))
     return [(text, flag) for text, flag in segments if text]
+
+
+def completion_ids(
+    example: Example, tokenizer: Tokenizer, prompt: Sequence[int]
+) -> list[int] | None:
+    """The token ids a record's completion adds after its ``prompt`` ids (what generation
+    continues; :func:`~strop.data.prompts.prompt_ids`), as SFT tokenizes it: its answer,
+    or its chat's last assistant turn, then the end of the turn. None where the record has
+    none, or where SFT's tokenization does not continue ``prompt`` with trained tokens only
+    (a chat whose template renders its prompt otherwise when an answer follows)."""
+    try:
+        tokenized, _ = tokenize_examples([example], tokenizer, max_length=1 << 30)
+    except DataError:  # no completion to train on
+        return None
+    if not tokenized:  # nothing to train on: no completion either
+        return None
+    ids, mask, cut = tokenized[0].input_ids, tokenized[0].loss_mask, len(prompt)
+    if len(ids) <= cut or list(ids[:cut]) != list(prompt) or not mask[cut:].all():
+        return None
+    return [int(token) for token in ids[cut:]]

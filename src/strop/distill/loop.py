@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from strop.config import Config
+from strop.distill.completions import RecordCompletions, use_records
 from strop.objectives.distill import JsdObjective, reverse_kl_advantages, token_reverse_kl
 from strop.rl.ppo import PpoLoop, PpoResult, train_on_rollouts
 from strop.run.kinds import role_plan, run_kind
@@ -66,6 +67,7 @@ class DistillLoop(PpoLoop):
 
     teacher: ActorCritic | None = None
     divergence: JsdObjective | None = field(init=False, default=None)  # if not PPO's loss
+    records: RecordCompletions | None = field(init=False, default=None)  # distill.lmbda < 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,10 +83,29 @@ class DistillLoop(PpoLoop):
             config, total_updates=1, plan=role_plan(config), checkpoints=None
         )
         self.teacher.expect_prompts(self.run.longest)  # the student's widths: one compile each
+        if self.config.distill.lmbda < 1:  # GKD: some iterations on the records' completions
+            source = str(self.config.data.train_path)
+            self.records = RecordCompletions.of(self.run.train, self.run.tokenizer, source)
+
+    def _sample(self, step: int) -> Sample:
+        """The student's samples, or, on the iterations ``distill.lmbda`` leaves to the data
+        (:func:`~strop.distill.completions.use_records`), the records' own completions."""
+        distill = self.config.distill
+        if self.records is None or not use_records(self.config.seed, step, distill.lmbda):
+            return super()._sample(step)
+        engine, self.rollouts = self.rollouts, self.records
+        try:
+            return super()._sample(step)
+        finally:
+            self.rollouts = engine
 
     def iteration(self, step: int) -> dict[str, float]:
         """PPO's iteration; a divergence's update stats under ``distill/``."""
         record = super().iteration(step)
+        on_policy = self.records is None or not use_records(
+            self.config.seed, step, self.config.distill.lmbda
+        )
+        record["distill/on_policy"] = float(on_policy)  # 0: the records' completions
         for stat, metric in _DIVERGENCE_METRICS.items():
             if stat in record:
                 record[metric] = record.pop(stat)

@@ -25,6 +25,7 @@ from strop import rewards
 from strop.config import Config
 from strop.data import Tokenizer, read_data_file
 from strop.data.prompts import gold_answers, prompt_ids, record_columns, within_max_length
+from strop.data.sources import Example
 from strop.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class PromptSet:
     texts: list[str]
     columns: dict[str, list[Any]] = field(default_factory=dict)
     golds_of: dict[str, list[str]] = field(default_factory=dict)
+    examples: list[Example] = field(default_factory=list)  # the records, as read and kept
 
     @classmethod
     def read(
@@ -82,7 +84,7 @@ class PromptSet:
         columns = record_columns(examples)
         texts = [example.prompt or "" for example in examples]
         if reward is None:
-            return cls(ids, [str(a) for a in columns["answer"]], texts, columns)
+            return cls(ids, [str(a) for a in columns["answer"]], texts, columns, examples=examples)
         reward.check_call(columns)
         with_gold = [c.name for c in reward.components if c.reward.gold is not None]
         return cls(
@@ -91,6 +93,7 @@ class PromptSet:
             texts=texts,
             columns=columns,
             golds_of={name: [golds_of[name][id(e)] for e in examples] for name in with_gold},
+            examples=examples,
         )
 
     def __len__(self) -> int:

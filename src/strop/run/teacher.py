@@ -57,6 +57,12 @@ def check_teacher(config: Config) -> None:
             "distill's advantages are the teacher's per token: use a critic-free estimator "
             "(grpo, rloo, reinforce_pp) for distill.reward_weight's task advantages"
         )
+    if config.distill.lmbda < 1 and config.env.enabled:
+        raise ConfigError(
+            f"distill.lmbda={config.distill.lmbda} trains some iterations on the records' "
+            f"completions, and env.name={config.env.name}'s episodes have none: set "
+            "distill.lmbda=1"
+        )
     refuse_another_vocabulary(config.model_path(), teacher)
     adapter = teacher_adapter_dir(config)
     if adapter is not None:
