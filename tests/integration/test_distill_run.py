@@ -67,7 +67,9 @@ def test_a_teacher_that_cannot_score_the_student_is_one_line_before_anything_loa
 
 def test_a_distillation_logs_the_teachers_view_of_each_sampled_token(distill_inputs, tmp_path):
     """Each iteration logs distill/*: the student's and the teacher's mean log-probability
-    of the sampled tokens, and the mean reverse KL, which is their difference."""
+    of the sampled tokens, and the mean reverse KL, which is their difference. A run
+    stopped after iteration 1 and resumed computes iteration 2 as the uninterrupted one
+    did (the teacher rebuilt, not checkpointed; SIGKILL: test_kill_resume.py)."""
     from strop.config import load_config
 
     root, inputs = distill_inputs
@@ -78,6 +80,14 @@ def test_a_distillation_logs_the_teachers_view_of_each_sampled_token(distill_inp
     )  # fmt: skip
     result = run_distill(config)
     assert result.export_path is not None and result.final_step == 2
+    every = config.checkpoint.model_copy(update={"every_steps": 1})
+    stopped = config.model_copy(update={"run_dir": str(tmp_path / "stopped"), "checkpoint": every})
+    run_distill(stopped, stop_after=1)
+    resumed = run_distill(stopped)
+    assert resumed.resumed_from == 1
+    comparable = [{k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/"))}
+                  for r in (result.history[1], resumed.history[0])]  # fmt: skip
+    assert comparable[0] == comparable[1]
     records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0]
     assert [r["step"] for r in records] == [1, 2]
     for record in records:

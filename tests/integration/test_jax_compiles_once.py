@@ -43,7 +43,10 @@ def early_stopping_task(task, tmp_path):  # noqa: F811
     return model
 
 
-@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize(
+    "pack",  # the unpacked run (60 s on 2 cores) in the acceptance tier: packing is the default
+    [pytest.param(False, marks=pytest.mark.acceptance), True],
+)
 def test_no_compile_after_the_first_iteration(
     task,  # noqa: F811
     early_stopping_task,

@@ -230,10 +230,8 @@ def test_ppo_sigkill_then_resume_gives_the_same_metrics(tmp_path, ppo_inputs, ja
     assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [pytest.param("jax", marks=pytest.mark.acceptance), "torch"],  # PPO's covers JAX's skeleton
-)
+@pytest.mark.acceptance  # make test kills PPO's runs (the same skeleton) and stops and
+@pytest.mark.parametrize("backend", ["jax", "torch"])  # resumes a distillation (test_distill_run)
 def test_distill_sigkill_then_resume_gives_the_same_metrics(
     tmp_path, ppo_inputs, jax_cache, backend
 ):

@@ -186,12 +186,17 @@ def _tree_digest(directory) -> dict[str, bytes]:
 
 def test_a_run_directory_of_the_other_backend_is_refused(sft_inputs, tmp_path):
     """Each backend refuses a run directory the other one checkpointed, before anything
-    loads, and leaves the other run's checkpoints as they were."""
-    runs = {}
-    for backend in ("jax", "torch"):
-        run_dir = tmp_path / backend
-        run_sft(config_for(sft_inputs, run_dir, backend=backend, **{"sft.steps": 3}))
-        runs[backend] = (run_dir, _tree_digest(run_dir / "checkpoints"))
+    loads, and leaves the other run's checkpoints as they were. The torch run is trained;
+    the JAX one is its checkpoint's identity where Orbax writes it (what preflight reads:
+    a JAX run's compiles cost 30 s here, and its real layout is held by
+    test_jax_checkpoint.py)."""
+    from strop.io.checkpoint_dir import IDENTITY_FILES
+
+    run_sft(config_for(sft_inputs, tmp_path / "torch", backend="torch", **{"sft.steps": 3}))
+    identity = tmp_path / "jax" / "checkpoints" / "3" / IDENTITY_FILES["jax"]
+    identity.parent.mkdir(parents=True)
+    identity.write_text((tmp_path / "torch" / "checkpoints" / "3" / "identity.json").read_text())
+    runs = {b: (tmp_path / b, _tree_digest(tmp_path / b / "checkpoints")) for b in ("jax", "torch")}
     for wrote, resumes in (("jax", "torch"), ("torch", "jax")):
         run_dir, before = runs[wrote]
         config = config_for(sft_inputs, run_dir, backend=resumes, **{"sft.steps": 6})

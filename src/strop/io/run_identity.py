@@ -40,16 +40,20 @@ def _weights_fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def model_fingerprint(model_dir: str | os.PathLike) -> dict[str, str]:
-    """A model directory's identity: the sha256 of its ``config.json`` (none for an adapter
-    directory) and a fingerprint of its safetensors files."""
+def model_fingerprint(
+    model_dir: str | os.PathLike, *, config: str | None = "config.json", what: str = "base model"
+) -> dict[str, str]:
+    """A model directory's identity: the sha256 of its ``config`` file (None: it has none,
+    an adapter directory) and a fingerprint of its safetensors files; a
+    :class:`CheckpointError` naming ``what`` when they cannot be read."""
     model_dir = Path(model_dir).resolve()
-    config = model_dir / "config.json"
     try:
-        config_sha = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else ""
+        config_sha = (
+            "" if config is None else hashlib.sha256((model_dir / config).read_bytes()).hexdigest()
+        )
         weights_sha = _weights_fingerprint(model_dir)
     except OSError as err:
-        raise CheckpointError(f"cannot identify model {model_dir}: {err}") from None
+        raise CheckpointError(f"cannot identify {what} {model_dir}: {err}") from None
     return {"config_sha256": config_sha, "weights_fingerprint": weights_sha}
 
 
