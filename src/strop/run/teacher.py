@@ -121,15 +121,12 @@ def teacher_identity(config: Config) -> dict[str, Any]:
     teacher = config.distill.teacher
     if teacher is None:
         return {}
-    adapter = teacher_adapter_dir(config)
-    return {
-        "teacher": {
-            **model_fingerprint(teacher),
-            **(
-                {}
-                if adapter is None
-                else {"adapter": model_fingerprint(adapter)["weights_fingerprint"]}
-            ),
-            "quantization": config.distill.teacher_quantization,
-        }
+    identity = {
+        **model_fingerprint(teacher, what="teacher"),
+        "quantization": config.distill.teacher_quantization,
     }
+    adapter = teacher_adapter_dir(config)
+    if adapter is not None:  # an adapter directory has no config.json
+        fingerprint = model_fingerprint(adapter, config=None, what="teacher adapter")
+        identity["adapter"] = fingerprint["weights_fingerprint"]
+    return {"teacher": identity}
