@@ -119,6 +119,7 @@ def test_a_ppo_iteration_on_an_nf4_base_shared_by_actor_critic_and_reference(
     np.testing.assert_array_equal(engine.logprobs(batch, reference=True)[mask], ref[mask])
 
 
+@pytest.mark.acceptance  # 30-50 s of JAX compiles on 2 cores; torch's QLoRA export is in make test
 def test_qlora_exports_a_peft_adapter_for_the_float_base_and_a_dequantized_merge(
     tiny_model_dir, tmp_path, caplog
 ):
