@@ -11,7 +11,6 @@ sampled them, and only a divergence's update (which reads none) trains on them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,7 +18,7 @@ import numpy as np
 from strop.data import Tokenizer
 from strop.data.sft import completion_ids
 from strop.errors import DataError
-from strop.generation import Generation, SamplingParams
+from strop.generation import Decoding, Generation, Sampler, SamplingParams
 from strop.rl.prompts import PromptSet
 
 
@@ -30,8 +29,9 @@ def use_records(seed: int, step: int, lmbda: float) -> bool:
 
 
 @dataclass
-class RecordCompletions:
-    """A rollout engine whose response to a prompt is its record's completion."""
+class RecordCompletions(Sampler):
+    """A rollout engine whose response to a prompt is its record's completion (a
+    :class:`~strop.generation.Sampler`: ``generate`` is the samplers' own)."""
 
     completions: dict[tuple[int, ...], list[int]]
     stale: bool = field(default=False, init=False)
@@ -53,18 +53,12 @@ class RecordCompletions:
             )
         return cls(completions)
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: SamplingParams,
-        *,
-        seed: int,
-        eos_ids: Sequence[int],
-        pad_id: int,
-        tokenizer: Tokenizer | None = None,
+    def sample(
+        self, prompts: list[list[int]], params: SamplingParams, decoding: Decoding
     ) -> Generation:
         """Each prompt's record completion, cut at ``params.max_new_tokens`` (a prompt whose
         record has none gets an empty response: left out of the losses)."""
+        eos_ids, pad_id = decoding.eos_ids, decoding.pad_id
         rows = [self.completions.get(tuple(p), [])[: params.max_new_tokens] for p in prompts]
         width = max(max(len(row) for row in rows), 1)
         tokens = np.full((len(rows), width), pad_id, np.int32)

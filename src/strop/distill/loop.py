@@ -68,6 +68,7 @@ class DistillLoop(PpoLoop):
     teacher: ActorCritic | None = None
     divergence: JsdObjective | None = field(init=False, default=None)  # if not PPO's loss
     records: RecordCompletions | None = field(init=False, default=None)  # distill.lmbda < 1
+    on_policy: bool = field(init=False, default=True)  # this iteration's: the student sampled
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -91,8 +92,12 @@ class DistillLoop(PpoLoop):
         """The student's samples, or, on the iterations ``distill.lmbda`` leaves to the data
         (:func:`~strop.distill.completions.use_records`), the records' own completions."""
         distill = self.config.distill
-        if self.records is None or not use_records(self.config.seed, step, distill.lmbda):
+        self.on_policy = self.records is None or not use_records(
+            self.config.seed, step, distill.lmbda
+        )
+        if self.on_policy:
             return super()._sample(step)
+        assert self.records is not None
         engine, self.rollouts = self.rollouts, self.records
         try:
             return super()._sample(step)
@@ -102,10 +107,7 @@ class DistillLoop(PpoLoop):
     def iteration(self, step: int) -> dict[str, float]:
         """PPO's iteration; a divergence's update stats under ``distill/``."""
         record = super().iteration(step)
-        on_policy = self.records is None or not use_records(
-            self.config.seed, step, self.config.distill.lmbda
-        )
-        record["distill/on_policy"] = float(on_policy)  # 0: the records' completions
+        record["distill/on_policy"] = float(self.on_policy)  # 0: the records' completions
         for stat, metric in _DIVERGENCE_METRICS.items():
             if stat in record:
                 record[metric] = record.pop(stat)
